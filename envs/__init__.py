@@ -1,0 +1,30 @@
+"""Environments. ``ENVIRONMENTS`` maps a config ``env.name`` to a loader returning an EnvSuite class.
+
+Loaders import lazily so that a config naming one environment does not import the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import msgspec
+
+# env.name -> "module:Class" of an EnvSuite (see envs/base.py)
+ENVIRONMENTS: dict[str, str] = {
+    "arithmetic": "envs.arithmetic:ArithmeticSuite",
+}
+
+
+def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
+    """Build the EnvSuite for ``env.name``; bad params raise ValueError naming ``env.params.<key>``."""
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"env.name: unknown environment {name!r}; expected one of {sorted(ENVIRONMENTS)}")
+    module, cls_name = ENVIRONMENTS[name].split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    try:
+        p = msgspec.convert(params, cls.Params, strict=True)
+    except msgspec.ValidationError as e:
+        msg = str(e).replace(" - at `$", " - at `env.params")
+        raise ValueError(f"env.params ({name}): {msg}") from None
+    return cls(p, seed=seed, eval_size=eval_size)

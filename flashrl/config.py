@@ -1,0 +1,247 @@
+"""config.toml as typed msgspec structs, and the one ``load()`` that reads it.
+
+Every field has a type, a default, a bound where one applies and a one-line description
+(``Meta(description=...)``). ``load()`` turns every problem (missing file, invalid TOML, unknown key,
+wrong type, out-of-range value, inconsistent values) into one ``ConfigError`` whose message names the
+key path and what is expected; the CLI prints it and exits with code 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key path (or TOML line) and the fix."""
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(Section):
+    name: Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="run name; output goes to <output_dir>/<name>/")] = "tiny"
+    output_dir: Annotated[str, Meta(description="parent folder of run directories")] = "runs"
+    seed: Annotated[int, Meta(ge=0, description="seed for data order, sampling and init")] = 0
+    steps: Annotated[int, Meta(ge=1, description="training steps (weight updates) to run")] = 60
+    max_time_s: Annotated[float, Meta(ge=0, description="stop after this many seconds of training (0 = no limit)")] = 0.0
+    eval_every: Annotated[int, Meta(ge=0, description="evaluate on the held-out split every N steps (0 = only at start and end)")] = 10
+    dashboard: Annotated[Literal["auto", "rich", "plain", "off"], Meta(description="auto: rich live view on a terminal, plain lines otherwise")] = "auto"
+    checkpoint_every: Annotated[int, Meta(ge=0, description="save a checkpoint every N steps (0 = never)")] = 0
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level of every process")] = "INFO"
+
+
+class ModelConfig(Section):
+    path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" (built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
+    cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="weights dtype for engines and trainer")] = "float32"
+    max_model_len: Annotated[int, Meta(ge=16, le=1 << 20, description="prompt + response tokens per sequence")] = 128
+
+
+class EnvConfig(Section):
+    name: Annotated[str, Meta(min_length=1, description="environment from envs/ (arithmetic, countdown, guess, code, ...)")] = "arithmetic"
+    params: Annotated[dict[str, Any], Meta(description="environment-specific options, checked by the environment's own struct")] = {}
+    eval_size: Annotated[int, Meta(ge=1, description="held-out tasks per evaluation")] = 200
+
+
+class RolloutConfig(Section):
+    group_size: Annotated[int, Meta(ge=1, le=4096, description="samples per prompt (GRPO group)")] = 8
+    batch_prompts: Annotated[int, Meta(ge=1, description="prompts (groups) per training batch")] = 8
+    max_new_tokens: Annotated[int, Meta(ge=1, description="tokens generated per turn")] = 8
+    temperature: Annotated[float, Meta(ge=0, description="sampling temperature for training rollouts")] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling for training rollouts")] = 1.0
+    eval_temperature: Annotated[float, Meta(ge=0, description="sampling temperature for held-out evaluation (0 = greedy)")] = 0.0
+    redundancy: Annotated[int, Meta(ge=0, description="extra rollouts per group; the first group_size to finish are kept")] = 0
+    max_turns: Annotated[int, Meta(ge=1, description="environment turns per trajectory (1 = single-turn RLVR)")] = 1
+    turn_timeout_s: Annotated[float, Meta(gt=0, description="deadline for one environment step")] = 60.0
+    trajectory_timeout_s: Annotated[float, Meta(gt=0, description="deadline for one whole trajectory")] = 600.0
+    max_retries: Annotated[int, Meta(ge=0, description="retries of a rollout after an infrastructure failure")] = 2
+    env_async: Annotated[bool, Meta(description="environment-level async: engines serve others while an env steps")] = True
+
+
+class SchedulerConfig(Section):
+    async_ratio: Annotated[int, Meta(ge=0, le=64, description="max policy versions a trained sample may lag (0 = synchronous)")] = 2
+    queue_scheduling: Annotated[bool, Meta(description="refill engine slots as samples finish (off = batch barrier)")] = True
+    replication: Annotated[bool, Meta(description="spread a prompt's samples over engines (off = one engine per prompt)")] = True
+
+
+class EngineConfig(Section):
+    count: Annotated[int, Meta(ge=1, le=1024, description="inference engine processes")] = 2
+    device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description="auto: cuda when a GPU is visible, else cpu")] = "auto"
+    kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE)")] = 0.5
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory per engine (cuda)")] = 0.5
+    max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 128
+    threads: Annotated[int, Meta(ge=1, description="CPU threads per engine (cpu)")] = 1
+    startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for an engine to come up")] = 600.0
+    heartbeat_s: Annotated[float, Meta(ge=0, description="heartbeat interval (0 = off)")] = 5.0
+
+
+class TrainerConfig(Section):
+    ranks: Annotated[int, Meta(ge=1, le=4096, description="trainer processes (FSDP2 ranks)")] = 1
+    backend: Annotated[Literal["auto", "gloo", "nccl"], Meta(description="torch.distributed backend (auto: nccl on GPU, gloo on CPU)")] = "auto"
+    lr: Annotated[float, Meta(gt=0, le=1, description="AdamW learning rate")] = 1e-4
+    weight_decay: Annotated[float, Meta(ge=0, description="AdamW weight decay")] = 0.0
+    grad_clip: Annotated[float, Meta(ge=0, description="max gradient norm (0 = off)")] = 1.0
+    micro_batch: Annotated[int, Meta(ge=1, description="samples per forward/backward on one rank")] = 64
+    threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
+
+
+class AlgorithmConfig(Section):
+    loss: Annotated[Literal["ppo", "grpo", "decoupled_ppo", "tis", "topr", "cispo", "gspo", "asyppo"], Meta(description="policy loss (ALGORITHMS.md)")] = "ppo"
+    scale_std: Annotated[bool, Meta(description="GRPO: divide by the group std (false = Dr. GRPO)")] = True
+    filter_ties: Annotated[bool, Meta(description="drop groups whose rewards all tie (DAPO dynamic sampling)")] = False
+    loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"], Meta(description="loss aggregation")] = "token-mean"
+    eps_low: Annotated[float, Meta(ge=0, le=1, description="PPO clip below 1")] = 0.2
+    eps_high: Annotated[float, Meta(ge=0, description="PPO clip above 1")] = 0.2
+    dual_clip: Annotated[float, Meta(ge=0, description="dual-clip constant c for A < 0 (0 = off; paper value 3)")] = 0.0
+    w_max: Annotated[float, Meta(gt=0, description="decoupled PPO: cap on the behaviour importance weight")] = 5.0
+    tis_cap: Annotated[float, Meta(gt=0, description="TIS: truncation C of the importance ratio")] = 2.0
+    cispo_eps_low: Annotated[float, Meta(ge=0, description="CISPO: lower clip of the IS weight (1 = none)")] = 1.0
+    cispo_eps_high: Annotated[float, Meta(ge=0, description="CISPO: upper clip of the IS weight")] = 0.2
+    gspo_eps_low: Annotated[float, Meta(ge=0, description="GSPO: sequence-ratio clip below 1")] = 3e-4
+    gspo_eps_high: Annotated[float, Meta(ge=0, description="GSPO: sequence-ratio clip above 1")] = 4e-4
+    entropy_coef: Annotated[float, Meta(ge=0, description="entropy bonus beta")] = 0.0
+    kl_coef: Annotated[float, Meta(ge=0, description="k3 KL to the initial (reference) policy")] = 0.0
+    credit: Annotated[Literal["none", "waad", "fai", "rhythm"], Meta(description="attention-rhythm credit assignment")] = "none"
+
+
+class WeightSyncConfig(Section):
+    bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
+    timeout_s: Annotated[float, Meta(gt=0, description="deadline for one weight sync")] = 300.0
+
+
+class Config(Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+# --------------------------------------------------------------------------- loading
+_PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[[^\]]*\])*)`")
+
+
+def _key_path(msg: str) -> tuple[str, str]:
+    """Split a msgspec error into (dotted key path, what is wrong)."""
+    m = _PATH_RE.search(msg)
+    path = m.group(1).lstrip(".") if m else ""
+    what = _PATH_RE.sub("", msg)
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        parent = path or "the top level"
+        return key, f"unknown key (not a field of [{parent}]; check the spelling against `flashrl validate --help`)"
+    return path, what
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set rollout.group_size=4")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+        raise ConfigError(f"--set {item!r}: {key!r} is not a dotted key path")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string: --set run.name=exp1
+    return key.split("."), value
+
+
+def from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    """Validate a plain dict (parsed TOML) into a Config, or raise ConfigError naming the key."""
+    try:
+        cfg = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as e:
+        key, what = _key_path(str(e))
+        raise ConfigError(f"{source}: {key or '(top level)'}: {what}") from None
+    _check(cfg, source)
+    return cfg
+
+
+def _check(cfg: Config, source: str) -> None:
+    """Cross-field rules msgspec bounds cannot express."""
+    if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
+        raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
+    if cfg.env.name not in _known_envs():
+        raise ConfigError(f"{source}: env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(_known_envs())}")
+
+
+def _known_envs() -> set[str]:
+    from envs import ENVIRONMENTS
+
+    return set(ENVIRONMENTS)
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read ``path`` (TOML; None = all defaults), apply ``key.path=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config file not found (give the path to a .toml file, e.g. configs/tiny.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    for item in overrides:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {k!r} is a value, not a table")
+            node = nxt
+        node[keys[-1]] = value
+    return from_dict(data, source)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to runs/<name>/config.toml)."""
+    lines: list[str] = []
+    for section, value in msgspec.structs.asdict(cfg).items():
+        lines.append(f"[{section}]")
+        sub = msgspec.to_builtins(value)
+        nested = {}
+        for k, v in sub.items():
+            if isinstance(v, dict):
+                nested[k] = v
+            else:
+                lines.append(f"{k} = {_toml_value(v)}")
+        for k, v in nested.items():
+            lines.append(f"[{section}.{k}]")
+            for kk, vv in v.items():
+                lines.append(f"{kk} = {_toml_value(vv)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return msgspec.json.encode(v).decode()
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")

@@ -1,0 +1,59 @@
+"""What the controller depends on: ``EngineClient`` and ``TrainerClient`` (and envs.base.Env).
+
+The real implementations talk ZeroMQ to processes (engine/client.py, trainer/client.py); the
+simulated ones (sim/) run on a virtual clock. The scheduling code is the same for both, so what the
+bench measures is what runs. Inside the controller, time comes from the event loop
+(``asyncio.get_running_loop().time()``), never ``time.time()``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from flashrl.protocol import Generate, Generated, LoadReport, TrainBatch, TrainResult, WeightManifest, WeightsUpdated
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """One inference engine as the controller sees it."""
+
+    name: str
+
+    @property
+    def inflight(self) -> int:
+        """Requests sent and not yet answered (the controller's own count; used for routing)."""
+        ...
+
+    async def generate(self, req: Generate) -> Generated:
+        """Generate one sample. An aborted request returns finish_reason "abort" with the tokens so far.
+
+        Raises transport.PeerDead when the engine process is gone.
+        """
+        ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def update_weights(self, manifest: WeightManifest) -> WeightsUpdated:
+        """Pause (keep in-flight requests), receive the broadcast, verify checksums, load, resume."""
+        ...
+
+    async def load(self) -> LoadReport: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TrainerClient(Protocol):
+    """The trainer group (R ranks) as the controller sees it: rank 0 answers for all."""
+
+    async def train_step(self, batch: TrainBatch) -> TrainResult: ...
+
+    async def prepare_weights(self, version: int) -> WeightManifest:
+        """Gather the full weights for ``version``; return the manifest (buckets, checksums)."""
+        ...
+
+    async def send_weights(self, version: int) -> None:
+        """Broadcast the prepared weights; engines receive concurrently (their update_weights)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,255 @@
+"""Every message that crosses a process boundary.
+
+    controller --EngineRequest-->  engine process   --EngineReply-->  controller
+    controller --TrainerRequest--> trainer rank 0   --TrainerReply--> controller
+
+Messages are msgspec structs in tagged unions (the tag is the class name), encoded with msgpack.
+Nothing crosses a process boundary as pickle. Each request carries ``rid``, a per-channel request id
+the reply echoes, so one socket can multiplex many concurrent requests (see transport.py).
+
+A frame that does not decode into the expected union is a ``ProtocolError``: the receiver logs it,
+answers nothing, and treats the sender as untrusted (transport.py closes the peer).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Base of every wire message. ``rid`` pairs a reply with its request."""
+
+    rid: int = 0
+
+
+# --------------------------------------------------------------------------- engine requests
+class Generate(Msg):
+    """Generate one sample. Token ids in; the controller tokenized once and never re-tokenizes."""
+
+    request_id: str = ""
+    prompt_ids: list[int] = []
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class Abort(Msg):
+    """Abort in-flight requests; each aborted request answers with finish_reason "abort"."""
+
+    request_ids: list[str] = []
+
+
+class Pause(Msg):
+    """Pause generation. mode: "keep" (in-flight requests resume later), "abort", or "wait"."""
+
+    mode: Literal["keep", "abort", "wait"] = "keep"
+
+
+class Resume(Msg):
+    pass
+
+
+class InitWeightSync(Msg):
+    """Join the weight-sync group: trainer rank 0 is group rank 0, engine i is rank 1 + i."""
+
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    rank: int = 1
+    world_size: int = 2
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = 120.0
+
+
+class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class Bucket(msgspec.Struct, forbid_unknown_fields=True):
+    """Tensors sent in one flat broadcast; checksum is of the flat float64-summed bytes (weights.py)."""
+
+    tensors: list[TensorSpec]
+    numel: int
+    dtype: str
+    checksum: str
+
+
+class WeightManifest(Msg):
+    """What the trainer is about to broadcast for ``version``, bucket by bucket."""
+
+    version: int = 0
+    buckets: list[Bucket] = []
+
+
+class UpdateWeights(Msg):
+    """Pause, receive the broadcast described by the manifest, verify checksums, load, resume."""
+
+    manifest: WeightManifest = msgspec.field(default_factory=WeightManifest)
+
+
+class GetLoad(Msg):
+    pass
+
+
+class Ping(Msg):
+    pass
+
+
+class Shutdown(Msg):
+    pass
+
+
+EngineRequest = Union[Generate, Abort, Pause, Resume, InitWeightSync, UpdateWeights, GetLoad, Ping, Shutdown]
+
+
+# --------------------------------------------------------------------------- engine replies
+class Generated(Msg):
+    """One finished (or aborted) sample. ``versions[i]`` is the policy version that sampled token i."""
+
+    request_id: str = ""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    finish_reason: str = "stop"  # "stop" | "length" | "abort"
+    engine: str = ""
+
+
+class WeightsUpdated(Msg):
+    version: int = 0
+    ok: bool = True
+    seconds: float = 0.0
+    error: str = ""
+
+
+class LoadReport(Msg):
+    engine: str = ""
+    version: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    tokens_per_s: float = 0.0
+    busy_fraction: float = 0.0
+    generated_tokens: int = 0
+
+
+class Ok(Msg):
+    """Plain acknowledgement."""
+
+    info: str = ""
+
+
+class Pong(Msg):
+    version: int = 0
+
+
+class Error(Msg):
+    """A per-request error the sender can recover from (the process is still healthy)."""
+
+    message: str = ""
+    kind: str = "error"
+
+
+EngineReply = Union[Generated, WeightsUpdated, LoadReport, Ok, Pong, Error]
+
+
+# --------------------------------------------------------------------------- trainer
+class TrainSample(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """One trajectory as the trainer sees it.
+
+    ``response_ids`` is everything after the prompt: generated tokens and (multi-turn) environment
+    observation tokens. ``loss_mask[i]`` is 1 where the policy generated token i, 0 for observations.
+    ``behav_logp[i]`` and ``versions[i]`` are the engine's values (0.0 / -1 on masked tokens).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    behav_logp: list[float]
+    versions: list[int]
+    reward: float
+    group: int
+    sample_id: str = ""
+
+
+class TrainBatch(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    step: int
+    samples: list[TrainSample]
+
+
+class TrainStep(Msg):
+    """Train on one batch (whole groups). The trainer computes advantages itself."""
+
+    batch: TrainBatch = msgspec.field(default_factory=lambda: TrainBatch(step=0, samples=[]))
+
+
+class TrainResult(Msg):
+    step: int = 0
+    metrics: dict[str, float] = {}
+
+
+class PrepareWeights(Msg):
+    """Gather the full state dict for ``version`` and answer with its WeightManifest."""
+
+    version: int = 0
+
+
+class SendWeights(Msg):
+    """Broadcast the prepared weights on the weight-sync group (engines receive concurrently)."""
+
+    version: int = 0
+
+
+class ComputeLogprobs(Msg):
+    """Log-probabilities of ``response_ids`` given ``prompt_ids`` under the trainer's weights."""
+
+    prompt_ids: list[int] = []
+    response_ids: list[int] = []
+
+
+class Logprobs(Msg):
+    logprobs: list[float] = []
+
+
+class SaveCheckpoint(Msg):
+    path: str = ""
+
+
+TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint, Ping, Shutdown]
+TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error]
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid message of the expected union."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Codec:
+    """Decode frames of one union type; a bad frame raises ProtocolError naming the problem."""
+
+    def __init__(self, union: object, side: str) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self._side = side
+
+    def decode(self, frame: bytes) -> Msg:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ProtocolError(f"malformed {self._side} message ({len(frame)} bytes): {e}") from e
+
+
+ENGINE_REQUESTS = Codec(EngineRequest, "engine request")
+ENGINE_REPLIES = Codec(EngineReply, "engine reply")
+TRAINER_REQUESTS = Codec(TrainerRequest, "trainer request")
+TRAINER_REPLIES = Codec(TrainerReply, "trainer reply")

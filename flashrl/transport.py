@@ -1,0 +1,274 @@
+"""ZeroMQ request/reply channels carrying msgspec messages (protocol.py). No pickle.
+
+    RpcClient (DEALER, controller side)            RpcServer (ROUTER, engine / trainer rank 0)
+      request(msg) -> rid, future  ---- frame --->   recv loop -> decode -> one task per request
+      recv loop: reply.rid -> future  <--- frame ---   handler(msg) -> reply (same rid)
+      heartbeat loop: Ping every interval; no Pong within timeout -> peer dead, all futures fail
+
+Two error tiers (as in vLLM's engine client): a per-request ``Error`` reply becomes ``RemoteError``
+for that request only; a dead or untrusted peer becomes ``PeerDead`` for every pending and later
+request. A malformed frame is logged and its sender is not trusted further.
+
+Sockets bind to loopback unless the address names another host; then CURVE keys are required.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import urllib.parse
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from flashrl.protocol import Codec, Error, Msg, Ping, Pong, ProtocolError, encode
+
+log = logging.getLogger(__name__)
+
+
+class TransportError(Exception):
+    """Base of transport failures."""
+
+
+class PeerDead(TransportError):
+    """The peer stopped answering, closed, or sent a malformed frame; nothing more is sent to it."""
+
+
+class RemoteError(TransportError):
+    """The peer answered this one request with an Error; the peer itself is still healthy."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the parent picks ports before spawning children)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_address(address: str, curve_keys: bool) -> None:
+    """Refuse a non-loopback TCP address without CURVE keys (DESIGN.md: boundaries)."""
+    url = urllib.parse.urlparse(address)
+    if url.scheme != "tcp":
+        return
+    host = url.hostname or ""
+    if host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not curve_keys:
+        raise TransportError(
+            f"address {address!r} is not loopback: set transport CURVE keys "
+            "(zmq.curve_keypair()) or bind to 127.0.0.1"
+        )
+
+
+def _apply_curve(sock: zmq.Socket, curve: dict[str, bytes] | None, server: bool) -> None:
+    if not curve:
+        return
+    if server:
+        sock.curve_secretkey = curve["secret"]
+        sock.curve_publickey = curve["public"]
+        sock.curve_server = True
+    else:
+        sock.curve_secretkey = curve["secret"]
+        sock.curve_publickey = curve["public"]
+        sock.curve_serverkey = curve["server_public"]
+
+
+class RpcClient:
+    """Controller-side channel to one server. Many concurrent requests share the socket."""
+
+    def __init__(
+        self,
+        address: str,
+        replies: Codec,
+        *,
+        name: str = "peer",
+        curve: dict[str, bytes] | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        check_address(address, curve is not None)
+        self.name = name
+        self.address = address
+        self._codec = replies
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        _apply_curve(self._sock, curve, server=False)
+        self._sock.connect(address)
+        self._next_rid = 1
+        self._pending: dict[int, asyncio.Future[Msg]] = {}
+        self._dead: PeerDead | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._send_lock = asyncio.Lock()
+
+    @property
+    def dead(self) -> PeerDead | None:
+        return self._dead
+
+    def start(self, heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 30.0) -> None:
+        """Start the receive loop (and the heartbeat when heartbeat_s > 0). Needs a running loop."""
+        self._tasks.append(asyncio.get_running_loop().create_task(self._recv_loop(), name=f"{self.name}-recv"))
+        if heartbeat_s > 0:
+            self._tasks.append(
+                asyncio.get_running_loop().create_task(
+                    self._heartbeat(heartbeat_s, heartbeat_timeout_s), name=f"{self.name}-heartbeat"
+                )
+            )
+
+    async def request(self, msg: Msg, timeout: float | None = None) -> Msg:
+        """Send ``msg`` and wait for its reply. Raises RemoteError, PeerDead or TimeoutError."""
+        if self._dead is not None:
+            raise self._dead
+        if not self._tasks:
+            self.start()
+        rid = self._next_rid
+        self._next_rid += 1
+        msg.rid = rid
+        fut: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            async with self._send_lock:
+                await self._sock.send(encode(msg))
+            reply = await asyncio.wait_for(fut, timeout) if timeout else await fut
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, Error):
+            raise RemoteError(f"{self.name}: {reply.message}", reply.kind)
+        return reply
+
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._sock.recv()
+                try:
+                    reply = self._codec.decode(frame)
+                except ProtocolError as e:
+                    log.error("%s sent a malformed frame, closing the channel: %s", self.name, e)
+                    self._kill(PeerDead(f"{self.name} sent a malformed frame: {e}"))
+                    return
+                fut = self._pending.get(reply.rid)
+                if fut is None:
+                    log.warning("%s: reply for unknown request %d (%s) ignored", self.name, reply.rid, type(reply).__name__)
+                elif not fut.done():
+                    fut.set_result(reply)
+        except (asyncio.CancelledError, zmq.ContextTerminated):
+            raise
+        except Exception as e:  # socket closed under us
+            self._kill(PeerDead(f"{self.name}: receive failed: {e}"))
+
+    async def _heartbeat(self, interval: float, timeout: float) -> None:
+        while self._dead is None:
+            await asyncio.sleep(interval)
+            try:
+                reply = await self.request(Ping(), timeout=timeout)
+                if not isinstance(reply, Pong):
+                    raise PeerDead(f"{self.name} answered Ping with {type(reply).__name__}")
+            except (TimeoutError, asyncio.TimeoutError):
+                self._kill(PeerDead(f"{self.name} missed its heartbeat ({timeout:.0f}s without a Pong)"))
+            except PeerDead:
+                return
+
+    def _kill(self, err: PeerDead) -> None:
+        if self._dead is None:
+            self._dead = err
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._dead)
+
+    async def close(self) -> None:
+        self._kill(PeerDead(f"{self.name}: channel closed"))
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()
+        self._sock.close(linger=0)
+
+
+Handler = Callable[[Msg], Awaitable[Msg | None]]
+
+
+class RpcServer:
+    """Process-side channel: decode each request, run ``handler`` in its own task, send the reply.
+
+    ``handler`` returns the reply (its rid is set here) or None for no reply. An exception in the
+    handler becomes an ``Error`` reply for that request only. A malformed frame is logged and its
+    sender (ZeroMQ identity) is ignored from then on.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        requests: Codec,
+        handler: Handler,
+        *,
+        name: str = "server",
+        curve: dict[str, bytes] | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        check_address(address, curve is not None)
+        self.name = name
+        self._codec = requests
+        self._handler = handler
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        _apply_curve(self._sock, curve, server=True)
+        self._sock.bind(address)
+        self._untrusted: set[bytes] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+        self.rejected = 0
+
+    async def serve(self) -> None:
+        """Run until cancelled."""
+        try:
+            while True:
+                parts = await self._sock.recv_multipart()
+                if len(parts) != 2:
+                    log.error("%s: dropped a message with %d frames (expected 2)", self.name, len(parts))
+                    self.rejected += 1
+                    continue
+                ident, frame = parts
+                if ident in self._untrusted:
+                    continue
+                try:
+                    msg = self._codec.decode(frame)
+                except ProtocolError as e:
+                    log.error("%s: %s; ignoring this peer from now on", self.name, e)
+                    self.rejected += 1
+                    self._untrusted.add(ident)
+                    continue
+                task = asyncio.get_running_loop().create_task(self._run(ident, msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            self._sock.close(linger=0)
+
+    async def _run(self, ident: bytes, msg: Msg) -> None:
+        try:
+            reply = await self._handler(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("%s: %s failed", self.name, type(msg).__name__)
+            reply = Error(message=f"{type(msg).__name__} failed: {type(e).__name__}: {e}")
+        if reply is None:
+            return
+        reply.rid = msg.rid
+        async with self._send_lock:
+            await self._sock.send_multipart([ident, encode(reply)])
