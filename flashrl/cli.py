@@ -1,0 +1,109 @@
+"""The `flashrl` command line (typer).
+
+    flashrl run CONFIG [--set k=v ...]       train: engines + trainer group + controller (+ dashboard)
+    flashrl validate CONFIG [--set k=v ...]  check a config only (exit 2 on any problem)
+    flashrl init-model CONFIG                build / warm-start the built-in model (cached)
+    flashrl bench SCENARIO                   throughput sweeps (bench/*.toml)
+    flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
+
+Config problems exit with code 2 and one message naming the key path, before any process starts.
+Heavy imports (torch, vLLM) happen inside the commands, so `validate` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from flashrl.config import Config, ConfigError, load
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False, help="flashrl: asynchronous RL post-training for LLMs.")
+
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="override a config key: --set rollout.group_size=4 (repeatable)"),
+]
+ConfigArg = Annotated[Path, typer.Argument(help="config TOML, e.g. configs/tiny.toml")]
+
+
+def _load_or_exit(config: Path | None, overrides: list[str] | None) -> Config:
+    try:
+        return load(config, overrides or [])
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+@app.command()
+def validate(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
+    cfg = _load_or_exit(config, set_)
+    try:
+        from envs import make_suite
+
+        make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    except ValueError as e:
+        typer.echo(f"config error: {config}: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(
+        f"ok: {config} (run {cfg.run.name}: {cfg.engine.count} engine(s), {cfg.trainer.ranks} trainer rank(s), "
+        f"env {cfg.env.name}, loss {cfg.algorithm.loss}, async_ratio {cfg.scheduler.async_ratio})"
+    )
+
+
+@app.command()
+def run(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Train: start engines and the trainer group, run the controller, show the dashboard."""
+    cfg = _load_or_exit(config, set_)
+    try:
+        from envs import make_suite
+
+        make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    except ValueError as e:
+        typer.echo(f"config error: {config}: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    from flashrl.launch import main as launch_main
+
+    code = launch_main(cfg)
+    raise typer.Exit(code=code)
+
+
+@app.command("init-model")
+def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Build (once, cached) the model a config names; for builtin:tiny, warm-start it on the task."""
+    cfg = _load_or_exit(config, set_)
+    from flashrl.models import ensure_model
+
+    path = ensure_model(cfg)
+    typer.echo(str(path))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def engine(ctx: typer.Context) -> None:
+    """Engine process entry point (vLLM behind ZeroMQ); arguments as `python -m flashrl.engine.server`."""
+    from flashrl.engine import server
+
+    sys.exit(server.main(ctx.args))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def trainer(ctx: typer.Context) -> None:
+    """Trainer rank entry point (FSDP2); arguments as `python -m flashrl.trainer.worker` (torchrun-compatible)."""
+    from flashrl.trainer import worker
+
+    sys.exit(worker.main(ctx.args))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`."""
+    from flashrl import bench as bench_mod
+
+    sys.exit(bench_mod.main(ctx.args))
+
+
+if __name__ == "__main__":
+    app()

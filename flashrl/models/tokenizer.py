@@ -1,0 +1,93 @@
+"""The built-in character-level tokenizer: one token per character, built and loaded offline.
+
+Vocabulary (ids are stable: tests and saved models rely on them)::
+
+    0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. one id per character of CHARSET
+
+``encode`` never adds special tokens (the prompt format has no BOS: the controller, the warm-start
+and the engines all see exactly the characters of the prompt). ``decode`` drops special tokens and
+joins characters with nothing in between (a ``Fuse`` decoder), so ``decode(encode(s)) == s`` for
+every ``s`` over CHARSET.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Protocol
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
+
+# Every character the built-in environments print or expect back. Appending is safe; reordering
+# changes the ids of saved models.
+CHARSET: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n" + "+-*/=()<>[],.:;?!'\"_#%&"
+
+
+class TextTokenizer(Protocol):
+    """What flashrl needs from a tokenizer (the built-in one or a Hugging Face one)."""
+
+    eos_token_id: int
+    pad_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def build_char_tokenizer(charset: str = CHARSET):  # -> transformers.PreTrainedTokenizerFast
+    """A ``PreTrainedTokenizerFast`` over ``charset`` (WordLevel, one token per character)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if len(set(charset)) != len(charset):
+        raise ValueError("charset: characters must be unique")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in charset:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Split every character apart ([\s\S] also matches the newline, which "." does not).
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,  # " ." must come back as " .", not "."
+        model_max_length=1 << 20,
+    )
+
+
+class HFTokenizer:
+    """A thin wrapper giving any Hugging Face tokenizer the ``TextTokenizer`` shape."""
+
+    def __init__(self, hf) -> None:
+        self.hf = hf
+        if hf.eos_token_id is None:
+            raise ValueError(f"tokenizer at {hf.name_or_path!r} has no eos token; set eos_token in tokenizer_config.json")
+        self.eos_token_id: int = int(hf.eos_token_id)
+        # Models without a pad token pad with EOS (a masked position never reaches the loss).
+        self.pad_token_id: int = int(hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer:
+    """Load the tokenizer saved in the model folder ``path`` (offline)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not (p / "tokenizer_config.json").is_file() and not (p / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{p}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                                "point model.path at a Hugging Face model folder or use builtin:tiny")
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))

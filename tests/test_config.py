@@ -1,0 +1,118 @@
+"""Config loading: every problem is one ConfigError naming the key path; the CLI exits 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashrl.config import Config, ConfigError, load, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load(path)
+    assert isinstance(cfg, Config)
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    cfg = load(ROOT / "configs" / "tiny.toml", ["rollout.group_size=4"])
+    back = load(write(tmp_path, to_toml(cfg)))
+    assert back == cfg
+    assert back.rollout.group_size == 4
+
+
+def test_defaults_without_file() -> None:
+    assert load(None).rollout.group_size == Config().rollout.group_size
+
+
+def test_unknown_key_names_path_and_suggests(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(write(tmp_path, "[rollout]\ngrop_size = 4\n"))
+    msg = str(e.value)
+    assert "rollout.grop_size" in msg and "did you mean `group_size`" in msg
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"bogus: unknown key; \[top level\] accepts: run, model"):
+        load(write(tmp_path, "[bogus]\nx = 1\n"))
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine\.count: Expected `int`, got `str`"):
+        load(write(tmp_path, '[engine]\ncount = "two"\n'))
+
+
+def test_out_of_range(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: Expected `int` >= 1"):
+        load(write(tmp_path, "[rollout]\ngroup_size = 0\n"))
+
+
+def test_bad_enum_lists_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.loss: invalid value 'pop'; expected one of: 'ppo'"):
+        load(write(tmp_path, '[algorithm]\nloss = "pop"\n'))
+
+
+def test_invalid_toml_names_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"invalid TOML: .*line 2"):
+        load(write(tmp_path, "[run]\nsteps = = 3\n"))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load(tmp_path / "nope.toml")
+
+
+def test_unknown_env(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"env\.name: unknown environment 'nope'"):
+        load(write(tmp_path, '[env]\nname = "nope"\n'))
+
+
+def test_overrides_apply_and_parse_types(tmp_path: Path) -> None:
+    cfg = load(None, ["rollout.temperature=0.5", "scheduler.queue_scheduling=false", "run.name=exp1"])
+    assert cfg.rollout.temperature == 0.5
+    assert cfg.scheduler.queue_scheduling is False
+    assert cfg.run.name == "exp1"
+
+
+def test_bad_override_syntax() -> None:
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load(None, ["rollout.group_size"])
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: Expected `int` >= 1"):
+        load(None, ["rollout.group_size=-3"])
+
+
+def test_nccl_on_cpu_rejected() -> None:
+    with pytest.raises(ConfigError, match="trainer.backend: nccl needs GPUs"):
+        load(None, ["trainer.backend=nccl", "engine.device=cpu"])
+
+
+def test_cli_validate_exit_codes(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "flashrl.cli", "validate", str(ROOT / "configs" / "tiny.toml")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ok:")
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashrl.cli", "validate", str(write(tmp_path, "[rollout]\ngroup_size = 0\n"))],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "rollout.group_size" in bad.stderr
+
+
+def test_cli_run_bad_config_exits_2_before_starting(tmp_path: Path) -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "missing.toml")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    assert "config file not found" in bad.stderr
