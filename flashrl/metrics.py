@@ -1,18 +1,30 @@
 """Run metrics: the live ``Snapshot`` the dashboard renders, and ``metrics.jsonl`` (one object per step).
 
     controller ---snapshot()---> Snapshot ---> dashboard.py (rich live view, or plain lines)
-    controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl
+    controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ tensorboard, if installed)
+    rollouts   ---add(n)------> RateMeter (on the event-loop clock) ---rate()---> Snapshot.*_per_s
 
 Every step line has at least: step, reward/mean, time/step_s, staleness/mean; and eval/accuracy
 whenever the held-out split was evaluated at that step.
+
+Nothing here owns a task or a thread: the controller calls these from its loop. ``RateMeter`` takes
+the clock as an argument so the controller passes the event loop's clock (virtual time in the
+simulator); it never reads wall time itself.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib.util
+import logging
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 
 class EngineStat(msgspec.Struct, kw_only=True):
@@ -55,20 +67,137 @@ class Snapshot(msgspec.Struct, kw_only=True):
     status: str = "starting"
 
 
-class MetricsWriter:
-    """Append one JSON object per line to ``path``; flushed per line so a crash loses nothing."""
+# ----------------------------------------------------------------------------------------------
+# rates and summaries
 
-    def __init__(self, path: Path) -> None:
+
+class RateMeter:
+    """Amount per second over a sliding window (samples/s with ``add()``, tokens/s with ``add(n)``).
+
+    ``clock`` returns seconds (e.g. ``asyncio.get_running_loop().time`` or ``anyio.current_time``);
+    the meter never reads wall time, so it reads right on the simulator's virtual clock.
+    Until ``window_s`` has passed since the meter was made, the rate is over the time since then,
+    so the first seconds of a run do not read low. Events exactly ``window_s`` old have left.
+    """
+
+    def __init__(self, *, clock: Callable[[], float], window_s: float = 10.0) -> None:
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise ValueError(f"RateMeter window_s must be a finite number > 0 seconds, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._clock = clock
+        self._start = clock()
+        self._events: collections.deque[tuple[float, float]] = collections.deque()
+        self._in_window = 0.0
+        self.total = 0.0  # everything ever added, for counters and the final summary
+
+    def add(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"RateMeter.add amount must be >= 0, got {amount!r}")
+        self._events.append((self._clock(), float(amount)))
+        self._in_window += amount
+        self.total += amount
+
+    def rate(self) -> float:
+        now = self._clock()
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] <= horizon:
+            self._in_window -= self._events.popleft()[1]
+        if not self._events:
+            self._in_window = 0.0  # drop float drift from the running sum
+        span = min(self.window_s, now - self._start)
+        if span <= 0:
+            return 0.0
+        return max(self._in_window, 0.0) / span
+
+
+class Summary(msgspec.Struct, kw_only=True, frozen=True):
+    """count/mean/std/min/max of a list of numbers; all zero for an empty list."""
+
+    count: int = 0
+    mean: float = 0.0
+    std: float = 0.0
+    min: float = 0.0
+    max: float = 0.0
+
+    def as_dict(self, prefix: str) -> dict[str, float]:
+        """``{"<prefix>/mean": ..., "<prefix>/std": ..., "<prefix>/min": ..., "<prefix>/max": ...}``."""
+        return {f"{prefix}/mean": self.mean, f"{prefix}/std": self.std,
+                f"{prefix}/min": self.min, f"{prefix}/max": self.max}
+
+
+def summarize(values: Iterable[float]) -> Summary:
+    """Population std (ddof=0): a batch's staleness or reward is the whole population, not a sample."""
+    xs = [float(v) for v in values]
+    if not xs:
+        return Summary()
+    mean = math.fsum(xs) / len(xs)
+    var = math.fsum((x - mean) ** 2 for x in xs) / len(xs)
+    return Summary(count=len(xs), mean=mean, std=math.sqrt(var), min=min(xs), max=max(xs))
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics.jsonl (and tensorboard when installed)
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric, finite fields of a record (bools and strings are not plotted)."""
+    return {k: float(v) for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _open_tensorboard(log_dir: Path) -> Any | None:
+    """A tensorboard SummaryWriter, or None (with one log line saying how to get it) if not installed."""
+    if importlib.util.find_spec("tensorboard") is None:
+        log.info("tensorboard is not installed; metrics go to metrics.jsonl only "
+                 "(pip install tensorboard to also write %s)", log_dir)
+        return None
+    # torch's writer is the one tensorboard itself documents; imported only here so a run without
+    # tensorboard never pays for importing torch in the controller.
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class MetricsWriter:
+    """Append one JSON object per line to ``path``; flushed per line so a crash loses nothing.
+
+    With ``tensorboard_dir``, numeric fields are also written as tensorboard scalars at the record's
+    ``step`` (skipped, with one log line, when tensorboard is not installed).
+    """
+
+    def __init__(self, path: Path, *, tensorboard_dir: Path | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = path.open("a", buffering=1)
         self._enc = msgspec.json.Encoder()
+        self._tb = _open_tensorboard(tensorboard_dir) if tensorboard_dir is not None else None
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
 
     def write(self, record: dict[str, Any]) -> None:
+        # msgspec never emits a raw newline inside a JSON document, so one record is one line.
         self._f.write(self._enc.encode(record).decode() + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            step = record.get("step")
+            for key, value in _scalars(record).items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, global_step=step)
 
     def close(self) -> None:
-        self._f.close()
+        if not self._f.closed:
+            self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

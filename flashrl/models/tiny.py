@@ -1,13 +1,15 @@
-"""The built-in tiny model: a random-init Qwen2 causal LM with the char-level tokenizer.
+"""The built-in tiny model: a random-init Llama-architecture causal LM with the char-level tokenizer.
 
 ``build_untrained`` writes a Hugging Face model folder (config.json, model.safetensors,
 generation_config.json, tokenizer files) that loads both in transformers and in vLLM
 (``LLM(model=path, dtype="float32", enforce_eager=True)``), offline. The warm-start that turns it into
-a useful RL starting point lives in ``flashrl.models.warm_start``-style code in ``flashrl/models/__init__.py``
-(``ensure_model``).
+a useful RL starting point is ``ensure_model`` in ``flashrl/models/__init__.py``.
 
-Why Qwen2: vLLM's CPU backend supports it natively; head_dim must be one vLLM's CPU attention supports
-(32, 64, 80, ...), which ``TinySpec`` checks.
+Why Llama and not Qwen2 (the same decoder, without q/k/v biases): transformers 5 (and vLLM, which calls
+``AutoTokenizer``) force ``model_type == "qwen2"`` folders onto ``Qwen2Tokenizer``, which rebuilds a
+byte-level BPE from the vocabulary and ignores our tokenizer.json (spaces and newlines vanish). For
+``llama`` folders ``AutoTokenizer`` honours tokenizer.json. head_dim must be one vLLM's CPU attention
+supports (32, 64, 80, ...), which ``TinySpec`` checks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 class TinySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Shape of the built-in model (a Qwen2 decoder)."""
+    """Shape of the built-in model (a Llama decoder)."""
 
     layers: Annotated[int, Meta(ge=1, le=64, description="decoder layers")] = 2
     hidden: Annotated[int, Meta(ge=32, le=8192, description="hidden size")] = 128
@@ -45,15 +47,15 @@ class TinySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 
 def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = None) -> Path:
-    """Save a random-init (seeded) float32 Qwen2ForCausalLM + char tokenizer to ``path``; return it."""
+    """Save a random-init (seeded) float32 LlamaForCausalLM + char tokenizer to ``path``; return it."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinySpec()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tok),  # exactly the tokenizer: no id the tokenizer cannot decode can be sampled
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -69,7 +71,7 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

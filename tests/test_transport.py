@@ -1,0 +1,107 @@
+"""ZeroMQ channels over real loopback sockets: multiplexing, errors, malformed frames, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from flashrl import protocol as P
+from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer, TransportError, check_address, free_port
+
+
+async def _handler(msg: P.Msg) -> P.Msg | None:
+    if isinstance(msg, P.Ping):
+        return P.Pong(version=7)
+    if isinstance(msg, P.Generate):
+        # answer later requests first: replies must still reach the right caller
+        await asyncio.sleep(0.05 * (5 - len(msg.prompt_ids)))
+        return P.Generated(request_id=msg.request_id, token_ids=list(reversed(msg.prompt_ids)))
+    if isinstance(msg, P.Abort):
+        raise RuntimeError("abort exploded")
+    return P.Ok()
+
+
+@pytest.fixture
+async def pair():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    server = RpcServer(addr, P.ENGINE_REQUESTS, _handler, name="srv")
+    task = asyncio.create_task(server.serve())
+    client = RpcClient(addr, P.ENGINE_REPLIES, name="srv")
+    client.start()
+    yield client, server, addr
+    await client.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_concurrent_requests_get_their_own_replies(pair) -> None:
+    client, _, _ = pair
+    reqs = [P.Generate(request_id=f"r{i}", prompt_ids=list(range(i + 1))) for i in range(4)]
+    replies = await asyncio.gather(*(client.request(r, timeout=5) for r in reqs))
+    assert [r.request_id for r in replies] == ["r0", "r1", "r2", "r3"]
+    assert replies[3].token_ids == [3, 2, 1, 0]
+
+
+async def test_handler_error_is_per_request(pair) -> None:
+    client, _, _ = pair
+    with pytest.raises(RemoteError, match="Abort failed: RuntimeError: abort exploded"):
+        await client.request(P.Abort(request_ids=["x"]), timeout=5)
+    # the peer is still healthy
+    assert isinstance(await client.request(P.Ping(), timeout=5), P.Pong)
+
+
+async def test_malformed_frame_rejected_and_sender_untrusted(pair) -> None:
+    _, server, addr = pair
+    ctx = zmq.asyncio.Context.instance()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.connect(addr)
+    await rogue.send(b"\x93not-msgpack")
+    await asyncio.sleep(0.1)
+    assert server.rejected == 1
+    # a valid frame from the same (now untrusted) peer is ignored
+    await rogue.send(P.encode(P.Ping(rid=1)))
+    assert not await rogue.poll(200)
+    rogue.close(linger=0)
+
+
+async def test_malformed_reply_kills_the_channel() -> None:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(addr)
+    client = RpcClient(addr, P.ENGINE_REPLIES, name="bad")
+    client.start()
+    req = asyncio.create_task(client.request(P.Ping(), timeout=5))
+    ident, _ = await router.recv_multipart()
+    await router.send_multipart([ident, b"\x01\x02junk"])
+    with pytest.raises(PeerDead, match="malformed"):
+        await req
+    with pytest.raises(PeerDead):
+        await client.request(P.Ping(), timeout=1)
+    await client.close()
+    router.close(linger=0)
+
+
+async def test_heartbeat_detects_silent_peer() -> None:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)  # binds but never answers
+    router.bind(addr)
+    client = RpcClient(addr, P.ENGINE_REPLIES, name="silent")
+    client.start(heartbeat_s=0.05, heartbeat_timeout_s=0.1)
+    await asyncio.sleep(0.4)
+    assert isinstance(client.dead, PeerDead)
+    assert "heartbeat" in str(client.dead)
+    await client.close()
+    router.close(linger=0)
+
+
+def test_non_loopback_needs_curve() -> None:
+    check_address("tcp://127.0.0.1:5555", curve_keys=False)
+    check_address("ipc:///tmp/x", curve_keys=False)
+    with pytest.raises(TransportError, match="not loopback: set transport CURVE keys"):
+        check_address("tcp://10.1.2.3:5555", curve_keys=False)
+    check_address("tcp://10.1.2.3:5555", curve_keys=True)
