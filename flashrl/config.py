@@ -111,6 +111,24 @@ class AlgorithmConfig(Section):
     entropy_coef: Annotated[float, Meta(ge=0, description="entropy bonus beta")] = 0.0
     kl_coef: Annotated[float, Meta(ge=0, description="k3 KL to the initial (reference) policy")] = 0.0
     credit: Annotated[Literal["none", "waad", "fai", "rhythm"], Meta(description="attention-rhythm credit assignment")] = "none"
+    # AsyPPO mini-critics (loss = "asyppo"; arXiv 2510.01656). Critic size/lr are ours (not published for tiny models).
+    num_critics: Annotated[int, Meta(ge=2, le=16, description="AsyPPO: number of mini-critics M (paper: 2)")] = 2
+    critic_k_adv: Annotated[float, Meta(ge=0, le=1, description="AsyPPO: fraction of valid tokens with the lowest critic std whose advantage is masked (paper: 0.2)")] = 0.2
+    critic_k_ent: Annotated[float, Meta(ge=0, le=1, description="AsyPPO: fraction of valid tokens with the highest critic std left out of the entropy bonus (paper: 0.2)")] = 0.2
+    critic_lr: Annotated[float, Meta(gt=0, le=1, description="AsyPPO: AdamW learning rate of the critics")] = 1e-3
+    critic_layers: Annotated[int, Meta(ge=1, le=64, description="AsyPPO: transformer layers per mini-critic")] = 1
+    critic_hidden: Annotated[int, Meta(ge=8, le=8192, description="AsyPPO: hidden size per mini-critic (multiple of 4 heads)")] = 64
+    critic_updates: Annotated[int, Meta(ge=1, le=64, description="AsyPPO: critic regression steps per training step")] = 1
+    gamma: Annotated[float, Meta(ge=0, le=1, description="GAE discount (critics)")] = 1.0
+    gae_lambda: Annotated[float, Meta(ge=0, le=1, description="GAE lambda (critics)")] = 0.95
+    # Attention-rhythm credit (credit != "none"; arXiv 2510.13554).
+    rhythm_top_frac: Annotated[float, Meta(ge=0, le=1, description="rhythm: fraction of response tokens amplified (paper: 0.4)")] = 0.4
+    rhythm_amplify: Annotated[float, Meta(ge=1, le=10, description="rhythm: advantage scale of selected tokens (paper: 1.5)")] = 1.5
+    rhythm_window: Annotated[int, Meta(ge=1, le=4096, description="rhythm: WAAD distance clip W (paper: 10)")] = 10
+    rhythm_coupling: Annotated[float, Meta(ge=0, le=1, description="rhythm: share a of the bonus moved from a dominated anchor to its introducing WAAD peak (not published)")] = 0.5
+    tau_waad: Annotated[float, Meta(ge=0, description="rhythm: WAAD at or below this marks an anchor as locally dominated (not published)")] = 2.0
+    tau_delta: Annotated[float, Meta(ge=0, description="rhythm: a WAAD jump at least this large in the previous 3 tokens marks an introducing peak (not published)")] = 1.0
+    rhythm_positive_only: Annotated[bool, Meta(description="rhythm: amplify only tokens with advantage >= 0")] = False
 
 
 class WeightSyncConfig(Section):

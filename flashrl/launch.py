@@ -1,0 +1,255 @@
+"""Local mode: start every process of a run, wire them to the controller, and tear them all down.
+
+    flashrl run config.toml
+      -> ensure_model (built-in model built once, cached)
+      -> spawn E engine processes + R trainer ranks (each in its own process group, logs in runs/<name>/logs/)
+      -> wait until all answer Ping; join the weight-sync group (trainer rank 0 = rank 0, engine i = rank 1+i)
+      -> Controller.run()  (rollouts, training loop, weight sync, eval)   +  dashboard refresh  +  memory sampler
+      -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL
+
+Ctrl-C / SIGTERM cancel the main task; the ``finally`` blocks stop every child within the deadline.
+On a cluster the same entry points (`flashrl engine`, `flashrl trainer` under torchrun) are started by
+the cluster's launcher instead; this module is only the single-machine convenience.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from flashrl.config import Config, to_toml
+
+log = logging.getLogger("flashrl.launch")
+
+SHUTDOWN_DEADLINE_S = 20.0
+
+
+def resolve_device(cfg: Config) -> str:
+    """engine.device auto -> cuda when a GPU is visible, else cpu."""
+    if cfg.engine.device != "auto":
+        return cfg.engine.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+class MemorySampler:
+    """Peak resident memory of the whole run: this process plus every descendant (engines, trainer, vLLM cores)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak_bytes = 0
+        self.last_bytes = 0
+
+    def sample(self) -> int:
+        import psutil
+
+        total = 0
+        procs = [self._proc]
+        with contextlib.suppress(psutil.Error):
+            procs += self._proc.children(recursive=True)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        self.last_bytes = total
+        self.peak_bytes = max(self.peak_bytes, total)
+        return total
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(interval_s)
+
+
+def main(cfg: Config) -> int:
+    """Run ``cfg`` locally; returns the process exit code (0 ok, 1 failure, 130 interrupted)."""
+    from flashrl.logging_setup import setup_logging
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    setup_logging(run_dir, "controller", cfg.run.log_level)
+    try:
+        summary = asyncio.run(_main_with_signals(cfg))
+    except KeyboardInterrupt:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    except Exception as e:  # a crash is reported once, loudly, after cleanup
+        log.exception("run failed")
+        print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
+        return 1
+    if summary is None:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    _print_summary(summary)
+    return 0
+
+
+async def _main_with_signals(cfg: Config) -> dict[str, Any] | None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    stopped = {"by": ""}
+
+    def _stop(signame: str) -> None:
+        stopped["by"] = signame
+        log.warning("%s received: shutting down", signame)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _stop, sig.name)
+    try:
+        return await run_local(cfg)
+    except asyncio.CancelledError:
+        if stopped["by"]:
+            return None
+        raise
+
+
+async def run_local(cfg: Config) -> dict[str, Any]:
+    """Start engines and trainer, run the controller, always stop every child."""
+    from envs import make_suite
+    from flashrl.controller.controller import Controller
+    from flashrl.dashboard import Dashboard
+    from flashrl.engine.client import EngineOptions, spawn_engine
+    from flashrl.metrics import MetricsWriter
+    from flashrl.models import ensure_model
+    from flashrl.models.tokenizer import load_tokenizer
+    from flashrl.trainer.client import TrainerGroup
+    from flashrl.transport import free_port
+
+    t0 = time.monotonic()
+    run_dir = cfg.run_dir
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    mem = MemorySampler()
+    dash = Dashboard.for_config(cfg.run.dashboard)
+    dash.start()
+    dash.status(f"preparing model {cfg.model.path}")
+    model_path = Path(await asyncio.to_thread(ensure_model, cfg))
+    tokenizer = load_tokenizer(model_path)
+    suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    device = resolve_device(cfg)
+    backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+
+    engines: list[Any] = []
+    trainer: Any = None
+    mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
+    try:
+        dash.status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
+        for i in range(cfg.engine.count):
+            opts = EngineOptions(
+                address=f"tcp://127.0.0.1:{free_port()}",
+                model=str(model_path),
+                name=f"engine{i}",
+                dtype=cfg.model.dtype,
+                max_model_len=cfg.model.max_model_len,
+                kv_cache_gib=cfg.engine.kv_cache_gib,
+                max_num_seqs=cfg.engine.max_num_seqs,
+                device=device,
+                threads=cfg.engine.threads,
+                seed=cfg.run.seed + i,
+                gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+            )
+            engines.append(spawn_engine(opts, logs / f"engine{i}.log"))
+        trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
+        await asyncio.gather(
+            *(e.wait_ready(cfg.engine.startup_timeout_s) for e in engines),
+            trainer.wait_ready(cfg.engine.startup_timeout_s),
+        )
+        clients = [e.client for e in engines]
+        port = free_port()
+        world = 1 + len(clients)
+        dash.status("joining the weight-sync group")
+        await asyncio.gather(
+            trainer.init_weight_sync("127.0.0.1", port, world, backend, cfg.weight_sync.timeout_s),
+            *(
+                c.init_weight_sync("127.0.0.1", port, 1 + i, world, backend, cfg.weight_sync.timeout_s)
+                for i, c in enumerate(clients)
+            ),
+        )
+
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        history: list[dict[str, Any]] = []
+
+        def on_step(record: dict[str, Any]) -> None:
+            record = dict(record)
+            record["mem/total_gib"] = round(mem.last_bytes / 2**30, 3)
+            writer.write(record)
+            history.append(record)
+            dash.step(record)
+
+        controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step)
+
+        async def refresh() -> None:
+            while True:
+                snap = controller.snapshot()
+                snap.counters = dict(snap.counters)
+                dash.update(snap)
+                await asyncio.sleep(0.25)
+
+        refresher = asyncio.create_task(refresh(), name="dashboard")
+        try:
+            result = await controller.run()
+        finally:
+            refresher.cancel()
+            await asyncio.gather(refresher, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                dash.update(controller.snapshot())
+            writer.close()
+        mem.sample()
+        return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes)
+    finally:
+        dash.stop()
+        mem_task.cancel()
+        await asyncio.gather(mem_task, return_exceptions=True)
+        await _stop_all(engines, trainer)
+
+
+async def _stop_all(engines: list[Any], trainer: Any) -> None:
+    """Stop every child: Shutdown message, SIGTERM, SIGKILL — shielded so a second Ctrl-C cannot orphan them."""
+    jobs = [e.terminate(SHUTDOWN_DEADLINE_S) for e in engines]
+    if trainer is not None:
+        jobs.append(trainer.close(SHUTDOWN_DEADLINE_S))
+    if jobs:
+        await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
+
+
+def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: float, peak: int) -> dict[str, Any]:
+    evals = [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+    return {
+        "run": cfg.run.name,
+        "steps": max((r.get("step", 0) for r in history), default=0),
+        "wall_s": round(wall_s, 1),
+        "peak_mem_gib": round(peak / 2**30, 3),
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if evals else None,
+        "eval_best": max((a for _, a in evals), default=None),
+        "evals": evals,
+        "pid": os.getpid(),
+        "result": msgspec.to_builtins(result) if result is not None else None,
+    }
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    first, last = s["eval_first"], s["eval_last"]
+    acc = f"held-out accuracy {first:.1%} -> {last:.1%}" if first is not None and last is not None else "no eval"
+    print(
+        f"done: {s['run']} {s['steps']} steps in {s['wall_s']:.0f}s; {acc}; "
+        f"peak memory {s['peak_mem_gib']:.2f} GiB (all processes)"
+    )
