@@ -13,6 +13,11 @@ import msgspec
 # env.name -> "module:Class" of an EnvSuite (see envs/base.py)
 ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "envs.arithmetic:ArithmeticSuite",
+    "sim": "flashrl.sim.envs:SimSuite",  # simulated delays/failures for `flashrl bench`
+    "countdown": "envs.countdown:CountdownSuite",
+    "guess": "envs.guess:GuessSuite",  # multi-turn guessing game
+    "code": "envs.code:CodeSuite",  # sandboxed code execution
+    "remote": "envs.remote:RemoteSuite",  # any env in worker processes behind ZeroMQ
 }
 
 
@@ -22,9 +27,17 @@ def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> 
         raise ValueError(f"env.name: unknown environment {name!r}; expected one of {sorted(ENVIRONMENTS)}")
     module, cls_name = ENVIRONMENTS[name].split(":")
     cls = getattr(importlib.import_module(module), cls_name)
+    # ``faults`` is reserved for every env: delays and injected faults around it (envs/faults.py).
+    faults = params.get("faults")
+    params = {k: v for k, v in params.items() if k != "faults"}
     try:
         p = msgspec.convert(params, cls.Params, strict=True)
     except msgspec.ValidationError as e:
         msg = str(e).replace(" - at `$", " - at `env.params")
         raise ValueError(f"env.params ({name}): {msg}") from None
-    return cls(p, seed=seed, eval_size=eval_size)
+    suite = cls(p, seed=seed, eval_size=eval_size)
+    if faults is not None:
+        from envs.faults import with_faults
+
+        suite = with_faults(suite, faults, seed)
+    return suite

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import difflib
 import re
-import tomllib
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import tomllib
 from msgspec import Meta
 
 
@@ -91,6 +91,7 @@ class TrainerConfig(Section):
     weight_decay: Annotated[float, Meta(ge=0, description="AdamW weight decay")] = 0.0
     grad_clip: Annotated[float, Meta(ge=0, description="max gradient norm (0 = off)")] = 1.0
     micro_batch: Annotated[int, Meta(ge=1, description="samples per forward/backward on one rank")] = 64
+    mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
 
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from flashrl.protocol import Generate, Generated, LoadReport, TrainBatch, TrainResult, WeightManifest, WeightsUpdated
+from flashrl.protocol import (
+    Generate,
+    Generated,
+    LoadReport,
+    TrainBatch,
+    TrainResult,
+    WeightManifest,
+    WeightsUpdated,
+)
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ class Generate(Msg):
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: list[int] = []
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests); EOS stops otherwise
 
 
 class Abort(Msg):
@@ -72,7 +73,7 @@ class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class Bucket(msgspec.Struct, forbid_unknown_fields=True):
-    """Tensors sent in one flat broadcast; checksum is of the flat float64-summed bytes (weights.py)."""
+    """Tensors sent in one flat broadcast; checksum names its algorithm (trainer/weights.py bucket_checksum)."""
 
     tensors: list[TensorSpec]
     numel: int

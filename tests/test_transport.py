@@ -9,7 +9,15 @@ import zmq
 import zmq.asyncio
 
 from flashrl import protocol as P
-from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer, TransportError, check_address, free_port
+from flashrl.transport import (
+    PeerDead,
+    RemoteError,
+    RpcClient,
+    RpcServer,
+    TransportError,
+    check_address,
+    free_port,
+)
 
 
 async def _handler(msg: P.Msg) -> P.Msg | None:

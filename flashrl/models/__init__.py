@@ -1,0 +1,132 @@
+"""Model resolution: ``model.path`` -> a local Hugging Face model folder every process can load.
+
+    ensure_model(cfg)
+      "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, params, seed)
+          lock <cache_dir>/tiny-<key>.lock (fcntl, so concurrent callers build it once)
+            hit : the folder exists -> return it
+            miss: build_untrained -> warm_start on the env's train split -> flashrl_warmstart.json
+                  in <cache_dir>/.build-*, then os.rename into place (a reader never sees half a model)
+      anything else  -> must be a folder holding config.json, returned as is
+
+The built-in model is deterministic for a key: it is built on one torch thread with seeded init,
+seeded batches and greedy probes, so two machines build the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
+from flashrl.models.tokenizer import load_tokenizer
+
+__all__ = ["BUILTIN_TINY", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+
+BUILTIN_TINY = "builtin:tiny"
+WARMSTART_FILE = "flashrl_warmstart.json"
+# Bump when the build recipe changes in a way the key does not capture (invalidates old caches).
+_RECIPE_VERSION = 1
+
+log = logging.getLogger("flashrl.models")
+
+
+class ModelPathError(FileNotFoundError):
+    """model.path does not name a usable model folder; the message says how to fix it."""
+
+
+def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:
+    blob = {
+        "recipe": _RECIPE_VERSION,
+        "spec": msgspec.to_builtins(spec),
+        "warm": msgspec.to_builtins(warm),
+        "env": cfg.env.name,
+        "params": cfg.env.params,
+        "eval_size": cfg.env.eval_size,
+        "seed": cfg.run.seed,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # determinism (same reduction order everywhere) and a fair share of the CPU
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _is_built(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / WARMSTART_FILE).is_file()
+
+
+def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None) -> Path:
+    """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once.
+
+    ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()``,
+    ``WarmStart()``); they are part of the cache key.
+    """
+    if cfg.model.path != BUILTIN_TINY:
+        p = Path(cfg.model.path).expanduser()
+        if not (p / "config.json").is_file():
+            what = "does not exist" if not p.exists() else "holds no config.json"
+            raise ModelPathError(
+                f"model.path: {str(p)!r} {what}; set model.path to a local Hugging Face model folder "
+                f"(with config.json, weights and tokenizer files) or to {BUILTIN_TINY!r}"
+            )
+        return p
+
+    spec = spec or TinySpec()
+    warm = warm or WarmStart()
+    cache = Path(cfg.model.cache_dir).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = _cache_key(cfg, spec, warm)
+    final = cache / f"tiny-{key}"
+    if _is_built(final):
+        return final
+    with _file_lock(cache / f"tiny-{key}.lock"):
+        if _is_built(final):  # another process built it while we waited for the lock
+            return final
+        from envs import make_suite
+
+        suite = make_suite(cfg.env.name, cfg.env.params, seed=cfg.run.seed, eval_size=cfg.env.eval_size)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
+        try:
+            log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
+            with _one_torch_thread():
+                build_untrained(tmp, seed=cfg.run.seed, spec=spec)
+                report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed, log=log.info)
+            report |= {"key": key, "env": cfg.env.name, "params": cfg.env.params, "seed": cfg.run.seed,
+                       "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
+            (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
+            log.info("built %s: held-out greedy accuracy %.3f in %.1f s", final, report["eval_accuracy"], report["seconds"])
+            if final.exists():  # a stale half-built folder from a killed older recipe; replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final

@@ -78,3 +78,153 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     return out
+
+
+# --------------------------------------------------------------------------- torch helpers
+# Shared by the warm-start below and bench/feasibility_grpo.py. Sequences here are a few dozen tokens,
+# so generation recomputes the whole (left-padded) prefix each step instead of keeping a KV cache:
+# simpler, and on this model size not slower.
+
+
+class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Supervised warm-start of the built-in model on the env's train split (prompt -> answer + EOS).
+
+    Training stops at ``max_steps`` or as soon as greedy accuracy on ``probe_size`` train problems
+    reaches ``target_accuracy``: the point is a policy that is right sometimes (so GRPO groups carry
+    signal) but far from perfect (so RL has room to show).
+    """
+
+    max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 3000
+    batch: Annotated[int, Meta(ge=1, description="sequences per step")] = 64
+    lr: Annotated[float, Meta(gt=0, description="AdamW learning rate")] = 3e-3
+    target_accuracy: Annotated[float, Meta(ge=0, le=1, description="stop once probe accuracy reaches this")] = 0.25
+    check_every: Annotated[int, Meta(ge=1, description="steps between probe evaluations")] = 50
+    probe_size: Annotated[int, Meta(ge=1, description="train problems in the probe")] = 128
+
+
+def left_pad(seqs: list[list[int]], pad_id: int):  # -> (input_ids, attention_mask, position_ids)
+    """Left-pad token lists into tensors (generation appends on the right)."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
+             temperature: float = 0.0, generator=None) -> list[list[int]]:
+    """Sample (temperature > 0) or greedy-decode continuations; each stops after its EOS (included)."""
+    import torch
+
+    ids, mask, pos = left_pad(prompts, pad_id)
+    out: list[list[int]] = [[] for _ in prompts]
+    alive = torch.ones(len(prompts), dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :]
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            else:
+                nxt = logits.argmax(-1)
+            nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_id))
+            for i in torch.nonzero(alive).flatten().tolist():
+                out[i].append(int(nxt[i]))
+            alive &= nxt != eos_id
+            if not alive.any():
+                break
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, alive[:, None].long() | (nxt[:, None] == eos_id).long()], dim=1)
+            pos = torch.cat([pos, pos[:, -1:] + 1], dim=1)
+    return out
+
+
+def greedy_accuracy(model, tok, tasks, max_new_tokens: int, batch: int = 256) -> float:
+    """Fraction of ``tasks`` whose greedy answer the arithmetic-style verifier accepts."""
+    from envs.arithmetic import verify
+
+    if not tasks:
+        return 0.0
+    correct = 0
+    for start in range(0, len(tasks), batch):
+        chunk = tasks[start:start + batch]
+        outs = generate(model, [tok.encode(t.prompt) for t in chunk], max_new_tokens, tok.eos_token_id, tok.pad_token_id)
+        correct += sum(verify(tok.decode(o), t.answer) for o, t in zip(outs, chunk))
+    return correct / len(tasks)
+
+
+def answer_tokens(tasks) -> int:
+    """Longest answer + EOS over ``tasks``: the max_new_tokens that can fit every answer."""
+    return max(len(t.answer) for t in tasks) + 1
+
+
+def sft_batch(tok, tasks):  # -> (input_ids, attention_mask, labels)
+    """Right-padded prompt+answer+EOS with labels only on answer and EOS tokens."""
+    import torch
+
+    seqs, labels = [], []
+    for t in tasks:
+        p, a = tok.encode(t.prompt), tok.encode(t.answer) + [tok.eos_token_id]
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids[i, :len(s)] = torch.tensor(s)
+        lab[i, :len(s)] = torch.tensor(lb)
+        mask[i, :len(s)] = 1
+    return ids, mask, lab
+
+
+def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
+               log=None) -> dict:
+    """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
+
+    Deterministic for a seed on one thread (the caller sets torch threads). Report keys: eval_accuracy
+    (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds.
+    """
+    import random
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.models.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    probe = list(train_tasks[: ws.probe_size])
+    max_new = answer_tokens(list(train_tasks) + list(eval_tasks))
+    probe_acc, step = 0.0, 0
+    while step < ws.max_steps:
+        model.train()
+        ids, mask, lab = sft_batch(tok, rng.sample(train_tasks, min(ws.batch, len(train_tasks))))
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % ws.check_every == 0 or step == ws.max_steps:
+            model.eval()
+            probe_acc = greedy_accuracy(model, tok, probe, max_new)
+            if log:
+                log(f"warm-start step {step}: loss {loss.item():.3f} probe accuracy {probe_acc:.3f}")
+            if probe_acc >= ws.target_accuracy:
+                break
+    model.eval()
+    eval_acc = greedy_accuracy(model, tok, list(eval_tasks), max_new)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"eval_accuracy": eval_acc, "probe_accuracy": probe_acc, "steps": step,
+            "seconds": round(time.perf_counter() - t0, 2)}

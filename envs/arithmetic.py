@@ -1,0 +1,111 @@
+"""Integer arithmetic: the built-in single-step RLVR task ("12+34=" -> "46").
+
+    suite = ArithmeticSuite(Params(digits=2, ops=["+"]), seed=0, eval_size=200)
+    suite.eval_tasks()  : eval_size problems, drawn first from the seeded permutation of all problems
+    suite.train_tasks() : the next train_size problems of the same permutation (disjoint from eval)
+    env = suite.make_env(); prompt = await env.reset(task); res = await env.step("46")  # reward 1.0
+
+The problem space is every (op, a, b) with 0 <= a, b < 10**digits; both splits come from one
+``random.Random(seed).sample`` over it, so they are disjoint by construction, identical for a seed and
+different for another. The verifier reads the answer as the text up to the end-of-sequence mark,
+strips whitespace and compares integers exactly; anything else (empty, words, two numbers) is wrong,
+reward 0 (a policy failure, never an EnvFailure).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from envs.base import StepResult, Task
+
+Op = Literal["+", "-", "*"]
+_INT_RE = re.compile(r"[+-]?\d{1,64}")
+# Decoders that keep special tokens print them as text; the answer ends at the first one.
+_EOS_MARKS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
+
+
+def verify(action: str, answer: str) -> bool:
+    """True when ``action`` (model text, possibly ending in an EOS mark) states the integer ``answer``."""
+    for mark in _EOS_MARKS:
+        action = action.split(mark, 1)[0]
+    text = action.strip()
+    if not _INT_RE.fullmatch(text):
+        return False
+    return int(text) == int(answer)
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+class ArithmeticEnv:
+    """One episode: the prompt is the problem, the single step is the answer."""
+
+    def __init__(self) -> None:
+        self._task: Task | None = None
+
+    async def reset(self, task: Task) -> str:
+        self._task = task
+        return task.prompt
+
+    async def step(self, action: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError("ArithmeticEnv.step before reset: call reset(task) first")
+        ok = verify(action, self._task.answer)
+        return StepResult(reward=1.0 if ok else 0.0, done=True, info={"correct": ok})
+
+    async def close(self) -> None:
+        self._task = None
+
+
+class ArithmeticSuite:
+    class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+        """``[env.params]`` of the arithmetic environment."""
+
+        digits: Annotated[int, Meta(ge=1, le=9, description="operands are uniform in [0, 10**digits)")] = 2
+        ops: Annotated[list[Op], Meta(min_length=1, description='operators drawn uniformly: "+", "-", "*"')] = msgspec.field(
+            default_factory=lambda: ["+"]
+        )
+        train_size: Annotated[int, Meta(ge=1, le=10_000_000, description="training problems (capped by what is left after the held-out split)")] = 20_000
+
+    def __init__(self, params: ArithmeticSuite.Params, seed: int, eval_size: int) -> None:
+        if len(set(params.ops)) != len(params.ops):
+            raise ValueError(f"env.params.ops: duplicate operators in {params.ops}; list each once")
+        self.params = params
+        self.seed = seed
+        n = 10**params.digits
+        space = len(params.ops) * n * n
+        if eval_size >= space:
+            raise ValueError(f"env.eval_size: {eval_size} held-out problems leave none to train on "
+                             f"({space} problems with digits={params.digits}); lower eval_size or raise digits")
+        k = eval_size + min(params.train_size, space - eval_size)
+        # random.sample over a range draws without replacement in O(k) memory, however big the space.
+        keys = random.Random(seed).sample(range(space), k)
+        tasks = [self._task(i, key, n) for i, key in enumerate(keys)]
+        self._eval = [msgspec.structs.replace(t, id=f"eval-{i}") for i, t in enumerate(tasks[:eval_size])]
+        self._train = [msgspec.structs.replace(t, id=f"train-{i}") for i, t in enumerate(tasks[eval_size:])]
+
+    def _task(self, i: int, key: int, n: int) -> Task:
+        op_i, rest = divmod(key, n * n)
+        a, b = divmod(rest, n)
+        op = self.params.ops[op_i]
+        return Task(id=str(i), prompt=f"{a}{op}{b}=", answer=str(_apply(op, a, b)))
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self._train
+
+    def eval_tasks(self) -> Sequence[Task]:
+        return self._eval
+
+    def make_env(self) -> ArithmeticEnv:
+        return ArithmeticEnv()

@@ -1,0 +1,434 @@
+"""Any registered environment in a pool of worker processes behind ZeroMQ.
+
+    controller process                                          worker process i (python -m envs.remote)
+      RemoteEnv.reset(task) -- pick the live worker with          RpcServer (ROUTER, ipc://)
+                               the fewest open sessions              sessions: {session id -> Env}
+        RpcClient(i).request(EnvReset) ---------------------------->  suite.make_env(); env.reset(task)
+      RemoteEnv.step(action) (same worker: the episode lives there)
+        request(EnvStep, timeout=call_timeout_s) ------------------>  env.step(action) -> EnvStepped
+                                     <---- EnvObservation / EnvStepped / Error(kind="env:<reason>")
+      supervisor task per worker: awaits the process's exit
+        exit -> every pending call of that worker fails (EnvFailure "crash") -> respawn in the slot
+
+Failure rules (per call; each raises ``EnvFailure`` so the controller retries the rollout elsewhere):
+- the worker process dies (any cause)             -> "crash"; the pool starts a replacement.
+- a call takes longer than ``call_timeout_s``     -> "timeout"; that worker is killed and replaced
+  (every other episode on it is lost and fails "crash": a hung env may have wedged the process).
+- the inner env raises EnvFailure(reason)         -> EnvFailure(reason), the worker stays.
+- the inner env raises anything else              -> "error", the worker stays.
+- an observation fails ``validate_observation``   -> "garbage" (a worker is not trusted blindly).
+- the caller cancels a call (its own deadline)    -> the worker is told to cancel that session.
+
+Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", workers = 2,
+params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
+inside the workers). Tasks come from a copy of the inner suite built in the controller (data only).
+Messages are msgspec structs (below); nothing is pickled. Workers die with the controller
+(PR_SET_PDEATHSIG, plus a parent check every second); call ``RemoteSuite.aclose()`` on shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Union
+
+import msgspec
+from msgspec import Meta
+
+from envs import make_suite
+from envs.base import Env, EnvFailure, StepResult, Task
+from envs.faults import WORKER_ENV_VAR, validate_observation
+from flashrl.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
+from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer
+
+log = logging.getLogger(__name__)
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m envs.remote` from any cwd
+
+
+# --------------------------------------------------------------------------- messages
+class EnvReset(Msg):
+    """Start (or restart) episode ``session`` on ``task``; the reply is its first observation."""
+
+    session: int = 0
+    task: Task | None = None
+
+
+class EnvStep(Msg):
+    session: int = 0
+    action: str = ""
+
+
+class EnvClose(Msg):
+    """End ``session``: cancel its call in progress, if any, and close its env."""
+
+    session: int = 0
+
+
+class EnvObservation(Msg):
+    text: str = ""
+
+
+class EnvStepped(Msg):
+    result: StepResult = msgspec.field(default_factory=StepResult)
+
+
+WorkerRequest = Union[EnvReset, EnvStep, EnvClose, Ping, Shutdown]
+WorkerReply = Union[EnvObservation, EnvStepped, Ok, Pong, Error]
+WORKER_REQUESTS = Codec(WorkerRequest, "env worker request")
+WORKER_REPLIES = Codec(WorkerReply, "env worker reply")
+
+
+# --------------------------------------------------------------------------- params
+class RemoteParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[env.params]`` of ``env.name = "remote"``."""
+
+    inner: Annotated[str, Meta(min_length=1, description="the environment the workers run (any env.name)")]
+    params: Annotated[dict[str, Any], Meta(description="the inner environment's [env.params]")] = {}
+    workers: Annotated[int, Meta(ge=1, le=256, description="worker processes")] = 2
+    call_timeout_s: Annotated[float, Meta(gt=0, description="deadline of one reset/step; past it the worker is replaced")] = 30.0
+    startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds a new worker has to answer its first ping")] = 60.0
+    max_obs_chars: Annotated[int, Meta(ge=1, description="longest observation accepted from a worker")] = 4096
+
+
+# --------------------------------------------------------------------------- controller side
+class _Worker:
+    """One slot's current process. ``generation`` increases with every replacement."""
+
+    def __init__(self, slot: int, generation: int, proc: asyncio.subprocess.Process, client: RpcClient) -> None:
+        self.slot = slot
+        self.generation = generation
+        self.proc = proc
+        self.client = client
+        self.sessions = 0
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.alive = True
+        self.supervisor: asyncio.Task[None] | None = None
+
+
+class RemotePool:
+    """Worker processes, started on first use, each supervised and replaced when it exits."""
+
+    def __init__(self, params: RemoteParams, seed: int, eval_size: int) -> None:
+        self.params = params
+        self.seed = seed
+        self.eval_size = eval_size
+        self.counters: Counter[str] = Counter()
+        self._slots: list[_Worker | None] = [None] * params.workers
+        self._generations = itertools.count()
+        self._sessions = itertools.count(1)
+        self._start_lock: asyncio.Lock | None = None
+        self._closing = False
+        self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
+        self._background: set[asyncio.Task[Any]] = set()
+        self._pids: set[int] = set()
+        self._finalizer = weakref.finalize(self, _kill_pids, self._pids, self._dir)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers (slot order; tests kill them on purpose)."""
+        return [w.proc.pid for w in self._slots if w is not None and w.alive]
+
+    async def start(self) -> None:
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            for slot, w in enumerate(self._slots):
+                if w is None and not self._closing:
+                    self._slots[slot] = await self._spawn(slot)
+
+    async def _spawn(self, slot: int) -> _Worker:
+        gen = next(self._generations)
+        address = f"ipc://{self._dir}/w{slot}-{gen}.sock"
+        args = ["--address", address, "--inner", self.params.inner, "--params", msgspec.json.encode(self.params.params).decode(),
+                "--seed", str(self.seed), "--eval-size", str(self.eval_size)]  # fmt: skip
+        path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env[WORKER_ENV_VAR] = "1"
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "envs.remote", *args, env=env)
+        self._pids.add(proc.pid)
+        client = RpcClient(address, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}")
+        w = _Worker(slot, gen, proc, client)
+        w.supervisor = asyncio.get_running_loop().create_task(self._supervise(w), name=f"env-worker-{slot}.{gen}-supervisor")
+        self.counters["spawned"] += 1
+        return w
+
+    async def _supervise(self, w: _Worker) -> None:
+        """Wait for the first ping, then for the process to exit; on exit fail its calls and respawn."""
+        loop = asyncio.get_running_loop()
+        born = loop.time()
+        ping = loop.create_task(w.client.request(Ping(), timeout=self.params.startup_timeout_s))
+        exited = loop.create_task(w.proc.wait())
+        await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if ping.done() and ping.exception() is None:
+            w.ready.set_result(None)
+        else:
+            if not ping.done():
+                ping.cancel()
+            err = ping.exception() if ping.done() and not ping.cancelled() else None
+            w.ready.set_exception(EnvFailure("crash", f"env worker {w.slot} did not start ({err or 'it exited'})"))
+            w.ready.exception()  # mark retrieved: nobody may be waiting on this worker yet
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        code = await exited
+        w.alive = False
+        self._pids.discard(w.proc.pid)
+        await w.client.close()  # pending calls get PeerDead -> EnvFailure("crash")
+        if self._closing:
+            return
+        self.counters["exits"] += 1
+        log.warning("env worker %d.%d exited with code %s; replacing it", w.slot, w.generation, code)
+        if loop.time() - born < 1.0:  # dying at start-up: do not spin
+            await asyncio.sleep(1.0)
+        if not self._closing and self._slots[w.slot] is w:
+            self._slots[w.slot] = await self._spawn(w.slot)
+            self.counters["restarts"] += 1
+
+    async def acquire(self) -> _Worker:
+        """The ready worker with the fewest open sessions (waits for one that is starting)."""
+        await self.start()
+        live = [w for w in self._slots if w is not None and w.alive]
+        if not live:
+            raise EnvFailure("crash", "no env worker is alive (all are restarting)")
+        ready = [w for w in live if w.ready.done() and w.ready.exception() is None]
+        w = min(ready or live, key=lambda x: x.sessions)
+        await asyncio.shield(w.ready)
+        w.sessions += 1
+        return w
+
+    def kill(self, w: _Worker, reason: str) -> None:
+        """Kill ``w``'s process; its supervisor replaces it."""
+        if w.alive:
+            self.counters[f"killed:{reason}"] += 1
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+
+    def new_session(self) -> int:
+        return next(self._sessions)
+
+    def background(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        """Kill every worker and wait for them; idempotent."""
+        self._closing = True
+        workers = [w for w in self._slots if w is not None]
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        for w in workers:
+            if w.supervisor is not None:
+                with contextlib.suppress(BaseException):
+                    await w.supervisor
+            await w.client.close()
+        for t in list(self._background):
+            t.cancel()
+        self._finalizer()
+
+
+def _kill_pids(pids: set[int], path: str) -> None:
+    for pid in list(pids):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class RemoteEnv:
+    """An Env whose episode runs in a pool worker; every failure surfaces as EnvFailure."""
+
+    def __init__(self, pool: RemotePool) -> None:
+        self.pool = pool
+        self.worker: _Worker | None = None
+        self.generation = -1
+        self.session = 0
+
+    async def _call(self, msg: Msg) -> Msg:
+        w = self.worker
+        if w is None:
+            raise RuntimeError("remote env: step() before reset()")
+        if not w.alive or w.generation != self.generation:
+            raise EnvFailure("crash", f"env worker {w.slot} was replaced; the episode is lost")
+        try:
+            return await w.client.request(msg, timeout=self.pool.params.call_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            self.pool.kill(w, "timeout")
+            raise EnvFailure("timeout", f"env worker {w.slot} took over {self.pool.params.call_timeout_s:g}s; replaced") from None
+        except PeerDead as e:
+            raise EnvFailure("crash", f"env worker {w.slot} died: {e}") from None
+        except RemoteError as e:
+            reason = e.kind[4:] if e.kind.startswith("env:") else "error"
+            raise EnvFailure(reason, str(e)) from None
+        except asyncio.CancelledError:
+            # The caller's own deadline: tell the worker to stop this session's call.
+            self.pool.background(_quiet(w.client.request(EnvClose(session=self.session), timeout=5.0)))
+            raise
+
+    def _valid(self, text: str) -> str:
+        reason = validate_observation(text, self.pool.params.max_obs_chars)
+        if reason is not None:
+            self.pool.counters[f"rejected:{reason}"] += 1
+            raise EnvFailure("garbage", f"observation from env worker rejected: {reason}")
+        return text
+
+    async def reset(self, task: Task) -> str:
+        await self._release()
+        w = await self.pool.acquire()
+        self.worker, self.generation, self.session = w, w.generation, self.pool.new_session()
+        reply = await self._call(EnvReset(session=self.session, task=task))
+        if not isinstance(reply, EnvObservation):
+            raise EnvFailure("garbage", f"env worker answered reset with {type(reply).__name__}")
+        return self._valid(reply.text)
+
+    async def step(self, action: str) -> StepResult:
+        reply = await self._call(EnvStep(session=self.session, action=action))
+        if not isinstance(reply, EnvStepped):
+            raise EnvFailure("garbage", f"env worker answered step with {type(reply).__name__}")
+        if not reply.result.done:
+            self._valid(reply.result.observation)
+        return reply.result
+
+    async def _release(self) -> None:
+        w, self.worker = self.worker, None
+        if w is None:
+            return
+        w.sessions -= 1
+        if w.alive and w.generation == self.generation:
+            await _quiet(w.client.request(EnvClose(session=self.session), timeout=5.0))
+
+    async def close(self) -> None:
+        await self._release()
+
+
+async def _quiet(aw: Any) -> None:
+    with contextlib.suppress(Exception):
+        await aw
+
+
+class RemoteSuite:
+    """``env.name = "remote"``: the inner suite's tasks; episodes run in the worker pool."""
+
+    Params: ClassVar[type] = RemoteParams
+
+    def __init__(self, params: RemoteParams, seed: int = 0, eval_size: int = 200) -> None:
+        self.params = params
+        self.local = make_suite(params.inner, dict(params.params), seed, eval_size)  # data + early param errors
+        self.pool = RemotePool(params, seed, eval_size)
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.pool.counters
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self.local.train_tasks()
+
+    def eval_tasks(self) -> Sequence[Task]:
+        return self.local.eval_tasks()
+
+    def make_env(self) -> Env:
+        return RemoteEnv(self.pool)
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+
+# --------------------------------------------------------------------------- worker side
+class _WorkerState:
+    def __init__(self, suite: Any) -> None:
+        self.suite = suite
+        self.sessions: dict[int, Env] = {}
+        self.running: dict[int, asyncio.Task[Any]] = {}
+        self.stop = asyncio.Event()
+
+    async def _guard(self, session: int, aw: Any) -> Any:
+        """Run one env call as a task EnvClose can cancel; EnvFailure -> Error(kind="env:<reason>")."""
+        task = asyncio.ensure_future(aw)
+        self.running[session] = task
+        try:
+            return await task
+        finally:
+            if self.running.get(session) is task:
+                del self.running[session]
+
+    async def handle(self, msg: Msg) -> Msg | None:
+        try:
+            if isinstance(msg, Ping):
+                return Pong()
+            if isinstance(msg, EnvReset):
+                if msg.task is None:
+                    return Error(message="EnvReset without a task", kind="env:garbage")
+                await self._drop(msg.session)
+                env = self.sessions[msg.session] = self.suite.make_env()
+                return EnvObservation(text=await self._guard(msg.session, env.reset(msg.task)))
+            if isinstance(msg, EnvStep):
+                env = self.sessions.get(msg.session)
+                if env is None:
+                    return Error(message=f"unknown session {msg.session}", kind="env:crash")
+                return EnvStepped(result=await self._guard(msg.session, env.step(msg.action)))
+            if isinstance(msg, EnvClose):
+                await self._drop(msg.session)
+                return Ok()
+            if isinstance(msg, Shutdown):
+                self.stop.set()
+                return Ok()
+        except EnvFailure as e:
+            return Error(message=e.detail or e.reason, kind=f"env:{e.reason}")
+        return Error(message=f"unexpected {type(msg).__name__}")
+
+    async def _drop(self, session: int) -> None:
+        task = self.running.pop(session, None)
+        if task is not None:
+            task.cancel()
+        env = self.sessions.pop(session, None)
+        if env is not None:
+            with contextlib.suppress(Exception):
+                await env.close()
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def _worker_main(ns: argparse.Namespace) -> None:
+    params = msgspec.json.decode(ns.params)
+    suite = make_suite(ns.inner, params, ns.seed, ns.eval_size)
+    state = _WorkerState(suite)
+    server = RpcServer(ns.address, WORKER_REQUESTS, state.handle, name=f"env-worker({ns.inner})")
+    serve = asyncio.get_running_loop().create_task(server.serve())
+    parent = os.getppid()
+    while not state.stop.is_set() and os.getppid() == parent:
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(state.stop.wait(), 1.0)
+    serve.cancel()
+    with contextlib.suppress(BaseException):
+        await serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="flashrl environment worker (started by envs.remote.RemotePool)")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--inner", required=True)
+    ap.add_argument("--params", default="{}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-size", type=int, default=200)
+    ns = ap.parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s env-worker %(levelname)s %(message)s")
+    asyncio.run(_worker_main(ns))
+
+
+if __name__ == "__main__":
+    main()

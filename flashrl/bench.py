@@ -1,0 +1,492 @@
+"""``flashrl bench``: the ROLL Flash ablations as scenarios, each point async against the sync baseline.
+
+    bench/<scenario>.toml --load_scenario--> Scenario (base config, sim model, baseline/flash overrides, points)
+        for each point:  baseline config = base + point.set + baseline
+                         flash config    = base + point.set + flash + point.flash
+                         run_variant(cfg) x 2: the REAL controller (flashrl.controller) with SimEngine x
+                         engine.count, SimTrainer and the "sim" environment, on a VirtualEventLoop
+                         -> steady-state seconds per training step, engine busy fraction, bounds
+        -> rich table, results.json, results.csv, <scenario>.png under --out
+
+Speed-up = baseline seconds per step / flash seconds per step, over steps ``warmup+1 .. steps``
+(both runs train the same number of samples per step). Every number is virtual time from the
+latency model in the scenario file, so it is exact and repeatable for a seed; the CPU seconds the
+simulation took are reported beside it.
+
+Bounds (ALGORITHMS.md, end): ``bound`` is the capacity bound of the flash set-up: every engine full
+(``max_num_seqs`` sequences) all the time and the trainer never waiting, so a step takes at least
+max(generation work / engines + weight load, train + weight sync). ``formula`` is the paper's
+queue-scheduling estimate T_async(alpha) = T_sync - L_gen * alpha / (alpha + 1), with L_gen (the
+long-tail term) measured from the baseline as its generation time minus the capacity-bound
+generation time. ``closeness`` = speed-up / bound.
+
+Other modes: ``overhead`` scenarios (kind = "overhead") time the real controller's CPU per sample
+against engines that answer at once, and the ZeroMQ path (transport.RpcClient -> RpcServer) in
+requests per second. Real mode (vLLM engines, the real trainer) is not wired yet: it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import csv
+import inspect
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import tomllib
+from msgspec import Meta
+
+from flashrl.config import Config, ConfigError, from_dict
+from flashrl.sim.clock import run_virtual
+from flashrl.sim.engine import LatencyModel, LengthModel, SimEngine
+from flashrl.sim.envs import SimTokenizer
+from flashrl.sim.trainer import SimTrainer, TrainerModel
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+# --------------------------------------------------------------------------- scenario files
+class SimModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The latency model of a scenario (``[sim]``): one engine, the response lengths, the trainer."""
+
+    latency: LatencyModel = msgspec.field(default_factory=LatencyModel)
+    lengths: LengthModel = msgspec.field(default_factory=LengthModel)
+    trainer: TrainerModel = msgspec.field(default_factory=TrainerModel)
+
+
+class PointSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    label: Annotated[str, Meta(min_length=1, description="the point's name in tables and plots")]
+    x: Annotated[float | None, Meta(description="x value in the sweep plot (default: the point's position)")] = None
+    set: Annotated[dict[str, Any], Meta(description="dotted overrides for both variants, e.g. {'rollout.group_size' = 8}")] = {}
+    flash: Annotated[dict[str, Any], Meta(description="dotted overrides for the flash variant only")] = {}
+    target: Annotated[float | None, Meta(description="the speed-up bar this point must reach")] = None
+
+
+class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    profile: Annotated[str, Meta(description="bench/profiles/<profile>.toml: [config] and [sim] tables this file overrides")] = ""
+    title: str = ""
+    description: str = ""
+    kind: Literal["speedup", "throughput", "overhead"] = "speedup"
+    steps: Annotated[int, Meta(ge=2, description="training steps per run")] = 6
+    warmup: Annotated[int, Meta(ge=0, description="steps left out of the steady-state time")] = 1
+    x_label: str = "point"
+    config: Annotated[dict[str, Any], Meta(description="flashrl config (partial, as config.toml) shared by every run")] = {}
+    sim: SimModel = msgspec.field(default_factory=SimModel)
+    baseline: Annotated[dict[str, Any], Meta(description="dotted overrides of the synchronous baseline")] = {}
+    flash: Annotated[dict[str, Any], Meta(description="dotted overrides of the ROLL Flash variant")] = {}
+    points: list[PointSpec] = []
+    busy_target: Annotated[float | None, Meta(description="flash engine busy fraction to reach where the bound allows it")] = None
+    zmq_requests: Annotated[int, Meta(ge=0, description="overhead: requests through the ZeroMQ echo path")] = 0
+
+
+class BenchError(ValueError):
+    """A scenario problem; the message names the file and the key."""
+
+
+def find_scenario(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    q = BENCH_DIR / f"{name_or_path}.toml"
+    if q.is_file():
+        return q
+    known = sorted(x.stem for x in BENCH_DIR.glob("*.toml"))
+    raise BenchError(f"scenario {name_or_path!r} not found: give a .toml path or one of {known} (or 'all')")
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+        if data.get("profile"):
+            prof_path = BENCH_DIR / "profiles" / f"{data['profile']}.toml"
+            if not prof_path.is_file():
+                raise BenchError(f"{p}: profile: {prof_path} not found")
+            data = _deep_merge(tomllib.loads(prof_path.read_text()), data)
+        scn = msgspec.convert(data, Scenario, strict=True)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
+        raise BenchError(f"{p}: {e}") from None
+    if scn.warmup >= scn.steps:
+        raise BenchError(f"{p}: warmup ({scn.warmup}) must be < steps ({scn.steps})")
+    if not scn.points:
+        raise BenchError(f"{p}: no [[points]]: add at least one point")
+    for pt in scn.points:  # fail before running anything, naming the point
+        for variant in ("baseline", "flash"):
+            try:
+                variant_config(scn, pt, variant)
+            except (ConfigError, BenchError) as e:
+                raise BenchError(f"{p}: point {pt.label!r} ({variant}): {e}") from None
+    return scn
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for k in parts[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise BenchError(f"override {key!r}: {k!r} is a value, not a table")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def variant_config(scn: Scenario, pt: PointSpec, variant: Literal["baseline", "flash"]) -> tuple[Config, SimModel]:
+    """The flashrl Config and sim model of one run. ``sim.*`` keys override the latency model."""
+    tree: dict[str, Any] = {"config": copy.deepcopy(scn.config), "sim": msgspec.to_builtins(scn.sim)}
+    layers = [pt.set, scn.baseline] if variant == "baseline" else [pt.set, scn.flash, pt.flash]
+    for layer in layers:
+        for key, value in layer.items():
+            _set_dotted(tree, key if key.startswith("sim.") else f"config.{key}", value)
+    cfg_tree = tree["config"]
+    run = cfg_tree.setdefault("run", {})
+    run.setdefault("dashboard", "off")
+    run["steps"] = scn.steps
+    cfg_tree.setdefault("env", {}).setdefault("name", "sim")
+    try:
+        sim = msgspec.convert(tree["sim"], SimModel, strict=True)
+    except msgspec.ValidationError as e:
+        raise BenchError(f"sim: {e}") from None
+    cfg = from_dict(cfg_tree, source=f"{scn.name}/{pt.label}/{variant}")
+    if cfg.engine.max_num_seqs != sim.latency.max_num_seqs:
+        raise BenchError(
+            f"engine.max_num_seqs ({cfg.engine.max_num_seqs}) != sim.latency.max_num_seqs "
+            f"({sim.latency.max_num_seqs}): the controller's permits must match the simulated engine"
+        )
+    return cfg, sim
+
+
+# --------------------------------------------------------------------------- one run
+class RunResult(msgspec.Struct, kw_only=True):
+    step_s: float  # steady-state seconds per training step
+    step_ends: list[float]
+    busy: float  # mean engine busy fraction over the steady window
+    samples_per_step: float
+    response_tokens_per_step: float
+    prompt_tokens_per_step: float
+    train_s: float  # mean train_step time
+    gen_s: float  # mean time from a step's end to the next step's start (sync: generation time)
+    staleness_max: int
+    virtual_s: float
+    cpu_s: float
+    events: int
+    counters: dict[str, int] = {}
+
+
+def _controller_cls() -> Any:
+    try:
+        from flashrl.controller.controller import Controller
+    except ImportError as e:  # pragma: no cover - until the controller lands
+        raise BenchError(f"the controller is not available ({e}); the simulator needs flashrl.controller.controller.Controller") from e
+    return Controller
+
+
+def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunResult:
+    """Run the real controller on simulated engines/trainer/envs, on virtual time."""
+    from envs import make_suite
+
+    Controller = _controller_cls()
+    tok = SimTokenizer()
+    engines = [
+        SimEngine(f"sim{i}", sim.latency, sim.lengths, seed=cfg.run.seed, vocab_size=tok.vocab_size)
+        for i in range(cfg.engine.count)
+    ]
+    trainer = SimTrainer(sim.trainer)
+    busy_at: list[float] = []  # total engine busy seconds at each step's end
+
+    def on_step_end(_rec: Any) -> None:
+        now = asyncio.get_running_loop().time()
+        busy_at.append(sum(e.busy_until(now) for e in engines))
+
+    trainer.on_step_end = on_step_end
+    suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size)
+    counters: dict[str, int] = {}
+
+    async def main() -> None:
+        ctrl = _make_controller(Controller, cfg, tok, suite, engines, trainer)
+        try:
+            await ctrl.run()
+        finally:
+            counters.update(_counters(ctrl))
+            for e in engines:
+                await e.close()
+
+    loop_jumps: list[int] = []
+
+    async def main_with_jumps() -> None:
+        await main()
+        loop_jumps.append(getattr(asyncio.get_running_loop(), "jumps", 0))
+
+    _, virtual, cpu = run_virtual(main_with_jumps)
+    hist = trainer.history
+    if len(hist) <= warmup:
+        raise BenchError(f"the run trained {len(hist)} steps, fewer than warmup+1 ({warmup + 1}); raise steps")
+    window = hist[warmup:]
+    t0 = hist[warmup - 1].end_s if warmup > 0 else 0.0
+    t1 = hist[-1].end_s
+    n = len(window)
+    step_s = (t1 - t0) / n
+    busy0 = busy_at[warmup - 1] if warmup > 0 else 0.0
+    busy = (busy_at[-1] - busy0) / (len(engines) * (t1 - t0)) if t1 > t0 else 0.0
+    gaps = [hist[i].start_s - hist[i - 1].end_s for i in range(max(1, warmup), len(hist))]
+    return RunResult(
+        step_s=step_s,
+        step_ends=[h.end_s for h in hist],
+        busy=busy,
+        samples_per_step=statistics.fmean(h.samples for h in window),
+        response_tokens_per_step=statistics.fmean(h.response_tokens for h in window),
+        prompt_tokens_per_step=statistics.fmean(h.tokens - h.response_tokens for h in window),
+        train_s=statistics.fmean(h.end_s - h.start_s for h in window),
+        gen_s=statistics.fmean(gaps) if gaps else 0.0,
+        staleness_max=max(h.staleness_max for h in window),
+        virtual_s=virtual,
+        cpu_s=cpu,
+        events=loop_jumps[0] if loop_jumps else 0,
+        counters=counters,
+    )
+
+
+def _make_controller(Controller: Any, cfg: Config, tok: Any, suite: Any, engines: list[SimEngine], trainer: SimTrainer) -> Any:
+    params = inspect.signature(Controller).parameters
+    kwargs: dict[str, Any] = {}
+    if "on_step" in params:
+        kwargs["on_step"] = None
+    return Controller(cfg, tok, suite, engines, trainer, **kwargs)
+
+
+def _counters(ctrl: Any) -> dict[str, int]:
+    c = getattr(ctrl, "counters", None)
+    try:
+        return {str(k): int(v) for k, v in dict(c).items()} if c is not None else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+# --------------------------------------------------------------------------- bounds
+def capacity_times(cfg: Config, sim: SimModel, run: RunResult) -> tuple[float, float]:
+    """(generation, training) seconds per step of ``cfg``'s set-up at full capacity.
+
+    Generation: every engine holds ``max_num_seqs`` sequences all the time (plus prefill and the
+    weight load). Training: the trainer never waits (train step + weight gather and broadcast).
+    A step can never take less than the larger of the two.
+    """
+    lat = sim.latency
+    c = lat.max_num_seqs
+    per_sample_resp = run.response_tokens_per_step / max(run.samples_per_step, 1.0)
+    per_sample_prompt = run.prompt_tokens_per_step / max(run.samples_per_step, 1.0)
+    mean_ctx = per_sample_prompt + per_sample_resp / 2  # average context over a sample's decode
+    step = lat.step_time(c, int(c * mean_ctx))
+    gen = run.response_tokens_per_step * step / c / cfg.engine.count
+    gen += run.prompt_tokens_per_step * lat.prefill_per_token_s / cfg.engine.count
+    gen += lat.weight_load_s
+    tm = sim.trainer
+    train = tm.step_time(int(run.response_tokens_per_step + run.prompt_tokens_per_step)) + tm.prepare_weights_s + tm.send_weights_s
+    return gen, train
+
+
+# --------------------------------------------------------------------------- one point, one scenario
+class PointResult(msgspec.Struct, kw_only=True):
+    scenario: str
+    label: str
+    x: float
+    speedup: float
+    target: float | None
+    passed: bool | None
+    base_step_s: float
+    flash_step_s: float
+    base_busy: float
+    flash_busy: float
+    bound: float  # capacity bound on the speed-up
+    formula: float  # ALGORITHMS.md queue-scheduling estimate at the flash async ratio
+    closeness: float  # speedup / bound
+    flash_staleness_max: int
+    tail_ratio: float  # longest / median response of the length model at this max_tokens
+    cpu_s: float
+    base_config: dict[str, Any]
+    flash_config: dict[str, Any]
+    base: RunResult
+    flash: RunResult
+
+
+def tail_ratio(lengths: LengthModel, max_tokens: int, n: int = 4096) -> float:
+    from flashrl.sim.engine import uniform
+
+    xs = sorted(lengths.length(uniform(0, str(i).encode()), max_tokens) for i in range(n))
+    return xs[-1] / xs[n // 2]
+
+
+def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointResult:
+    base_cfg, base_sim = variant_config(scn, pt, "baseline")
+    flash_cfg, flash_sim = variant_config(scn, pt, "flash")
+    base = run_variant(base_cfg, base_sim, scn.warmup, out_dir)
+    flash = run_variant(flash_cfg, flash_sim, scn.warmup, out_dir)
+    if scn.kind == "throughput":  # scaling: samples per second relative to the first point's baseline
+        speedup = (flash.samples_per_step / flash.step_s) / (base.samples_per_step / base.step_s)
+    else:
+        speedup = base.step_s / flash.step_s
+    gen_cap, train_cap = capacity_times(flash_cfg, flash_sim, flash)
+    cap = max(gen_cap, train_cap)
+    bound = base.step_s / cap
+    # The paper's long-tail term, measured: the baseline's generation phase minus its full-capacity time.
+    base_gen_cap, _ = capacity_times(base_cfg, base_sim, base)
+    l_gen = max(0.0, base.gen_s - base_gen_cap)
+    alpha = flash_cfg.scheduler.async_ratio
+    formula = base.step_s / max(cap, base.step_s - l_gen * alpha / (alpha + 1))
+    return PointResult(
+        scenario=scn.name,
+        label=pt.label,
+        x=pt.x if pt.x is not None else float(index),
+        speedup=speedup,
+        target=pt.target,
+        passed=None if pt.target is None else speedup >= pt.target,
+        base_step_s=base.step_s,
+        flash_step_s=flash.step_s,
+        base_busy=base.busy,
+        flash_busy=flash.busy,
+        bound=bound,
+        formula=formula,
+        closeness=speedup / bound if bound > 0 else math.nan,
+        flash_staleness_max=flash.staleness_max,
+        tail_ratio=tail_ratio(flash_sim.lengths, flash_cfg.rollout.max_new_tokens),
+        cpu_s=base.cpu_s + flash.cpu_s,
+        base_config=msgspec.to_builtins(base_cfg) | {"sim": msgspec.to_builtins(base_sim)},
+        flash_config=msgspec.to_builtins(flash_cfg) | {"sim": msgspec.to_builtins(flash_sim)},
+        base=base,
+        flash=flash,
+    )
+
+
+def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "real"] = "sim", quiet: bool = False) -> list[PointResult]:
+    """Run every point of one scenario; write results.json, results.csv and a PNG under ``out_dir/<name>/``."""
+    scn = load_scenario(path)
+    if mode != "sim":
+        raise BenchError(
+            "real mode is not wired yet: it needs the engine/trainer launcher (flashrl run's process "
+            "manager); run the scenario in sim mode, or calibrate the sim from a real run with "
+            "`flashrl bench calibrate runs/<name>`"
+        )
+    out = Path(out_dir) / scn.name
+    out.mkdir(parents=True, exist_ok=True)
+    if scn.kind == "overhead":
+        from flashrl.benchmarks.overhead import run_overhead
+
+        return run_overhead(scn, out, quiet=quiet)  # type: ignore[return-value]
+    results: list[PointResult] = []
+    with tempfile.TemporaryDirectory(prefix="flashrl-bench-") as tmp:
+        for i, pt in enumerate(scn.points):
+            res = run_point(scn, pt, i, Path(tmp))
+            results.append(res)
+            if not quiet:
+                print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x (bound {res.bound:.2f}x, busy {res.flash_busy:.0%}, cpu {res.cpu_s:.1f}s)", flush=True)
+    write_results(scn, results, out)
+    if not quiet:
+        print_table(scn, results)
+    return results
+
+
+# --------------------------------------------------------------------------- outputs
+CSV_FIELDS = [
+    "scenario", "label", "x", "speedup", "target", "passed", "base_step_s", "flash_step_s", "base_busy", "flash_busy",
+    "bound", "formula", "closeness", "flash_staleness_max", "tail_ratio", "cpu_s",
+]
+
+
+def write_results(scn: Scenario, results: list[PointResult], out: Path) -> None:
+    (out / "results.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode({"scenario": msgspec.to_builtins(scn), "points": results}), indent=2)
+    )
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*CSV_FIELDS, "base_config", "flash_config"])
+        for r in results:
+            row = [getattr(r, k) for k in CSV_FIELDS]
+            w.writerow([*row, msgspec.json.encode(r.base_config).decode(), msgspec.json.encode(r.flash_config).decode()])
+    plot(scn, results, out / f"{scn.name}.png")
+
+
+def plot(scn: Scenario, results: list[PointResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = list(range(len(results)))
+    ax.plot(xs, [r.speedup for r in results], "o-", label="flash / sync (measured)")
+    ax.plot(xs, [r.bound for r in results], "k--", label="capacity bound")
+    if scn.kind != "throughput":
+        ax.plot(xs, [r.formula for r in results], ":", color="gray", label="paper formula")
+    targets = [r.target for r in results]
+    if any(t is not None for t in targets):
+        ax.plot(xs, [t if t is not None else math.nan for t in targets], "r_", markersize=18, mew=2, label="bar")
+    ax.set_xticks(xs, [r.label for r in results], rotation=30 if len(results) > 5 else 0)
+    ax.set_xlabel(scn.x_label)
+    ax.set_ylabel("throughput ratio" if scn.kind == "throughput" else "speed-up over sync")
+    ax.set_title(scn.title or scn.name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(scn: Scenario, results: list[PointResult]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{scn.name}: {scn.title}")
+    for col in ("point", "sync s/step", "flash s/step", "speed-up", "bar", "bound", "formula", "closeness", "busy sync", "busy flash", "stale max", "cpu s"):
+        t.add_column(col, justify="right")
+    for r in results:
+        bar = "" if r.target is None else (f"[green]>={r.target:g} ok[/]" if r.passed else f"[red]>={r.target:g} MISS[/]")
+        t.add_row(
+            r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x", bar, f"{r.bound:.2f}x",
+            f"{r.formula:.2f}x", f"{r.closeness:.0%}", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
+            str(r.flash_staleness_max), f"{r.cpu_s:.1f}",
+        )
+    Console().print(t)
+
+
+# --------------------------------------------------------------------------- CLI
+def main(argv: list[str]) -> int:
+    """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]`` and ``flashrl bench calibrate RUN_DIR``."""
+    if argv and argv[0] == "calibrate":
+        from flashrl.benchmarks.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="flashrl bench", description=__doc__.split("\n")[0])
+    ap.add_argument("scenario", help="a bench/*.toml name (e.g. queue_scheduling), a path, or 'all'")
+    ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")
+    ap.add_argument("--mode", choices=["sim", "real"], default="sim")
+    args = ap.parse_args(argv)
+    return bench_main(args.scenario, args.out, args.mode)
+
+
+def bench_main(scenario: str, out: str = "bench/results", mode: str = "sim") -> int:
+    names = sorted(p.stem for p in BENCH_DIR.glob("*.toml")) if scenario == "all" else [scenario]
+    failed = 0
+    t0 = time.perf_counter()
+    for name in names:
+        try:
+            results = run_scenario(find_scenario(name), out, mode)  # type: ignore[arg-type]
+        except (BenchError, ConfigError) as e:
+            print(f"flashrl bench: {e}", file=sys.stderr)
+            return 2
+        failed += sum(1 for r in results if getattr(r, "passed", None) is False)
+    print(f"bench: {len(names)} scenario(s) in {time.perf_counter() - t0:.1f}s wall; results under {out}/")
+    return 1 if failed else 0

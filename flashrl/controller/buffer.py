@@ -1,0 +1,212 @@
+"""The sample buffer: one group per admitted prompt, as an explicit state machine.
+
+    admit() ──> ADMITTED ──start()──> RUNNING ──add() x group_size──> COMPLETE ──take_batch()──> TRAINING
+                                        ^                                 |                          |
+                                        └──── stale samples dropped ──────┘          mark_trained() (after the
+                                              (refill: start() again)                 weights are published)
+                                                                                               v
+                              drop(): unfillable group, or all rewards tied (filter_ties)  ──> TRAINED / DROPPED
+                                                                                            (slot freed)
+
+Invariants (each is checked where it can break; tests/test_buffer.py exercises them):
+
+1. Capacity = the staleness bound on admission. ``outstanding`` = groups admitted and not yet
+   TRAINED or DROPPED. ``admit()`` is refused unless ``outstanding < capacity`` with
+   ``capacity = (async_ratio + 1) * batch_prompts`` (AReaL's rule), so outstanding never exceeds it.
+   A slot is freed by ``mark_trained()``, which the controller calls only after the update that
+   trained the group is published to every engine: a prompt admitted into that slot therefore
+   generates with the new weights (with async_ratio = 0 every sample is exactly on-policy).
+2. Staleness per sample. The batch taken at step s (the update that makes version s+1) holds only
+   samples with ``s - version_start <= async_ratio``, version_start being the version of the
+   sample's first generated token. ``take_batch()`` removes any sample that breaks it, counts it
+   (``stale/dropped_samples``) and hands its group back as RUNNING for a refill. Nothing is lost
+   silently: every sample that leaves the buffer is either in a batch or in a counter.
+3. Order. Batches are whole COMPLETE groups in completion order (``ordered=True``, the barrier
+   mode: in admission order, so the synchronous loop is reproduced exactly). Inside a group,
+   samples are ordered by their sample index.
+4. A group holds at most ``group_size`` samples: the first ``group_size`` to finish. A sample
+   arriving for a group that is not RUNNING is refused (counted ``buffer/late_samples``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+import anyio
+
+from envs.base import Task
+from flashrl.controller.rollout import Trajectory
+
+__all__ = ["Group", "GroupState", "SampleBuffer"]
+
+
+class GroupState(enum.Enum):
+    ADMITTED = "admitted"  # holds a slot, no rollout started yet
+    RUNNING = "running"  # rollouts in flight (or a refill after stale samples were dropped)
+    COMPLETE = "complete"  # group_size samples, waiting for the trainer
+    TRAINING = "training"  # in the batch the trainer is working on; slot still held
+    TRAINED = "trained"  # its update is published; slot freed
+    DROPPED = "dropped"  # could not be filled, or filtered; slot freed, counted
+
+
+@dataclass(eq=False)
+class Group:
+    """One admitted prompt and its samples. ``uid`` is the admission index (TrainSample.group)."""
+
+    uid: int
+    task: Task
+    need: int
+    state: GroupState = GroupState.ADMITTED
+    samples: list[Trajectory] = field(default_factory=list)
+    next_index: int = 0  # next sample index to launch; indices seed requests, never reused
+    admitted_at: float = 0.0
+    completed_at: float = 0.0
+    drop_reason: str = ""
+
+    @property
+    def missing(self) -> int:
+        return self.need - len(self.samples)
+
+
+class SampleBuffer:
+    """Groups keyed by prompt uid; see the module docstring for the invariants."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        batch_prompts: int,
+        async_ratio: int,
+        ordered: bool = False,
+        filter_ties: bool = False,
+        counters: Counter[str] | None = None,
+    ) -> None:
+        self.group_size = group_size
+        self.batch_prompts = batch_prompts
+        self.async_ratio = async_ratio
+        self.ordered = ordered
+        self.filter_ties = filter_ties
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.groups: dict[int, Group] = {}  # outstanding groups only (not TRAINED / DROPPED)
+        self.complete: list[Group] = []  # COMPLETE groups in completion order
+        self._changed = anyio.Event()
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def capacity(self) -> int:
+        return (self.async_ratio + 1) * self.batch_prompts
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.groups)
+
+    @property
+    def generating(self) -> int:
+        return sum(g.state in (GroupState.ADMITTED, GroupState.RUNNING) for g in self.groups.values())
+
+    def can_admit(self) -> bool:
+        return self.outstanding < self.capacity
+
+    # ------------------------------------------------------------------ transitions
+    def admit(self, uid: int, task: Task, now: float = 0.0) -> Group:
+        if not self.can_admit():
+            raise RuntimeError(
+                f"admission over capacity: {self.outstanding} outstanding groups, capacity "
+                f"{self.capacity} = (async_ratio + 1) * batch_prompts; the admission loop must check can_admit()"
+            )
+        if uid in self.groups:
+            raise RuntimeError(f"prompt uid {uid} admitted twice")
+        g = Group(uid=uid, task=task, need=self.group_size, admitted_at=now)
+        self.groups[uid] = g
+        self.counters["admitted/groups"] += 1
+        self._notify()
+        return g
+
+    def start(self, g: Group, n: int) -> int:
+        """Mark ``n`` rollouts launched for ``g``; return the first of their sample indices."""
+        if g.state not in (GroupState.ADMITTED, GroupState.RUNNING):
+            raise RuntimeError(f"group {g.uid} cannot start rollouts in state {g.state.value}")
+        g.state = GroupState.RUNNING
+        first = g.next_index
+        g.next_index += n
+        return first
+
+    def add(self, traj: Trajectory, now: float = 0.0) -> bool:
+        """A finished sample joins its group at once. Returns False if the group cannot take it."""
+        g = self.groups.get(traj.group)
+        if g is None or g.state is not GroupState.RUNNING or g.missing == 0:
+            self.counters["buffer/late_samples"] += 1
+            return False
+        g.samples.append(traj)
+        if g.missing == 0:
+            if self.filter_ties and len({t.reward for t in g.samples}) == 1:
+                self.drop(g, "ties")
+                return True
+            g.state = GroupState.COMPLETE
+            g.completed_at = now
+            self.complete.append(g)
+        self._notify()
+        return True
+
+    def drop(self, g: Group, reason: str) -> None:
+        """Give up on a group (cannot be filled, or no learning signal); its slot is freed, counted."""
+        if g.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.TRAINING):
+            raise RuntimeError(f"group {g.uid} cannot be dropped in state {g.state.value}")
+        if g in self.complete:
+            self.complete.remove(g)
+        g.state = GroupState.DROPPED
+        g.drop_reason = reason
+        del self.groups[g.uid]
+        self.counters[f"dropped/groups_{reason}"] += 1
+        self.counters["dropped/samples"] += len(g.samples)
+        self._notify()
+
+    def take_batch(self, step: int) -> tuple[list[Group] | None, list[Group]]:
+        """(batch of ``batch_prompts`` groups or None, groups handed back for a refill).
+
+        Every COMPLETE group is checked against the staleness bound for ``step`` (invariant 2);
+        a group that lost samples goes back to RUNNING and is returned in the second list, for the
+        controller to launch ``g.missing`` new rollouts.
+        """
+        refills: list[Group] = []
+        for g in list(self.complete):
+            stale = [t for t in g.samples if step - t.version_start > self.async_ratio]
+            if stale:
+                g.samples = [t for t in g.samples if not any(t is s for s in stale)]
+                g.state = GroupState.RUNNING
+                self.complete.remove(g)
+                self.counters["stale/dropped_samples"] += len(stale)
+                refills.append(g)
+        if refills:
+            self._notify()
+        if len(self.complete) < self.batch_prompts:
+            return None, refills
+        pool = sorted(self.complete, key=lambda g: g.uid) if self.ordered else self.complete
+        batch = pool[: self.batch_prompts]
+        for g in batch:
+            self.complete.remove(g)
+            g.state = GroupState.TRAINING
+            g.samples.sort(key=lambda t: t.index)
+        self._notify()
+        return batch, refills
+
+    def mark_trained(self, batch: list[Group]) -> None:
+        """The update that trained ``batch`` is published: free their slots (invariant 1)."""
+        for g in batch:
+            if g.state is not GroupState.TRAINING:
+                raise RuntimeError(f"group {g.uid} marked trained in state {g.state.value}")
+            g.state = GroupState.TRAINED
+            del self.groups[g.uid]
+        self.counters["trained/groups"] += len(batch)
+        self._notify()
+
+    # ------------------------------------------------------------------ waiting
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def changed(self) -> None:
+        """Wait for the next state change (admission, a sample, a drop, a batch, a publish)."""
+        await self._changed.wait()

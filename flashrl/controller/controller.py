@@ -1,0 +1,424 @@
+"""The controller: every scheduling decision of a run, in one asyncio process.
+
+    admission loop ──admit(uid, task)──> SampleBuffer ──> group task per prompt (rollout.run_group)
+      waits: buffer.changed()              ^   |              rollouts -> engines (Router)
+      admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
+                                           |   v
+    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
+      waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the sync
+      1. trainer.train_step(batch)
+      2. manifest = trainer.prepare_weights(v+1)
+      3. trainer.send_weights(v+1) || engine.update_weights(manifest) for every live engine
+      4. version = v+1; buffer.mark_trained(batch)  (frees admission slots: the staleness bound)
+      5. on_step(record); start an eval task when due
+    eval task (step 0, every run.eval_every, end): one greedy rollout per held-out task, through the
+      same Router as training rollouts; the record of that step is emitted when it finishes, and
+      the next weight sync waits for it so that every eval token comes from the evaluated weights.
+
+All tasks live in one anyio task group. Shutdown is close -> cancel -> wait: admission stops, the
+task group is cancelled (every cancelled generate sends engine.abort; every env is closed,
+shielded), then the group exits only when every task has. A crash in any task cancels the
+others the same way and run() re-raises that error. Engines and the trainer are closed by whoever
+created them (the launcher), never here. Time is the event loop's (anyio.current_time()), so the
+simulator runs this same code on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from envs.base import EnvSuite
+from flashrl.config import Config
+from flashrl.controller.buffer import Group, GroupState, SampleBuffer
+from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
+from flashrl.controller.scheduler import Admission, DataStream, Router
+from flashrl.interfaces import EngineClient, TrainerClient
+from flashrl.metrics import EngineStat, Snapshot
+from flashrl.protocol import TrainBatch, WeightManifest
+from flashrl.transport import PeerDead
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["Controller", "RunSummary"]
+
+log = logging.getLogger(__name__)
+
+# Keys the controller writes itself; a trainer metric of the same name goes under "train/<key>".
+_OWN_KEYS = frozenset(
+    {"step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s", "time/train_s",
+     "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy"}
+)
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """What run() returns: how far the run got, why it stopped, and every counter."""
+
+    steps: int
+    version: int
+    elapsed_s: float
+    samples_trained: int
+    tokens_trained: int
+    eval_accuracy: float | None
+    stop_reason: str  # "steps" | "max_time"
+    counters: dict[str, int]
+
+
+class Controller:
+    """Drives one run: admission, rollouts, batches, training steps, weight syncs, evals.
+
+    ``tokenizer`` is any object with ``encode(text) -> list[int]``, ``decode(ids) -> str`` and
+    ``eos_token_id``. ``on_step`` receives one dict per record (see ``_step_record``).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: Any,
+        suite: EnvSuite,
+        engines: Sequence[EngineClient],
+        trainer: TrainerClient,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("Controller needs at least one engine (engine.count >= 1)")
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.trainer = trainer
+        self.on_step = on_step
+        self.counters: Counter[str] = Counter()
+        self.version = 0
+        self.router = Router(len(engines), cfg.engine.max_num_seqs)
+        self.buffer = SampleBuffer(
+            group_size=cfg.rollout.group_size,
+            batch_prompts=cfg.rollout.batch_prompts,
+            async_ratio=cfg.scheduler.async_ratio,
+            ordered=not cfg.scheduler.queue_scheduling,
+            filter_ties=cfg.algorithm.filter_ties,
+            counters=self.counters,
+        )
+        self.admission = Admission(cfg.scheduler.queue_scheduling)
+        self.stream = DataStream(suite.train_tasks(), cfg.run.seed)
+        self.eval_tasks = list(suite.eval_tasks())
+        self.ctx = RolloutContext(
+            cfg=cfg,
+            tokenizer=tokenizer,
+            suite=suite,
+            engines=self.engines,
+            router=self.router,
+            version=lambda: self.version,
+            counters=self.counters,
+        )
+        self.engine_versions = [0] * len(engines)
+        self.status = "starting"
+        self.reward_history: list[tuple[int, float]] = []
+        self.eval_history: list[tuple[int, float]] = []
+        self.last: dict[str, Any] = {}
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._eval_done: anyio.Event | None = None
+        self._closing = False
+        self._ran = False
+        self._t0 = 0.0
+        self._t_end = 0.0
+
+    # ------------------------------------------------------------------ run and shutdown
+    async def run(self) -> RunSummary:
+        if self._ran:
+            raise RuntimeError("Controller.run() can only be called once; build a new Controller")
+        self._ran = True
+        self._t0 = anyio.current_time()
+        stop = "steps"
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._admission_loop, name="admission")
+                self.status = "running"
+                stop = await self._train_loop()
+                # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
+                self.status = "stopping"
+                self._closing = True
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            self.status = "crashed"
+            errors = [e for e in _leaves(eg) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            if len(errors) == 1:
+                raise errors[0] from None
+            raise
+        except BaseException:
+            self.status = "crashed"
+            raise
+        finally:
+            self._tg = None
+            self._t_end = anyio.current_time()
+        self.status = "done"
+        last_eval = self.eval_history[-1][1] if self.eval_history else None
+        return RunSummary(
+            steps=self.version,
+            version=self.version,
+            elapsed_s=anyio.current_time() - self._t0,
+            samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained,
+            eval_accuracy=last_eval,
+            stop_reason=stop,
+            counters=dict(self.counters),
+        )
+
+    # ------------------------------------------------------------------ admission and groups
+    async def _admission_loop(self) -> None:
+        while not self._closing:
+            b = self.buffer
+            for _ in range(self.admission.admit_count(b.outstanding, b.capacity, b.generating)):
+                uid, task = self.stream.next()
+                g = b.admit(uid, task, anyio.current_time())
+                self._launch(g, g.need)
+            await b.changed()
+
+    def _launch(self, g: Group, need: int) -> None:
+        assert self._tg is not None
+        extra = self.cfg.rollout.redundancy
+        first = self.buffer.start(g, need + extra)
+        self._tg.start_soon(self._group_task, g, need, first, extra, name=f"group {g.uid}")
+
+    async def _group_task(self, g: Group, need: int, first: int, extra: int) -> None:
+        ok = await run_group(
+            self.ctx,
+            task=g.task,
+            group=g.uid,
+            need=need,
+            first_index=first,
+            extra=extra,
+            temperature=self.cfg.rollout.temperature,
+            on_sample=lambda t: self.buffer.add(t, anyio.current_time()),
+        )
+        if not ok and g.state is GroupState.RUNNING:
+            log.info("group %d dropped: fewer than %d rollouts succeeded", g.uid, need)
+            self.buffer.drop(g, "unfillable")
+
+    # ------------------------------------------------------------------ training
+    async def _train_loop(self) -> str:
+        cfg = self.cfg
+        deadline = self._t0 + cfg.run.max_time_s if cfg.run.max_time_s > 0 else math.inf
+        self._start_eval({"step": 0, "version": 0})
+        last_end = anyio.current_time()
+        stop = "steps"
+        evaluated = 0  # version of the last eval started
+        for s in range(cfg.run.steps):
+            batch = await self._next_batch(s, deadline)
+            if batch is None:
+                stop = "max_time"
+                break
+            samples = [t for g in batch for t in g.samples]
+            t0 = anyio.current_time()
+            result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
+            train_s = anyio.current_time() - t0
+            await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
+            t1 = anyio.current_time()
+            await self._sync_weights(s + 1)
+            now = anyio.current_time()
+            self.version = s + 1
+            self.buffer.mark_trained(batch)
+            record = self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
+            last_end = now
+            final = s + 1 == cfg.run.steps or now >= deadline
+            if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
+                evaluated = self.version
+                self._start_eval(record)
+            else:
+                self._emit(record)
+            if now >= deadline:
+                stop = "max_time"
+                break
+        if evaluated != self.version and self.eval_tasks:
+            # Stopped by max_time while waiting for a batch: evaluate the final weights anyway.
+            self._start_eval({"step": self.version, "version": self.version})
+        await self._eval_quiesce()
+        return stop
+
+    async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            while True:
+                batch, refills = self.buffer.take_batch(step)
+                for g in refills:
+                    self._launch(g, g.missing)
+                if batch is not None:
+                    return batch
+                await self.buffer.changed()
+        return None
+
+    async def _sync_weights(self, version: int) -> None:
+        manifest = await self.trainer.prepare_weights(version)
+        live = self.router.live
+        try:
+            with anyio.fail_after(self.cfg.weight_sync.timeout_s):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.trainer.send_weights, version, name="trainer.send_weights")
+                    for i in live:
+                        tg.start_soon(self._update_engine, i, manifest, name=f"update {self.engines[i].name}")
+        except TimeoutError:
+            raise RuntimeError(
+                f"weight sync to version {version} took longer than weight_sync.timeout_s = "
+                f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
+            ) from None
+        skipped = len(self.engines) - len(live)
+        if skipped:
+            self.counters["weight_sync/skipped_dead_engines"] += skipped
+
+    async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
+        name = self.engines[i].name
+        try:
+            r = await self.engines[i].update_weights(manifest)
+        except PeerDead as e:
+            raise RuntimeError(
+                f"engine {name} died during the weight sync to version {manifest.version} ({e}): "
+                "it may hold half-loaded weights; see its log in the run directory"
+            ) from e
+        if not r.ok or r.version != manifest.version:
+            raise RuntimeError(
+                f"engine {name} failed to load weights version {manifest.version} "
+                f"(answered ok={r.ok}, version={r.version}): {r.error or 'no error given'}; a bad sync is never served"
+            )
+        self.engine_versions[i] = manifest.version
+
+    # ------------------------------------------------------------------ eval
+    def _start_eval(self, record: dict[str, Any]) -> None:
+        if not self.eval_tasks:
+            if record.get("step", 0) > 0:
+                self._emit(record)
+            return
+        assert self._tg is not None
+        done = anyio.Event()
+        self._eval_done = done
+        self._tg.start_soon(self._eval, self.version, record, done, name=f"eval v{self.version}")
+
+    async def _eval_quiesce(self) -> None:
+        if self._eval_done is not None:
+            await self._eval_done.wait()
+
+    async def _eval(self, version: int, record: dict[str, Any], done: anyio.Event) -> None:
+        results: list[Trajectory] = []
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for k, task in enumerate(self.eval_tasks):
+                tg.start_soon(self._eval_one, k, task, version, results, name=f"eval {k}")
+        n = len(self.eval_tasks)
+        acc = sum(t.correct for t in results) / n  # a failed eval rollout counts as wrong
+        self.eval_history.append((record["step"], acc))
+        self.counters["eval/failed"] += n - len(results)
+        record["eval/accuracy"] = acc
+        record["eval/reward_mean"] = sum(t.reward for t in results) / n
+        record["time/eval_s"] = anyio.current_time() - t0
+        self._emit(record)
+        done.set()
+
+    async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory]) -> None:
+        await run_group(
+            self.ctx,
+            task=task,
+            group=-1 - k,
+            need=1,
+            first_index=0,
+            extra=0,
+            temperature=self.cfg.rollout.eval_temperature,
+            on_sample=results.append,
+            seed_key=lambda idx: (-1 - k, version),
+            sample_ids=lambda idx: f"eval{version}-{k}",
+        )
+
+    # ------------------------------------------------------------------ records and snapshot
+    def _step_record(
+        self, s: int, samples: list[Trajectory], metrics: dict[str, float], step_s: float, train_s: float, sync_s: float
+    ) -> dict[str, Any]:
+        stale = [s - t.version_start for t in samples]
+        tokens = sum(t.n_generated for t in samples)
+        rewards = [t.reward for t in samples]
+        self.samples_trained += len(samples)
+        self.tokens_trained += tokens
+        record: dict[str, Any] = {}
+        for k, v in metrics.items():
+            record[f"train/{k}" if k in _OWN_KEYS else k] = v
+        reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
+        record.update({
+            "step": s + 1,
+            "version": self.version,
+            "reward/mean": reward_mean,
+            "staleness/mean": sum(stale) / len(stale) if stale else 0.0,
+            "staleness/max": max(stale, default=0),
+            "time/step_s": step_s,
+            "time/train_s": train_s,
+            "time/weight_sync_s": sync_s,
+            "time/elapsed_s": anyio.current_time() - self._t0,
+            "samples": len(samples),
+            "samples_per_s": len(samples) / step_s if step_s > 0 else 0.0,
+            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "turns/mean": sum(t.turns for t in samples) / len(samples) if samples else 0.0,
+            "response_len/mean": sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
+        })
+        for k, v in sorted(self.counters.items()):
+            record[f"count/{k}"] = v
+        self.reward_history.append((s + 1, reward_mean))
+        self.last = record
+        return record
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.on_step is not None:
+            self.on_step(record)
+
+    def snapshot(self) -> Snapshot:
+        """The dashboard's view right now (cheap; call it as often as you redraw)."""
+        if not self._ran:
+            now = self._t0
+        elif self._tg is None:  # run() has ended: the clock stops at its end
+            now = self._t_end
+        else:
+            now = anyio.current_time()
+        elapsed = max(now - self._t0, 0.0)
+        engines = [
+            EngineStat(
+                name=e.name,
+                inflight=self.router.inflight[i],
+                tokens_per_s=self.ctx.generated_tokens[i] / elapsed if elapsed > 0 else 0.0,
+                version=self.engine_versions[i],
+                alive=self.router.alive[i],
+            )
+            for i, e in enumerate(self.engines)
+        ]
+        groups = self.buffer.groups.values()
+        return Snapshot(
+            run_name=self.cfg.run.name,
+            step=self.version,
+            total_steps=self.cfg.run.steps,
+            version=self.version,
+            elapsed_s=elapsed,
+            samples_per_s=self.samples_trained / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+            engines=engines,
+            pending_prompts=sum(g.state is GroupState.ADMITTED for g in groups),
+            running_samples=sum(self.router.inflight),
+            buffered_groups=len(self.buffer.complete),
+            staleness_mean=float(self.last.get("staleness/mean", 0.0)),
+            staleness_max=int(self.last.get("staleness/max", 0)),
+            reward_mean=float(self.last.get("reward/mean", 0.0)),
+            weight_sync_s=float(self.last.get("time/weight_sync_s", 0.0)),
+            step_s=float(self.last.get("time/step_s", 0.0)),
+            reward_history=list(self.reward_history),
+            eval_history=list(self.eval_history),
+            counters=dict(self.counters),
+            status=self.status,
+        )
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]

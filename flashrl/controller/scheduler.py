@@ -1,0 +1,163 @@
+"""Scheduling decisions: which prompt next, how many at once, which engine serves each request.
+
+    train split --DataStream (seeded shuffle, epoch after epoch)--> (uid, task)
+         |
+    Admission.can_admit(buffer)            queue scheduling: while outstanding < capacity
+         |                                 barrier (sync):   only when no admitted group is still
+         v                                                   generating, then up to capacity
+    one group = group_size (+ redundancy) single-sample requests
+         |
+    Router.pick() per request  -> least ``inflight`` engine, ties round-robin   (replication on)
+    Router.pick() once per group, all samples there                              (replication off)
+         |
+    Router.slot(engine)  -> per-engine concurrency permit (engine.max_num_seqs), see rollout.py
+
+The synchronous baseline (``async_ratio = 0``, ``queue_scheduling = false``) is therefore: admit
+``batch_prompts`` prompts, generate all of them, train, sync, repeat. Request seeds come from
+``request_seed(run seed, prompt uid, sample index, turn)``, never from which engine serves a
+request or when, so the samples are the same whatever the engine count and the timing.
+
+Nothing here waits or reads a clock: these are pure decisions the controller calls from its loops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+import anyio
+
+from envs.base import Task
+
+__all__ = ["Admission", "DataStream", "Router", "request_seed", "sample_id"]
+
+_SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
+
+
+def request_seed(run_seed: int, prompt_uid: int, sample_index: int, turn: int = 0) -> int:
+    """The sampling seed of one generate call, a pure function of where the sample sits in the run.
+
+    A stable hash (not Python's ``hash``, which is salted per process) so that a rerun, another
+    engine count or another async ratio produce the same samples for the same (uid, index, turn).
+    """
+    key = f"{run_seed}:{prompt_uid}:{sample_index}:{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & _SEED_MASK
+
+
+def sample_id(prompt_uid: int, sample_index: int) -> str:
+    """The id of one sample: ``"<uid>-<index>"`` (request ids append ``.<attempt>.<turn>``)."""
+    return f"{prompt_uid}-{sample_index}"
+
+
+class DataStream:
+    """The train split in a seeded shuffled order, epoch after epoch.
+
+    ``uid`` counts prompts handed out since the start of the run (0, 1, 2, ...): it names the group
+    (TrainSample.group) and seeds its requests, so a prompt seen again in a later epoch is a new
+    group with new seeds. Epoch ``e`` is ``random.Random(f"{seed}:{e}")``'s shuffle of the split.
+    """
+
+    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
+        if not tasks:
+            raise ValueError("the environment's train split is empty: check env.name / env.params")
+        self._tasks = list(tasks)
+        self._seed = seed
+        self.epoch = 0
+        self._order: list[int] = []
+        self._pos = 0
+        self.uid = 0  # the uid the next prompt gets
+        self._shuffle()
+
+    def _shuffle(self) -> None:
+        self._order = list(range(len(self._tasks)))
+        random.Random(f"{self._seed}:{self.epoch}").shuffle(self._order)
+        self._pos = 0
+
+    def next(self) -> tuple[int, Task]:
+        if self._pos == len(self._order):
+            self.epoch += 1
+            self._shuffle()
+        task = self._tasks[self._order[self._pos]]
+        self._pos += 1
+        uid = self.uid
+        self.uid += 1
+        return uid, task
+
+
+class Admission:
+    """How many new prompts may start now. The capacity itself lives in the buffer (staleness bound).
+
+    queue scheduling on : ``capacity - outstanding`` (a slot freed by training refills at once).
+    queue scheduling off: a batch barrier. Nothing while any admitted group is still generating;
+                          then fill up to capacity. With async_ratio = 0 the capacity is one batch,
+                          which is exactly the synchronous loop (admit, generate all, train, sync).
+    """
+
+    def __init__(self, queue_scheduling: bool) -> None:
+        self.queue_scheduling = queue_scheduling
+
+    def admit_count(self, outstanding: int, capacity: int, generating: int) -> int:
+        free = max(0, capacity - outstanding)
+        if self.queue_scheduling or generating == 0:
+            return free
+        return 0
+
+
+class Router:
+    """Least-loaded routing over engines, plus one concurrency permit pool per engine.
+
+    ``inflight[i]`` is the controller's own count of live rollouts bound to engine i (routed and
+    not finished, whether generating, waiting for a permit, or in an env step). It is incremented
+    in the same synchronous call that picks the engine, so a burst of picks (one prompt's n
+    samples, all started in one tick) spreads over engines; ``EngineClient.inflight`` would only
+    move once each request is actually sent. Ties go round-robin from the engine after the last
+    pick. Dead engines are never picked.
+    """
+
+    def __init__(self, n_engines: int, max_num_seqs: int) -> None:
+        if n_engines < 1:
+            raise ValueError("the controller needs at least one engine (engine.count >= 1)")
+        self.inflight = [0] * n_engines
+        self.alive = [True] * n_engines
+        self.served = [0] * n_engines  # rollouts ever routed to each engine (dashboard, tests)
+        self._rr = 0
+        self._slots = [anyio.Semaphore(max_num_seqs) for _ in range(n_engines)]
+
+    def pick(self, exclude: Sequence[int] = ()) -> int:
+        """The live engine with the fewest inflight rollouts; ties round-robin. Counts it as taken."""
+        n = len(self.inflight)
+        best = -1
+        for k in range(n):
+            i = (self._rr + k) % n
+            if not self.alive[i] or i in exclude:
+                continue
+            if best < 0 or self.inflight[i] < self.inflight[best]:
+                best = i
+        if best < 0:
+            # Every engine is dead (or excluded): nothing can generate. A loud error, not a retry.
+            raise RuntimeError(
+                f"no live engine to route to ({sum(self.alive)} of {n} alive): "
+                "check the engine logs in the run directory and restart the run"
+            )
+        self._rr = (best + 1) % n
+        self.take(best)
+        return best
+
+    def take(self, i: int) -> None:
+        self.inflight[i] += 1
+        self.served[i] += 1
+
+    def release(self, i: int) -> None:
+        self.inflight[i] -= 1
+
+    def mark_dead(self, i: int) -> None:
+        self.alive[i] = False
+
+    def slot(self, i: int) -> anyio.Semaphore:
+        """Engine i's concurrency permits (engine.max_num_seqs); held while a request generates."""
+        return self._slots[i]
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, a in enumerate(self.alive) if a]

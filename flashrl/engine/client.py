@@ -1,0 +1,268 @@
+"""Controller side of an engine process: spawn it, wait for it, talk to it, stop it.
+
+    spawn_engine(opts) -> EngineProcess ------ Popen(python -m flashrl.engine.server, own process group)
+        wait_ready(): one Ping in flight; poll the process every 0.2 s until Pong, exit, or deadline
+        terminate():  Shutdown -> wait -> SIGTERM to the group -> wait -> SIGKILL to the group
+
+    EngineProcessClient (interfaces.EngineClient) ---- RpcClient (DEALER) ----> engine's RpcServer
+        generate/abort/update_weights/load/...: one request each, multiplexed on one socket
+        heartbeat loop (RpcClient): Ping every heartbeat_s; no Pong in time -> PeerDead for all
+
+The process group matters: vLLM's EngineCore is a child of the engine process, and killing only the
+parent would orphan it (with its memory and threads) on a shared machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flashrl.engine.server import EngineOptions, options_to_argv
+from flashrl.protocol import (
+    ENGINE_REPLIES,
+    Abort,
+    Generate,
+    Generated,
+    GetLoad,
+    InitWeightSync,
+    LoadReport,
+    Msg,
+    Ok,
+    Pause,
+    Ping,
+    Pong,
+    Resume,
+    Shutdown,
+    UpdateWeights,
+    WeightManifest,
+    WeightsUpdated,
+)
+from flashrl.transport import PeerDead, RpcClient, TransportError
+
+log = logging.getLogger(__name__)
+
+
+def _expect(reply: Msg, kind: type[Msg], name: str) -> None:
+    if not isinstance(reply, kind):
+        raise TransportError(f"{name} answered {type(reply).__name__} where {kind.__name__} was expected")
+
+
+class EngineProcessClient:
+    """One engine process as the controller sees it (implements interfaces.EngineClient)."""
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        *,
+        heartbeat_s: float = 5.0,
+        heartbeat_timeout_s: float = 30.0,
+        curve: dict[str, bytes] | None = None,
+    ) -> None:
+        self.name = name
+        self.address = address
+        self._rpc = RpcClient(address, ENGINE_REPLIES, name=name, curve=curve)
+        self._heartbeat = (heartbeat_s, heartbeat_timeout_s)
+        self._started = False
+        self._inflight = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def dead(self) -> PeerDead | None:
+        return self._rpc.dead
+
+    async def _request(self, msg: Msg, timeout: float | None = None) -> Msg:
+        if not self._started:
+            self._rpc.start(*self._heartbeat)
+            self._started = True
+        return await self._rpc.request(msg, timeout=timeout)
+
+    async def generate(self, req: Generate) -> Generated:
+        self._inflight += 1
+        try:
+            reply = await self._request(req)
+        finally:
+            self._inflight -= 1
+        _expect(reply, Generated, self.name)
+        assert isinstance(reply, Generated)
+        return reply
+
+    async def abort(self, request_ids: list[str]) -> None:
+        _expect(await self._request(Abort(request_ids=list(request_ids))), Ok, self.name)
+
+    async def pause(self, mode: str = "keep") -> None:
+        _expect(await self._request(Pause(mode=mode)), Ok, self.name)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        _expect(await self._request(Resume()), Ok, self.name)
+
+    async def init_weight_sync(self, msg: InitWeightSync) -> None:
+        _expect(await self._request(msg), Ok, self.name)
+
+    async def update_weights(self, manifest: WeightManifest) -> WeightsUpdated:
+        reply = await self._request(UpdateWeights(manifest=manifest))
+        _expect(reply, WeightsUpdated, self.name)
+        assert isinstance(reply, WeightsUpdated)
+        return reply
+
+    async def load(self) -> LoadReport:
+        reply = await self._request(GetLoad())
+        _expect(reply, LoadReport, self.name)
+        assert isinstance(reply, LoadReport)
+        return reply
+
+    async def ping(self, timeout: float | None = None) -> int:
+        """The engine's weight version; raises TimeoutError, PeerDead."""
+        reply = await self._request(Ping(), timeout=timeout)
+        _expect(reply, Pong, self.name)
+        assert isinstance(reply, Pong)
+        return reply.version
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the engine process to exit (it answers first)."""
+        _expect(await self._request(Shutdown(), timeout=timeout), Ok, self.name)
+
+    async def close(self) -> None:
+        await self._rpc.close()
+
+
+class EngineProcess:
+    """A spawned engine process (its own process group, so its vLLM children go down with it)."""
+
+    def __init__(self, opts: EngineOptions, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.opts = opts
+        self.proc = proc
+        self.log_path = log_path
+        self.ready_s: float | None = None
+        self._spawned_at = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return self.opts.name
+
+    @property
+    def address(self) -> str:
+        return self.opts.address
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(no log at {self.log_path}: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def client(self, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 30.0) -> EngineProcessClient:
+        return EngineProcessClient(self.name, self.address, heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
+
+    async def wait_ready(self, timeout: float = 600.0) -> float:
+        """Wait until the engine answers Ping; return the seconds since spawn.
+
+        Fails fast, with the log's tail, if the process exits first; raises TimeoutError after
+        ``timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        probe = EngineProcessClient(self.name, self.address, heartbeat_s=0)
+        # One Ping, queued by ZeroMQ until the engine binds (it binds only once vLLM is up).
+        ping = loop.create_task(probe.ping())
+        try:
+            while not ping.done():
+                if not self.alive:
+                    raise RuntimeError(
+                        f"engine {self.name} exited with code {self.proc.returncode} before it was ready; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                if loop.time() > deadline:
+                    raise TimeoutError(
+                        f"engine {self.name} not ready after {timeout:.0f}s (raise engine.startup_timeout_s "
+                        f"if the machine is slow); log {self.log_path}:\n{self.log_tail()}"
+                    )
+                await asyncio.wait({ping}, timeout=0.2)
+            ping.result()
+        finally:
+            ping.cancel()
+            with contextlib.suppress(BaseException):
+                await ping
+            await probe.close()
+        self.ready_s = time.monotonic() - self._spawned_at
+        return self.ready_s
+
+    async def terminate(self, timeout: float = 10.0) -> int | None:
+        """Stop the engine: Shutdown, then SIGTERM, then SIGKILL to its process group; no orphans."""
+        if self.alive:
+            probe = EngineProcessClient(self.name, self.address, heartbeat_s=0)
+            with contextlib.suppress(Exception):
+                await probe.shutdown(timeout=min(timeout, 5.0))
+            await probe.close()
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, sig)
+            if await self._wait_exit(timeout):
+                break
+        # The leader may be gone while a child (vLLM's EngineCore) lingers in the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.returncode
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        try:
+            await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: thread counts and binding sized for a small shared CPU box.
+
+    - ``OMP_NUM_THREADS`` = opts.threads: torch's intra-op pool for the model.
+    - ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default ("auto") pins OpenMP threads to the
+      cores of the first NUMA node after reserving one for its scheduler; on a 2-core machine every
+      engine would pin to the same single core while the trainer and the other engines compete for
+      it. Unpinned threads let the OS spread engines and trainer. Override through ``env_extra``
+      (e.g. "0|1" style lists) on a machine with cores to spare.
+    - ``VLLM_CPU_KVCACHE_SPACE`` is removed: it is whole GiB and would override kv_cache_gib.
+    """
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if opts.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(opts.threads)
+        env["MKL_NUM_THREADS"] = str(opts.threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(env_extra or {})
+    return env
+
+
+def spawn_engine(opts: EngineOptions, log_path: str | Path, env_extra: dict[str, str] | None = None) -> EngineProcess:
+    """Start ``python -m flashrl.engine.server`` in its own process group, output to ``log_path``."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "flashrl.engine.server", *options_to_argv(opts)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=engine_env(opts, env_extra),
+            start_new_session=True,  # own process group: terminate() reaches vLLM's children too
+        )
+    ep = EngineProcess(opts, proc, log_path)
+    log.info("spawned engine %s (pid %d) on %s; log %s", opts.name, proc.pid, opts.address, log_path)
+    return ep

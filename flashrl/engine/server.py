@@ -1,0 +1,426 @@
+"""The engine process: vLLM's AsyncLLM behind a ZeroMQ RpcServer.
+
+    controller --EngineRequest--> RpcServer (ROUTER) --one task per request--> EngineServer.handle
+        Generate        -> AsyncLLM.generate (token ids in, FINAL_ONLY out) -> Generated
+        Abort           -> AsyncLLM.abort: the aborted Generate answers finish_reason "abort"
+        Pause / Resume  -> AsyncLLM.pause_generation(mode) / resume_generation
+        InitWeightSync  -> worker: join the weight-sync group (engine/weights.py)
+        UpdateWeights   -> [one at a time] pause(keep) -> worker: receive, verify, load
+                           -> version = manifest.version -> resume -> WeightsUpdated
+        GetLoad         -> LoadMeter.report (fed by a vLLM stat logger and the Generate tasks)
+        Ping / Shutdown -> Pong(version) / Ok, then a clean exit (SIGTERM does the same)
+
+Per-token policy versions come from vLLM itself: the server labels its weights with
+``AsyncLLM.update_weight_version(str(version))`` while generation is paused, the EngineCore attaches
+that label to every step's output, and the finished output carries ``weight_versions`` spans, so a
+token is stamped with the weights that actually produced it even when an update lands mid-request.
+
+Failure tiers: a bad request (e.g. a prompt longer than max_model_len) answers ``Error`` for that
+request only. A dead EngineCore, or weights that failed to load after passing their checksums (a
+half-written model must never be served), end this process with exit code 1: the controller sees
+the peer die. Logs go to stderr (the launcher redirects them to runs/<name>/logs/<engine>.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from flashrl.protocol import (
+    ENGINE_REQUESTS,
+    Abort,
+    Error,
+    Generate,
+    Generated,
+    GetLoad,
+    InitWeightSync,
+    LoadReport,
+    Msg,
+    Ok,
+    Pause,
+    Ping,
+    Pong,
+    Resume,
+    Shutdown,
+    UpdateWeights,
+    WeightsUpdated,
+)
+
+log = logging.getLogger("flashrl.engine")
+
+
+class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything one engine process needs; each field is also a ``--flag`` of the entry point."""
+
+    address: Annotated[str, Meta(description="ZeroMQ address to bind, e.g. tcp://127.0.0.1:5555")]
+    model: Annotated[str, Meta(description="local Hugging Face model folder")]
+    name: Annotated[str, Meta(description="engine name (logs, Generated.engine, LoadReport.engine)")] = "engine0"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="weights dtype")] = "float32"
+    max_model_len: Annotated[int, Meta(ge=16, description="prompt + response tokens per sequence")] = 256
+    kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache in GiB")] = 0.5
+    max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent sequences")] = 128
+    device: Annotated[Literal["cpu", "cuda"], Meta(description="where vLLM runs")] = "cpu"
+    threads: Annotated[int, Meta(ge=1, description="CPU threads for the model (cpu)")] = 1
+    seed: Annotated[int, Meta(ge=0, description="vLLM's global seed (per-request seeds override it)")] = 0
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory (cuda)")] = 0.5
+    logprobs_mode: Annotated[
+        Literal["raw_logprobs", "processed_logprobs"],
+        Meta(description="raw: log-softmax of the model's logits (temperature 1); processed: after temperature/top-p"),
+    ] = "raw_logprobs"
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
+
+
+def options_to_argv(opts: EngineOptions) -> list[str]:
+    """The command-line flags that ``main`` parses back into the same EngineOptions."""
+    argv: list[str] = []
+    for field in msgspec.structs.fields(EngineOptions):
+        argv += [f"--{field.name.replace('_', '-')}", str(getattr(opts, field.name))]
+    return argv
+
+
+def parse_options(argv: list[str]) -> EngineOptions:
+    """Parse ``--flag value`` pairs into EngineOptions; a bad value exits naming the flag."""
+    parser = argparse.ArgumentParser(prog="python -m flashrl.engine.server", description="flashrl engine process")
+    for field in msgspec.structs.fields(EngineOptions):
+        required = field.required
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            dest=field.name,
+            required=required,
+            default=None if required else field.default,
+        )
+    ns = parser.parse_args(argv)
+    try:
+        return msgspec.convert(vars(ns), EngineOptions, strict=False)
+    except msgspec.ValidationError as e:
+        flag = str(e).rsplit("$.", 1)[-1].rstrip("`")
+        parser.error(f"--{flag.replace('_', '-')}: {e}")
+        raise  # unreachable: parser.error exits
+
+
+# --------------------------------------------------------------------------- load accounting
+class LoadMeter:
+    """Running/waiting requests, tokens/s and busy fraction for GetLoad (no vLLM; time is injected).
+
+    busy_fraction and tokens_per_s cover the window since the previous ``report`` (the controller is
+    the only caller). Busy means at least one Generate in flight, paused time included: a paused
+    engine holding requests is occupied, not idle.
+    """
+
+    def __init__(self, now: float) -> None:
+        self.inflight = 0
+        self.generated_tokens = 0
+        self.sched_running = 0
+        self.sched_waiting = 0
+        self.kv_usage = 0.0
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._window_start = now
+        self._window_tokens = 0
+
+    def request_started(self, now: float) -> None:
+        if self.inflight == 0:
+            self._busy_since = now
+        self.inflight += 1
+
+    def request_finished(self, now: float) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def tokens(self, n: int) -> None:
+        self.generated_tokens += n
+        self._window_tokens += n
+
+    def scheduler(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.sched_running, self.sched_waiting, self.kv_usage = running, waiting, kv_usage
+
+    def report(self, now: float, engine: str, version: int) -> LoadReport:
+        busy = self._busy_s
+        if self._busy_since is not None:
+            busy += now - self._busy_since
+            self._busy_since = now
+        span = max(now - self._window_start, 1e-9)
+        # The scheduler's numbers are from its last step; with nothing in flight they are stale.
+        running = min(self.sched_running, self.inflight) if self.inflight else 0
+        waiting = self.inflight - running if self.inflight else 0
+        rep = LoadReport(
+            engine=engine,
+            version=version,
+            running=running,
+            waiting=waiting,
+            kv_usage=self.kv_usage if self.inflight else 0.0,
+            tokens_per_s=self._window_tokens / span,
+            busy_fraction=min(1.0, busy / span),
+            generated_tokens=self.generated_tokens,
+        )
+        self._busy_s = 0.0
+        self._window_start = now
+        self._window_tokens = 0
+        return rep
+
+
+def _stat_logger_factory(meter: LoadMeter) -> Any:
+    """A vLLM StatLoggerBase feeding ``meter`` (scheduler state and generated tokens per step)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _MeterLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                meter.scheduler(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs, scheduler_stats.kv_cache_usage)
+            if iteration_stats is not None:
+                meter.tokens(iteration_stats.num_generation_tokens)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _MeterLogger
+
+
+# --------------------------------------------------------------------------- the engine shell
+class EngineFatal(Exception):
+    """This process must exit: the EngineCore died or the model holds half-loaded weights."""
+
+
+class EngineServer:
+    """Turns EngineRequests into AsyncLLM calls. Holds no socket: ``serve`` wires it to one."""
+
+    def __init__(self, engine: Any, name: str, meter: LoadMeter) -> None:
+        self.engine = engine
+        self.name = name
+        self.meter = meter
+        self.version = 0
+        self.fatal: asyncio.Event = asyncio.Event()
+        self.fatal_reason = ""
+        self.stop: asyncio.Event = asyncio.Event()
+        self._update_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self.engine.update_weight_version(str(self.version))
+
+    async def handle(self, msg: Msg) -> Msg | None:
+        try:
+            return await self._dispatch(msg)
+        except EngineFatal as e:
+            self._die(str(e))
+            raise
+        except Exception as e:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(e, EngineDeadError) or self.engine.errored:
+                self._die(f"vLLM EngineCore died: {e}")
+            raise
+
+    def _die(self, reason: str) -> None:
+        if not self.fatal.is_set():
+            log.critical("%s: fatal: %s; exiting", self.name, reason)
+            self.fatal_reason = reason
+            self.fatal.set()
+
+    async def _dispatch(self, msg: Msg) -> Msg | None:
+        if isinstance(msg, Generate):
+            return await self.generate(msg)
+        if isinstance(msg, Abort):
+            await self.engine.abort(msg.request_ids)
+            return Ok()
+        if isinstance(msg, Pause):
+            await self.engine.pause_generation(mode=msg.mode)
+            return Ok(info=f"paused ({msg.mode})")
+        if isinstance(msg, Resume):
+            await self.engine.resume_generation()
+            return Ok(info="resumed")
+        if isinstance(msg, InitWeightSync):
+            await self.engine.collective_rpc(
+                "flashrl_init_weight_sync",
+                args=(msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend, msg.timeout_s),
+            )
+            return Ok(info=f"joined weight sync as rank {msg.rank}/{msg.world_size}")
+        if isinstance(msg, UpdateWeights):
+            return await self.update_weights(msg)
+        if isinstance(msg, GetLoad):
+            return self.meter.report(time.monotonic(), self.name, self.version)
+        if isinstance(msg, Ping):
+            return Pong(version=self.version)
+        if isinstance(msg, Shutdown):
+            # Reply first; the serve loop exits once the reply is on its way.
+            asyncio.get_running_loop().call_later(0.1, self.stop.set)
+            return Ok(info="shutting down")
+        return Error(message=f"{self.name}: {type(msg).__name__} is not an engine request", kind="protocol")
+
+    async def generate(self, req: Generate) -> Generated:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),  # protocol: -1 = off; vLLM: 0 = off
+            max_tokens=req.max_tokens,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=False,  # token ids in, token ids out
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        request_id = req.request_id or uuid.uuid4().hex
+        self.meter.request_started(time.monotonic())
+        final = None
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params, request_id):
+                final = out
+        finally:
+            self.meter.request_finished(time.monotonic())
+        if final is None or not final.outputs:
+            raise RuntimeError(f"request {request_id}: vLLM returned no output")
+        comp = final.outputs[0]
+        token_ids = list(comp.token_ids)
+        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], token_ids)]
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"request {request_id}: {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        return Generated(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            versions=self._versions(comp.weight_versions, len(token_ids)),
+            finish_reason=str(comp.finish_reason or "abort"),
+            engine=self.name,
+        )
+
+    def _versions(self, spans: Any, n: int) -> list[int]:
+        if not spans:
+            # No label reported (no tokens, or an output vLLM did not label): stamp the current version.
+            return [self.version] * n
+        versions: list[int] = []
+        for span in spans:
+            versions += [int(span.version)] * (span.end - span.start)
+        if len(versions) != n:
+            raise RuntimeError(f"weight-version spans cover {len(versions)} of {n} tokens")
+        return versions
+
+    async def update_weights(self, msg: UpdateWeights) -> WeightsUpdated:
+        manifest = msg.manifest
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            await self.engine.pause_generation(mode="keep")
+            try:
+                results = await self.engine.collective_rpc(
+                    "flashrl_update_weights", args=(msgspec.json.encode(manifest).decode(),)
+                )
+                res = results[0]
+                if res["ok"]:
+                    self.version = manifest.version
+                    await self.engine.update_weight_version(str(self.version))
+                elif res["touched"]:
+                    raise EngineFatal(f"weights v{manifest.version} passed their checksums but failed to load: {res['error']}")
+            finally:
+                if not self.fatal.is_set():
+                    await self.engine.resume_generation()
+            seconds = time.perf_counter() - t0
+        log.info(
+            "%s: weights v%d %s in %.3fs (receive %.3fs, load %.3fs)%s",
+            self.name, manifest.version, "loaded" if res["ok"] else "REJECTED", seconds,
+            res["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
+        )
+        return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]))
+
+
+# --------------------------------------------------------------------------- process wrapper
+def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
+    """Create the AsyncLLM (takes ~20 s on the CPU for the tiny model)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from flashrl.engine.weights import WORKER_EXTENSION
+
+    kwargs: dict[str, Any] = {}
+    if opts.device == "cpu":
+        kwargs["enforce_eager"] = True
+        kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * (1 << 30))
+    else:
+        kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+    args = AsyncEngineArgs(
+        model=opts.model,
+        dtype=opts.dtype,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+        seed=opts.seed,
+        logprobs_mode=opts.logprobs_mode,
+        worker_extension_cls=WORKER_EXTENSION,
+        **kwargs,
+    )
+    return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(meter)])
+
+
+async def _serve(opts: EngineOptions) -> int:
+    from flashrl.transport import RpcServer
+
+    t0 = time.perf_counter()
+    meter = LoadMeter(time.monotonic())
+    engine = build_engine(opts, meter)
+    server = EngineServer(engine, opts.name, meter)
+    try:
+        await server.start()
+        rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name)
+        log.info("%s: serving %s on %s (ready in %.1fs)", opts.name, opts.model, opts.address, time.perf_counter() - t0)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.stop.set)
+        serve_task = loop.create_task(rpc.serve(), name=f"{opts.name}-rpc")
+        stop_task = loop.create_task(server.stop.wait())
+        fatal_task = loop.create_task(server.fatal.wait())
+        await asyncio.wait({serve_task, stop_task, fatal_task}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (serve_task, stop_task, fatal_task):
+            t.cancel()
+        for t in (serve_task, stop_task, fatal_task):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if server.fatal.is_set():
+            return 1
+        log.info("%s: clean shutdown", opts.name)
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def serve(opts: EngineOptions) -> int:
+    """Run one engine process until Shutdown, SIGTERM or a fatal error; return the exit code."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=opts.log_level,
+        format=f"%(asctime)s %(levelname)s {opts.name} %(name)s: %(message)s",
+    )
+    if opts.device == "cpu":
+        # kv_cache_gib is passed as kv_cache_memory_bytes; vLLM's legacy integer-GiB variable would
+        # override it, so it must not leak in from the parent's environment.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    rc = asyncio.run(_serve(opts))
+    # Collect the shut-down AsyncLLM now: its __del__ fails if it runs during interpreter teardown.
+    gc.collect()
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_options(sys.argv[1:] if argv is None else list(argv)))
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard is required
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Receiving side of the weight sync: runs inside vLLM's worker (the EngineCore process).
+
+    engine server (AsyncLLM, asyncio)                 vLLM worker (this module, blocking calls)
+      InitWeightSync -> collective_rpc("flashrl_init_weight_sync", args) -> join_group(rank 1 + i)
+      UpdateWeights  -> pause(keep)
+                     -> collective_rpc("flashrl_update_weights", manifest JSON)
+                            receive every bucket (broadcast from group rank 0) into fresh buffers
+                            verify every checksum          -- any mismatch: drop buffers, report
+                            reload_weights(all tensors)    -- only after every bucket passed
+                     -> set version, resume
+
+The model's parameters are never written until every bucket has arrived and passed its checksum,
+so a failed sync leaves the previous weights serving. Every bucket is received even after a
+mismatch: the broadcast is a collective, and leaving it early would hang the other members.
+
+Why a worker extension (``AsyncEngineArgs(worker_extension_cls=...)``) and not vLLM's native
+weight-transfer API (``WeightTransferEngineFactory``): a custom backend must be registered inside the
+worker process, which vLLM only offers through an installed plugin entry point, and the native
+lifecycle (start -> update chunk by chunk -> finish) loads each chunk as it arrives, while this sync
+must verify everything before loading anything. The methods below take plain data (str, int, JSON
+text), so no ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from flashrl.protocol import WeightManifest
+from flashrl.trainer.weights import DTYPES, group_device, join_group, unpack_bucket, verify_checksum
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "flashrl.engine.weights.WeightSyncExtension"
+
+
+class WeightReceiver:
+    """One engine's end of the weight-sync group (no vLLM here: unit-testable on its own)."""
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._device = torch.device("cpu")
+
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
+    def init(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        if rank < 1:
+            raise ValueError(f"weight sync: engine rank must be >= 1 (rank 0 is the trainer), got {rank}")
+        self._group = join_group(master_addr, master_port, rank, world_size, backend, timeout_s)
+        self._device = group_device(backend)
+        log.info("weight sync: joined %s group of %d as rank %d", backend, world_size, rank)
+
+    def receive(self, manifest: WeightManifest) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+        """Receive every bucket of ``manifest``; return (named tensors, checksum errors).
+
+        The tensors are views of fresh buffers; when errors is non-empty they must not be loaded.
+        """
+        if self._group is None:
+            raise RuntimeError("UpdateWeights before InitWeightSync: the engine has not joined the weight-sync group")
+        named: list[tuple[str, torch.Tensor]] = []
+        errors: list[str] = []
+        for i, bucket in enumerate(manifest.buckets):
+            if bucket.dtype not in DTYPES:
+                # Still take part in the broadcast (as raw bytes of the right size) to keep the group aligned.
+                errors.append(f"bucket {i}: unsupported dtype {bucket.dtype!r}")
+            dtype = DTYPES.get(bucket.dtype, torch.float32)
+            flat = torch.empty(bucket.numel, dtype=dtype, device=self._device)
+            self._group.broadcast(flat, 0).wait()
+            got = verify_checksum(flat, bucket.checksum)
+            if got != bucket.checksum:
+                names = ", ".join(s.name for s in bucket.tensors[:3])
+                errors.append(f"bucket {i} ({names}...): checksum {got} != manifest {bucket.checksum}")
+                continue
+            try:
+                named.extend(unpack_bucket(bucket, flat))
+            except ValueError as e:
+                errors.append(f"bucket {i}: {e}")
+        return named, errors
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``)."""
+
+    def _flashrl_receiver(self) -> WeightReceiver:
+        recv = getattr(self, "_flashrl_recv", None)
+        if recv is None:
+            recv = WeightReceiver()
+            self._flashrl_recv = recv
+        return recv
+
+    def flashrl_init_weight_sync(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        self._flashrl_receiver().init(master_addr, master_port, rank, world_size, backend, timeout_s)
+
+    def flashrl_update_weights(self, manifest_json: str) -> dict[str, Any]:
+        """Receive, verify, then load. Returns ok, error, touched (False: the old weights are intact), timings."""
+        manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
+        t0 = time.perf_counter()
+        named, errors = self._flashrl_receiver().receive(manifest)
+        t1 = time.perf_counter()
+        if errors:
+            log.error("weight sync v%d rejected, keeping the previous weights: %s", manifest.version, "; ".join(errors))
+            return {"ok": False, "touched": False, "error": "; ".join(errors), "receive_s": t1 - t0, "load_s": 0.0}
+        try:
+            # reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after
+            # loading, and only the reload path redoes that processing (PLATFORM.md).
+            self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+        except Exception as e:
+            log.exception("weight sync v%d: loading failed after the checks passed", manifest.version)
+            return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
+                    "receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+        return {"ok": True, "touched": True, "error": "", "receive_s": t1 - t0, "load_s": time.perf_counter() - t1}

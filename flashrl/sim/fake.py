@@ -1,0 +1,363 @@
+"""Small scripted fakes of every part the controller talks to, plus a virtual-clock event loop.
+
+    Controller ──Generate──> FakeEngine     awaits a scripted duration on the loop clock; tokens are
+                                            stamped with the version loaded when each was produced
+               ──TrainBatch─> FakeTrainer   records batches; prepare/send weights on the loop clock
+               ──reset/step─> ScriptedEnv   (ScriptedSuite) reward = action starts with the answer
+    CharTokenizer: one id per character (ord), eos 0.
+    VirtualClockLoop / run_virtual: an asyncio loop whose clock jumps to the next timer when
+    nothing is ready, so a test of minutes of scheduling runs in milliseconds.
+
+These are supported product code for tests (and quick experiments), kept deliberately simple;
+the bench's latency models live in the simulator (flashrl/sim/engine.py and friends). They use
+only the event loop's clock, so they work on real time and on the virtual clock alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import selectors
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
+
+import anyio
+import msgspec
+
+from envs.base import EnvFailure, StepResult, Task
+from flashrl.protocol import (
+    Generate,
+    Generated,
+    LoadReport,
+    TrainBatch,
+    TrainResult,
+    WeightManifest,
+    WeightsUpdated,
+)
+from flashrl.transport import PeerDead
+
+__all__ = [
+    "CharTokenizer",
+    "FakeEngine",
+    "FakeTrainer",
+    "ScriptedEnv",
+    "ScriptedSuite",
+    "VirtualClockLoop",
+    "default_script",
+    "run_virtual",
+]
+
+T = TypeVar("T")
+
+# script(request, engine version at arrival) -> (token ids, seconds to produce all of them)
+Script = Callable[[Generate, int], tuple[list[int], float]]
+DIGITS = [ord(c) for c in "0123456789"]
+
+
+def default_script(token_s: float = 0.01, min_tokens: int = 1) -> Script:
+    """Seeded random length in [min_tokens, max_tokens] of random digits, ``token_s`` per token.
+
+    Depends only on the request's seed, so two engines give the same sample for the same request.
+    """
+
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        rng = random.Random(req.seed if req.seed is not None else req.request_id)
+        n = rng.randint(min(min_tokens, req.max_tokens), req.max_tokens)
+        return [rng.choice(DIGITS) for _ in range(n)], n * token_s
+
+    return script
+
+
+class FakeEngine:
+    """An EngineClient that produces scripted tokens over scripted time on the event-loop clock.
+
+    Token i of a request of duration d started at t0 is produced at t0 + (i + 1) * d / n and is
+    stamped with the version loaded at that instant, so weights can change mid-request. An abort
+    returns the tokens produced so far with finish_reason "abort". ``kill()`` makes every pending
+    and later call raise PeerDead, like a dead engine process.
+    """
+
+    def __init__(
+        self,
+        name: str = "fake0",
+        script: Script | None = None,
+        *,
+        sync_s: float = 0.0,
+        update_ok: bool = True,
+        die_at: float | None = None,
+    ) -> None:
+        self.name = name
+        self.script = script or default_script()
+        self.sync_s = sync_s
+        self.update_ok = update_ok
+        self.die_at = die_at  # loop time at which the engine dies by itself (None = never)
+        self.version = 0
+        self.requests: list[Generate] = []
+        self.request_times: list[float] = []
+        self.aborted: list[str] = []
+        self.updates: list[int] = []
+        self.dead = False
+        self._history: list[tuple[float, int]] = [(-float("inf"), 0)]  # (loaded at, version)
+        self._wake: dict[str, anyio.Event] = {}
+        self._inflight = 0
+        self.max_inflight = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def _version_at(self, t: float) -> int:
+        v = 0
+        for when, ver in self._history:
+            if when <= t:
+                v = ver
+        return v
+
+    def kill(self) -> None:
+        self.dead = True
+        for ev in self._wake.values():
+            ev.set()
+
+    def _check_alive(self) -> None:
+        if self.die_at is not None and anyio.current_time() >= self.die_at:
+            self.dead = True
+        if self.dead:
+            raise PeerDead(f"engine {self.name} is dead (fake)")
+
+    async def generate(self, req: Generate) -> Generated:
+        self._check_alive()
+        t0 = anyio.current_time()
+        self.requests.append(req)
+        self.request_times.append(t0)
+        tokens, duration = self.script(req, self.version)
+        tokens = tokens[: req.max_tokens]
+        ev = anyio.Event()
+        self._wake[req.request_id] = ev
+        self._inflight += 1
+        self.max_inflight = max(self.max_inflight, self._inflight)
+        try:
+            limit = duration
+            if self.die_at is not None:
+                limit = min(limit, max(self.die_at - t0, 0.0))
+            with anyio.move_on_after(limit):
+                await ev.wait()
+            self._check_alive()
+        finally:
+            self._inflight -= 1
+            del self._wake[req.request_id]
+        elapsed = anyio.current_time() - t0
+        n = len(tokens)
+        aborted = ev.is_set()
+        done = n if not aborted or duration <= 0 else min(n, int(n * elapsed / duration))
+        times = [t0 + (k + 1) * duration / max(n, 1) for k in range(done)]
+        rng = random.Random(f"{req.seed}:lp" if req.seed is not None else f"{req.request_id}:lp")
+        return Generated(
+            request_id=req.request_id,
+            token_ids=tokens[:done],
+            logprobs=[-rng.random() for _ in range(done)],
+            versions=[self._version_at(t) for t in times],
+            finish_reason="abort" if aborted else ("length" if n >= req.max_tokens else "stop"),
+            engine=self.name,
+        )
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self._check_alive()
+        for rid in request_ids:
+            self.aborted.append(rid)
+            ev = self._wake.get(rid)
+            if ev is not None:
+                ev.set()
+
+    async def update_weights(self, manifest: WeightManifest) -> WeightsUpdated:
+        self._check_alive()
+        await anyio.sleep(self.sync_s)
+        self._check_alive()
+        if not self.update_ok:
+            return WeightsUpdated(version=self.version, ok=False, error="checksum mismatch (fake)")
+        self.version = manifest.version
+        self._history.append((anyio.current_time(), manifest.version))
+        self.updates.append(manifest.version)
+        return WeightsUpdated(version=manifest.version, ok=True, seconds=self.sync_s)
+
+    async def load(self) -> LoadReport:
+        return LoadReport(engine=self.name, version=self.version, running=self._inflight)
+
+    async def close(self) -> None:
+        self.dead = True
+
+
+class FakeTrainer:
+    """A TrainerClient that records every batch; each call takes a fixed time on the loop clock.
+
+    Metrics: ``loss`` = -mean reward of the batch, ``samples`` = batch size. ``fail_at_step``
+    raises RuntimeError from that train_step (to test crash propagation).
+    """
+
+    def __init__(self, *, train_s: float = 0.0, sync_s: float = 0.0, fail_at_step: int | None = None) -> None:
+        self.train_s = train_s
+        self.sync_s = sync_s
+        self.fail_at_step = fail_at_step
+        self.batches: list[TrainBatch] = []
+        self.train_times: list[float] = []  # loop time when each train_step began
+        self.prepared: list[int] = []
+        self.sent: list[int] = []
+
+    async def train_step(self, batch: TrainBatch) -> TrainResult:
+        self.train_times.append(anyio.current_time())
+        await anyio.sleep(self.train_s)
+        if self.fail_at_step is not None and batch.step == self.fail_at_step:
+            raise RuntimeError(f"fake trainer failure at step {batch.step}")
+        self.batches.append(batch)
+        rewards = [s.reward for s in batch.samples]
+        return TrainResult(step=batch.step, metrics={"loss": -sum(rewards) / max(len(rewards), 1), "samples": float(len(rewards))})
+
+    async def prepare_weights(self, version: int) -> WeightManifest:
+        self.prepared.append(version)
+        return WeightManifest(version=version)
+
+    async def send_weights(self, version: int) -> None:
+        await anyio.sleep(self.sync_s)
+        self.sent.append(version)
+
+    async def close(self) -> None:
+        pass
+
+
+class CharTokenizer:
+    """One id per character (its code point); id 0 is EOS and decodes to nothing."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+class ScriptedParams(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+@dataclass(eq=False)
+class ScriptedSuite:
+    """An EnvSuite of arithmetic-free tasks: task i asks for the digit ``i % 10``.
+
+    reward = 1.0 when the action starts with the answer. ``turns``: steps until done (observation
+    " obs<k> " in between). ``step_s(task, turn)``: env latency. ``fail(task, call)`` returns an
+    EnvFailure reason (or None) for the ``call``-th step of that task across all attempts, ``hang``
+    likewise returns True to sleep forever (the turn deadline must catch it), ``crash`` raises a
+    plain exception (a bug, which must crash the run).
+    """
+
+    Params: ClassVar[type] = ScriptedParams
+
+    n_train: int = 16
+    n_eval: int = 0
+    turns: int = 1
+    step_s: Callable[[Task, int], float] | float = 0.0
+    fail: Callable[[Task, int], str | None] | None = None
+    hang: Callable[[Task, int], bool] | None = None
+    crash: Callable[[Task, int], bool] | None = None
+    calls: dict[str, int] = field(default_factory=dict)  # task id -> env.step calls so far
+    closed: int = 0
+    opened: int = 0
+
+    def _tasks(self, prefix: str, n: int) -> list[Task]:
+        return [Task(id=f"{prefix}{i}", prompt=f"{prefix}{i}?", answer=str(i % 10)) for i in range(n)]
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self._tasks("t", self.n_train)
+
+    def eval_tasks(self) -> Sequence[Task]:
+        return self._tasks("e", self.n_eval)
+
+    def make_env(self) -> ScriptedEnv:
+        self.opened += 1
+        return ScriptedEnv(self)
+
+
+class ScriptedEnv:
+    def __init__(self, suite: ScriptedSuite) -> None:
+        self.suite = suite
+        self.task: Task | None = None
+        self.turn = 0
+        self._closed = False
+
+    async def reset(self, task: Task) -> str:
+        self.task = task
+        self.turn = 0
+        return task.prompt
+
+    async def step(self, action: str) -> StepResult:
+        s, task = self.suite, self.task
+        assert task is not None, "step() before reset()"
+        call = s.calls.get(task.id, 0)
+        s.calls[task.id] = call + 1
+        delay = s.step_s(task, self.turn) if callable(s.step_s) else s.step_s
+        await anyio.sleep(delay)
+        if s.hang and s.hang(task, call):
+            await anyio.sleep_forever()
+        if s.crash and s.crash(task, call):
+            raise ValueError(f"scripted env bug on {task.id}")
+        if s.fail:
+            reason = s.fail(task, call)
+            if reason:
+                raise EnvFailure(reason, f"scripted failure on {task.id}")
+        self.turn += 1
+        correct = action.startswith(task.answer)
+        if self.turn >= s.turns:
+            return StepResult(reward=1.0 if correct else 0.0, done=True, info={"correct": correct})
+        return StepResult(observation=f" obs{self.turn} ", reward=0.0, done=False)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.suite.closed += 1
+
+
+# --------------------------------------------------------------------------- virtual clock
+class _JumpSelector(selectors.DefaultSelector):
+    """Polls real I/O without blocking; when nothing is ready, jumps the loop's clock instead of sleeping."""
+
+    loop: VirtualClockLoop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if ready or (timeout is not None and timeout <= 0):
+            return ready
+        if timeout is None:
+            # No timer pending: only real I/O (or another thread) can wake the loop; wait for it.
+            return super().select(None)
+        self.loop.now += timeout
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop on virtual time: ``time()`` starts at 0 and jumps to the next timer when idle.
+
+    Limit: do not mix with real sockets whose answers take real time; the clock would jump past them.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        sel = _JumpSelector()
+        sel.loop = self
+        super().__init__(selector=sel)
+
+    def time(self) -> float:
+        return self.now
+
+
+def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main()`` to completion on a fresh VirtualClockLoop and close it."""
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()

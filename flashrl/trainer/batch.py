@@ -1,0 +1,132 @@
+"""TrainBatch (wire) -> padded tensors the trainer forwards, with every per-token field aligned to logits.
+
+Layout of one sample (P prompt tokens, R response tokens), right-padded to the batch length L::
+
+    input_ids       p0 p1 p2 | r0 r1 r2 r3 | pad pad          positions 0 .. L-1
+    logits position  0  1  2    3  4  5  6    7               logits[j] predicts input_ids[j + 1]
+    targets         p1 p2 r0   r1 r2 r3 pad  pad              = input_ids[:, 1:]   (length L - 1)
+    loss_mask        0  0 m0   m1 m2 m3  0    0               m_k = sample.loss_mask[k]
+
+So response token k sits at input position P + k and is predicted by logits position P + k - 1; every
+aligned tensor (targets, loss_mask, behav_logp, versions) has length L - 1 and puts token k's value at
+index P + k - 1. Right padding keeps the positions of real tokens 0 .. n-1 (what the engine used), so no
+position_ids are needed. A sample needs at least one prompt token (nothing predicts position 0).
+
+Pure data: no process group, no model. ``PaddedBatch.select`` cuts the per-rank and per-micro-batch
+slices; ``pad_batch`` is the only place where the off-by-one lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from flashrl.protocol import TrainSample
+
+
+class BatchError(ValueError):
+    """A TrainSample that cannot be trained on; the message names the sample and the field."""
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """B samples padded to L tokens. Aligned tensors have length T = L - 1 (see the module docstring)."""
+
+    input_ids: torch.Tensor  # [B, L] long, pad_id after each sequence
+    attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
+    targets: torch.Tensor  # [B, T] long, input_ids[:, 1:]
+    loss_mask: torch.Tensor  # [B, T] float, 1 where a policy-generated response token is predicted
+    behav_logp: torch.Tensor  # [B, T] float, engine logprob of that token (0 elsewhere)
+    versions: torch.Tensor  # [B, T] long, policy version that sampled that token (-1 elsewhere)
+    advantages: torch.Tensor  # [B, T] float, 0 until the trainer fills it (advantages.py)
+    rewards: torch.Tensor  # [B] float
+    groups: torch.Tensor  # [B] long, GRPO group id
+    prompt_lens: torch.Tensor  # [B] long
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> PaddedBatch:
+        """The samples at ``index`` (order kept), trimmed to their own longest sequence."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        picked = {f.name: getattr(self, f.name)[idx] for f in fields(self)}
+        length = int(picked["attention_mask"].sum(-1).max()) if len(idx) else 1
+        length = max(length, 2)  # keep T >= 1 so shapes stay valid
+        for name in ("input_ids", "attention_mask"):
+            picked[name] = picked[name][:, :length]
+        for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages"):
+            picked[name] = picked[name][:, : length - 1]
+        return PaddedBatch(**picked)
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def _check(i: int, s: TrainSample) -> None:
+    where = f"sample {i} ({s.sample_id or 'no id'})"
+    if not s.prompt_ids:
+        raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
+                         "(nothing predicts position 0): prepend a BOS token")
+    r = len(s.response_ids)
+    for name in ("loss_mask", "behav_logp", "versions"):
+        n = len(getattr(s, name))
+        if n != r:
+            raise BatchError(f"{where}: {name} has {n} entries but response_ids has {r}; "
+                             "the engine reply and the trajectory are out of step")
+
+
+def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
+    """Right-pad ``samples`` into a PaddedBatch (aligned as in the module docstring)."""
+    if not samples:
+        raise BatchError("empty batch: the trainer needs at least one sample")
+    for i, s in enumerate(samples):
+        _check(i, s)
+    b = len(samples)
+    length = max(2, max(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+    t = length - 1
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    loss_mask = torch.zeros((b, t), dtype=torch.float32)
+    behav_logp = torch.zeros((b, t), dtype=torch.float32)
+    versions = torch.full((b, t), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        if r:
+            span = slice(p - 1, p - 1 + r)  # logits position predicting response token k is p - 1 + k
+            m = torch.tensor(s.loss_mask, dtype=torch.float32).clamp(0, 1)
+            loss_mask[i, span] = m
+            # Observation tokens (mask 0) carry no engine logprob/version: keep the neutral fill there.
+            behav_logp[i, span] = torch.where(m > 0, torch.tensor(s.behav_logp, dtype=torch.float32), 0.0)
+            versions[i, span] = torch.where(m > 0, torch.tensor(s.versions, dtype=torch.long), -1)
+    return PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        targets=input_ids[:, 1:].clone(),
+        loss_mask=loss_mask,
+        behav_logp=behav_logp,
+        versions=versions,
+        advantages=torch.zeros((b, t), dtype=torch.float32),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        groups=torch.tensor([s.group for s in samples], dtype=torch.long),
+        prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+    )
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target under ``logits`` [B, T, V], and the entropy of each position.
+
+    Computed in float32 whatever the logits dtype (bf16 log-softmax loses the small differences the
+    ratio terms need). The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus):
+    otherwise it is a metric and keeping its [B, T, V] graph would only cost memory.
+    """
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

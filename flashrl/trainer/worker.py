@@ -1,0 +1,606 @@
+"""One trainer rank: an FSDP2-sharded Hugging Face causal LM, driven by the controller through rank 0.
+
+    controller --TrainerRequest (ZeroMQ)--> rank 0 RpcServer (asyncio, main thread)
+                                              | Ping: answered at once (Pong(version)), never queued
+                                              | anything else: one at a time (lock), on the compute thread
+                                              v
+        rank 0 compute thread: broadcast(msgspec bytes as a uint8 tensor) ---> ranks 1..R-1 (main thread)
+                               Trainer.execute(msg)  <-- same collectives, same order -->  Trainer.execute(msg)
+                                              |
+    controller <--TrainerReply-- rank 0 (only rank 0's result is sent back)
+
+Every rank runs the same request through ``Trainer.execute``, so the collectives inside (FSDP
+all-gathers and reduce-scatters, metric reductions, state-dict gathers, DCP saves) line up by
+construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights) are not broadcast.
+While idle, rank 0 broadcasts a Ping every ``KEEPALIVE_S`` so the other ranks' pending receive never
+hits the process-group timeout during a long rollout phase. Ranks 1.. poll that receive (async_op +
+short sleeps) instead of blocking in C++, so SIGTERM is handled at once.
+
+The process group backend is ``trainer.backend`` (auto: nccl with CUDA, else gloo); the same code
+runs both. On CPU the weights are float32; on GPU a non-float32 ``model.dtype`` becomes FSDP2's
+compute dtype (MixedPrecisionPolicy) with float32 master weights and gradient reduction.
+
+Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a cluster)::
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 LOCAL_RANK=0 \\
+        python -m flashrl.trainer.worker --config run.toml --address tcp://127.0.0.1:5555 --model PATH
+
+Limits: an error raised on every rank before any collective (a malformed batch) is a per-request
+Error; an error on one rank in the middle of collectives leaves the others waiting until the process
+group times out, and the client sees a dead rank. AsyPPO critics and attention-rhythm credit are not
+wired in here yet: the trainer uses GRPO advantages for every loss (a warning says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashrl import protocol
+from flashrl.config import Config, load
+from flashrl.protocol import (
+    ComputeLogprobs,
+    Error,
+    InitWeightSync,
+    Logprobs,
+    Msg,
+    Ok,
+    Ping,
+    Pong,
+    PrepareWeights,
+    SaveCheckpoint,
+    SendWeights,
+    Shutdown,
+    TrainBatch,
+    TrainResult,
+    TrainSample,
+    TrainStep,
+    WeightManifest,
+)
+from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
+from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
+from flashrl.trainer.losses import compute_policy_loss
+
+log = logging.getLogger("flashrl.trainer")
+
+KEEPALIVE_S = 60.0  # idle broadcast period; far below the process group's 30 min default timeout
+_RANK0_ONLY = (Ping, InitWeightSync, SendWeights)
+CHECKPOINT_META = "trainer.json"
+
+
+def resolve_backend(backend: str) -> str:
+    """``trainer.backend``: auto -> nccl when CUDA is available, else gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.backend = nccl but CUDA is not available here; use auto or gloo")
+    return backend
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: the classes HF marks as not splittable (Qwen2DecoderLayer, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={sorted(names)}); "
+                           "FSDP2 needs the per-layer blocks to shard")
+    return layers
+
+
+def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int,
+                       micro_batch: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per mini-batch: its sample indices, and ``rank``'s micro-batches (index tensors, maybe empty).
+
+    Mini-batches are contiguous slices of the batch (groups stay together); a mini-batch's samples go
+    to ranks round-robin. Every rank gets the same number of micro-batches (the busiest rank's),
+    because each forward is a collective; a rank short of samples runs a fully masked one.
+    """
+    plan = []
+    for mini in torch.tensor_split(torch.arange(n), min(mini_batches, n)):
+        mine = mini[rank::world]
+        n_micro = max(1, math.ceil(math.ceil(len(mini) / world) / micro_batch))
+        plan.append((mini, [mine[k * micro_batch : (k + 1) * micro_batch] for k in range(n_micro)]))
+    return plan
+
+
+class Trainer:
+    """One rank's model, optimizer and request handlers. Needs an initialized default process group.
+
+    ``execute`` must be called on every rank with the same message in the same order; it returns the
+    reply on rank 0 (None elsewhere, and None for requests rank 0 answers without a reply).
+    """
+
+    def __init__(self, cfg: Config, model_path: str, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = device
+        self.version = 0
+        self.mesh = init_device_mesh(device.type, (self.world,))
+        mp = None
+        if device.type == "cuda" and cfg.model.dtype != "float32":
+            compute = getattr(torch, cfg.model.dtype)
+            mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+        def build() -> torch.nn.Module:
+            m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            for layer in _decoder_layers(m):
+                fully_shard(layer, mesh=self.mesh, **({"mp_policy": mp} if mp else {}))
+            fully_shard(m, mesh=self.mesh, **({"mp_policy": mp} if mp else {}))
+            # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
+            m.train(False)
+            return m
+
+        self.model = build()
+        mc = self.model.config
+        self.tie_word_embeddings = bool(getattr(mc, "tie_word_embeddings", False))
+        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
+        self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = build()  # the initial weights, frozen: the KL anchor
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        )
+        self._prepared: tuple[int, list[torch.Tensor]] | None = None
+        self._sender: Any = None
+        if cfg.algorithm.loss == "asyppo" or cfg.algorithm.credit != "none":
+            log.warning("algorithm.loss=%s credit=%s: critics and rhythm credit are not wired into the trainer "
+                        "yet; training uses GRPO advantages", cfg.algorithm.loss, cfg.algorithm.credit)
+
+    # ------------------------------------------------------------------ dispatch
+    def execute(self, msg: Msg) -> Msg | None:
+        if isinstance(msg, TrainStep):
+            return self.train_step(msg.batch)
+        if isinstance(msg, PrepareWeights):
+            return self.prepare_weights(msg.version)
+        if isinstance(msg, SendWeights):
+            return self.send_weights(msg.version)
+        if isinstance(msg, InitWeightSync):
+            return self.init_weight_sync(msg)
+        if isinstance(msg, ComputeLogprobs):
+            lp = self.compute_logprobs(msg.prompt_ids, msg.response_ids)
+            return Logprobs(logprobs=lp) if self.rank == 0 else None
+        if isinstance(msg, SaveCheckpoint):
+            self.save_checkpoint(msg.path)
+            return Ok(info=msg.path)
+        if isinstance(msg, Ping):
+            return Pong(version=self.version)
+        if isinstance(msg, Shutdown):
+            return Ok(info="shutdown")
+        raise ValueError(f"trainer: no handler for {type(msg).__name__}")
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+        return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad)
+
+    @staticmethod
+    def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:
+        if len(idx):
+            return full.select(idx)
+        dummy = full.select(mini[:1])  # keeps this rank in the collectives; contributes nothing
+        return dataclasses.replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask))
+
+    def _norm(self, full: PaddedBatch, mini: torch.Tensor) -> float:
+        """The mini-batch's loss divisor across all ranks (tokens, sequences or B*T; losses.aggregate)."""
+        m = full.loss_mask[mini]
+        agg = self.cfg.algorithm.loss_agg
+        if agg == "token-mean":
+            n = float(m.sum())
+        elif agg == "seq-mean-token-mean":
+            n = float((m.sum(-1) > 0).sum())
+        else:  # seq-mean-token-sum-norm: a constant length (the batch's), so no length bias
+            n = float(len(mini) * full.loss_mask.shape[-1])
+        return max(n, 1.0)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, tb: TrainBatch) -> TrainResult | None:
+        t0 = time.perf_counter()
+        alg = self.cfg.algorithm
+        full = pad_batch(tb.samples, self.pad_id)
+        adv = grpo_advantages(full.rewards, full.groups, scale_std=alg.scale_std)
+        tied = tied_groups(full.rewards, full.groups)
+        if alg.filter_ties:
+            full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))
+        full = dataclasses.replace(full, advantages=token_advantages(adv, full.loss_mask))
+        current = tb.step
+        plan = plan_micro_batches(full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
+                                  self.cfg.trainer.micro_batch)
+        entropy_grad = alg.entropy_coef > 0
+
+        # Proximal (and reference) logprobs: the weights at the start of the step, no gradient. With one
+        # mini-batch every forward below still sees those weights, so its own detached logp serves.
+        prox: dict[tuple[int, int], torch.Tensor] = {}
+        ref: dict[tuple[int, int], torch.Tensor] = {}
+        if len(plan) > 1 or self.ref_model is not None:
+            with torch.no_grad():
+                for i, (mini, micros) in enumerate(plan):
+                    for k, idx in enumerate(micros):
+                        b = self._micro(full, mini, idx).to(self.device)
+                        if len(plan) > 1:
+                            prox[i, k] = self._forward(self.model, b, False)[0]
+                        if self.ref_model is not None:
+                            ref[i, k] = self._forward(self.ref_model, b, False)[0]
+
+        sums: dict[str, float] = {}  # loss/*: summed over micro-batches and ranks (each carries norm / R)
+        weighted: dict[str, float] = {}  # token-weighted means
+        maxes: dict[str, float] = {}
+        tokens = 0.0
+        grad_norms: list[float] = []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for i, (mini, micros) in enumerate(plan):
+            # FSDP2 averages gradients over ranks, so each rank divides by norm / R: the sum is the batch mean.
+            norm = self._norm(full, mini) / self.world
+            for k, idx in enumerate(micros):
+                b = self._micro(full, mini, idx).to(self.device)
+                logp, entropy = self._forward(self.model, b, entropy_grad)
+                loss, met = compute_policy_loss(
+                    alg,
+                    logp=logp,
+                    prox_logp=prox[i, k] if prox else logp.detach(),
+                    behav_logp=b.behav_logp,
+                    advantages=b.advantages,
+                    mask=b.loss_mask,
+                    rewards=b.rewards,
+                    versions=b.versions,
+                    current_version=current,
+                    entropy=entropy,
+                    ref_logp=ref.get((i, k)),
+                    norm=norm,
+                )
+                loss.backward()
+                n_tok = float(b.loss_mask.sum())
+                tokens += n_tok
+                for key, v in met.items():
+                    if key.startswith("loss/"):
+                        sums[key] = sums.get(key, 0.0) + v / len(plan)
+                    elif key.endswith("/max"):
+                        maxes[key] = max(maxes.get(key, -math.inf), v) if n_tok else maxes.get(key, -math.inf)
+                    else:
+                        weighted[key] = weighted.get(key, 0.0) + v * n_tok
+            grad_norms.append(self._clip(params))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        metrics = self._reduce(sums, weighted, maxes, tokens)
+        self.version = current + 1
+        if self.rank != 0:
+            return None
+        m = full.loss_mask > 0
+        lag = (current - full.versions)[m].to(torch.float64)
+        metrics.update({
+            "loss": metrics.get("loss/total", 0.0),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "reward/mean": float(full.rewards.mean()),
+            "reward/std": float(full.rewards.std(correction=0)),
+            "advantage/mean": float(adv.mean()),
+            "advantage/std": float(adv.std(correction=0)),
+            "advantage/min": float(adv.min()),
+            "advantage/max": float(adv.max()),
+            "staleness/mean": float(lag.mean()) if lag.numel() else 0.0,
+            "staleness/max": float(lag.max()) if lag.numel() else 0.0,
+            "samples": float(full.size),
+            "tokens": float(m.sum()),
+            "groups": float(count_groups(full.groups)),
+            "groups/tied": float(count_groups(full.groups, tied)),
+            "groups/filtered": float(count_groups(full.groups, tied)) if alg.filter_ties else 0.0,
+            "optimizer_steps": float(len(plan)),
+            "step_time_s": time.perf_counter() - t0,
+        })
+        return TrainResult(step=tb.step, metrics=metrics)
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        """Clip to ``trainer.grad_clip`` (0: only measure); the global norm over every rank's shard."""
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads)
+        if hasattr(total, "full_tensor"):  # a DTensor: the norm of the sharded gradients, made whole
+            total = total.full_tensor()
+        if self.cfg.trainer.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.grad_clip, total)
+        return float(total)
+
+    def _reduce(self, sums: dict[str, float], weighted: dict[str, float], maxes: dict[str, float],
+                tokens: float) -> dict[str, float]:
+        """Combine per-rank metrics: loss sums / R, token-weighted means, maxima. Keys match on every
+        rank because every rank ran the same loss with the same optional inputs."""
+        ks, kw, km = sorted(sums), sorted(weighted), sorted(maxes)
+        flat = torch.tensor([sums[k] for k in ks] + [weighted[k] for k in kw] + [tokens], dtype=torch.float64)
+        crc = float(zlib.crc32(" ".join(ks + kw + km).encode()))
+        mx = torch.tensor([maxes[k] for k in km] + [crc, -crc], dtype=torch.float64)
+        flat, mx = flat.to(self.device), mx.to(self.device)
+        dist.all_reduce(flat)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        if float(mx[-1]) != -float(mx[-2]):  # max(crc) != min(crc): seen identically on every rank
+            raise RuntimeError("trainer ranks returned different metric keys; the loss must not branch on data")
+        flat, mx = flat.cpu(), mx.cpu()
+        out = {k: float(flat[j]) / self.world for j, k in enumerate(ks)}
+        total_tok = float(flat[-1])
+        out.update({k: float(flat[len(ks) + j]) / max(total_tok, 1.0) for j, k in enumerate(kw)})
+        out.update({k: float(mx[j]) if math.isfinite(float(mx[j])) else 0.0 for j, k in enumerate(km)})
+        return out
+
+    # ------------------------------------------------------------------ logprobs
+    def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Logprob of each response token given the prompt, current weights (every rank forwards)."""
+        r = len(response_ids)
+        sample = TrainSample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * r,
+                             behav_logp=[0.0] * r, versions=[0] * r, reward=0.0, group=0)
+        b = pad_batch([sample], self.pad_id).to(self.device)
+        with torch.no_grad():
+            logp, _ = self._forward(self.model, b, False)
+        p = len(prompt_ids)
+        return [float(x) for x in logp[0, p - 1 : p - 1 + r].cpu()]
+
+    # ------------------------------------------------------------------ weights
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every rank must call this; rank 0 gets the full CPU state dict, the others an empty one."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def prepare_weights(self, version: int) -> WeightManifest | None:
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        from flashrl.trainer.weights import build_manifest
+
+        self._prepared = None  # free the previous version's buckets before building new ones
+        manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb,
+                                           tie_word_embeddings=self.tie_word_embeddings)
+        self._prepared = (version, buckets)
+        return manifest
+
+    def send_weights(self, version: int) -> Ok:
+        if self._sender is None:
+            raise RuntimeError("SendWeights before InitWeightSync: initialize the weight-sync group first")
+        if self._prepared is None or self._prepared[0] != version:
+            have = None if self._prepared is None else self._prepared[0]
+            raise RuntimeError(f"SendWeights({version}): prepared version is {have}; send PrepareWeights({version}) first")
+        seconds = self._sender.send(self._prepared[1])
+        self._prepared = None
+        return Ok(info=f"sent version {version} in {seconds:.3f}s")
+
+    def init_weight_sync(self, msg: InitWeightSync) -> Ok:
+        from flashrl.trainer.weights import WeightSender
+
+        sender = WeightSender()
+        sender.init(msg.master_addr, msg.master_port, msg.world_size, msg.backend, msg.timeout_s)
+        self._sender = sender
+        return Ok(info=f"weight sync: {msg.backend} group of {msg.world_size}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """DCP save of model + optimizer into ``path``, atomically: write ``path.tmp``, fsync, rename.
+
+        ``path`` must be on a file system every rank sees. An existing ``path`` is refused (checkpoints
+        are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        final, tmp = Path(path), Path(path + ".tmp")
+        err = ""
+        if self.rank == 0:
+            if final.exists():
+                err = f"checkpoint {final} already exists; choose a new path or delete it"
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+        if self._agree_error(err):
+            raise FileExistsError(err or f"checkpoint {final} refused by rank 0")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if self.rank == 0:
+            (tmp / CHECKPOINT_META).write_text(json.dumps({"version": self.version, "world_size": self.world}))
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer and version from a ``save_checkpoint`` folder (any world size)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.version = int(json.loads((Path(path) / CHECKPOINT_META).read_text())["version"])
+
+    def _agree_error(self, err: str) -> bool:
+        """Broadcast whether rank 0 found an error, so every rank skips the collectives together."""
+        flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- request fan-out
+class Fanout:
+    """Rank 0 sends each request to every rank as msgspec bytes in a uint8 tensor (never pickle)."""
+
+    def __init__(self, device: torch.device, stop: list[bool]) -> None:
+        self.device = device
+        self._stop = stop  # set by the SIGTERM handler; checked while polling
+
+    def send(self, msg: Msg) -> None:
+        payload = protocol.encode(msg)
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=self.device), 0)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device), 0)
+
+    def recv(self) -> Msg | None:
+        """The next request, or None when SIGTERM arrived while waiting."""
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        work = dist.broadcast(n, 0, async_op=True)
+        delay = 0.001
+        while not work.is_completed():
+            if self._stop[0]:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)  # idle ranks wake at most 20 times a second
+        work.wait()
+        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, 0)
+        return protocol.TRAINER_REQUESTS.decode(bytes(buf.cpu().numpy()))
+
+
+def follower_loop(trainer: Trainer, fanout: Fanout) -> None:
+    """Ranks 1..R-1: run every request rank 0 broadcasts until Shutdown (or SIGTERM)."""
+    while True:
+        msg = fanout.recv()
+        if msg is None:
+            log.info("SIGTERM: leaving")
+            return
+        try:
+            trainer.execute(msg)
+        except Exception:
+            # Rank 0 hit the same deterministic error (same input) and answers it; keep in step.
+            log.exception("%s failed", type(msg).__name__)
+        if isinstance(msg, Shutdown):
+            return
+
+
+async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
+    """Rank 0: serve the controller; fan each request out and run it on the single compute thread."""
+    from flashrl.transport import RpcServer
+
+    loop = asyncio.get_running_loop()
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+    lock = asyncio.Lock()
+    stop = asyncio.Event()
+    last_busy = [loop.time()]
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def run(msg: Msg) -> Msg | None:
+        if not isinstance(msg, _RANK0_ONLY):
+            fanout.send(msg)
+        return trainer.execute(msg)
+
+    async def handle(msg: Msg) -> Msg | None:
+        if isinstance(msg, Ping):
+            return Pong(version=trainer.version)
+        if stop.is_set():
+            return Error(message="trainer is shutting down", kind="shutdown")
+        async with lock:
+            try:
+                return await loop.run_in_executor(compute, run, msg)
+            finally:
+                last_busy[0] = loop.time()
+                if isinstance(msg, Shutdown):
+                    stop.set()
+
+    async def keepalive() -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE_S / 4)
+            if not lock.locked() and loop.time() - last_busy[0] >= KEEPALIVE_S and trainer.world > 1:
+                async with lock:
+                    await loop.run_in_executor(compute, fanout.send, Ping())
+                    last_busy[0] = loop.time()
+
+    server = RpcServer(address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}")
+    tasks = [loop.create_task(server.serve(), name="trainer-rpc"), loop.create_task(keepalive(), name="keepalive")]
+    log.info("rank 0 serving %s (world %d)", address, trainer.world)
+    await stop.wait()
+    await asyncio.sleep(0.2)  # let the last reply (Shutdown's Ok) leave the socket before it closes
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+    busy = lock.locked()
+    compute.shutdown(wait=False, cancel_futures=True)
+    if busy:
+        # SIGTERM in the middle of a request: the compute thread may sit in a collective whose peers
+        # are gone; waiting for it could take the whole process-group timeout.
+        log.warning("SIGTERM during a request: exiting without waiting for it")
+        logging.shutdown()
+        os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashrl.trainer.worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="resolved config TOML (runs/<name>/config.toml)")
+    ap.add_argument("--address", required=True, help="rank 0's ZeroMQ address, e.g. tcp://127.0.0.1:5555")
+    ap.add_argument("--model", required=True, help="Hugging Face model folder")
+    ap.add_argument("--resume", default=None, help="checkpoint folder written by SaveCheckpoint")
+    args = ap.parse_args(argv)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            print(f"trainer worker: environment variable {var} is not set; launch with torchrun or "
+                  "flashrl.trainer.client.TrainerGroup", file=sys.stderr)
+            return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cfg = load(args.config)
+    from flashrl.logging_setup import FORMAT
+
+    logging.basicConfig(stream=sys.stderr, level=cfg.run.log_level, format=FORMAT.format(process=f"trainer{rank}"))
+    stop = [False]
+    if rank != 0:
+        def on_term(signum: int, frame: object) -> None:
+            stop[0] = True
+
+        signal.signal(signal.SIGTERM, on_term)
+    torch.set_num_threads(cfg.trainer.threads)
+    backend = resolve_backend(cfg.trainer.backend)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    try:
+        trainer = Trainer(cfg, args.model, device)
+        if args.resume:
+            trainer.load_checkpoint(args.resume)
+        log.info("rank %d/%d ready: backend %s, model %s, version %d", rank, world, backend, args.model, trainer.version)
+        fanout = Fanout(device, stop)
+        if rank == 0:
+            asyncio.run(leader_loop(trainer, fanout, args.address))
+        else:
+            follower_loop(trainer, fanout)
+    finally:
+        if not stop[0]:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    log.info("rank %d exiting", rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

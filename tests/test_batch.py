@@ -1,0 +1,75 @@
+"""Padding and alignment: which logits position predicts which response token (trainer/batch.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrl.protocol import TrainSample
+from flashrl.trainer.batch import BatchError, pad_batch, token_logprobs
+
+PAD = 0
+
+
+def _samples() -> list[TrainSample]:
+    # A: prompt of 3, response of 4 whose third token is an environment observation (mask 0).
+    a = TrainSample(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23, 24], loss_mask=[1, 1, 0, 1],
+                    behav_logp=[-0.1, -0.2, 0.0, -0.4], versions=[3, 3, -1, 4], reward=1.0, group=5)
+    # B: prompt of 1, response of 2 (shorter: padded).
+    b = TrainSample(prompt_ids=[31], response_ids=[41, 42], loss_mask=[1, 1], behav_logp=[-1.0, -2.0],
+                    versions=[2, 2], reward=0.0, group=6)
+    return [a, b]
+
+
+def test_layout_exact() -> None:
+    pb = pad_batch(_samples(), PAD)
+    assert pb.input_ids.tolist() == [[11, 12, 13, 21, 22, 23, 24], [31, 41, 42, PAD, PAD, PAD, PAD]]
+    assert pb.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    # logits position j predicts input_ids[j + 1]
+    assert pb.targets.tolist() == [[12, 13, 21, 22, 23, 24], [41, 42, PAD, PAD, PAD, PAD]]
+    assert pb.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0]]
+    assert torch.equal(pb.behav_logp, torch.tensor([[0, 0, -0.1, -0.2, 0, -0.4], [-1.0, -2.0, 0, 0, 0, 0]]))
+    assert pb.versions.tolist() == [[-1, -1, 3, 3, -1, 4], [2, 2, -1, -1, -1, -1]]
+    assert pb.rewards.tolist() == [1.0, 0.0] and pb.groups.tolist() == [5, 6]
+    assert pb.prompt_lens.tolist() == [3, 1]
+    # every masked position's target is a response token the policy generated
+    tgt = pb.targets[pb.loss_mask.bool()].tolist()
+    assert tgt == [21, 22, 24, 41, 42]
+
+
+def test_logprob_alignment_with_a_known_model() -> None:
+    # "Model" whose logits at position j put all mass on input_ids[j] + 1: with targets = next tokens
+    # the logprob is ~0 exactly where the next token is current + 1, and very negative elsewhere.
+    s = TrainSample(prompt_ids=[5, 6], response_ids=[7, 9], loss_mask=[1, 1], behav_logp=[0.0, 0.0],
+                    versions=[0, 0], reward=0.0, group=0)
+    pb = pad_batch([s], PAD)
+    logits = torch.full((1, pb.input_ids.shape[1], 16), -30.0)
+    logits[0, torch.arange(pb.input_ids.shape[1]), (pb.input_ids[0] + 1) % 16] = 30.0
+    logp, ent = token_logprobs(logits[:, :-1], pb.targets)
+    assert logp.shape == pb.loss_mask.shape == ent.shape
+    # response tokens: 7 follows 6 (predicted), 9 follows 7 (not predicted)
+    resp = logp[pb.loss_mask.bool()]
+    assert resp[0].item() == pytest.approx(0.0, abs=1e-6)
+    assert resp[1].item() < -50
+
+
+def test_select_trims_and_keeps_alignment() -> None:
+    pb = pad_batch(_samples(), PAD)
+    sub = pb.select([1])
+    assert sub.input_ids.tolist() == [[31, 41, 42]]
+    assert sub.targets.tolist() == [[41, 42]] and sub.loss_mask.tolist() == [[1, 1]]
+    assert sub.advantages.shape == (1, 2)
+    assert pb.select([1, 0]).input_ids.shape == (2, 7)
+
+
+def test_errors_name_the_sample_and_field() -> None:
+    bad = TrainSample(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1], behav_logp=[0.0, 0.0],
+                      versions=[0, 0], reward=0.0, group=0, sample_id="s7")
+    with pytest.raises(BatchError, match=r"sample 0 \(s7\): loss_mask has 1 entries but response_ids has 2"):
+        pad_batch([bad], PAD)
+    empty = TrainSample(prompt_ids=[], response_ids=[2], loss_mask=[1], behav_logp=[0.0], versions=[0],
+                        reward=0.0, group=0)
+    with pytest.raises(BatchError, match="prompt_ids is empty"):
+        pad_batch([empty], PAD)
+    with pytest.raises(BatchError, match="empty batch"):
+        pad_batch([], PAD)

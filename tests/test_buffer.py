@@ -1,0 +1,143 @@
+"""SampleBuffer: capacity (the admission side of the staleness bound), per-sample staleness, order."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.base import Task
+from flashrl.controller.buffer import GroupState, SampleBuffer
+from flashrl.controller.rollout import Trajectory
+
+
+def traj(group: int, index: int, version: int, reward: float = 0.0) -> Trajectory:
+    # two generated tokens, an observation token, one more generated token (versions may differ)
+    return Trajectory(
+        sample_id=f"{group}-{index}",
+        group=group,
+        index=index,
+        prompt_ids=[1],
+        response_ids=[5, 6, 7, 8],
+        loss_mask=[1, 1, 0, 1],
+        behav_logp=[-0.1, -0.2, 0.0, -0.3],
+        versions=[version, version + 1, -1, version + 1],
+        reward=reward,
+    )
+
+
+def make(ratio: int = 1, batch: int = 2, group: int = 2, **kw) -> SampleBuffer:
+    return SampleBuffer(group_size=group, batch_prompts=batch, async_ratio=ratio, **kw)
+
+
+def fill(buf: SampleBuffer, uid: int, version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> None:
+    g = buf.groups[uid]
+    first = buf.start(g, len(rewards))
+    for k, r in enumerate(rewards):
+        buf.add(traj(uid, first + k, version, r))
+
+
+@pytest.mark.parametrize("ratio,batch", [(0, 1), (0, 3), (1, 2), (3, 4)])
+def test_capacity_is_exact(ratio: int, batch: int) -> None:
+    buf = make(ratio=ratio, batch=batch)
+    n = 0
+    while buf.can_admit():
+        buf.admit(n, Task(id=str(n), prompt=""))
+        n += 1
+    assert n == (ratio + 1) * batch == buf.capacity
+    with pytest.raises(RuntimeError, match="over capacity"):
+        buf.admit(n, Task(id="x", prompt=""))
+    # completing groups frees nothing; only publishing the update that trained them does
+    for uid in range(batch):
+        fill(buf, uid, version=0)
+    assert not buf.can_admit()
+    got, refills = buf.take_batch(step=0)
+    assert got is not None and refills == []
+    assert not buf.can_admit()
+    buf.mark_trained(got)
+    assert buf.outstanding == buf.capacity - batch
+    assert [g.state for g in got] == [GroupState.TRAINED] * batch
+
+
+def test_batches_are_whole_groups_in_completion_order_samples_by_index() -> None:
+    buf = make(ratio=1, batch=2)
+    for uid in range(4):
+        buf.admit(uid, Task(id=str(uid), prompt=""))
+    for uid in (2, 0, 3, 1):  # completion order
+        g = buf.groups[uid]
+        buf.start(g, 2)
+        buf.add(traj(uid, 1, 0))
+        buf.add(traj(uid, 0, 0))
+    batch, _ = buf.take_batch(0)
+    assert batch is not None
+    assert [g.uid for g in batch] == [2, 0]
+    assert [t.index for t in batch[0].samples] == [0, 1]
+    batch2, _ = buf.take_batch(1)
+    assert batch2 is not None and [g.uid for g in batch2] == [3, 1]
+
+
+def test_ordered_mode_takes_admission_order() -> None:
+    buf = make(ratio=1, batch=2, ordered=True)
+    for uid in range(4):
+        buf.admit(uid, Task(id=str(uid), prompt=""))
+    for uid in (3, 1, 2, 0):
+        fill(buf, uid, 0)
+    batch, _ = buf.take_batch(0)
+    assert batch is not None and [g.uid for g in batch] == [0, 1]
+
+
+def test_stale_samples_are_dropped_counted_and_refilled() -> None:
+    buf = make(ratio=1, batch=1, group=2)
+    buf.admit(0, Task(id="0", prompt=""))
+    g = buf.groups[0]
+    buf.start(g, 2)
+    buf.add(traj(0, 0, version=0))  # fresh until step 1
+    buf.add(traj(0, 1, version=2))
+    # at step 2 the version-0 sample lags 2 > async_ratio = 1
+    batch, refills = buf.take_batch(step=2)
+    assert batch is None
+    assert refills == [g] and g.state is GroupState.RUNNING and g.missing == 1
+    assert [t.index for t in g.samples] == [1]
+    assert buf.counters["stale/dropped_samples"] == 1
+    # the refill gets new sample indices (new seeds), never reuses the dropped one
+    assert buf.start(g, 1) == 2
+    buf.add(traj(0, 2, version=2))
+    batch, refills = buf.take_batch(step=2)
+    assert refills == [] and batch is not None
+    assert all(2 - t.version_start <= 1 for t in batch[0].samples)
+
+
+def test_version_start_is_first_generated_token() -> None:
+    t = Trajectory(sample_id="0-0", group=0, index=0, loss_mask=[0, 1, 1], versions=[-1, 4, 5], version_sent=2)
+    assert t.version_start == 4
+    assert Trajectory(sample_id="0-0", group=0, index=0, version_sent=2).version_start == 2
+
+
+def test_group_keeps_first_finishers_refuses_late_samples() -> None:
+    buf = make(ratio=0, batch=1, group=2)
+    buf.admit(0, Task(id="0", prompt=""))
+    g = buf.groups[0]
+    buf.start(g, 3)
+    assert buf.add(traj(0, 2, 0))
+    assert buf.add(traj(0, 0, 0))
+    assert not buf.add(traj(0, 1, 0))
+    assert buf.counters["buffer/late_samples"] == 1
+    assert [t.index for t in g.samples] == [2, 0]
+
+
+def test_filter_ties_drops_group_and_frees_slot() -> None:
+    buf = make(ratio=0, batch=1, group=2, filter_ties=True)
+    buf.admit(0, Task(id="0", prompt=""))
+    fill(buf, 0, 0, rewards=(1.0, 1.0))
+    assert buf.outstanding == 0 and buf.can_admit()
+    assert buf.counters["dropped/groups_ties"] == 1
+    assert buf.counters["dropped/samples"] == 2
+
+
+def test_drop_unfillable_frees_slot_and_counts() -> None:
+    buf = make(ratio=0, batch=1, group=2)
+    buf.admit(0, Task(id="0", prompt=""))
+    g = buf.groups[0]
+    buf.start(g, 2)
+    buf.add(traj(0, 0, 0))
+    buf.drop(g, "unfillable")
+    assert g.state is GroupState.DROPPED and buf.outstanding == 0
+    assert buf.counters["dropped/groups_unfillable"] == 1 and buf.counters["dropped/samples"] == 1

@@ -1,0 +1,318 @@
+"""The Controller end to end on fakes, on a virtual clock (flashrl.sim.fake.run_virtual).
+
+Every run here is minutes of scheduled time that takes milliseconds; times asserted are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashrl.config import Config
+from flashrl.controller.controller import Controller, RunSummary
+from flashrl.controller.scheduler import DataStream, request_seed
+from flashrl.protocol import Generate, TrainBatch, TrainSample
+from flashrl.sim.fake import CharTokenizer, FakeEngine, FakeTrainer, ScriptedSuite, default_script, run_virtual
+
+TOK = CharTokenizer()
+
+
+def config(**sections: Any) -> Config:
+    return msgspec.convert(sections, Config)
+
+
+def run(c: Controller) -> tuple[RunSummary, set[asyncio.Task[Any]]]:
+    """Run the controller; also return the tasks still alive after run() returned (must be none)."""
+
+    async def main() -> tuple[RunSummary, set[asyncio.Task[Any]]]:
+        summary = await c.run()
+        await anyio.sleep(0)
+        return summary, {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    return run_virtual(main)
+
+
+def long_tail(seed: int) -> Any:
+    """Seeded lengths with a long tail: most samples take ~1 s, a few take 10-30x longer."""
+
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        rng = random.Random(req.seed)
+        n = rng.randint(1, req.max_tokens)
+        slow = rng.random() < 0.1
+        return [rng.choice(b"0123456789") for _ in range(n)], (rng.uniform(10, 30) if slow else rng.uniform(0.5, 1.5))
+
+    return script
+
+
+def check_staleness(batches: list[TrainBatch], ratio: int) -> int:
+    worst = 0
+    for b in batches:
+        for s in b.samples:
+            start = next(v for v, m in zip(s.versions, s.loss_mask) if m)
+            assert b.step - start <= ratio, f"step {b.step} trained {s.sample_id} started at version {start}"
+            worst = max(worst, b.step - start)
+    return worst
+
+
+# --------------------------------------------------------------------------- the synchronous baseline
+async def hand_written_sync_loop(cfg: Config, suite: ScriptedSuite, engine: FakeEngine, trainer: FakeTrainer) -> None:
+    """The textbook loop: admit a batch, generate every sample, train, sync, repeat."""
+    data = DataStream(suite.train_tasks(), cfg.run.seed)
+    for step in range(cfg.run.steps):
+        samples = []
+        for _ in range(cfg.rollout.batch_prompts):
+            uid, task = data.next()
+            for j in range(cfg.rollout.group_size):
+                env = suite.make_env()
+                ids = TOK.encode(await env.reset(task))
+                out = await engine.generate(Generate(
+                    request_id=f"{uid}-{j}",
+                    prompt_ids=ids,
+                    max_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p,
+                    seed=request_seed(cfg.run.seed, uid, j, 0),
+                ))
+                res = await env.step(TOK.decode(out.token_ids))
+                await env.close()
+                samples.append(TrainSample(
+                    prompt_ids=ids, response_ids=out.token_ids, loss_mask=[1] * len(out.token_ids),
+                    behav_logp=out.logprobs, versions=out.versions, reward=res.reward, group=uid, sample_id=f"{uid}-{j}",
+                ))
+        await trainer.train_step(TrainBatch(step=step, samples=samples))
+        manifest = await trainer.prepare_weights(step + 1)
+        await trainer.send_weights(step + 1)
+        await engine.update_weights(manifest)
+
+
+def test_sync_baseline_reproduces_the_synchronous_loop_exactly() -> None:
+    cfg = config(
+        run={"steps": 5, "seed": 11, "eval_every": 2},
+        rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
+        scheduler={"async_ratio": 0, "queue_scheduling": False},
+    )
+    step_s = lambda task, turn: (int(task.id[1:]) % 4) * 0.3  # noqa: E731  (completion order != admission order)
+    engines = [FakeEngine(f"e{i}", default_script(token_s=0.1 * (i + 1))) for i in range(3)]
+    trainer = FakeTrainer(train_s=0.5)
+    c = Controller(cfg, TOK, ScriptedSuite(n_train=7, n_eval=3, step_s=step_s), engines, trainer)
+    summary, left = run(c)
+    assert summary.steps == 5 and left == set()
+
+    ref_engine, ref_trainer = FakeEngine("ref"), FakeTrainer()
+    run_virtual(lambda: hand_written_sync_loop(cfg, ScriptedSuite(n_train=7, step_s=step_s), ref_engine, ref_trainer))
+    assert len(trainer.batches) == 5
+    assert trainer.batches == ref_trainer.batches  # same samples, same order, same versions
+    assert all(v == b.step for b in trainer.batches for s in b.samples for v in s.versions)
+    # all three engines served training samples, yet every sample equals the one-engine loop's
+    assert all(any(r.request_id[0].isdigit() for r in e.requests) for e in engines)
+
+
+def test_sync_baseline_has_a_barrier_and_async_does_not() -> None:
+    """Sync: no sample of step s+1 is requested before step s's weights are published."""
+    cfg = config(
+        run={"steps": 4},
+        rollout={"group_size": 2, "batch_prompts": 2},
+        scheduler={"async_ratio": 0, "queue_scheduling": False},
+    )
+    eng = FakeEngine("e0", long_tail(0))
+    trainer = FakeTrainer(train_s=1.0)
+    run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer))
+    for r, t in zip(eng.requests, eng.request_times):
+        uid = int(r.request_id.split("-")[0])
+        step = uid // 2
+        if step > 0:
+            assert t >= trainer.train_times[step - 1] + 1.0
+            assert eng.updates[: step] == list(range(1, step + 1))
+
+
+# --------------------------------------------------------------------------- staleness and capacity
+@settings(max_examples=25, deadline=None)
+@given(
+    ratio=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 3),
+    group=st.integers(1, 3),
+    n_engines=st.integers(1, 3),
+    queue=st.booleans(),
+    redundancy=st.integers(0, 1),
+)
+def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool, redundancy: int) -> None:
+    cfg = config(
+        run={"steps": 6, "seed": seed},
+        rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4},
+        scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+    )
+    engines = [FakeEngine(f"e{i}", long_tail(seed + i)) for i in range(n_engines)]
+    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 3.0))
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=records.append)
+    summary, left = run(c)
+    assert left == set() and summary.steps == 6
+    worst = check_staleness(trainer.batches, ratio)
+    assert max(r["staleness/max"] for r in records) == worst <= ratio
+    assert [len(b.samples) for b in trainer.batches] == [batch * group] * 6
+    assert all(len({s.group for s in b.samples}) == batch for b in trainer.batches)
+    # every trained group was trained once
+    groups = [s.group for b in trainer.batches for s in b.samples]
+    assert len(set(groups)) == 6 * batch
+
+
+def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
+    cfg = config(
+        run={"steps": 6},
+        rollout={"group_size": 1, "batch_prompts": 1},
+        scheduler={"async_ratio": 1, "queue_scheduling": True},
+    )
+    # prompt uid 1's first sample: 4 tokens over 3.5 s (first token at 0.875 s, version 0); others 1 s
+    def script(r: Generate, v: int) -> tuple[list[int], float]:
+        return ([ord("1")] * 4, 3.5) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0)
+
+    eng = FakeEngine("e0", script)
+    trainer = FakeTrainer()
+    records: list[dict[str, Any]] = []
+    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer, on_step=records.append))
+    assert summary.counters["stale/dropped_samples"] == 1
+    assert check_staleness(trainer.batches, 1) <= 1
+    trained = [s.sample_id for b in trainer.batches for s in b.samples]
+    assert "1-0" not in trained and "1-1" in trained
+    assert records[-1]["count/stale/dropped_samples"] == 1
+
+
+@pytest.mark.parametrize("ratio,batch,queue", [(0, 2, True), (1, 2, True), (2, 3, True), (2, 3, False)])
+def test_admission_fills_capacity_exactly(ratio: int, batch: int, queue: bool) -> None:
+    cfg = config(
+        run={"steps": 2},
+        rollout={"group_size": 2, "batch_prompts": batch},
+        scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+    )
+    eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
+    trainer = FakeTrainer(train_s=100.0)  # nothing is trained (no slot freed) for 100 s
+    run(Controller(cfg, TOK, ScriptedSuite(n_train=50), [eng], trainer))
+    first_publish = trainer.train_times[0] + 100.0
+    uids = {r.request_id.split("-")[0] for r, t in zip(eng.requests, eng.request_times) if t < first_publish}
+    assert len(uids) == (ratio + 1) * batch
+
+
+def test_async_beats_sync_on_a_long_tail() -> None:
+    def elapsed(ratio: int, queue: bool) -> float:
+        cfg = config(
+            run={"steps": 8, "seed": 3},
+            rollout={"group_size": 4, "batch_prompts": 4},
+            scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+        )
+        engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
+        summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), engines, FakeTrainer(train_s=1.0)))
+        return summary.elapsed_s
+
+    sync, flash = elapsed(0, False), elapsed(2, True)
+    assert sync / flash > 1.5, (sync, flash)
+
+
+# --------------------------------------------------------------------------- eval, records, snapshot
+def test_eval_records_at_start_every_n_and_end() -> None:
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        prompt = TOK.decode(req.prompt_ids)  # "e<k>?"
+        right = prompt.startswith("e") and version >= 2
+        return [ord(str(int(prompt[1:-1]) % 10)) if right else ord("x")], 1.0
+
+    cfg = config(run={"steps": 5, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2, "eval_temperature": 0.0})
+    engines = [FakeEngine("e0", script), FakeEngine("e1", script)]
+    records: list[dict[str, Any]] = []
+    snaps = []
+    c = Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=0.5), on_step=records.append)
+    c.on_step = lambda r: (records.append(r), snaps.append(c.snapshot()))
+    summary, _ = run(c)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r} == {0: 0.0, 2: 1.0, 4: 1.0, 5: 1.0}
+    assert summary.eval_accuracy == 1.0
+    evals = [r for e in engines for r in e.requests if r.request_id.startswith("eval")]
+    assert len(evals) == 4 * 4 and {r.temperature for r in evals} == {0.0}
+    assert all(sum(r.request_id.startswith("eval") for r in e.requests) == 8 for e in engines)  # spread
+    for key in ("version", "reward/mean", "time/step_s", "staleness/mean", "staleness/max", "time/weight_sync_s",
+                "samples_per_s", "tokens_per_s", "loss", "train/samples"):
+        assert key in records[1], key
+    assert records[3]["version"] == 3 and records[3]["samples"] == 4
+    assert snaps[3].version == 3 and [e.name for e in snaps[3].engines] == ["e0", "e1"]
+    assert snaps[-1].eval_history == [(0, 0.0), (2, 1.0), (4, 1.0), (5, 1.0)]
+    assert len(snaps[-1].reward_history) == 5
+    assert c.snapshot().status == "done"
+
+
+def test_max_time_stops_the_run() -> None:
+    cfg = config(run={"steps": 1000, "max_time_s": 5.5}, rollout={"group_size": 1, "batch_prompts": 1})
+    eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer()))
+    assert summary.stop_reason == "max_time" and left == set()
+    assert 4 <= summary.steps <= 6 and summary.elapsed_s <= 8.0
+
+
+# --------------------------------------------------------------------------- failures and shutdown
+def test_shutdown_aborts_inflight_closes_envs_leaves_no_task() -> None:
+    cfg = config(run={"steps": 3}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 2})
+    engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
+    suite = ScriptedSuite()
+    c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=0.2))
+    summary, left = run(c)
+    assert left == set()
+    assert sum(len(e.aborted) for e in engines) > 0  # rollouts still running at the end were aborted
+    assert [e.inflight for e in engines] == [0, 0] and c.router.inflight == [0, 0] and c.ctx.live == {}
+    assert suite.closed == suite.opened
+    assert c.status == "done"
+
+
+@pytest.mark.parametrize("where", ["trainer", "env"])
+def test_crash_propagates_after_cleanup(where: str) -> None:
+    cfg = config(run={"steps": 5}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
+    suite = ScriptedSuite(crash=(lambda t, call: t.id == "t3") if where == "env" else None)
+    trainer = FakeTrainer(fail_at_step=2 if where == "trainer" else None)
+    c = Controller(cfg, TOK, suite, engines, trainer)
+
+    async def main() -> set[asyncio.Task[Any]]:
+        with pytest.raises((RuntimeError, ValueError)) as ei:
+            await c.run()
+        assert ("fake trainer failure at step 2" if where == "trainer" else "scripted env bug on t3") in str(ei.value)
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert run_virtual(main) == set()
+    assert c.status == "crashed"
+    assert [e.inflight for e in engines] == [0, 0] and suite.closed == suite.opened
+
+
+def test_dead_engine_mid_run_is_survived_and_skipped_at_sync() -> None:
+    cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    dying = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
+    healthy = FakeEngine("e1", lambda r, v: ([ord("1")], 1.0))
+    c = Controller(cfg, TOK, ScriptedSuite(), [dying, healthy], FakeTrainer())
+    summary, left = run(c)
+    assert summary.steps == 6 and left == set()
+    assert summary.counters["engines/dead"] == 1
+    assert summary.counters["rollout/retry_engine_dead"] >= 1
+    assert summary.counters["weight_sync/skipped_dead_engines"] >= 1
+    assert healthy.updates == [1, 2, 3, 4, 5, 6]
+    assert c.snapshot().engines[0].alive is False
+
+
+def test_failed_weight_load_is_a_loud_error() -> None:
+    cfg = config(run={"steps": 3}, rollout={"group_size": 1, "batch_prompts": 1})
+    engines = [FakeEngine("e0"), FakeEngine("bad", update_ok=False)]
+    c = Controller(cfg, TOK, ScriptedSuite(), engines, FakeTrainer())
+    with pytest.raises(RuntimeError, match="engine bad failed to load weights version 1"):
+        run(c)
+
+
+def test_env_failures_are_retried_not_lost() -> None:
+    cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
+    suite = ScriptedSuite(fail=lambda t, call: "crash" if call == 0 else None)
+    trainer = FakeTrainer()
+    summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], trainer))
+    assert summary.steps == 4
+    assert summary.counters["rollout/retry_env_crash"] == len(suite.calls)  # first step of every task seen
+    assert "dropped/groups_unfillable" not in summary.counters

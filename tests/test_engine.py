@@ -1,0 +1,304 @@
+"""The engine process: options, load accounting, the ZeroMQ boundary, and (slow) a real vLLM engine.
+
+The slow tests share one engine process (module fixture, ~30 s to start) and run in file order:
+generation, abort, pause/resume, weight sync (the test process is trainer rank 0), a rejected
+sync, and last the engine's death (SIGKILL) seen by the client as PeerDead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from safetensors.torch import load_file
+
+from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env, spawn_engine
+from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
+from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, InitWeightSync, Ping, Pong, encode
+from flashrl.trainer.weights import WeightSender, build_manifest
+from flashrl.transport import PeerDead, RpcClient, RpcServer, free_port
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_options_round_trip_through_argv() -> None:
+    opts = EngineOptions(address="tcp://127.0.0.1:5", model="/m", name="e3", kv_cache_gib=0.25, threads=2, seed=9)
+    assert parse_options(options_to_argv(opts)) == opts
+
+
+def test_bad_option_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_options(["--address", "tcp://127.0.0.1:5", "--model", "/m", "--max-model-len", "8"])
+    assert "--max-model-len" in capsys.readouterr().err
+
+
+def test_engine_env_sizes_threads_and_unpins() -> None:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
+    try:
+        env = engine_env(EngineOptions(address="tcp://127.0.0.1:5", model="/m", threads=3), {"EXTRA": "1"})
+    finally:
+        del os.environ["VLLM_CPU_KVCACHE_SPACE"]
+    assert env["OMP_NUM_THREADS"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["EXTRA"] == "1"
+
+
+def test_load_meter_busy_fraction_and_rates() -> None:
+    m = LoadMeter(now=0.0)
+    m.request_started(1.0)
+    m.request_started(2.0)
+    m.request_finished(3.0)
+    m.request_finished(4.0)  # busy 1..4
+    m.tokens(30)
+    rep = m.report(10.0, "e", 2)
+    assert rep.busy_fraction == pytest.approx(0.3) and rep.tokens_per_s == pytest.approx(3.0)
+    assert (rep.running, rep.waiting, rep.generated_tokens, rep.version) == (0, 0, 30, 2)
+    m.request_started(12.0)  # still running at the next report: counted up to it, then carried on
+    m.scheduler(running=1, waiting=0, kv_usage=0.5)
+    rep = m.report(20.0, "e", 2)
+    assert rep.busy_fraction == pytest.approx(0.8) and rep.tokens_per_s == 0.0 and rep.running == 1
+    m.request_finished(25.0)
+    assert m.report(30.0, "e", 2).busy_fraction == pytest.approx(0.5)
+
+
+async def test_malformed_frame_is_rejected_and_its_sender_ignored() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    handled: list[str] = []
+
+    async def handler(msg):  # a trivial engine: only Ping is valid here
+        handled.append(type(msg).__name__)
+        return Pong(version=3)
+
+    server = RpcServer(address, ENGINE_REQUESTS, handler, name="trivial")
+    task = asyncio.create_task(server.serve())
+    ctx = zmq.asyncio.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(address)
+    try:
+        await bad.send(msgspec.msgpack.encode({"type": "Generate", "prompt_ids": "not a list"}))
+        await bad.send(encode(Ping(rid=5)))  # a valid frame from the same, now untrusted, peer
+        good = RpcClient(address, ENGINE_REPLIES, name="good")
+        assert isinstance(await good.request(Ping(), timeout=5), Pong)
+        await good.close()
+        assert server.rejected == 1
+        assert await bad.poll(200) == 0  # no reply, not even to its valid Ping
+        assert handled == ["Ping"]
+    finally:
+        bad.close(linger=0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# --------------------------------------------------------------------------- slow: a real engine
+
+PROMPT = [10, 11, 12, 13, 14, 15]  # characters of the built-in tokenizer
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | prompt + tokens[:i]) under a transformers model."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashrl.models.tiny import build_untrained
+
+    return build_untrained(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    opts = EngineOptions(
+        address=f"tcp://127.0.0.1:{free_port()}", model=str(model_dir), name="test-engine",
+        max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25,
+    )
+    ep = spawn_engine(opts, tmp_path_factory.mktemp("logs") / "engine.log")
+    try:
+        ready_s = asyncio.run(ep.wait_ready(600))
+        print(f"engine ready in {ready_s:.1f}s")
+        yield ep
+    finally:
+        asyncio.run(ep.terminate(timeout=20))
+        # No orphans: vLLM's EngineCore and worker processes were in the engine's process group.
+        with pytest.raises(ProcessLookupError):
+            os.killpg(ep.proc.pid, 0)
+
+
+@pytest.fixture
+async def client(engine: EngineProcess):
+    c = engine.client(heartbeat_s=0)
+    yield c
+    await c.close()
+
+
+@pytest.mark.slow
+async def test_generate_tokens_logprobs_versions(client: EngineProcessClient, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reqs = [Generate(request_id=f"g{i}", prompt_ids=PROMPT, max_tokens=12, temperature=1.0, seed=i) for i in range(8)]
+    outs = await asyncio.gather(*(client.generate(r) for r in reqs))
+    for r, o in zip(reqs, outs):
+        assert o.request_id == r.request_id and o.engine == "test-engine"
+        assert 1 <= len(o.token_ids) <= 12 and len(o.logprobs) == len(o.versions) == len(o.token_ids)
+        assert all(lp <= 0 for lp in o.logprobs) and o.versions == [0] * len(o.token_ids)
+        assert o.finish_reason == "length" or (o.finish_reason == "stop" and o.token_ids[-1] == 2)
+    # Same seed, same sample; greedy is the argmax path, with the untrained model's logprobs.
+    again = await client.generate(reqs[3])
+    assert again.token_ids == outs[3].token_ids
+    greedy = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert len(greedy.token_ids) == 10 and greedy.finish_reason == "length"
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    expected = _reference_logprobs(ref, PROMPT, greedy.token_ids)
+    assert torch.allclose(torch.tensor(greedy.logprobs), expected, atol=1e-3)
+    # stop_token_ids end the sample at the first stop token the engine produces.
+    stop = greedy.token_ids[3]
+    stopped = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=10, temperature=0.0, stop_token_ids=[stop]))
+    first = greedy.token_ids.index(stop)
+    assert stopped.token_ids == greedy.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    load = await client.load()
+    assert load.generated_tokens >= sum(len(o.token_ids) for o in outs) and load.version == 0
+
+
+@pytest.mark.slow
+async def test_abort_returns_the_tokens_so_far(client: EngineProcessClient) -> None:
+    await client.pause("keep")  # hold the request so the abort surely lands mid-flight
+    try:
+        task = asyncio.create_task(
+            client.generate(Generate(request_id="long", prompt_ids=PROMPT, max_tokens=200, ignore_eos=True))
+        )
+        await asyncio.sleep(0.5)
+        await client.abort(["long"])
+        out = await asyncio.wait_for(task, 30)
+    finally:
+        await client.resume()
+    assert out.finish_reason == "abort" and out.request_id == "long" and len(out.token_ids) < 200
+    assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
+
+
+@pytest.mark.slow
+async def test_pause_holds_requests_until_resume(client: EngineProcessClient) -> None:
+    await client.pause("keep")
+    task = asyncio.create_task(client.generate(Generate(prompt_ids=PROMPT, max_tokens=5, ignore_eos=True)))
+    await asyncio.sleep(1.0)
+    assert not task.done()
+    assert (await client.load()).busy_fraction > 0  # a held request keeps the engine occupied
+    await client.resume()
+    out = await asyncio.wait_for(task, 30)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def sender(engine: EngineProcess):
+    """The test process as trainer rank 0 of a weight-sync group with the engine as rank 1."""
+    port = free_port()
+    sender = WeightSender()
+    th = threading.Thread(target=sender.init, args=("127.0.0.1", port, 2, "gloo", 60), daemon=True)
+    th.start()
+
+    async def join() -> None:
+        c = engine.client(heartbeat_s=0)
+        try:
+            await c.init_weight_sync(InitWeightSync(master_port=port, rank=1, world_size=2, backend="gloo", timeout_s=60))
+        finally:
+            await c.close()
+
+    asyncio.run(join())
+    th.join(60)
+    assert sender.backend == "gloo"
+    return sender
+
+
+async def _sync(client: EngineProcessClient, sender: WeightSender, manifest, flats):
+    reply, send_s = await asyncio.gather(client.update_weights(manifest), asyncio.to_thread(sender.send, flats))
+    return reply, send_s
+
+
+@pytest.mark.slow
+async def test_weight_sync_serves_the_new_weights(client: EngineProcessClient, sender: WeightSender, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    before = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    manifest, flats = build_manifest(model.state_dict(), version=1, bucket_mb=0.25)
+    assert len(manifest.buckets) > 1
+
+    # A long request in flight across the update: its tokens switch from version 0 to 1 mid-way.
+    long = asyncio.create_task(client.generate(Generate(prompt_ids=PROMPT, max_tokens=200, ignore_eos=True, seed=0)))
+    start = (await client.load()).generated_tokens
+    for _ in range(1000):  # until the long request has produced a few tokens under version 0
+        if (await client.load()).generated_tokens >= start + 5:
+            break
+        await asyncio.sleep(0.02)
+    reply, send_s = await _sync(client, sender, manifest, flats)
+    assert reply.ok and reply.version == 1 and reply.error == "", reply
+    print(f"weight sync: engine {reply.seconds:.3f}s, trainer send {send_s:.3f}s, {sum(f.numel() for f in flats) * 4 / 2**20:.1f} MiB")
+    out = await long
+    assert len(out.versions) == 200 and out.versions[0] == 0 and out.versions[-1] == 1
+    assert out.versions == sorted(out.versions)
+
+    after = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert after.versions == [1] * 16 and await client.ping() == 1
+    expected = _reference_logprobs(model, PROMPT, after.token_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-3), (after.logprobs, expected)
+    # The perturbation was big enough to matter: the same tokens under the old weights score differently.
+    assert before.logprobs != after.logprobs
+
+
+@pytest.mark.slow
+async def test_corrupt_sync_is_rejected_and_the_engine_keeps_serving(
+    client: EngineProcessClient, sender: WeightSender, model_dir: Path
+) -> None:
+    before = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True))
+    version = await client.ping()
+    sd = {k: torch.zeros_like(v) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    manifest, flats = build_manifest(sd, version=version + 1, bucket_mb=0.25)
+    manifest.buckets[-1].checksum = manifest.buckets[-1].checksum[:-4] + "0000"  # a wrong checksum: never load
+    reply, _ = await _sync(client, sender, manifest, flats)
+    assert not reply.ok and reply.version == version and "checksum" in reply.error
+    after = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+    assert after.versions == [version] * 8 and await client.ping() == version
+
+
+@pytest.mark.slow
+async def test_dead_engine_raises_peer_dead(engine: EngineProcess) -> None:
+    c = EngineProcessClient(engine.name, engine.address, heartbeat_s=0.3, heartbeat_timeout_s=1.0)
+    try:
+        await c.pause("keep")  # the next request cannot finish before the kill
+        pending = asyncio.create_task(c.generate(Generate(prompt_ids=PROMPT, max_tokens=4)))
+        await asyncio.sleep(0.3)
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerDead, match="heartbeat"):
+            await asyncio.wait_for(pending, 10)
+        assert c.inflight == 0
+        with pytest.raises(PeerDead):
+            await c.generate(Generate(prompt_ids=PROMPT))
+    finally:
+        await c.close()
+
+
+@pytest.mark.slow
+def test_spawn_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
+    opts = EngineOptions(address=f"tcp://127.0.0.1:{free_port()}", model=str(tmp_path / "no-such-model"))
+    ep = spawn_engine(opts, tmp_path / "bad.log")
+    try:
+        with pytest.raises(RuntimeError, match="exited with code") as err:
+            asyncio.run(ep.wait_ready(120))
+        assert "no-such-model" in str(err.value)
+    finally:
+        asyncio.run(ep.terminate(timeout=5))
+

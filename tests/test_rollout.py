@@ -1,0 +1,227 @@
+"""Rollout coroutines on fakes, on a virtual clock (flashrl.sim.fake.run_virtual): times are exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from flashrl.config import Config
+from flashrl.controller.rollout import RolloutContext, RolloutSpec, Trajectory, run_group, run_sample
+from flashrl.controller.scheduler import Router
+from flashrl.protocol import Generate, TrainSample
+from flashrl.sim.fake import CharTokenizer, FakeEngine, ScriptedSuite, run_virtual
+
+TOK = CharTokenizer()
+
+
+def config(**sections: Any) -> Config:
+    return msgspec.convert(sections, Config)
+
+
+def make_ctx(cfg: Config, engines: list[FakeEngine], suite: ScriptedSuite) -> RolloutContext:
+    return RolloutContext(
+        cfg=cfg,
+        tokenizer=TOK,
+        suite=suite,
+        engines=engines,
+        router=Router(len(engines), cfg.engine.max_num_seqs),
+        version=lambda: 0,
+    )
+
+
+def by_index(durations: list[float], token: str = "7") -> Any:
+    """Script: sample index k (request id "<uid>-<k>.<attempt>.<turn>") takes durations[k] seconds."""
+
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        k = int(req.request_id.split(".")[0].split("-")[-1])
+        return [ord(token)], durations[k]
+
+    return script
+
+
+async def group(ctx: RolloutContext, need: int, extra: int = 0, uid: int = 0) -> tuple[bool, list[Trajectory]]:
+    out: list[Trajectory] = []
+    task = ctx.suite.train_tasks()[uid]
+    ok = await run_group(ctx, task=task, group=uid, need=need, first_index=0, extra=extra, temperature=1.0, on_sample=out.append)
+    return ok, out
+
+
+def test_multi_turn_concatenates_token_ids_with_masks() -> None:
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        turn = int(req.request_id.split(".")[-1])
+        return (TOK.encode("3") if turn == 2 else TOK.encode(f"a{turn}")), 1.0
+
+    cfg = config(rollout={"max_turns": 4, "max_new_tokens": 4}, model={"max_model_len": 64})
+    eng = FakeEngine("e0", script)
+    suite = ScriptedSuite(turns=3)
+    ctx = make_ctx(cfg, [eng], suite)
+    task = suite.train_tasks()[3]  # prompt "t3?", answer "3"
+    spec = RolloutSpec(task=task, group=0, index=0, temperature=1.0, seed_key=(0, 0), sample_id="0-0")
+    ctx.router.take(0)
+    t = run_virtual(lambda: run_sample(ctx, spec, 0))
+    g0, o1, g1, o2, g2 = TOK.encode("a0"), TOK.encode(" obs1 "), TOK.encode("a1"), TOK.encode(" obs2 "), TOK.encode("3")
+    assert t.status == "ok" and t.turns == 3 and t.finish_reason == "stop"
+    assert t.prompt_ids == TOK.encode("t3?")
+    assert t.response_ids == g0 + o1 + g1 + o2 + g2
+    assert t.loss_mask == [1] * 2 + [0] * len(o1) + [1] * 2 + [0] * len(o2) + [1]
+    assert all(lp == 0.0 for lp, m in zip(t.behav_logp, t.loss_mask) if not m)
+    assert all(lp < 0.0 for lp, m in zip(t.behav_logp, t.loss_mask) if m)
+    assert [v for v, m in zip(t.versions, t.loss_mask) if not m] == [-1] * (len(o1) + len(o2))
+    # token in, token out: turn 2's prompt is exactly the previous ids, never re-tokenized text
+    assert eng.requests[1].prompt_ids == t.prompt_ids + g0 + o1
+    assert eng.requests[2].prompt_ids == t.prompt_ids + g0 + o1 + g1 + o2
+    assert len({r.seed for r in eng.requests}) == 3  # one seed per turn
+    assert t.reward == 1.0 and t.correct
+    assert t.gen_s == 3.0 and suite.closed == suite.opened == 1
+    s = t.to_train_sample()
+    assert isinstance(s, TrainSample)
+    assert (s.response_ids, s.loss_mask, s.versions, s.group, s.sample_id) == (t.response_ids, t.loss_mask, t.versions, 0, "0-0")
+
+
+def test_turn_and_length_limits() -> None:
+    cfg = config(rollout={"max_turns": 2, "max_new_tokens": 8}, model={"max_model_len": 64})
+    eng = FakeEngine("e0", lambda req, v: ([ord("x")] * 3, 1.0))
+    ctx = make_ctx(cfg, [eng], ScriptedSuite(turns=5))
+    ok, out = run_virtual(lambda: group(ctx, 1))
+    assert ok and out[0].finish_reason == "max_turns" and out[0].turns == 2
+    assert out[0].loss_mask[-3:] == [1, 1, 1]  # no observation after the last turn
+
+    cfg = config(rollout={"max_turns": 50, "max_new_tokens": 8}, model={"max_model_len": 20})
+    eng = FakeEngine("e0", lambda req, v: ([ord("x")] * req.max_tokens, 1.0))
+    ctx = make_ctx(cfg, [eng], ScriptedSuite(turns=50))
+    ok, out = run_virtual(lambda: group(ctx, 1))
+    t = out[0]
+    assert ok and t.finish_reason == "max_model_len"
+    assert len(t.prompt_ids) + len(t.response_ids) == 20
+    assert all(len(r.prompt_ids) + r.max_tokens <= 20 for r in eng.requests)
+
+
+def test_redundancy_keeps_first_finishers_and_aborts_the_rest() -> None:
+    cfg = config(scheduler={"replication": True})
+    engines = [FakeEngine("e0", by_index([4, 1, 3, 2])), FakeEngine("e1", by_index([4, 1, 3, 2]))]
+    suite = ScriptedSuite()
+    ctx = make_ctx(cfg, engines, suite)
+
+    async def main() -> tuple[bool, list[Trajectory], float]:
+        ok, out = await group(ctx, need=2, extra=2)
+        return ok, out, anyio.current_time()
+
+    ok, out, t = run_virtual(main)
+    assert ok and [x.index for x in out] == [1, 3]  # finish order
+    assert t == 2.0  # did not wait for the slow ones
+    aborted = sorted(engines[0].aborted + engines[1].aborted)
+    assert aborted == ["0-0.0.0", "0-2.0.0"]
+    assert ctx.counters["rollout/aborted_redundant"] == 2
+    assert ctx.router.inflight == [0, 0] and [e.inflight for e in engines] == [0, 0]
+    assert ctx.live == {} and suite.closed == suite.opened == 4
+
+
+@pytest.mark.parametrize("replication,expected", [(True, [4, 4, 4, 4]), (False, [8, 8, 0, 0])])
+def test_replication_spreads_requests(replication: bool, expected: list[int]) -> None:
+    cfg = config(scheduler={"replication": replication})
+    engines = [FakeEngine(f"e{i}") for i in range(4)]
+    ctx = make_ctx(cfg, engines, ScriptedSuite())
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(group, ctx, 8, 0, 0)
+            tg.start_soon(group, ctx, 8, 0, 1)
+
+    run_virtual(main)
+    assert [len(e.requests) for e in engines] == expected
+    if not replication:
+        assert {r.request_id.split("-")[0] for r in engines[0].requests} == {"0"}
+
+
+def test_env_failure_is_retried_and_counted() -> None:
+    cfg = config(rollout={"max_retries": 2})
+    suite = ScriptedSuite(fail=lambda task, call: "crash" if call == 0 else None)
+    ctx = make_ctx(cfg, [FakeEngine("e0"), FakeEngine("e1")], suite)
+    ok, out = run_virtual(lambda: group(ctx, need=3))
+    assert ok and len(out) == 3
+    # the three samples share one task: only the first env.step of that task fails
+    assert ctx.counters["rollout/retry_env_crash"] == 1
+    assert sorted(t.attempts for t in out) == [1, 1, 2]
+    assert suite.closed == suite.opened == 4
+
+
+def test_retries_exhausted_make_the_group_unfillable() -> None:
+    cfg = config(rollout={"max_retries": 1})
+    suite = ScriptedSuite(fail=lambda task, call: "garbage")
+    eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
+    ctx = make_ctx(cfg, [eng], suite)
+    ok, out = run_virtual(lambda: group(ctx, need=2))
+    assert not ok and out == []
+    assert ctx.counters["rollout/retry_env_garbage"] == 2  # each sample retried once
+    assert 1 <= ctx.counters["rollout/failed_env_garbage"] <= 2  # the group gives up at the first hopeless one
+    assert len(eng.requests) == 4 and ctx.router.inflight == [0]
+    assert suite.closed == suite.opened == 4
+
+
+def test_env_deadline_is_an_infrastructure_failure() -> None:
+    cfg = config(rollout={"turn_timeout_s": 1.5, "max_retries": 1})
+    suite = ScriptedSuite(hang=lambda task, call: call == 0)
+    ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], suite)
+
+    async def main() -> tuple[bool, list[Trajectory], float]:
+        ok, out = await group(ctx, need=1)
+        return ok, out, anyio.current_time()
+
+    ok, out, t = run_virtual(main)
+    assert ok and out[0].attempts == 2
+    assert ctx.counters["rollout/retry_env_timeout"] == 1
+    assert t == 1.0 + 1.5 + 1.0  # generate, hung step cut at the deadline, second attempt's generate
+
+
+def test_trajectory_deadline_fails_without_retry_and_aborts_the_request() -> None:
+    cfg = config(rollout={"trajectory_timeout_s": 5.0, "max_retries": 3})
+    eng = FakeEngine("e0", lambda r, v: ([ord("1")], 100.0))
+    ctx = make_ctx(cfg, [eng], ScriptedSuite())
+    ok, out = run_virtual(lambda: group(ctx, need=1))
+    assert not ok
+    assert ctx.counters["rollout/failed_trajectory_timeout"] == 1
+    assert len(eng.requests) == 1 and eng.aborted == ["0-0.0.0"] and eng.inflight == 0
+
+
+def test_dead_engine_rollouts_move_to_another_engine() -> None:
+    cfg = config(rollout={"max_retries": 1})
+    dead = FakeEngine("e0", lambda r, v: ([ord("1")], 10.0), die_at=2.0)  # dies mid-request
+    alive = FakeEngine("e1", lambda r, v: ([ord("1")], 10.0))
+    ctx = make_ctx(cfg, [dead, alive], ScriptedSuite())
+
+    async def main() -> tuple[bool, list[Trajectory], float]:
+        ok, out = await group(ctx, need=4)
+        return ok, out, anyio.current_time()
+
+    ok, out, t = run_virtual(main)
+    assert ok and len(out) == 4
+    assert {x.engine for x in out} == {"e1"}
+    assert ctx.counters["engines/dead"] == 1 and ctx.counters["rollout/retry_engine_dead"] == 2
+    assert ctx.router.alive == [False, True] and ctx.router.inflight == [0, 0]
+    assert t == 12.0  # two moved at t=2 and restarted there
+
+
+def test_env_async_frees_the_engine_slot_during_env_steps() -> None:
+    def elapsed(env_async: bool) -> float:
+        cfg = config(rollout={"env_async": env_async}, engine={"max_num_seqs": 1})
+        ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], ScriptedSuite(step_s=1.0))
+
+        async def main() -> float:
+            await group(ctx, need=2)
+            return anyio.current_time()
+
+        return run_virtual(main)
+
+    # one slot, two rollouts of generate 1 s + env step 1 s
+    assert elapsed(True) == 3.0  # B generates while A's env steps
+    assert elapsed(False) == 4.0  # A holds the slot through its env step
+
+
+def test_env_bug_is_not_swallowed() -> None:
+    ctx = make_ctx(config(), [FakeEngine("e0")], ScriptedSuite(crash=lambda t, c: True))
+    with pytest.raises(BaseException) as ei:
+        run_virtual(lambda: group(ctx, need=1))
+    assert "scripted env bug" in repr(ei.value)

@@ -1,0 +1,255 @@
+"""The trainer: FSDP2 ranks on gloo with the built-in tiny model.
+
+In-process tests run one rank (a world-1 gloo group in this process). The slow tests start the real
+worker processes through TrainerGroup (2 ranks and 1 rank) and check learning, data-parallel
+equivalence, logprobs against plain transformers, weights, checkpoints and shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashrl.config import Config, from_dict, to_toml
+from flashrl.models.tiny import build_untrained
+from flashrl.protocol import TrainBatch, TrainSample
+from flashrl.transport import RemoteError, free_port
+from flashrl.trainer.client import TrainerDied, TrainerGroup
+from flashrl.trainer.weights import build_manifest
+from flashrl.trainer.worker import Trainer, plan_micro_batches
+
+PROMPT = [1, 10, 11, 12]
+GOOD = [20, 21, 22, 2]  # reward 1
+BAD = [30, 31, 2]  # reward 0
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_untrained(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _cfg(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:
+    data = {
+        "run": {"output_dir": str(tmp), "name": "t"},
+        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, **trainer},
+        "algorithm": {"loss": "ppo", **(algorithm or {})},
+    }
+    return from_dict(data)
+
+
+def _batch(step: int) -> TrainBatch:
+    """5 groups of 3 with different prompts and lengths; in every group GOOD earns 1, BAD 0."""
+    samples = []
+    for g in range(5):
+        prompt = PROMPT + [13 + g] * g
+        for j, resp in enumerate((GOOD, BAD, GOOD if g % 2 else BAD)):
+            n = len(resp)
+            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+                                       behav_logp=[-3.0] * n, versions=[max(0, step - j)] * n,
+                                       reward=1.0 if resp is GOOD else 0.0, group=g, sample_id=f"{g}-{j}"))
+    return TrainBatch(step=step, samples=samples)
+
+
+# ---------------------------------------------------------------------- pure planning
+def test_plan_covers_every_sample_once_with_equal_micro_counts() -> None:
+    n, world = 15, 2
+    plans = [plan_micro_batches(n, world, r, mini_batches=5, micro_batch=1) for r in range(world)]
+    seen = sorted(int(i) for p in plans for _, micros in p for m in micros for i in m)
+    assert seen == list(range(n))
+    for (mini0, m0), (mini1, m1) in zip(*plans):
+        assert mini0.tolist() == mini1.tolist()  # both ranks agree on the mini-batch
+        assert len(m0) == len(m1) == 2  # 3 samples over 2 ranks, 1 per micro: the busiest rank's count
+        assert [len(x) for x in m1] == [1, 0]  # rank 1 runs one masked (empty) micro-batch
+    assert [mini.tolist() for mini, _ in plans[0]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+
+
+# ---------------------------------------------------------------------- one rank in this process
+@pytest.fixture(scope="module")
+def world1():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    yield
+    dist.destroy_process_group()
+
+
+def _weights(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in t.full_state_dict().items()}
+
+
+def test_micro_batches_accumulate_to_the_full_batch_step(world1, model_path: Path, tmp_path: Path) -> None:
+    whole = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    split = Trainer(_cfg(tmp_path, micro_batch=2), str(model_path), torch.device("cpu"))
+    r1 = whole.train_step(_batch(0))
+    r2 = split.train_step(_batch(0))
+    assert r1 is not None and r2 is not None
+    # token-mean over the whole batch, not a mean of micro-batch means
+    assert r2.metrics["loss"] == pytest.approx(r1.metrics["loss"], abs=1e-6)
+    assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-5)
+    w1, w2 = _weights(whole), _weights(split)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0)  # Adam amplifies ~1e-8 grads
+    m = r1.metrics
+    assert m["samples"] == 15 and m["tokens"] == 52  # 3 groups of 4 + 3 + 3 tokens, 2 of 4 + 3 + 4
+    assert m["ratio/mean"] == 1.0  # one mini-batch: on the proximal policy exactly
+    assert m["reward/mean"] == pytest.approx(7 / 15)
+    # versions are step - j on every token of sample j (floored at 0); at step 0 all are 0
+    assert m["staleness/mean"] == 0.0 and m["optimizer_steps"] == 1
+
+
+def test_mini_batches_staleness_ties_and_logprobs(world1, model_path: Path, tmp_path: Path) -> None:
+    t = Trainer(_cfg(tmp_path, mini_batches=5), str(model_path), torch.device("cpu"))
+    good0 = sum(t.compute_logprobs(PROMPT, GOOD))
+    res = [t.train_step(_batch(s)) for s in range(3)]
+    m = res[-1].metrics  # type: ignore[union-attr]
+    assert m["optimizer_steps"] == 5
+    assert m["ratio/mean"] != 1.0  # later mini-batches move away from the proximal policy
+    # step 2: sample j was sampled by version 2 - j -> lag j; token-weighted over 5 groups
+    tok = [[4, 3, 4 if g % 2 else 3] for g in range(5)]
+    lag = sum(j * n for row in tok for j, n in enumerate(row)) / sum(map(sum, tok))
+    assert m["staleness/mean"] == pytest.approx(lag) and m["staleness/max"] == 2
+    assert t.version == 3
+    assert sum(t.compute_logprobs(PROMPT, GOOD)) > good0
+
+    # ComputeLogprobs equals a plain transformers forward of the same weights
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    plain.load_state_dict(t.full_state_dict())
+    ids = torch.tensor([PROMPT + GOOD])
+    with torch.no_grad():
+        ref = torch.log_softmax(plain(ids).logits[0, :-1].float(), -1)
+    expect = ref[torch.arange(len(PROMPT) - 1, len(PROMPT) + len(GOOD) - 1), torch.tensor(GOOD)]
+    assert t.compute_logprobs(PROMPT, GOOD) == pytest.approx(expect.tolist(), abs=1e-5)
+
+
+def test_filter_ties_drops_tied_groups(world1, model_path: Path, tmp_path: Path) -> None:
+    t = Trainer(_cfg(tmp_path, algorithm={"filter_ties": True}), str(model_path), torch.device("cpu"))
+    b = _batch(0)
+    for s in b.samples:
+        if s.group == 1:
+            s.reward = 0.5  # group 1 ties
+    m = t.train_step(b).metrics  # type: ignore[union-attr]
+    assert m["groups"] == 5 and m["groups/tied"] == 1 and m["groups/filtered"] == 1
+    assert m["tokens"] == 52 - (4 + 3 + 4)  # group 1's 11 tokens left out of the token mean
+
+
+def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path: Path, tmp_path: Path) -> None:
+    t = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    t.train_step(_batch(0))
+    path = tmp_path / "ckpt" / "step1"
+    (tmp_path / "ckpt" / "step1.tmp").mkdir(parents=True)  # a crashed earlier save
+    (tmp_path / "ckpt" / "step1.tmp" / "junk").write_text("x")
+    t.save_checkpoint(str(path))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step1"]
+    assert {".metadata", "trainer.json"} <= set(os.listdir(path)) and "junk" not in os.listdir(path)
+    with pytest.raises(FileExistsError, match="already exists"):
+        t.save_checkpoint(str(path))
+    fresh = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    assert fresh.compute_logprobs(PROMPT, GOOD) != t.compute_logprobs(PROMPT, GOOD)
+    fresh.load_checkpoint(str(path))
+    assert fresh.version == 1
+    assert fresh.compute_logprobs(PROMPT, GOOD) == t.compute_logprobs(PROMPT, GOOD)
+    # the optimizer state came back too: the next step is the same step
+    t.train_step(_batch(1))
+    fresh.train_step(_batch(1))
+    assert fresh.compute_logprobs(PROMPT, BAD) == pytest.approx(t.compute_logprobs(PROMPT, BAD), abs=1e-6)
+
+
+# ---------------------------------------------------------------------- real rank processes
+def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
+    run_dir = tmp / name
+    run_dir.mkdir()
+    cfg_path = run_dir / "config.toml"
+    cfg_path.write_text(to_toml(cfg))
+    return TrainerGroup.spawn(cfg, model_path, run_dir, cfg_path)
+
+
+def _load_dcp(path: Path, model_path: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).state_dict()
+    state = {"model": {k: torch.empty_like(v) for k, v in sd.items()}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tmp_path: Path) -> None:
+    steps = 3
+    groups = {}
+    results = {}
+    for ranks in (2, 1):
+        cfg = _cfg(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
+        g = _group(cfg, model_path, tmp_path, f"r{ranks}")
+        groups[ranks] = g
+        try:
+            await g.wait_ready(120)
+            before = (sum(await g.compute_logprobs(PROMPT, GOOD)), sum(await g.compute_logprobs(PROMPT, BAD)))
+            metrics = [(await g.train_step(_batch(s))).metrics for s in range(steps)]
+            after = (sum(await g.compute_logprobs(PROMPT, GOOD)), sum(await g.compute_logprobs(PROMPT, BAD)))
+            assert await g.ping() == steps
+            ckpt = tmp_path / f"ckpt{ranks}"
+            await g.save_checkpoint(ckpt)
+            with pytest.raises(RemoteError, match="already exists"):
+                await g.save_checkpoint(ckpt)
+            manifest = await g.prepare_weights(steps)
+            lp = await g.compute_logprobs(PROMPT, GOOD)
+            results[ranks] = (before, after, metrics, ckpt, manifest, lp)
+            if ranks == 2:
+                # SIGTERM while idle: every rank exits cleanly (code 0), no orphans
+                for p in g.procs:
+                    os.killpg(p.pid, signal.SIGTERM)
+                codes = [p.wait(timeout=30) for p in g.procs]
+                assert codes == [0, 0], [(p.read_text()[-2000:]) for p in g.logs]
+            else:
+                await g.close()
+                assert [p.returncode for p in g.procs] == [0]
+        finally:
+            await g.close()
+
+    (b2, a2, m2, ck2, man2, lp2) = results[2]
+    (b1, a1, m1, ck1, man1, lp1) = results[1]
+    # reward favours GOOD: its probability rises, BAD's falls
+    assert a2[0] > b2[0] + 0.05 and a2[1] < b2[1]
+    assert b1 == pytest.approx(b2, abs=1e-5)  # same initial weights on both groups
+    # data-parallel split with global token-mean weighting == one rank on the whole batch
+    for x, y in zip(m2, m1):
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+        assert x["staleness/mean"] == y["staleness/mean"] and x["tokens"] == y["tokens"] == 52
+    w2, w1 = _load_dcp(ck2, model_path), _load_dcp(ck1, model_path)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=2e-5, rtol=0)
+    # ComputeLogprobs == a plain transformers forward of the checkpointed weights
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    plain.load_state_dict(w2)
+    with torch.no_grad():
+        ref = torch.log_softmax(plain(torch.tensor([PROMPT + GOOD])).logits[0, :-1], -1)
+    expect = ref[torch.arange(len(PROMPT) - 1, len(PROMPT) + len(GOOD) - 1), torch.tensor(GOOD)].tolist()
+    assert lp2 == pytest.approx(expect, abs=1e-5)
+    # PrepareWeights gathered exactly the checkpointed full weights: identical bucket checksums
+    local, _ = build_manifest(w2, steps, groups[2].cfg.weight_sync.bucket_mb, tie_word_embeddings=True)
+    assert [b.checksum for b in man2.buckets] == [b.checksum for b in local.buckets]
+    assert man2.version == steps and man1.buckets[0].tensors == man2.buckets[0].tensors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_rank_that_dies_fails_wait_ready_with_its_log(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, ranks=1)
+    g = _group(cfg, tmp_path / "no-such-model", tmp_path, "bad")
+    try:
+        with pytest.raises(TrainerDied, match=r"rank 0 exited with code 1[\s\S]*no-such-model"):
+            await g.wait_ready(100)
+    finally:
+        await g.close()
+    assert g.procs[0].returncode == 1

@@ -1,0 +1,164 @@
+"""Weight-sync wire format and transport, without vLLM: manifest, checksums, gloo broadcast."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from flashrl.engine.weights import WeightReceiver
+from flashrl.protocol import ENGINE_REQUESTS, UpdateWeights, encode
+from flashrl.trainer import weights as tw
+from flashrl.trainer.weights import (
+    WeightSender,
+    bucket_checksum,
+    build_manifest,
+    unpack_bucket,
+    verify_checksum,
+)
+from flashrl.transport import free_port
+
+
+def _state_dict(tied: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(50, 32, generator=g)
+    sd = {
+        "model.embed_tokens.weight": emb,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(64, 32, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(32, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 64, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
+    sd["lm_head.weight"] = emb if tied else emb.clone()
+    return sd
+
+
+def test_manifest_round_trip_respects_bucket_size_and_dtype() -> None:
+    sd = _state_dict()
+    # 10 KiB buckets: up_proj and down_proj (8 KiB each) cannot share one, embed (6.25 KiB) gets its own.
+    manifest, flats = build_manifest(sd, version=7, bucket_mb=10 / 1024)
+    assert manifest.version == 7
+    layout = [(b.dtype, [s.name for s in b.tensors]) for b in manifest.buckets]
+    assert layout == [
+        ("float32", ["model.embed_tokens.weight"]),
+        ("float32", ["model.layers.0.mlp.up_proj.weight"]),
+        ("float32", ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]),
+        ("bfloat16", ["model.layers.0.input_layernorm.weight"]),
+    ]
+    seen = {}
+    for bucket, flat in zip(manifest.buckets, flats):
+        assert flat.numel() == bucket.numel and str(flat.dtype) == f"torch.{bucket.dtype}"
+        assert verify_checksum(flat, bucket.checksum) == bucket.checksum
+        seen.update(dict(unpack_bucket(bucket, flat)))
+    assert set(seen) == set(sd) - {"lm_head.weight"}
+    for name, t in seen.items():
+        assert torch.equal(t, sd[name]), name
+    # The manifest survives the wire (UpdateWeights is what the engine decodes).
+    decoded = ENGINE_REQUESTS.decode(encode(UpdateWeights(manifest=manifest)))
+    assert decoded.manifest == manifest
+
+
+def test_one_big_bucket_holds_everything_in_order() -> None:
+    sd = _state_dict()
+    manifest, _ = build_manifest(sd, version=1, bucket_mb=64)
+    assert [len(b.tensors) for b in manifest.buckets] == [4, 1]  # float32 bucket, bfloat16 bucket
+    assert manifest.buckets[0].numel == 50 * 32 + 64 * 32 + 32 * 64 + 32
+
+
+def test_tied_embeddings_are_sent_once() -> None:
+    tied, _ = build_manifest(_state_dict(tied=True), 1, 64)
+    names = [s.name for b in tied.buckets for s in b.tensors]
+    assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1
+    # A copied state dict lost the sharing: detection keeps both, the explicit flag drops lm_head.
+    untied_sd = _state_dict(tied=False)
+    kept, _ = build_manifest(untied_sd, 1, 64)
+    assert "lm_head.weight" in [s.name for b in kept.buckets for s in b.tensors]
+    forced, _ = build_manifest(untied_sd, 1, 64, tie_word_embeddings=True)
+    assert "lm_head.weight" not in [s.name for b in forced.buckets for s in b.tensors]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sum16"])
+def test_corruption_changes_the_checksum(algo: str) -> None:
+    flat = torch.randn(10_000)
+    good = bucket_checksum(flat, algo)
+    assert good.startswith(algo + ":")
+    one = flat.clone()
+    one[1234] = torch.nextafter(one[1234], torch.tensor(float("inf")))  # one ulp
+    swapped = flat.clone()
+    swapped[:100], swapped[100:200] = flat[100:200].clone(), flat[:100].clone()
+    zeros = torch.zeros_like(flat)
+    for bad in (one, swapped, zeros, flat[:-1].contiguous()):
+        assert verify_checksum(bad, good) != good
+    assert verify_checksum(flat.clone(), good) == good
+
+
+def test_sum16_matches_a_reference_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    flat = torch.randn(5000)
+    w = flat.numpy().view(np.int16).astype(object)  # exact Python ints
+    s1 = sum(w) % (1 << 64)
+    s2 = sum((i + 1) * x for i, x in enumerate(w)) % (1 << 64)
+    expected = f"sum16:{flat.numel() * 4}:{s1}:{s2}"
+    assert bucket_checksum(flat, "sum16") == expected
+    monkeypatch.setattr(tw, "_WORDS_PER_CHUNK", 777)  # many chunks, a ragged last one
+    monkeypatch.setattr(tw, "_positions", {})
+    assert bucket_checksum(flat, "sum16") == expected
+
+
+def test_unknown_dtype_and_algorithm_are_named() -> None:
+    with pytest.raises(ValueError, match="torch.int64 is not supported"):
+        build_manifest({"x": torch.zeros(3, dtype=torch.int64)}, 1, 1)
+    with pytest.raises(ValueError, match="unknown algorithm 'md5'"):
+        bucket_checksum(torch.zeros(3), "md5")
+    assert verify_checksum(torch.zeros(3), "md5:abc") != "md5:abc"
+    with pytest.raises(ValueError, match="backend 'mpi' is not supported"):
+        tw.join_group("127.0.0.1", free_port(), 0, 1, "mpi", 5)
+
+
+def _run_receiver(port: int, manifests: list, out: list) -> threading.Thread:
+    def body() -> None:
+        recv = WeightReceiver()
+        recv.init("127.0.0.1", port, 1, 2, "gloo", 30)
+        for m in manifests:
+            out.append(recv.receive(m))
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    return th
+
+
+def test_gloo_broadcast_delivers_and_verifies_and_stays_aligned_after_a_bad_bucket() -> None:
+    sd = _state_dict()
+    good, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
+    bad = msgspec_copy(good)
+    bad.buckets[1].checksum = "sha256:" + "0" * 64
+    port = free_port()
+    out: list = []
+    # The receiver gets the bad manifest first, then the good one: the group must stay aligned.
+    th = _run_receiver(port, [bad, good], out)
+    sender = WeightSender()
+    sender.init("127.0.0.1", port, 2, "gloo", 30)
+    sender.send(flats)
+    sender.send(flats)
+    th.join(30)
+    assert not th.is_alive()
+    (named_bad, errors_bad), (named_good, errors_good) = out
+    assert len(errors_bad) == 1 and errors_bad[0].startswith("bucket 1 (model.layers.0.mlp.up_proj.weight")
+    assert "up_proj" not in " ".join(n for n, _ in named_bad)
+    assert errors_good == []
+    assert {n for n, _ in named_good} == set(sd) - {"lm_head.weight"}
+    for name, t in named_good:
+        assert torch.equal(t, sd[name])
+
+
+def test_receive_before_init_says_what_to_do() -> None:
+    manifest, _ = build_manifest(_state_dict(), 1, 64)
+    with pytest.raises(RuntimeError, match="before InitWeightSync"):
+        WeightReceiver().receive(manifest)
+    with pytest.raises(RuntimeError, match="send InitWeightSync to the trainer first"):
+        WeightSender().send([])
+
+
+def msgspec_copy(m):  # a deep copy through the wire format
+    return ENGINE_REQUESTS.decode(encode(UpdateWeights(manifest=m))).manifest
