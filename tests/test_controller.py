@@ -248,9 +248,14 @@ def test_eval_records_at_start_every_n_and_end() -> None:
 def test_max_time_stops_the_run() -> None:
     cfg = config(run={"steps": 1000, "max_time_s": 5.5}, rollout={"group_size": 1, "batch_prompts": 1})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer()))
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=records.append))
     assert summary.stop_reason == "max_time" and left == set()
-    assert 4 <= summary.steps <= 6 and summary.elapsed_s <= 8.0
+    steps = [r for r in records if r["step"] > 0]
+    assert steps[-2]["time/elapsed_s"] < 5.5 <= steps[-1]["time/elapsed_s"]  # stopped at the first step past it
+    assert summary.steps == steps[-1]["step"] < 1000
+    assert "eval/accuracy" in steps[-1]  # the final weights are evaluated
+    assert summary.elapsed_s == steps[-1]["time/elapsed_s"] + steps[-1]["time/eval_s"]
 
 
 # --------------------------------------------------------------------------- failures and shutdown
