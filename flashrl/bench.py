@@ -67,7 +67,8 @@ class PointSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     x: Annotated[float | None, Meta(description="x value in the sweep plot (default: the point's position)")] = None
     set: Annotated[dict[str, Any], Meta(description="dotted overrides for both variants, e.g. {'rollout.group_size' = 8}")] = {}
     flash: Annotated[dict[str, Any], Meta(description="dotted overrides for the flash variant only")] = {}
-    target: Annotated[float | None, Meta(description="the speed-up bar this point must reach")] = None
+    target: Annotated[float | None, Meta(description="the speed-up bar this point must reach (of ``gain`` when ``versus`` is set)")] = None
+    versus: Annotated[str, Meta(description="label of an earlier point: also report gain = speed-up / that point's speed-up")] = ""
 
 
 class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -305,6 +306,7 @@ class PointResult(msgspec.Struct, kw_only=True):
     label: str
     x: float
     speedup: float
+    gain: float | None  # speedup / speedup of point ``versus`` (None without one)
     target: float | None
     passed: bool | None
     base_step_s: float
@@ -352,6 +354,7 @@ def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointR
         label=pt.label,
         x=pt.x if pt.x is not None else float(index),
         speedup=speedup,
+        gain=None,
         target=pt.target,
         passed=None if pt.target is None else speedup >= pt.target,
         base_step_s=base.step_s,
@@ -390,6 +393,12 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
     with tempfile.TemporaryDirectory(prefix="flashrl-bench-") as tmp:
         for i, pt in enumerate(scn.points):
             res = run_point(scn, pt, i, Path(tmp))
+            if pt.versus:
+                ref = next((r for r in results if r.label == pt.versus), None)
+                if ref is None:
+                    raise BenchError(f"{path}: point {pt.label!r}: versus = {pt.versus!r} names no earlier point")
+                res.gain = res.speedup / ref.speedup
+                res.passed = None if pt.target is None else res.gain >= pt.target
             results.append(res)
             if not quiet:
                 print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x (bound {res.bound:.2f}x, busy {res.flash_busy:.0%}, cpu {res.cpu_s:.1f}s)", flush=True)
@@ -401,7 +410,7 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
 
 # --------------------------------------------------------------------------- outputs
 CSV_FIELDS = [
-    "scenario", "label", "x", "speedup", "target", "passed", "base_step_s", "flash_step_s", "base_busy", "flash_busy",
+    "scenario", "label", "x", "speedup", "gain", "target", "passed", "base_step_s", "flash_step_s", "base_busy", "flash_busy",
     "bound", "formula", "closeness", "flash_staleness_max", "tail_ratio", "cpu_s",
 ]
 
@@ -450,12 +459,13 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
     from rich.table import Table
 
     t = Table(title=f"{scn.name}: {scn.title}")
-    for col in ("point", "sync s/step", "flash s/step", "speed-up", "bar", "bound", "formula", "closeness", "busy sync", "busy flash", "stale max", "cpu s"):
+    for col in ("point", "sync s/step", "flash s/step", "speed-up", "gain", "bar", "bound", "formula", "closeness", "busy sync", "busy flash", "stale max", "cpu s"):
         t.add_column(col, justify="right")
     for r in results:
         bar = "" if r.target is None else (f"[green]>={r.target:g} ok[/]" if r.passed else f"[red]>={r.target:g} MISS[/]")
         t.add_row(
-            r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x", bar, f"{r.bound:.2f}x",
+            r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x",
+            "" if r.gain is None else f"{r.gain - 1:+.1%}", bar, f"{r.bound:.2f}x",
             f"{r.formula:.2f}x", f"{r.closeness:.0%}", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
             str(r.flash_staleness_max), f"{r.cpu_s:.1f}",
         )

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.trainer.advantages import count_groups, group_stats, grpo_advantages, tied_groups, token_advantages
+from flashrl.trainer.advantages import (
+    count_groups,
+    group_stats,
+    grpo_advantages,
+    tied_groups,
+    token_advantages,
+)
 
 # Groups interleaved and non-contiguous on purpose: 7 -> [0, 2, 4], 3 -> [5, 5], 9 -> [1], 4 -> [1, 0, 0, 1]
 REWARDS = torch.tensor([0.0, 5.0, 2.0, 1.0, 5.0, 0.0, 4.0, 0.0, 1.0, 1.0])

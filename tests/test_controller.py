@@ -40,13 +40,13 @@ def run(c: Controller) -> tuple[RunSummary, set[asyncio.Task[Any]]]:
 
 
 def long_tail(seed: int) -> Any:
-    """Seeded lengths with a long tail: most samples take ~1 s, a few take 10-30x longer."""
+    """Seeded lengths with a long tail: most samples take ~1 s, one in four takes 5-30x longer."""
 
     def script(req: Generate, version: int) -> tuple[list[int], float]:
         rng = random.Random(req.seed)
         n = rng.randint(1, req.max_tokens)
-        slow = rng.random() < 0.1
-        return [rng.choice(b"0123456789") for _ in range(n)], (rng.uniform(10, 30) if slow else rng.uniform(0.5, 1.5))
+        slow = rng.random() < 0.25
+        return [rng.choice(b"0123456789") for _ in range(n)], (rng.uniform(5, 30) if slow else rng.uniform(0.5, 1.5))
 
     return script
 
@@ -145,23 +145,23 @@ def test_sync_baseline_has_a_barrier_and_async_does_not() -> None:
 )
 def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool, redundancy: int) -> None:
     cfg = config(
-        run={"steps": 6, "seed": seed},
+        run={"steps": 8, "seed": seed},
         rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4},
         scheduler={"async_ratio": ratio, "queue_scheduling": queue},
     )
     engines = [FakeEngine(f"e{i}", long_tail(seed + i)) for i in range(n_engines)]
-    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 3.0))
+    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0))
     records: list[dict[str, Any]] = []
     c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=records.append)
     summary, left = run(c)
-    assert left == set() and summary.steps == 6
+    assert left == set() and summary.steps == 8
     worst = check_staleness(trainer.batches, ratio)
     assert max(r["staleness/max"] for r in records) == worst <= ratio
-    assert [len(b.samples) for b in trainer.batches] == [batch * group] * 6
+    assert [len(b.samples) for b in trainer.batches] == [batch * group] * 8
     assert all(len({s.group for s in b.samples}) == batch for b in trainer.batches)
     # every trained group was trained once
     groups = [s.group for b in trainer.batches for s in b.samples]
-    assert len(set(groups)) == 6 * batch
+    assert len(set(groups)) == 8 * batch
 
 
 def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
@@ -251,11 +251,13 @@ def test_max_time_stops_the_run() -> None:
     records: list[dict[str, Any]] = []
     summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=records.append))
     assert summary.stop_reason == "max_time" and left == set()
-    steps = [r for r in records if r["step"] > 0]
-    assert steps[-2]["time/elapsed_s"] < 5.5 <= steps[-1]["time/elapsed_s"]  # stopped at the first step past it
+    steps = [r for r in records if "time/elapsed_s" in r]
     assert summary.steps == steps[-1]["step"] < 1000
-    assert "eval/accuracy" in steps[-1]  # the final weights are evaluated
-    assert summary.elapsed_s == steps[-1]["time/elapsed_s"] + steps[-1]["time/eval_s"]
+    assert steps[-1]["time/elapsed_s"] < 5.5  # the deadline came while waiting for the next batch
+    # the final weights are still evaluated, in a record of their own for that step
+    assert records[-1].keys() == {"step", "version", "eval/accuracy", "eval/reward_mean", "time/eval_s"}
+    assert records[-1]["step"] == summary.steps
+    assert summary.elapsed_s == 5.5 + records[-1]["time/eval_s"]
 
 
 # --------------------------------------------------------------------------- failures and shutdown
@@ -276,7 +278,7 @@ def test_shutdown_aborts_inflight_closes_envs_leaves_no_task() -> None:
 def test_crash_propagates_after_cleanup(where: str) -> None:
     cfg = config(run={"steps": 5}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
-    suite = ScriptedSuite(crash=(lambda t, call: t.id == "t3") if where == "env" else None)
+    suite = ScriptedSuite(n_train=4, crash=(lambda t, call: t.id == "t3") if where == "env" else None)
     trainer = FakeTrainer(fail_at_step=2 if where == "trainer" else None)
     c = Controller(cfg, TOK, suite, engines, trainer)
 

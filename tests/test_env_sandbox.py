@@ -59,13 +59,16 @@ async def test_sleeping_forever_hits_the_wall_clock_and_does_not_block_the_loop(
     t = asyncio.create_task(ticker())
     r = await run_sandboxed("import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=0.5))
     t.cancel()
-    assert r.status == "timeout" and 0.5 <= r.seconds < 1.5
+    assert r.status == "timeout" and 0.5 <= r.seconds < 3.0
     assert ticks >= 6  # the event loop kept running while the child slept
 
 
 async def test_memory_bomb_is_memory() -> None:
-    r = await run_sandboxed("x = []\nwhile True: x.append(bytearray(10**7))", limits=FAST)
-    assert r.status == "memory" and "MemoryError" in r.stderr
+    # Generous time limits: only the memory limit may end these (the machine is shared and busy).
+    lim = SandboxLimits(wall_s=10.0, cpu_s=5, memory_mb=256)
+    for code in ("x = bytearray(1 << 30)", "x = []\nwhile True: x.append(bytearray(5 * 10**7))"):
+        r = await run_sandboxed(code, limits=lim)
+        assert r.status == "memory" and "MemoryError" in r.stderr, (r.status, r.stderr[-300:])
 
 
 @pytest.mark.parametrize(

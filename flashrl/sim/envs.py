@@ -43,15 +43,27 @@ class SimTokenizer:
         self._ids = {ch: FIRST_TEXT_ID + i for i, ch in enumerate(charset)}
         self._chars = ["", "", "", "?"] + list(charset)
         self.vocab_size = len(self._chars)
+        if self.vocab_size > 256 or not charset.isascii():
+            raise ValueError("SimTokenizer: the charset must be at most 252 ASCII characters")
+        table = bytearray(b"?" * 256)
+        for i, ch in enumerate(self._chars):
+            if ch:
+                table[i] = ord(ch)
+        self._table = bytes(table)
+        self._special = bytes([self.pad_token_id, self.bos_token_id, self.eos_token_id])
 
     def encode(self, text: str) -> list[int]:
         get = self._ids.get
         return [get(ch, self.unk_token_id) for ch in text]
 
     def decode(self, ids: list[int]) -> str:
-        chars = self._chars
-        n = len(chars)
-        return "".join(chars[i] if 0 <= i < n else "?" for i in ids)
+        try:
+            # C speed for the common case (every id < 256): map bytes, drop the special tokens.
+            return bytes(ids).translate(self._table, self._special).decode("ascii")
+        except ValueError:
+            chars = self._chars
+            n = len(chars)
+            return "".join(chars[i] if 0 <= i < n else "?" for i in ids)
 
 
 # --------------------------------------------------------------------------- suite

@@ -149,20 +149,17 @@ class TrainerGroup:
                     await task
 
     async def wait_ready(self, timeout: float = 300.0) -> None:
-        """Wait until rank 0 answers a Ping (every rank has loaded the model by then)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                reply = await self._call(Ping(), timeout=2.0)
-                if isinstance(reply, Pong):
-                    self.version = reply.version
-                    return
-            except (TimeoutError, asyncio.TimeoutError):
-                pass
-            if loop.time() > deadline:
-                raise TimeoutError(f"trainer group not ready after {timeout:.0f}s; see {self.logs[0]}:\n"
-                                   f"{_tail(self.logs[0])}")
+        """Wait until rank 0 answers a Ping (every rank has loaded the model by then).
+
+        One Ping only: ZeroMQ queues it until rank 0 binds, and ``_call`` fails fast if a rank exits.
+        """
+        try:
+            reply = await self._call(Ping(), timeout=timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise TimeoutError(f"trainer group not ready after {timeout:.0f}s; see {self.logs[0]}:\n"
+                               f"{_tail(self.logs[0])}") from None
+        assert isinstance(reply, Pong), type(reply)
+        self.version = reply.version
 
     # ------------------------------------------------------------------ TrainerClient
     async def train_step(self, batch: TrainBatch) -> TrainResult:
