@@ -11,9 +11,10 @@
                                                        └── not done, turns < max_turns, room left:
                                                            append generated ids (mask 1) + obs ids (mask 0)
 
-Token ids are concatenated turn after turn; nothing is re-tokenized from text. Generated tokens
-keep the engine's logprob and per-token policy version; observation tokens get mask 0, logprob
-0.0, version -1.
+A rollout stays on the engine it was routed to for all its turns (its prefix stays in that
+engine's cache) and moves only when retried. Token ids are concatenated turn after turn; nothing
+is re-tokenized from text. Generated tokens keep the engine's logprob and per-token policy
+version; observation tokens get mask 0, logprob 0.0, version -1.
 
 Engine concurrency model (``rollout.env_async``): every engine has ``engine.max_num_seqs`` permits
 (scheduler.Router.slot). With env_async = true a rollout holds a permit only inside

@@ -85,6 +85,30 @@ class WeightReceiver:
         return named, errors
 
 
+def refresh_tied_layers(model: torch.nn.Module) -> int:
+    """Redo the weight processing of layers that share a weight (tied embeddings); return how many.
+
+    vLLM 0.32's in-place reload processes a layer only when weights arrive for it. With tied
+    embeddings the loader skips ``lm_head.weight``, so the LM head is never reprocessed, and on the
+    CPU its processing packed a private copy of the weight for the GEMM kernel: without this the
+    engine would sample from the new embeddings but the old output projection. Re-running
+    ``process_weights_after_loading`` re-packs from the (already updated) shared weight; where that
+    processing is a no-op (the GPU path for unquantized embeddings) this costs nothing.
+    """
+    by_storage: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "quant_method", None) is not None and isinstance(weight, torch.Tensor) and weight.numel():
+            by_storage.setdefault(weight.data_ptr(), []).append(module)
+    refreshed = 0
+    for modules in by_storage.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr]
+                refreshed += 1
+    return refreshed
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``)."""
 
@@ -113,6 +137,7 @@ class WeightSyncExtension:
             # reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after
             # loading, and only the reload path redoes that processing (PLATFORM.md).
             self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+            refresh_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
         except Exception as e:
             log.exception("weight sync v%d: loading failed after the checks passed", manifest.version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",

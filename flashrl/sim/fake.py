@@ -5,8 +5,8 @@
                ──TrainBatch─> FakeTrainer   records batches; prepare/send weights on the loop clock
                ──reset/step─> ScriptedEnv   (ScriptedSuite) reward = action starts with the answer
     CharTokenizer: one id per character (ord), eos 0.
-    VirtualClockLoop / run_virtual: an asyncio loop whose clock jumps to the next timer when
-    nothing is ready, so a test of minutes of scheduling runs in milliseconds.
+    run_virtual(main): main() on flashrl.sim.clock's virtual-time loop (the clock jumps to the
+    next timer when nothing is ready), so a test of minutes of scheduling runs in milliseconds.
 
 These are supported product code for tests (and quick experiments), kept deliberately simple;
 the bench's latency models live in the simulator (flashrl/sim/engine.py and friends). They use
@@ -15,12 +15,10 @@ only the event loop's clock, so they work on real time and on the virtual clock 
 
 from __future__ import annotations
 
-import asyncio
 import random
-import selectors
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 import msgspec
@@ -43,7 +41,6 @@ __all__ = [
     "FakeTrainer",
     "ScriptedEnv",
     "ScriptedSuite",
-    "VirtualClockLoop",
     "default_script",
     "run_virtual",
 ]
@@ -319,45 +316,8 @@ class ScriptedEnv:
 
 
 # --------------------------------------------------------------------------- virtual clock
-class _JumpSelector(selectors.DefaultSelector):
-    """Polls real I/O without blocking; when nothing is ready, jumps the loop's clock instead of sleeping."""
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``main()`` to completion on virtual time (flashrl.sim.clock) and return its result."""
+    from flashrl.sim.clock import run_virtual as run_on_virtual_time
 
-    loop: VirtualClockLoop
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        ready = super().select(0)
-        if ready or (timeout is not None and timeout <= 0):
-            return ready
-        if timeout is None:
-            # No timer pending: only real I/O (or another thread) can wake the loop; wait for it.
-            return super().select(None)
-        self.loop.now += timeout
-        return []
-
-
-class VirtualClockLoop(asyncio.SelectorEventLoop):
-    """An asyncio loop on virtual time: ``time()`` starts at 0 and jumps to the next timer when idle.
-
-    Limit: do not mix with real sockets whose answers take real time; the clock would jump past them.
-    """
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        sel = _JumpSelector()
-        sel.loop = self
-        super().__init__(selector=sel)
-
-    def time(self) -> float:
-        return self.now
-
-
-def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
-    """Run ``main()`` to completion on a fresh VirtualClockLoop and close it."""
-    loop = VirtualClockLoop()
-    try:
-        return loop.run_until_complete(main())
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
+    return run_on_virtual_time(main)[0]

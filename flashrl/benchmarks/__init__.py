@@ -1,0 +1,1 @@
+"""Benchmarks beside the speed-up sweeps of flashrl.bench: controller overhead, calibration."""
