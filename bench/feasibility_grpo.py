@@ -46,11 +46,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--ws-target", type=float, default=0.25, help="warm-start stops at this probe accuracy")
+    ap.add_argument("--ws-target", type=float, default=0.6, help="warm-start stops at this probe accuracy")
     ap.add_argument("--ws-lr", type=float, default=1e-3)
-    ap.add_argument("--ws-max-steps", type=int, default=3000)
+    ap.add_argument("--ws-max-steps", type=int, default=800)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps (fresh AdamW's first steps are sign steps)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--batch-prompts", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         A = adv[:, None]
         loss_tok = -torch.minimum(ratio * A, ratio.clamp(1 - a.eps, 1 + a.eps) * A)
         loss = (loss_tok * mask).sum() / mask.sum()
+        for group in opt.param_groups:
+            group["lr"] = a.lr * (min(1.0, step / a.warmup) if a.warmup else 1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

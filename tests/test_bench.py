@@ -157,3 +157,17 @@ def _to_toml(d: dict) -> str:
         lines.append("[[points]]")
         lines += [f"{k} = {val(x)}" for k, x in p.items() if x is not None]
     return "\n".join(lines) + "\n"
+
+
+def test_calibrate_recovers_a_linear_trainer(tmp_path: Path) -> None:
+    from flashrl.benchmarks.calibrate import fit, main
+
+    recs = [{"step": i, "samples": 64, "response_len/mean": m, "time/train_s": 3.0 + 2e-4 * 64 * m, "time/weight_sync_s": 2.0} for i, m in enumerate([500, 800, 1200])]
+    prof = fit(recs, sigma=1.0)
+    assert prof["trainer"]["step_fixed_s"] == pytest.approx(3.0)
+    assert prof["trainer"]["per_token_s"] == pytest.approx(2e-4)
+    assert prof["lengths"]["median"] == pytest.approx(833.33 / 1.6487, rel=1e-3)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(msgspec.json.encode(r).decode() for r in recs))
+    assert main([str(tmp_path), "--out", str(tmp_path / "p.toml")]) == 0
+    assert "per_token_s = 0.0002" in (tmp_path / "p.toml").read_text()
+    assert main([str(tmp_path / "nope")]) == 2

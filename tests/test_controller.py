@@ -18,6 +18,7 @@ from flashrl.config import Config
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream, request_seed
 from flashrl.protocol import Generate, TrainBatch, TrainSample
+from flashrl.sim.clock import run_virtual as run_on_virtual_time
 from flashrl.sim.fake import (
     CharTokenizer,
     FakeEngine,
@@ -255,13 +256,34 @@ def test_max_time_stops_the_run() -> None:
     records: list[dict[str, Any]] = []
     summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=records.append))
     assert summary.stop_reason == "max_time" and left == set()
-    steps = [r for r in records if "time/elapsed_s" in r]
-    assert summary.steps == steps[-1]["step"] < 1000
-    assert steps[-1]["time/elapsed_s"] < 5.5  # the deadline came while waiting for the next batch
-    # the final weights are still evaluated, in a record of their own for that step
-    assert records[-1].keys() == {"step", "version", "eval/accuracy", "eval/reward_mean", "time/eval_s"}
-    assert records[-1]["step"] == summary.steps
-    assert summary.elapsed_s == 5.5 + records[-1]["time/eval_s"]
+    # exactly one record per step (metrics.jsonl: one line per step), in order, step 0 = first eval
+    assert [r["step"] for r in records] == list(range(summary.steps + 1))
+    assert 0 < summary.steps < 1000
+    last = records[-1]
+    assert last["time/elapsed_s"] < 5.5  # the deadline came while waiting for the next batch
+    # the final weights are still evaluated, merged into the record of the step that made them
+    assert "eval/accuracy" in last and "reward/mean" in last and last["version"] == summary.steps
+    every = cfg.run.eval_every
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, every, summary.steps]
+    assert summary.steps % every != 0  # so the final eval was not a scheduled one
+    assert summary.elapsed_s == 5.5 + last["time/eval_s"]
+
+
+@pytest.mark.parametrize("eval_every", [0, 2])
+def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -> None:
+    """Deadline after a step (final eval in it) or while waiting (held record gets it): no duplicate."""
+    for max_time in (4.0, 4.5, 5.0, 5.5, 7.25):
+        cfg = config(run={"steps": 1000, "max_time_s": max_time, "eval_every": eval_every},
+                     rollout={"group_size": 1, "batch_prompts": 1})
+        eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
+        records: list[dict[str, Any]] = []
+        summary, _ = run(Controller(cfg, TOK, ScriptedSuite(n_eval=1), [eng], FakeTrainer(train_s=0.25),
+                                    on_step=records.append))
+        assert [r["step"] for r in records] == list(range(summary.steps + 1)), max_time
+        assert "eval/accuracy" in records[-1] and records[-1]["step"] == summary.steps
+        evals = [r["step"] for r in records if "eval/accuracy" in r]
+        expected = sorted({0, summary.steps} | ({k for k in range(1, summary.steps + 1) if k % eval_every == 0} if eval_every else set()))
+        assert evals == expected, (max_time, evals)
 
 
 # --------------------------------------------------------------------------- failures and shutdown
@@ -338,3 +360,168 @@ async def test_runs_on_the_real_event_loop_clock_too() -> None:
     assert summary.steps == 3 and len(trainer.batches) == 3
     assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()
     check_staleness(trainer.batches, 2)
+
+
+def test_held_step_record_is_emitted_when_the_run_crashes_while_waiting() -> None:
+    """max_time set: a step's record waits for the next batch; a crash meanwhile must not lose it."""
+    cfg = config(run={"steps": 50, "max_time_s": 1000.0}, rollout={"group_size": 1, "batch_prompts": 1},
+                 scheduler={"async_ratio": 0, "queue_scheduling": False})
+    # sync loop: uid k is step k; the env of uid 3's task crashes (a bug) while step 3 waits for it
+    data = DataStream(ScriptedSuite().train_tasks(), cfg.run.seed)
+    bad = [data.next()[1].id for _ in range(4)][3]
+    suite = ScriptedSuite(crash=lambda t, call: t.id == bad)
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append)
+    with pytest.raises(ValueError, match=f"scripted env bug on {bad}"):
+        run(c)
+    assert c.version == 3
+    assert [r["step"] for r in records] == [1, 2, 3]  # step 3's held line was written on the way out
+    assert suite.aclosed == 1  # the suite is released on the crash path too
+
+
+# --------------------------------------------------------------------------- dashboard numbers
+def test_snapshot_rates_and_busy_fraction_are_current_not_run_averages() -> None:
+    """Sync loop, one engine: 1 s requests for uids 0-4, then 3 s; train 1 s. Exact windowed numbers.
+
+    Steps end at t = 2, 4, ..., 10 (fast), then 14, 18, 22, 26, 30. At t = 30 the last 10 s hold
+    the busy periods [20, 21] (tail of [18, 21]), [22, 25], [26, 29]: 7 s busy; 3 samples of 2
+    tokens. Run averages would read 20/30 busy and 10/30 samples/s instead.
+    """
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        uid = int(req.request_id.split("-")[0])
+        return [ord("1")] * 2, (1.0 if uid < 5 else 3.0)
+
+    cfg = config(run={"steps": 10}, rollout={"group_size": 1, "batch_prompts": 1},
+                 scheduler={"async_ratio": 0, "queue_scheduling": False})
+    eng = FakeEngine("e0", script)
+    snaps: dict[int, Any] = {}
+    c = Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer(train_s=1.0))
+    before = c.snapshot()
+    assert before.samples_per_s == 0.0 and before.engines[0].busy_fraction == 0.0
+    c.on_step = lambda r: snaps.__setitem__(r["step"], (c.snapshot(), r))
+    # the loop clock does not start at 0 (a real loop's never does): windows count from run()'s start
+    summary = run_on_virtual_time(c.run, start=100.0)[0]
+    s2, _ = snaps[2]  # t = 4: less than a window since the start, so over 4 s
+    assert s2.elapsed_s == 4.0
+    assert s2.engines[0].busy_fraction == pytest.approx(2 / 4)
+    assert s2.samples_per_s == pytest.approx(2 / 4) and s2.tokens_per_s == pytest.approx(4 / 4)
+    s10, r10 = snaps[10]
+    assert s10.elapsed_s == 30.0 == summary.elapsed_s
+    assert s10.engines[0].busy_fraction == pytest.approx(7 / 10)
+    assert s10.samples_per_s == pytest.approx(3 / 10)
+    assert s10.engines[0].tokens_per_s == pytest.approx(6 / 10) == s10.tokens_per_s
+    # the step record keeps the run averages (trained) and the windowed rates (generated)
+    assert r10["run/samples_per_s"] == pytest.approx(10 / 30) and r10["run/tokens_per_s"] == pytest.approx(20 / 30)
+    assert r10["rate/samples_per_s"] == pytest.approx(3 / 10) and r10["rate/tokens_per_s"] == pytest.approx(6 / 10)
+    # after run() the clock stops at the run's end: the numbers stay those of t = 30
+    after = c.snapshot()
+    assert after.engines[0].busy_fraction == pytest.approx(7 / 10) and after.samples_per_s == pytest.approx(3 / 10)
+
+
+# --------------------------------------------------------------------------- environment suites
+def test_suite_counters_exported_and_suite_closed() -> None:
+    cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
+    suite = ScriptedSuite(fail=lambda t, call: "crash" if call == 0 else None)
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append)
+    summary, _ = run(c)
+    assert suite.aclosed == 1
+    assert summary.counters["env/fail:crash"] == summary.counters["rollout/retry_env_crash"] == len(suite.calls)
+    assert summary.counters["env/steps"] == suite.counters["steps"]
+    assert records[-1]["env/fail:crash"] == suite.counters["fail:crash"]
+    assert c.snapshot().counters["env/steps"] == suite.counters["steps"]
+    # the controller's own Counter (read by the bench) is not mixed with the suite's
+    assert not any(k.startswith("env/") for k in c.counters)
+
+
+def test_faulty_suite_counters_and_aclose_pass_through() -> None:
+    """The real envs.faults wrapper: its injected-fault counts reach the records, aclose reaches the inner suite."""
+    from envs.faults import FaultySuite, parse_faults
+
+    cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 3})
+    inner = ScriptedSuite()
+    suite = FaultySuite(inner, parse_faults({"crash": 0.3, "delay": {"kind": "constant", "seconds": 0.25}}), seed=1)
+    records: list[dict[str, Any]] = []
+    summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append))
+    assert inner.aclosed == 1
+    crashes = summary.counters["env/crash"]
+    assert crashes > 0
+    assert crashes == summary.counters.get("rollout/retry_env_crash", 0) + summary.counters.get("rollout/failed_env_crash", 0)
+    assert records[-1]["env/delay_s"] == pytest.approx(0.25 * records[-1]["env/calls"])
+    assert isinstance(summary.counters["env/delay_s"], int)
+
+
+# --------------------------------------------------------------------------- dead engines, stale samples
+class KillingTrainer(FakeTrainer):
+    """Kills an engine from inside prepare_weights(version): dead, and no rollout has noticed yet."""
+
+    def __init__(self, victim: FakeEngine, at_version: int, train_s: float = 0.0) -> None:
+        super().__init__(train_s=train_s)
+        self.victim, self.at_version = victim, at_version
+
+    async def prepare_weights(self, version: int) -> Any:
+        if version == self.at_version:
+            self.victim.kill()
+        return await super().prepare_weights(version)
+
+
+def test_engine_dead_before_the_sync_is_skipped_not_fatal() -> None:
+    cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    script = lambda r, v: ([ord("1")], 1.0)  # noqa: E731
+    victim, healthy = FakeEngine("e0", script), FakeEngine("e1", script)
+    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], KillingTrainer(victim, at_version=2, train_s=0.5))
+    summary, left = run(c)
+    assert summary.steps == 6 and left == set()
+    assert summary.counters["weight_sync/found_dead_engines"] == 1
+    assert summary.counters["engines/dead"] == 1  # found at the sync; its rollouts did not count it again
+    assert summary.counters["weight_sync/skipped_dead_engines"] == 5  # versions 2..6
+    assert victim.updates == [1] and healthy.updates == [1, 2, 3, 4, 5, 6]
+    assert c.router.alive == [False, True] and c.snapshot().engines[0].alive is False
+    assert summary.counters["rollout/retry_engine_dead"] >= 1  # its in-flight rollouts moved to e1
+
+
+def test_all_engines_dead_at_the_sync_is_a_loud_error() -> None:
+    # sync loop: nothing is generating during the sync, so the sync is the first to find out
+    cfg = config(run={"steps": 3}, rollout={"group_size": 1, "batch_prompts": 1},
+                 scheduler={"async_ratio": 0, "queue_scheduling": False})
+    eng = FakeEngine("e0")
+    with pytest.raises(RuntimeError, match="no live engine to publish weights version 2"):
+        run(Controller(cfg, TOK, ScriptedSuite(), [eng], KillingTrainer(eng, at_version=2)))
+
+
+def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
+    """Three turns of 1 s each; uid 1's second turn (attempt 0) would take 10 s.
+
+    async_ratio 1, one prompt per step: uid 1 starts at version 0 (t = 0). Batches are taken at
+    t = 3 (step 0) and t = 6 (step 1); from t = 6 only steps >= 2 remain, which need version >= 1:
+    uid 1 is aborted at t = 6 and restarted at once, instead of running to t = 12 to be dropped.
+    """
+    def script(r: Generate, v: int) -> tuple[list[int], float]:
+        return [ord("1")], (10.0 if r.request_id == "1-0.0.1" else 1.0)
+
+    cfg = config(run={"steps": 4}, rollout={"group_size": 1, "batch_prompts": 1, "max_turns": 3, "max_retries": 0},
+                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+    eng = FakeEngine("e0", script)
+    trainer = FakeTrainer()
+    suite = ScriptedSuite(turns=3)
+    summary, left = run(Controller(cfg, TOK, suite, [eng], trainer))
+    assert summary.steps == 4 and left == set()
+    assert summary.counters["rollout/aborted_stale"] == 1
+    assert "stale/dropped_samples" not in summary.counters  # nothing ran to completion only to be dropped
+    assert "1-0.0.1" in eng.aborted
+    restart = {r.request_id: t for r, t in zip(eng.requests, eng.request_times)}["1-0.1.0"]
+    assert restart == 6.0
+    trained = {s.sample_id: s for b in trainer.batches for s in b.samples}
+    assert "1-0" in trained and min(v for v in trained["1-0"].versions if v >= 0) >= 1
+    assert check_staleness(trainer.batches, 1) <= 1
+    assert suite.closed == suite.opened
+
+
+def test_single_turn_stale_sample_is_left_to_the_buffer() -> None:
+    """Its first-token version is known only once it is done: no early abort (see rollout.py)."""
+    cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1},
+                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+    eng = FakeEngine("e0", lambda r, v: ([ord("1")] * 4, 3.5) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0))
+    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer()))
+    assert "rollout/aborted_stale" not in summary.counters
+    assert summary.counters["stale/dropped_samples"] == 1

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env, spawn_engine
 from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
-from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, InitWeightSync, Ping, Pong, encode
+from flashrl.interfaces import EngineClient
+from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Ping, Pong, encode
 from flashrl.trainer.weights import WeightSender, build_manifest
 from flashrl.transport import PeerDead, RpcClient, RpcServer, free_port
 
@@ -66,6 +67,14 @@ def test_load_meter_busy_fraction_and_rates() -> None:
     assert rep.busy_fraction == pytest.approx(0.8) and rep.tokens_per_s == 0.0 and rep.running == 1
     m.request_finished(25.0)
     assert m.report(30.0, "e", 2).busy_fraction == pytest.approx(0.5)
+
+
+async def test_client_is_an_engine_client() -> None:
+    c = EngineProcessClient("e", f"tcp://127.0.0.1:{free_port()}")
+    try:
+        assert isinstance(c, EngineClient) and c.inflight == 0
+    finally:
+        await c.close()
 
 
 async def test_malformed_frame_is_rejected_and_its_sender_ignored() -> None:
@@ -136,7 +145,7 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 async def client(engine: EngineProcess):
-    c = engine.client(heartbeat_s=0)
+    c = engine.new_client()
     yield c
     await c.close()
 
@@ -169,20 +178,26 @@ async def test_generate_tokens_logprobs_versions(client: EngineProcessClient, mo
     assert load.generated_tokens >= sum(len(o.token_ids) for o in outs) and load.version == 0
 
 
+async def _wait_tokens(client: EngineProcessClient, start: int, n: int) -> None:
+    for _ in range(1000):  # until the engine has generated n more tokens
+        if (await client.load()).generated_tokens >= start + n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the engine did not generate {n} tokens in 20 s")
+
+
 @pytest.mark.slow
 async def test_abort_returns_the_tokens_so_far(client: EngineProcessClient) -> None:
-    await client.pause("keep")  # hold the request so the abort surely lands mid-flight
-    try:
-        task = asyncio.create_task(
-            client.generate(Generate(request_id="long", prompt_ids=PROMPT, max_tokens=200, ignore_eos=True))
-        )
-        await asyncio.sleep(0.5)
-        await client.abort(["long"])
-        out = await asyncio.wait_for(task, 30)
-    finally:
-        await client.resume()
-    assert out.finish_reason == "abort" and out.request_id == "long" and len(out.token_ids) < 200
-    assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
+    start = (await client.load()).generated_tokens
+    task = asyncio.create_task(
+        client.generate(Generate(request_id="long", prompt_ids=PROMPT, max_tokens=240, ignore_eos=True))
+    )
+    await _wait_tokens(client, start, 5)
+    await client.abort(["long"])
+    out = await asyncio.wait_for(task, 30)
+    assert out.finish_reason == "abort" and out.request_id == "long" and 5 <= len(out.token_ids) < 240
+    assert len(out.logprobs) == len(out.versions) == len(out.token_ids) and all(lp <= 0 for lp in out.logprobs)
+    assert client.inflight == 0
 
 
 @pytest.mark.slow
@@ -206,9 +221,9 @@ def sender(engine: EngineProcess):
     th.start()
 
     async def join() -> None:
-        c = engine.client(heartbeat_s=0)
+        c = engine.new_client()
         try:
-            await c.init_weight_sync(InitWeightSync(master_port=port, rank=1, world_size=2, backend="gloo", timeout_s=60))
+            await c.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60)
         finally:
             await c.close()
 
@@ -238,11 +253,7 @@ async def test_weight_sync_serves_the_new_weights(client: EngineProcessClient, s
 
     # A long request in flight across the update: its tokens switch from version 0 to 1 mid-way.
     long = asyncio.create_task(client.generate(Generate(prompt_ids=PROMPT, max_tokens=200, ignore_eos=True, seed=0)))
-    start = (await client.load()).generated_tokens
-    for _ in range(1000):  # until the long request has produced a few tokens under version 0
-        if (await client.load()).generated_tokens >= start + 5:
-            break
-        await asyncio.sleep(0.02)
+    await _wait_tokens(client, (await client.load()).generated_tokens, 5)  # a few tokens under version 0
     reply, send_s = await _sync(client, sender, manifest, flats)
     assert reply.ok and reply.version == 1 and reply.error == "", reply
     print(f"weight sync: engine {reply.seconds:.3f}s, trainer send {send_s:.3f}s, {sum(f.numel() for f in flats) * 4 / 2**20:.1f} MiB")

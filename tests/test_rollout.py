@@ -225,3 +225,57 @@ def test_env_bug_is_not_swallowed() -> None:
     with pytest.raises(BaseException) as ei:
         run_virtual(lambda: group(ctx, need=1))
     assert "scripted env bug" in repr(ei.value)
+
+
+@pytest.mark.parametrize("case", ["watched", "at_registration", "eval"])
+def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
+    """Three 1 s turns; min_train_step jumps to 2 (async_ratio 1), the engine loads version 1 at 1.5 s.
+
+    watched: the jump comes at 1.5 s, during turn 2: that request is aborted, the sample restarts
+    at once and ends at 4.5 s. at_registration: the jump comes at 0.5 s, so when turn 1 returns at
+    1.0 s its version 0 is already too stale: restarted at 1.0 s without an engine abort, ends at
+    4.0 s. eval: eval rollouts (group < 0) are never aborted for staleness.
+    """
+    from flashrl.protocol import WeightManifest
+
+    cfg = config(rollout={"max_turns": 3, "max_retries": 0}, scheduler={"async_ratio": 1})
+    eng = FakeEngine("e0", lambda req, v: ([ord("3")], 1.0))
+    suite = ScriptedSuite(turns=3)
+    ctx = make_ctx(cfg, [eng], suite)
+    step = [0]
+    ctx.min_train_step = lambda: step[0]
+    group = -1 if case == "eval" else 0
+    spec = RolloutSpec(task=suite.train_tasks()[3], group=group, index=0, temperature=1.0, seed_key=(group, 0),
+                       sample_id=f"{group}-0")
+
+    async def main() -> Trajectory:
+        result: list[Trajectory] = []
+
+        async def sample() -> None:
+            result.append(await run_sample(ctx, spec, 0))
+
+        async with anyio.create_task_group() as tg:
+            ctx.router.take(0)
+            tg.start_soon(sample)
+            await anyio.sleep(0.5 if case == "at_registration" else 1.5)
+            step[0] = 2
+            ctx.abort_stale()
+            await anyio.sleep(1.5 - anyio.current_time())
+            await eng.update_weights(WeightManifest(version=1))
+        return result[0]
+
+    t = run_virtual(main)
+    assert t.status == "ok" and t.turns == 3 and t.reward == 1.0
+    gen_versions = [v for v, m in zip(t.versions, t.loss_mask) if m]
+    if case == "eval":
+        assert t.attempts == 1 and "rollout/aborted_stale" not in ctx.counters and t.t_end == 3.0
+        return
+    assert ctx.counters["rollout/aborted_stale"] == 1 and t.attempts == 2
+    assert gen_versions == [1, 1, 1]  # the restart is trained on, and it is fresh
+    assert t.sample_id == "0-0" and t.index == 0  # same sample, same seeds: only the attempt changed
+    if case == "watched":
+        assert eng.aborted == ["0-0.0.1"] and t.t_end == 4.5
+    else:
+        assert eng.aborted == [] and t.t_end == 4.0
+    assert ctx.watched == {} and ctx.live == {} and ctx.router.inflight == [0]
+    assert suite.closed == suite.opened == 2

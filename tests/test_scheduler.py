@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from envs.base import Task
-from flashrl.controller.scheduler import Admission, DataStream, Router, request_seed, sample_id
+from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router, request_seed, sample_id
 
 
 def tasks(n: int) -> list[Task]:
@@ -86,3 +86,33 @@ def test_router_spreads_a_burst_exactly_and_skips_dead_engines() -> None:
         r.mark_dead(i)
     with pytest.raises(RuntimeError, match="no live engine"):
         r.pick()
+
+
+def test_busy_meter_is_a_sliding_window_of_overlapping_requests() -> None:
+    m = BusyMeter(window_s=10.0, start=0.0)
+    assert m.fraction(0.0) == 0.0
+    m.enter(1.0)
+    m.enter(2.0)  # overlapping requests count once
+    m.exit(3.0)
+    assert m.fraction(4.0) == pytest.approx(3.0 / 4.0)  # open period [1, 4] over the 4 s so far
+    m.exit(5.0)
+    assert m.fraction(5.0) == pytest.approx(4.0 / 5.0)
+    m.enter(12.0)
+    assert m.fraction(14.0) == pytest.approx((1.0 + 2.0) / 10.0)  # [4, 5] tail of [1, 5], and [12, 14]
+    m.exit(14.0)
+    assert m.fraction(25.0) == 0.0  # everything has left the window
+    assert len(m._closed) == 0
+    with pytest.raises(RuntimeError, match="without a matching enter"):
+        m.exit(26.0)
+    with pytest.raises(ValueError, match="window_s"):
+        BusyMeter(window_s=0.0)
+
+
+def test_busy_meter_prunes_without_being_read() -> None:
+    """Nobody reads it in a headless benchmark: memory must still stay bounded by one window."""
+    m = BusyMeter(window_s=1.0)
+    for k in range(10_000):
+        m.enter(k * 0.1)
+        m.exit(k * 0.1 + 0.05)
+    assert len(m._closed) <= 11
+    assert m.fraction(10_000 * 0.1) == pytest.approx(0.5)

@@ -162,3 +162,24 @@ def test_receive_before_init_says_what_to_do() -> None:
 
 def msgspec_copy(m):  # a deep copy through the wire format
     return ENGINE_REQUESTS.decode(encode(UpdateWeights(manifest=m))).manifest
+
+
+def test_refresh_tied_layers_reprocesses_only_layers_sharing_a_weight() -> None:
+    from flashrl.engine.weights import refresh_tied_layers
+
+    calls: list[str] = []
+
+    class Method:  # stands in for vLLM's quant_method (CPU: re-packs the GEMM weight)
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            calls.append(layer.tag)
+
+    def layer(tag: str, weight: torch.nn.Parameter) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.weight, m.quant_method, m.tag = weight, Method(), tag
+        return m
+
+    shared = torch.nn.Parameter(torch.randn(4, 4))
+    model = torch.nn.ModuleList([layer("embed", shared), layer("mlp", torch.nn.Parameter(torch.randn(4, 4))),
+                                 layer("lm_head", shared)])
+    assert refresh_tied_layers(model) == 2
+    assert calls == ["embed", "lm_head"]

@@ -6,21 +6,34 @@
                                            |   v
     train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
       waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the sync
+      0. batch taken: min_train_step = step+1; ctx.abort_stale() cancels multi-turn rollouts that
+         can no longer pass the staleness bound (rollout.py), instead of letting them finish
       1. trainer.train_step(batch)
       2. manifest = trainer.prepare_weights(v+1)
-      3. trainer.send_weights(v+1) || engine.update_weights(manifest) for every live engine
+      3. engines whose client already reports ``dead`` are marked dead and skipped (counted);
+         trainer.send_weights(v+1) || engine.update_weights(manifest) for every live engine
       4. version = v+1; buffer.mark_trained(batch)  (frees admission slots: the staleness bound)
       5. on_step(record); start an eval task when due
     eval task (step 0, every run.eval_every, end): one greedy rollout per held-out task, through the
       same Router as training rollouts; the record of that step is emitted when it finishes, and
       the next weight sync waits for it so that every eval token comes from the evaluated weights.
 
+Records: exactly one per step (plus step 0's eval), so metrics.jsonl has one line per step. With
+run.max_time_s set, a step's record that carries no eval is held until the next batch is in hand:
+if the deadline comes first, the final eval is merged into that record instead of a second line.
+
+Dashboard numbers are the controller's own, on the loop clock: per engine, the busy fraction
+(share of the last 10 s with >= 1 generate in flight, scheduler.BusyMeter) and generated tokens/s;
+overall, samples/s (training samples delivered to the buffer) and tokens/s, all over a 10 s window
+(metrics.RateMeter). Step records also carry the run averages (run/samples_per_s, run/tokens_per_s).
+
 All tasks live in one anyio task group. Shutdown is close -> cancel -> wait: admission stops, the
 task group is cancelled (every cancelled generate sends engine.abort; every env is closed,
 shielded), then the group exits only when every task has. A crash in any task cancels the
 others the same way and run() re-raises that error. Engines and the trainer are closed by whoever
-created them (the launcher), never here. Time is the event loop's (anyio.current_time()), so the
-simulator runs this same code on a virtual clock.
+created them (the launcher), never here; the environment suite's own resources (``aclose()``, e.g.
+a remote worker pool) are released here, after the task group, shielded, on every path. Time is
+the event loop's (anyio.current_time()), so the simulator runs this same code on a virtual clock.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import logging
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -40,9 +53,9 @@ from envs.base import EnvSuite
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
-from flashrl.controller.scheduler import Admission, DataStream, Router
+from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.interfaces import EngineClient, TrainerClient
-from flashrl.metrics import EngineStat, Snapshot
+from flashrl.metrics import EngineStat, RateMeter, Snapshot
 from flashrl.protocol import TrainBatch, WeightManifest
 from flashrl.transport import PeerDead
 
@@ -53,10 +66,14 @@ __all__ = ["Controller", "RunSummary"]
 
 log = logging.getLogger(__name__)
 
+RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
+SUITE_CLOSE_TIMEOUT_S = 30.0  # bound on suite.aclose() at shutdown
+
 # Keys the controller writes itself; a trainer metric of the same name goes under "train/<key>".
 _OWN_KEYS = frozenset(
     {"step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s", "time/train_s",
-     "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy"}
+     "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy",
+     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s"}
 )
 
 
@@ -70,7 +87,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     tokens_trained: int
     eval_accuracy: float | None
     stop_reason: str  # "steps" | "max_time"
-    counters: dict[str, int]
+    counters: dict[str, int]  # the controller's, plus the suite's under "env/<name>" (rounded)
 
 
 class Controller:
@@ -92,6 +109,7 @@ class Controller:
         if not engines:
             raise ValueError("Controller needs at least one engine (engine.count >= 1)")
         self.cfg = cfg
+        self.suite = suite
         self.engines = list(engines)
         self.trainer = trainer
         self.on_step = on_step
@@ -117,6 +135,7 @@ class Controller:
             router=self.router,
             version=lambda: self.version,
             counters=self.counters,
+            min_train_step=lambda: self._min_step,
         )
         self.engine_versions = [0] * len(engines)
         self.status = "starting"
@@ -130,7 +149,9 @@ class Controller:
         self._closing = False
         self._ran = False
         self._t0 = 0.0
-        self._t_end = 0.0
+        self._t_end: float | None = None  # set when run() ends (the clock then stops there)
+        self._min_step = 0  # earliest step that may still take a sample (rollout stale abort)
+        self._sample_rate: RateMeter | None = None  # made in run(): a RateMeter reads the clock at once
 
     # ------------------------------------------------------------------ run and shutdown
     async def run(self) -> RunSummary:
@@ -138,6 +159,9 @@ class Controller:
             raise RuntimeError("Controller.run() can only be called once; build a new Controller")
         self._ran = True
         self._t0 = anyio.current_time()
+        self.ctx.busy = [BusyMeter(RATE_WINDOW_S, self._t0) for _ in self.engines]
+        self.ctx.token_rates = [RateMeter(clock=self._clock, window_s=RATE_WINDOW_S) for _ in self.engines]
+        self._sample_rate = RateMeter(clock=self._clock, window_s=RATE_WINDOW_S)
         stop = "steps"
         try:
             async with anyio.create_task_group() as tg:
@@ -161,18 +185,42 @@ class Controller:
         finally:
             self._tg = None
             self._t_end = anyio.current_time()
+            await self._close_suite()
         self.status = "done"
         last_eval = self.eval_history[-1][1] if self.eval_history else None
         return RunSummary(
             steps=self.version,
             version=self.version,
-            elapsed_s=anyio.current_time() - self._t0,
+            elapsed_s=self._clock() - self._t0,  # stopped at the run's end: suite.aclose() is not part of it
             samples_trained=self.samples_trained,
             tokens_trained=self.tokens_trained,
             eval_accuracy=last_eval,
             stop_reason=stop,
-            counters=dict(self.counters),
+            counters=self._all_counters(),
         )
+
+    async def _close_suite(self) -> None:
+        """``await suite.aclose()`` when the suite has one: shielded and bounded, never masking a crash."""
+        aclose = getattr(self.suite, "aclose", None)
+        if aclose is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SUITE_CLOSE_TIMEOUT_S) as scope:
+            try:
+                await aclose()
+            except Exception as e:  # the run's own outcome matters more than a failed cleanup
+                self.counters["env/close_failed"] += 1
+                log.error("environment suite aclose() failed: %s; its workers may still be running", e)
+        if scope.cancelled_caught:
+            self.counters["env/close_timeout"] += 1
+            log.error("environment suite aclose() took longer than %.0f s; gave up waiting", SUITE_CLOSE_TIMEOUT_S)
+
+    def _clock(self) -> float:
+        """The loop's clock during run(); frozen at the run's start before it and at its end after."""
+        if not self._ran:
+            return self._t0
+        if self._t_end is not None:
+            return self._t_end
+        return anyio.current_time()
 
     # ------------------------------------------------------------------ admission and groups
     async def _admission_loop(self) -> None:
@@ -199,11 +247,15 @@ class Controller:
             first_index=first,
             extra=extra,
             temperature=self.cfg.rollout.temperature,
-            on_sample=lambda t: self.buffer.add(t, anyio.current_time()),
+            on_sample=self._on_sample,
         )
         if not ok and g.state is GroupState.RUNNING:
             log.info("group %d dropped: fewer than %d rollouts succeeded", g.uid, need)
             self.buffer.drop(g, "unfillable")
+
+    def _on_sample(self, t: Trajectory) -> None:
+        if self.buffer.add(t, anyio.current_time()) and self._sample_rate is not None:
+            self._sample_rate.add()
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> str:
@@ -212,38 +264,54 @@ class Controller:
         self._start_eval({"step": 0, "version": 0})
         last_end = anyio.current_time()
         stop = "steps"
-        evaluated = 0  # version of the last eval started
-        for s in range(cfg.run.steps):
-            batch = await self._next_batch(s, deadline)
-            if batch is None:
-                stop = "max_time"
-                break
-            samples = [t for g in batch for t in g.samples]
-            t0 = anyio.current_time()
-            result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
-            train_s = anyio.current_time() - t0
-            await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
-            t1 = anyio.current_time()
-            await self._sync_weights(s + 1)
-            now = anyio.current_time()
-            self.version = s + 1
-            self.buffer.mark_trained(batch)
-            record = self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
-            last_end = now
-            final = s + 1 == cfg.run.steps or now >= deadline
-            if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
-                evaluated = self.version
-                self._start_eval(record)
-            else:
-                self._emit(record)
-            if now >= deadline:
-                stop = "max_time"
-                break
-        if evaluated != self.version and self.eval_tasks:
-            # Stopped by max_time while waiting for a batch: evaluate the final weights anyway.
-            self._start_eval({"step": self.version, "version": self.version})
-        await self._eval_quiesce()
+        # A step record without an eval, held (only when a deadline is set) until the next batch is
+        # in hand: should the deadline come first, the final eval goes into it, not into a 2nd line.
+        held: dict[str, Any] | None = None
+        try:
+            for s in range(cfg.run.steps):
+                batch = await self._next_batch(s, deadline)
+                if batch is None:
+                    stop = "max_time"
+                    break
+                if held is not None:
+                    self._emit(held)
+                    held = None
+                record = await self._train_step(s, batch, last_end)
+                last_end = now = anyio.current_time()
+                final = s + 1 == cfg.run.steps or now >= deadline
+                if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
+                    self._start_eval(record)
+                elif deadline < math.inf:
+                    held = record
+                else:
+                    self._emit(record)
+                if now >= deadline:
+                    stop = "max_time"
+                    break
+            if held is not None:
+                # Stopped by max_time while waiting for a batch: evaluate the final weights, in the
+                # record of the step that made them.
+                self._start_eval(held)
+                held = None
+            await self._eval_quiesce()
+        finally:
+            if held is not None:  # crashed or cancelled while waiting: the step still gets its line
+                self._emit(held)
         return stop
+
+    async def _train_step(self, s: int, batch: list[Group], last_end: float) -> dict[str, Any]:
+        """Train ``batch`` as step ``s``, publish version s+1 to every live engine; the step's record."""
+        samples = [t for g in batch for t in g.samples]
+        t0 = anyio.current_time()
+        result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
+        train_s = anyio.current_time() - t0
+        await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
+        t1 = anyio.current_time()
+        await self._sync_weights(s + 1)
+        now = anyio.current_time()
+        self.version = s + 1
+        self.buffer.mark_trained(batch)
+        return self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
 
     async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
         with anyio.move_on_after(deadline - anyio.current_time()):
@@ -252,13 +320,23 @@ class Controller:
                 for g in refills:
                     self._launch(g, g.missing)
                 if batch is not None:
+                    # From now on only steps > ``step`` can take a sample: cancel the rollouts that
+                    # this already makes too stale (buffer invariant 2), rather than finish them.
+                    self._min_step = step + 1
+                    self.ctx.abort_stale()
                     return batch
                 await self.buffer.changed()
         return None
 
     async def _sync_weights(self, version: int) -> None:
         manifest = await self.trainer.prepare_weights(version)
+        self._mark_reported_dead()
         live = self.router.live
+        if not live:
+            raise RuntimeError(
+                f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
+                "check the engine logs in the run directory and restart the run"
+            )
         try:
             with anyio.fail_after(self.cfg.weight_sync.timeout_s):
                 async with anyio.create_task_group() as tg:
@@ -273,6 +351,21 @@ class Controller:
         skipped = len(self.engines) - len(live)
         if skipped:
             self.counters["weight_sync/skipped_dead_engines"] += skipped
+
+    def _mark_reported_dead(self) -> None:
+        """Mark dead every live engine whose client already says so (``client.dead``), before a sync.
+
+        A rollout learns of a dead engine only when its own request fails; an engine that died
+        while no request of ours was waiting on it would otherwise be sent the weights and fail
+        the whole sync. Skipped here, it fails only its own rollouts (retried elsewhere).
+        """
+        for i in self.router.live:
+            dead = getattr(self.engines[i], "dead", None)
+            if dead and not callable(dead):  # EngineProcessClient: PeerDead | None; fakes: bool
+                self.router.mark_dead(i)
+                self.counters["engines/dead"] += 1
+                self.counters["weight_sync/found_dead_engines"] += 1
+                log.error("engine %s is dead (%s); it gets no more weights or rollouts", self.engines[i].name, dead)
 
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
         name = self.engines[i].name
@@ -348,6 +441,7 @@ class Controller:
         for k, v in metrics.items():
             record[f"train/{k}" if k in _OWN_KEYS else k] = v
         reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
+        elapsed = anyio.current_time() - self._t0
         record.update({
             "step": s + 1,
             "version": self.version,
@@ -357,15 +451,21 @@ class Controller:
             "time/step_s": step_s,
             "time/train_s": train_s,
             "time/weight_sync_s": sync_s,
-            "time/elapsed_s": anyio.current_time() - self._t0,
+            "time/elapsed_s": elapsed,
             "samples": len(samples),
-            "samples_per_s": len(samples) / step_s if step_s > 0 else 0.0,
+            "samples_per_s": len(samples) / step_s if step_s > 0 else 0.0,  # trained, over this step
             "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "run/samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,  # trained, run average
+            "run/tokens_per_s": self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+            # generated, over the last RATE_WINDOW_S (reading the meters also prunes them)
+            "rate/samples_per_s": self._sample_rate.rate() if self._sample_rate else 0.0,
+            "rate/tokens_per_s": sum(m.rate() for m in self.ctx.token_rates),
             "turns/mean": sum(t.turns for t in samples) / len(samples) if samples else 0.0,
             "response_len/mean": sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
         })
         for k, v in sorted(self.counters.items()):
             record[f"count/{k}"] = v
+        record.update(self._env_counters())
         self.reward_history.append((s + 1, reward_mean))
         self.last = record
         return record
@@ -374,20 +474,34 @@ class Controller:
         if self.on_step is not None:
             self.on_step(record)
 
+    def _env_counters(self) -> dict[str, float]:
+        """The suite's own counters (envs/faults.py, envs/remote.py: ``suite.counters``) as ``env/<name>``."""
+        c = getattr(self.suite, "counters", None)
+        if not isinstance(c, Mapping):
+            return {}
+        return {f"env/{k}": v for k, v in sorted(c.items())
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def _all_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update({k: round(v) for k, v in self._env_counters().items()})  # e.g. env/delay_s is a float
+        return out
+
     def snapshot(self) -> Snapshot:
-        """The dashboard's view right now (cheap; call it as often as you redraw)."""
-        if not self._ran:
-            now = self._t0
-        elif self._tg is None:  # run() has ended: the clock stops at its end
-            now = self._t_end
-        else:
-            now = anyio.current_time()
+        """The dashboard's view right now (cheap; call it as often as you redraw).
+
+        Rates and busy fractions are over the last RATE_WINDOW_S seconds of the loop clock; after
+        run() has ended, the clock stops at its end, so they read as they were at the end.
+        """
+        now = self._clock()
         elapsed = max(now - self._t0, 0.0)
+        rates = self.ctx.token_rates
         engines = [
             EngineStat(
                 name=e.name,
                 inflight=self.router.inflight[i],
-                tokens_per_s=self.ctx.generated_tokens[i] / elapsed if elapsed > 0 else 0.0,
+                busy_fraction=self.ctx.busy[i].fraction(now) if self._ran else 0.0,
+                tokens_per_s=rates[i].rate() if rates else 0.0,
                 version=self.engine_versions[i],
                 alive=self.router.alive[i],
             )
@@ -400,8 +514,8 @@ class Controller:
             total_steps=self.cfg.run.steps,
             version=self.version,
             elapsed_s=elapsed,
-            samples_per_s=self.samples_trained / elapsed if elapsed > 0 else 0.0,
-            tokens_per_s=self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+            samples_per_s=self._sample_rate.rate() if self._sample_rate else 0.0,
+            tokens_per_s=sum(e.tokens_per_s for e in engines),
             engines=engines,
             pending_prompts=sum(g.state is GroupState.ADMITTED for g in groups),
             running_samples=sum(self.router.inflight),
@@ -413,7 +527,7 @@ class Controller:
             step_s=float(self.last.get("time/step_s", 0.0)),
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
-            counters=dict(self.counters),
+            counters=self._all_counters(),
             status=self.status,
         )
 

@@ -2,7 +2,7 @@
 
     run_group(uid, need, extra)                       one task per rollout, results in finish order
       ├─ run_sample(index k) x (need + extra) ──┐     first ``need`` ok samples -> on_sample() at once
-      │    retry loop (infrastructure failures) │     then cancel the rest: each cancelled generate
+      │    retry loop (infra failures, stale)   │     then cancel the rest: each cancelled generate
       │      run_trajectory(engine i, attempt)  │     sends engine.abort([request_id]); permits freed
       └────────────────── memory stream <───────┘     unfillable (ok + still running < need) -> False
 
@@ -32,6 +32,21 @@ Failure tiers, each counted under its own name (nothing is lost silently):
       transport.RemoteError (engine refused the request) -> rollout/failed_engine_error
       prompt longer than model.max_model_len              -> rollout/failed_prompt_too_long
   retries exhausted -> rollout/failed_<reason>. Any other exception is a bug and crashes the run.
+
+Stale early abort (``RolloutContext.min_train_step`` set, training rollouts only): once a
+multi-turn trajectory knows the version of its first generated token (its first generate came
+back and the env asked for another turn), it is watched; when that version can no longer pass
+the buffer's staleness bound at any step still to come (``min_train_step() - version_start >
+scheduler.async_ratio``, the same inequality buffer.take_batch applies), the trajectory is
+cancelled at once (its engine request aborted, its env closed), counted
+``rollout/aborted_stale``, and the sample restarts on fresh weights (not charged to
+rollout.max_retries). Why only then: before the first generate returns, the controller knows only
+a lower bound on the first token's version (its own version at dispatch: every live engine had
+loaded it before it was published), and staleness needs an upper bound; a single-turn sample is
+done by the time its versions are known, so the buffer's check catches it at no extra cost.
+Restarts converge: a restart's first token is at least the controller's version V when it starts,
+and min_train_step() <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
+training sample generates while a batch trains (capacity = batch_prompts: every group is in it).
 """
 
 from __future__ import annotations
@@ -47,8 +62,9 @@ import msgspec
 
 from envs.base import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.config import Config
-from flashrl.controller.scheduler import Router, request_seed, sample_id
+from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
 from flashrl.interfaces import EngineClient
+from flashrl.metrics import RateMeter
 from flashrl.protocol import Generate, Generated, TrainSample
 from flashrl.transport import PeerDead, RemoteError
 
@@ -135,10 +151,37 @@ class RolloutContext:
     counters: Counter[str] = field(default_factory=Counter)
     live: dict[str, int] = field(default_factory=dict)  # request id -> engine, while generating
     generated_tokens: list[int] = field(default_factory=list)  # per engine, for rates
+    # per engine: time with >= 1 generate in flight (the controller replaces these at run start)
+    busy: list[BusyMeter] = field(default_factory=list)
+    token_rates: list[RateMeter] = field(default_factory=list)  # per engine; empty: not metered
+    # earliest train step that may still take a sample; None turns the stale early abort off
+    min_train_step: Callable[[], int] | None = None
+    # trajectories watched for staleness: sample id -> (version_start, the scope that cancels it)
+    watched: dict[str, tuple[int, anyio.CancelScope]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.generated_tokens:
             self.generated_tokens = [0] * len(self.engines)
+        if not self.busy:
+            self.busy = [BusyMeter() for _ in self.engines]
+
+    def doomed(self, version_start: int) -> bool:
+        """Can a sample whose first token has ``version_start`` never be trained (buffer invariant 2)?"""
+        if self.min_train_step is None:
+            return False
+        return self.min_train_step() - version_start > self.cfg.scheduler.async_ratio
+
+    def abort_stale(self) -> int:
+        """Cancel every watched trajectory that became too stale to train; return how many.
+
+        The controller calls this whenever ``min_train_step()`` grows (a batch was taken).
+        """
+        n = 0
+        for version_start, scope in self.watched.values():
+            if not scope.cancel_called and self.doomed(version_start):
+                scope.cancel()
+                n += 1
+        return n
 
 
 def _correct(res: StepResult, reward: float) -> bool:
@@ -174,6 +217,7 @@ async def _send(ctx: RolloutContext, i: int, req: Generate, traj: Trajectory, t_
     t0 = anyio.current_time()
     traj.wait_s += t0 - t_wait
     ctx.live[req.request_id] = i
+    ctx.busy[i].enter(t0)
     try:
         out = await engine.generate(req)
     except anyio.get_cancelled_exc_class():
@@ -187,8 +231,12 @@ async def _send(ctx: RolloutContext, i: int, req: Generate, traj: Trajectory, t_
         raise
     finally:
         del ctx.live[req.request_id]
-        traj.gen_s += anyio.current_time() - t0
+        t1 = anyio.current_time()
+        ctx.busy[i].exit(t1)
+        traj.gen_s += t1 - t0
     ctx.generated_tokens[i] += len(out.token_ids)
+    if ctx.token_rates:
+        ctx.token_rates[i].add(len(out.token_ids))
     return out
 
 
@@ -226,7 +274,31 @@ async def run_trajectory(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt
 async def _turns(
     ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int, env: Any, traj: Trajectory, hold: bool
 ) -> None:
+    """The turns of one attempt, inside a scope ``RolloutContext.abort_stale`` may cancel."""
+    key = f"{spec.sample_id}.{attempt}"
+    scope = anyio.CancelScope()
+    try:
+        with scope:
+            await _turn_loop(ctx, spec, i, attempt, env, traj, hold, key, scope)
+    finally:
+        ctx.watched.pop(key, None)
+    if scope.cancelled_caught:
+        traj.status, traj.failure = "failed", "stale"
+
+
+async def _turn_loop(
+    ctx: RolloutContext,
+    spec: RolloutSpec,
+    i: int,
+    attempt: int,
+    env: Any,
+    traj: Trajectory,
+    hold: bool,
+    key: str,
+    scope: anyio.CancelScope,
+) -> None:
     cfg = ctx.cfg
+    watch = spec.group >= 0 and ctx.min_train_step is not None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
     obs = await _env_call(ctx, traj, lambda: env.reset(spec.task))
@@ -275,6 +347,12 @@ async def _turns(
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)
         traj.versions += [-1] * len(obs_ids)
+        if watch and key not in ctx.watched and traj.n_generated > 0:
+            # version_start is now exact (the first generated token's version), and more turns follow.
+            if ctx.doomed(traj.version_start):
+                traj.status, traj.failure = "failed", "stale"
+                return
+            ctx.watched[key] = (traj.version_start, scope)
 
 
 def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Trajectory:
@@ -298,14 +376,18 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
     """
     i = engine
     attempt = 0
+    retries = 0  # infrastructure retries only; stale restarts are not charged to max_retries
     while True:
         name = ctx.engines[i].name
         try:
             with anyio.fail_after(ctx.cfg.rollout.trajectory_timeout_s):
                 traj = await run_trajectory(ctx, spec, i, attempt)
-            if traj.status == "failed":
-                ctx.counters[f"rollout/failed_{traj.failure}"] += 1
-            return traj
+            if traj.status == "failed" and traj.failure == "stale":
+                reason = "stale"
+            else:
+                if traj.status == "failed":
+                    ctx.counters[f"rollout/failed_{traj.failure}"] += 1
+                return traj
         except EnvFailure as e:
             reason = f"env_{e.reason}"
             log.info("rollout %s: environment failure on attempt %d: %s", spec.sample_id, attempt, e)
@@ -324,10 +406,15 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             return _failed(spec, "engine_error", attempt + 1, name)
         finally:
             ctx.router.release(i)
-        if attempt >= ctx.cfg.rollout.max_retries:
+        if reason == "stale":
+            ctx.counters["rollout/aborted_stale"] += 1
+            log.debug("rollout %s: too stale to be trained, restarted on fresh weights", spec.sample_id)
+        elif retries >= ctx.cfg.rollout.max_retries:
             ctx.counters[f"rollout/failed_{reason}"] += 1
             return _failed(spec, reason, attempt + 1, name)
-        ctx.counters[f"rollout/retry_{reason}"] += 1
+        else:
+            ctx.counters[f"rollout/retry_{reason}"] += 1
+            retries += 1
         attempt += 1
         i = ctx.router.pick()  # least-loaded live engine; a dead one is never picked again
 

@@ -106,7 +106,13 @@ class EngineProcessClient:
     async def resume(self) -> None:
         _expect(await self._request(Resume()), Ok, self.name)
 
-    async def init_weight_sync(self, msg: InitWeightSync) -> None:
+    async def init_weight_sync(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Join the weight-sync group as ``rank`` (1 + engine index); returns once every member joined."""
+        msg = InitWeightSync(master_addr=master_addr, master_port=master_port, rank=rank, world_size=world_size,
+                             backend=backend, timeout_s=timeout_s)  # type: ignore[arg-type]
         _expect(await self._request(msg), Ok, self.name)
 
     async def update_weights(self, manifest: WeightManifest) -> WeightsUpdated:
@@ -139,12 +145,14 @@ class EngineProcessClient:
 class EngineProcess:
     """A spawned engine process (its own process group, so its vLLM children go down with it)."""
 
-    def __init__(self, opts: EngineOptions, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, opts: EngineOptions, proc: subprocess.Popen[bytes], log_path: Path, heartbeat_s: float = 5.0) -> None:
         self.opts = opts
         self.proc = proc
         self.log_path = log_path
+        self.heartbeat_s = heartbeat_s
         self.ready_s: float | None = None
         self._spawned_at = time.monotonic()
+        self._client: EngineProcessClient | None = None
 
     @property
     def name(self) -> str:
@@ -165,7 +173,15 @@ class EngineProcess:
             return f"(no log at {self.log_path}: {e})"
         return "\n".join(text.splitlines()[-lines:])
 
-    def client(self, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 30.0) -> EngineProcessClient:
+    @property
+    def client(self) -> EngineProcessClient:
+        """The controller's client for this engine (one, with the heartbeat on); closed by terminate()."""
+        if self._client is None:
+            self._client = self.new_client(self.heartbeat_s, heartbeat_timeout_s=max(30.0, 6 * self.heartbeat_s))
+        return self._client
+
+    def new_client(self, heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 30.0) -> EngineProcessClient:
+        """A separate client (its own socket); the caller closes it."""
         return EngineProcessClient(self.name, self.address, heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
 
     async def wait_ready(self, timeout: float = 600.0) -> float:
@@ -176,7 +192,7 @@ class EngineProcess:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        probe = EngineProcessClient(self.name, self.address, heartbeat_s=0)
+        probe = self.new_client()
         # One Ping, queued by ZeroMQ until the engine binds (it binds only once vLLM is up).
         ping = loop.create_task(probe.ping())
         try:
@@ -203,8 +219,10 @@ class EngineProcess:
 
     async def terminate(self, timeout: float = 10.0) -> int | None:
         """Stop the engine: Shutdown, then SIGTERM, then SIGKILL to its process group; no orphans."""
+        if self._client is not None:
+            await self._client.close()
         if self.alive:
-            probe = EngineProcessClient(self.name, self.address, heartbeat_s=0)
+            probe = self.new_client()
             with contextlib.suppress(Exception):
                 await probe.shutdown(timeout=min(timeout, 5.0))
             await probe.close()
@@ -249,8 +267,13 @@ def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> 
     return env
 
 
-def spawn_engine(opts: EngineOptions, log_path: str | Path, env_extra: dict[str, str] | None = None) -> EngineProcess:
-    """Start ``python -m flashrl.engine.server`` in its own process group, output to ``log_path``."""
+def spawn_engine(
+    opts: EngineOptions, log_path: str | Path, env_extra: dict[str, str] | None = None, *, heartbeat_s: float = 5.0
+) -> EngineProcess:
+    """Start ``python -m flashrl.engine.server`` in its own process group, output to ``log_path``.
+
+    ``heartbeat_s`` is the Ping interval of ``EngineProcess.client`` (0 = off).
+    """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flashrl.engine.server", *options_to_argv(opts)]
@@ -263,6 +286,6 @@ def spawn_engine(opts: EngineOptions, log_path: str | Path, env_extra: dict[str,
             env=engine_env(opts, env_extra),
             start_new_session=True,  # own process group: terminate() reaches vLLM's children too
         )
-    ep = EngineProcess(opts, proc, log_path)
+    ep = EngineProcess(opts, proc, log_path, heartbeat_s)
     log.info("spawned engine %s (pid %d) on %s; log %s", opts.name, proc.pid, opts.address, log_path)
     return ep

@@ -30,7 +30,7 @@ import msgspec
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
-__all__ = ["BUILTIN_TINY", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+__all__ = ["BUILTIN_TINY", "ModelPathError", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
 WARMSTART_FILE = "flashrl_warmstart.json"

@@ -16,6 +16,7 @@ only the event loop's clock, so they work on real time and on the virtual clock 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -246,7 +247,9 @@ class ScriptedSuite:
     " obs<k> " in between). ``step_s(task, turn)``: env latency. ``fail(task, call)`` returns an
     EnvFailure reason (or None) for the ``call``-th step of that task across all attempts, ``hang``
     likewise returns True to sleep forever (the turn deadline must catch it), ``crash`` raises a
-    plain exception (a bug, which must crash the run).
+    plain exception (a bug, which must crash the run). Like the suites of envs/faults.py and
+    envs/remote.py it keeps ``counters`` ("steps", "fail:<reason>", "hang") and has ``aclose()``
+    (counted in ``aclosed``), the suite-level resources a controller must release at shutdown.
     """
 
     Params: ClassVar[type] = ScriptedParams
@@ -259,8 +262,10 @@ class ScriptedSuite:
     hang: Callable[[Task, int], bool] | None = None
     crash: Callable[[Task, int], bool] | None = None
     calls: dict[str, int] = field(default_factory=dict)  # task id -> env.step calls so far
+    counters: Counter[str] = field(default_factory=Counter)
     closed: int = 0
     opened: int = 0
+    aclosed: int = 0
 
     def _tasks(self, prefix: str, n: int) -> list[Task]:
         return [Task(id=f"{prefix}{i}", prompt=f"{prefix}{i}?", answer=str(i % 10)) for i in range(n)]
@@ -274,6 +279,9 @@ class ScriptedSuite:
     def make_env(self) -> ScriptedEnv:
         self.opened += 1
         return ScriptedEnv(self)
+
+    async def aclose(self) -> None:
+        self.aclosed += 1
 
 
 class ScriptedEnv:
@@ -293,15 +301,18 @@ class ScriptedEnv:
         assert task is not None, "step() before reset()"
         call = s.calls.get(task.id, 0)
         s.calls[task.id] = call + 1
+        s.counters["steps"] += 1
         delay = s.step_s(task, self.turn) if callable(s.step_s) else s.step_s
         await anyio.sleep(delay)
         if s.hang and s.hang(task, call):
+            s.counters["hang"] += 1
             await anyio.sleep_forever()
         if s.crash and s.crash(task, call):
             raise ValueError(f"scripted env bug on {task.id}")
         if s.fail:
             reason = s.fail(task, call)
             if reason:
+                s.counters[f"fail:{reason}"] += 1
                 raise EnvFailure(reason, f"scripted failure on {task.id}")
         self.turn += 1
         correct = action.startswith(task.answer)

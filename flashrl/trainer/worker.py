@@ -25,10 +25,25 @@ Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 LOCAL_RANK=0 \\
         python -m flashrl.trainer.worker --config run.toml --address tcp://127.0.0.1:5555 --model PATH
 
+One training step (``Trainer.train_step``), on every rank::
+
+    TrainBatch --pad_batch--> full batch [B, L] (tied groups masked out with filter_ties)
+       | advantages [B, T]: GRPO per sample, or (loss = asyppo) MiniCritics: I^A * GAE(V_bar), and I^H
+       | x gamma [B, T] when credit != none: one no-grad eager-attention forward of the current weights,
+       |   rows dealt round-robin over the ranks, gamma all-reduced (rhythm.credit_scale)
+       v
+    per mini-batch: proximal/reference logprobs, then per micro-batch forward + compute_policy_loss +
+       backward; clip, optimizer step
+       v
+    (asyppo) MiniCritics.update on the whole batch: every rank holds an identical critic replica, fed
+       the same batch, so no collective keeps them equal
+
 Limits: an error raised on every rank before any collective (a malformed batch) is a per-request
 Error; an error on one rank in the middle of collectives leaves the others waiting until the process
-group times out, and the client sees a dead rank. AsyPPO critics and attention-rhythm credit are not
-wired in here yet: the trainer uses GRPO advantages for every loss (a warning says so).
+group times out, and the client sees a dead rank. The critic replicas stay identical only if their
+kernels are deterministic (true on the CPU; on GPUs they may drift apart by rounding, harmlessly).
+Credit switches the policy (FSDP2-wrapped) to eager attention for its forward; HF returns every
+layer's L x L maps at once, so that forward runs ``trainer.micro_batch`` samples at a time.
 """
 
 from __future__ import annotations
@@ -77,7 +92,9 @@ from flashrl.protocol import (
 )
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
+from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
+from flashrl.trainer.rhythm import credit_scale
 
 log = logging.getLogger("flashrl.trainer")
 
@@ -167,9 +184,10 @@ class Trainer:
         )
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
         self._sender: Any = None
-        if cfg.algorithm.loss == "asyppo" or cfg.algorithm.credit != "none":
-            log.warning("algorithm.loss=%s credit=%s: critics and rhythm credit are not wired into the trainer "
-                        "yet; training uses GRPO advantages", cfg.algorithm.loss, cfg.algorithm.credit)
+        # AsyPPO: an identical replica on every rank (same seed), with its own optimizer; not FSDP-wrapped.
+        self.critics: MiniCritics | None = None
+        if cfg.algorithm.loss == "asyppo":
+            self.critics = MiniCritics(int(mc.vocab_size), cfg.algorithm, seed=cfg.run.seed).to(device)
 
     # ------------------------------------------------------------------ dispatch
     def execute(self, msg: Msg) -> Msg | None:
@@ -205,6 +223,39 @@ class Trainer:
         dummy = full.select(mini[:1])  # keeps this rank in the collectives; contributes nothing
         return dataclasses.replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask))
 
+    @staticmethod
+    def _rows(t: torch.Tensor | None, mini: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor | None:
+        """A [B, T] tensor cut like ``_micro`` cuts the batch (same rows, trimmed to ``width``)."""
+        if t is None:
+            return None
+        return t[idx if len(idx) else mini[:1], :width]
+
+    def _credit(self, full: PaddedBatch, adv_tok: torch.Tensor) -> torch.Tensor:
+        """gamma [B, T] (CPU) for ``algorithm.credit``, from the current weights.
+
+        gamma is per sample (rhythm ranks tokens within a row), so the rows are dealt round-robin over
+        the ranks, each forwards its own in chunks of ``trainer.micro_batch`` (the same number of
+        forwards on every rank: they are FSDP collectives; a rank short of rows forwards a row it then
+        discards), and a sum all-reduce assembles the whole gamma on every rank.
+        """
+        alg, chunk = self.cfg.algorithm, self.cfg.trainer.micro_batch
+        b, t = full.loss_mask.shape
+        mine = torch.arange(b)[self.rank :: self.world]
+        n_chunks = max(1, math.ceil(math.ceil(b / self.world) / chunk))
+        gamma = torch.zeros(b, t, dtype=torch.float32, device=self.device)
+        for k in range(n_chunks):
+            idx = mine[k * chunk : (k + 1) * chunk]
+            sub = full.select(idx if len(idx) else torch.arange(1)).to(self.device)
+            w = sub.loss_mask.shape[1]
+            adv = adv_tok[idx if len(idx) else torch.arange(1), :w].to(self.device)
+            g = credit_scale(self.model, sub.input_ids, sub.attention_mask, sub.loss_mask, alg, advantages=adv,
+                             chunk=chunk)
+            if len(idx):
+                gamma[idx.to(self.device)] = torch.nn.functional.pad(g.float(), (0, t - w), value=1.0)
+        if self.world > 1:
+            dist.all_reduce(gamma)  # each row is non-zero on exactly one rank
+        return gamma.cpu()
+
     def _norm(self, full: PaddedBatch, mini: torch.Tensor) -> float:
         """The mini-batch's loss divisor across all ranks (tokens, sequences or B*T; losses.aggregate)."""
         m = full.loss_mask[mini]
@@ -219,14 +270,35 @@ class Trainer:
 
     # ------------------------------------------------------------------ train
     def train_step(self, tb: TrainBatch) -> TrainResult | None:
+        """One training step (module docstring). Metrics beyond compute_policy_loss's: advantage/* over
+        the response tokens of the advantages the loss used (GRPO or critic, after credit scaling);
+        critic/* (asyppo: value_mean, sigma_mean, adv_masked_frac, ent_masked_frac, loss); credit/*
+        (credit != none: amplified_frac = share of response tokens with gamma > 1, gamma_mean)."""
         t0 = time.perf_counter()
         alg = self.cfg.algorithm
         full = pad_batch(tb.samples, self.pad_id)
-        adv = grpo_advantages(full.rewards, full.groups, scale_std=alg.scale_std)
         tied = tied_groups(full.rewards, full.groups)
         if alg.filter_ties:
             full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))
-        full = dataclasses.replace(full, advantages=token_advantages(adv, full.loss_mask))
+        extra: dict[str, float] = {}  # critic and credit metrics: computed on the whole batch, same on every rank
+        ent_mask: torch.Tensor | None = None  # AsyPPO's I^H [B, T]
+        returns: torch.Tensor | None = None  # AsyPPO's critic regression targets [B, T]
+        if self.critics is not None:
+            dev = full.to(self.device)
+            targets = self.critics.advantages_and_masks(dev.input_ids, dev.attention_mask, dev.loss_mask, dev.rewards)
+            adv_tok, ent_mask, returns = targets.advantages.cpu(), targets.entropy_mask.cpu(), targets.returns
+            extra.update(targets.metrics)
+        else:
+            adv_tok = token_advantages(grpo_advantages(full.rewards, full.groups, scale_std=alg.scale_std),
+                                       full.loss_mask)
+        if alg.credit != "none":
+            gamma = self._credit(full, adv_tok)
+            adv_tok = adv_tok * gamma
+            resp = full.loss_mask > 0
+            n_resp = max(int(resp.sum()), 1)
+            extra["credit/amplified_frac"] = float(((gamma > 1) & resp).sum()) / n_resp
+            extra["credit/gamma_mean"] = float(gamma[resp].sum()) / n_resp
+        full = dataclasses.replace(full, advantages=adv_tok)
         current = tb.step
         plan = plan_micro_batches(full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch)
@@ -257,6 +329,7 @@ class Trainer:
             norm = self._norm(full, mini) / self.world
             for k, idx in enumerate(micros):
                 b = self._micro(full, mini, idx).to(self.device)
+                em = self._rows(ent_mask, mini, idx, b.loss_mask.shape[1])
                 logp, entropy = self._forward(self.model, b, entropy_grad)
                 loss, met = compute_policy_loss(
                     alg,
@@ -270,6 +343,7 @@ class Trainer:
                     current_version=current,
                     entropy=entropy,
                     ref_logp=ref.get((i, k)),
+                    entropy_mask=em.to(self.device) if em is not None else None,
                     norm=norm,
                 )
                 loss.backward()
@@ -287,20 +361,26 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
         metrics = self._reduce(sums, weighted, maxes, tokens)
+        if self.critics is not None and returns is not None:
+            # after the policy step, as AsyPPO orders it; every rank updates its replica identically
+            dev = full.to(self.device)
+            extra.update(self.critics.update(dev.input_ids, dev.attention_mask, dev.loss_mask, returns, dev.groups))
         self.version = current + 1
         if self.rank != 0:
             return None
         m = full.loss_mask > 0
         lag = (current - full.versions)[m].to(torch.float64)
+        used = full.advantages[m].to(torch.float64)  # what the loss saw: GRPO or critic, x gamma
+        metrics.update(extra)
         metrics.update({
             "loss": metrics.get("loss/total", 0.0),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "reward/mean": float(full.rewards.mean()),
             "reward/std": float(full.rewards.std(correction=0)),
-            "advantage/mean": float(adv.mean()),
-            "advantage/std": float(adv.std(correction=0)),
-            "advantage/min": float(adv.min()),
-            "advantage/max": float(adv.max()),
+            "advantage/mean": float(used.mean()) if used.numel() else 0.0,
+            "advantage/std": float(used.std(correction=0)) if used.numel() else 0.0,
+            "advantage/min": float(used.min()) if used.numel() else 0.0,
+            "advantage/max": float(used.max()) if used.numel() else 0.0,
             "staleness/mean": float(lag.mean()) if lag.numel() else 0.0,
             "staleness/max": float(lag.max()) if lag.numel() else 0.0,
             "samples": float(full.size),
@@ -413,9 +493,14 @@ class Trainer:
         if self._agree_error(err):
             raise FileExistsError(err or f"checkpoint {final} refused by rank 0")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.critics is not None:
+            # replicated plain tensors: DCP writes one copy
+            state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
+        dcp.save(state, checkpoint_id=str(tmp))
         if self.rank == 0:
-            (tmp / CHECKPOINT_META).write_text(json.dumps({"version": self.version, "world_size": self.world}))
+            meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None}
+            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
             for f in tmp.rglob("*"):
                 if f.is_file():
                     with open(f, "rb") as fh:
@@ -426,15 +511,26 @@ class Trainer:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore model, optimizer and version from a ``save_checkpoint`` folder (any world size)."""
+        """Restore model, optimizer, critics (asyppo) and version from a ``save_checkpoint`` folder (any
+        world size). Critics missing from the checkpoint (it was not an asyppo run) start fresh."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        meta = json.loads((Path(path) / CHECKPOINT_META).read_text())
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        critics = self.critics is not None and bool(meta.get("critics", False))
+        if self.critics is not None:
+            if critics:
+                state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
+            else:
+                log.warning("checkpoint %s holds no critics (not an asyppo run): the critics start fresh", path)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.version = int(json.loads((Path(path) / CHECKPOINT_META).read_text())["version"])
+        if critics and self.critics is not None:
+            set_state_dict(self.critics, self.critics.optimizer, model_state_dict=state["critics"],
+                           optim_state_dict=state["critics_optim"])
+        self.version = int(meta["version"])
 
     def _agree_error(self, err: str) -> bool:
         """Broadcast whether rank 0 found an error, so every rank skips the collectives together."""

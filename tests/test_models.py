@@ -1,0 +1,123 @@
+"""The built-in model: char tokenizer, untrained build (transformers loads it), ensure_model cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from flashrl.config import Config, EnvConfig, ModelConfig, RunConfig
+from flashrl.models import ModelPathError, TinySpec, WarmStart, build_untrained, ensure_model, load_tokenizer
+from flashrl.models.tokenizer import CHARSET, build_char_tokenizer
+
+# Smallest shape vLLM's CPU attention accepts (head size 32) and a warm-start of a few steps.
+SMALL = TinySpec(layers=1, hidden=32, heads=1, kv_heads=1, intermediate=64, max_position=64)
+QUICK = WarmStart(max_steps=4, batch=8, check_every=2, probe_size=8, target_accuracy=1.0)
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_untrained(tmp_path_factory.mktemp("tiny") / "m", seed=0, spec=SMALL)
+
+
+def test_tokenizer_round_trip(untrained: Path) -> None:
+    tok = load_tokenizer(untrained)
+    text = CHARSET + " 12+34=46\n(a, b): 'x' \"y\" #1 & 2% done?!"
+    ids = tok.encode(text)
+    assert len(ids) == len(text)  # one token per character, no BOS/EOS added
+    assert tok.decode(ids) == text
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 2)
+    assert tok.decode(tok.encode("46") + [tok.eos_token_id, tok.pad_token_id]) == "46"  # specials skipped
+    assert tok.encode("7") == [build_char_tokenizer().convert_tokens_to_ids("7")]
+
+
+def test_untrained_loads_in_transformers(untrained: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(untrained))
+    assert model.dtype == torch.float32
+    hf_tok = AutoTokenizer.from_pretrained(str(untrained))
+    # AutoTokenizer (what vLLM uses) must honour our tokenizer.json: spaces and newlines survive.
+    assert hf_tok.decode(hf_tok.encode("a b\nc", add_special_tokens=False)) == "a b\nc"
+    assert hf_tok.encode("1+2=", add_special_tokens=True) == hf_tok.encode("1+2=", add_special_tokens=False)
+    assert model.config.vocab_size == len(hf_tok)
+    gen = json.loads((untrained / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == hf_tok.eos_token_id == 2
+    logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert logits.shape == (1, 3, len(hf_tok))
+
+
+def test_untrained_is_seeded(tmp_path: Path, untrained: Path) -> None:
+    from safetensors.torch import load_file
+
+    same = load_file(build_untrained(tmp_path / "a", seed=0, spec=SMALL) / "model.safetensors")
+    other = load_file(build_untrained(tmp_path / "b", seed=1, spec=SMALL) / "model.safetensors")
+    ref = load_file(untrained / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert (same[name] == ref[name]).all()
+    assert not (other[name] == ref[name]).all()
+
+
+def test_spec_rejects_head_size_vllm_cpu_lacks() -> None:
+    with pytest.raises(ValueError, match="head size"):
+        TinySpec(hidden=48, heads=1, kv_heads=1)
+    with pytest.raises(ValueError, match="kv_heads"):
+        TinySpec(hidden=128, heads=4, kv_heads=3)
+
+
+def _cfg(cache: Path, seed: int = 0) -> Config:
+    return Config(
+        run=RunConfig(seed=seed),
+        model=ModelConfig(cache_dir=str(cache)),
+        env=EnvConfig(name="arithmetic", params={"digits": 1, "train_size": 50}, eval_size=10),
+    )
+
+
+def test_ensure_model_builds_once_and_caches(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="flashrl.models")
+    paths: list[Path] = []
+    # Two concurrent callers: the file lock lets exactly one build.
+    threads = [threading.Thread(target=lambda: paths.append(ensure_model(_cfg(tmp_path), SMALL, QUICK))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 2 and paths[0] == paths[1]
+    path = paths[0]
+    assert sum("building" in r.getMessage() for r in caplog.records) == 1
+    report = json.loads((path / "flashrl_warmstart.json").read_text())
+    assert 0.0 <= report["eval_accuracy"] <= 1.0 and report["steps"] == 4 and report["seconds"] > 0
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert not list(tmp_path.glob(".build-*"))  # the temp build folder was renamed into place
+
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    caplog.clear()
+    assert ensure_model(_cfg(tmp_path), SMALL, QUICK) == path
+    assert not any("building" in r.getMessage() for r in caplog.records)
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+    # Anything in the key (here the seed, or the warm-start) gives another model.
+    assert ensure_model(_cfg(tmp_path, seed=1), SMALL, QUICK) != path
+    assert ensure_model(_cfg(tmp_path), SMALL, WarmStart(max_steps=2, batch=8, check_every=2, probe_size=8)) != path
+
+
+def test_ensure_model_is_deterministic(tmp_path: Path) -> None:
+    a = ensure_model(_cfg(tmp_path / "a"), SMALL, QUICK)
+    b = ensure_model(_cfg(tmp_path / "b"), SMALL, QUICK)
+    assert a.name == b.name  # same key
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_ensure_model_other_path(tmp_path: Path, untrained: Path) -> None:
+    cfg = Config(model=ModelConfig(path=str(untrained)))
+    assert ensure_model(cfg) == untrained
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelPathError, match=r"model\.path: .*nope.* does not exist.*builtin:tiny"):
+        ensure_model(Config(model=ModelConfig(path=str(missing))))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelPathError, match="holds no config.json"):
+        ensure_model(Config(model=ModelConfig(path=str(tmp_path / "empty"))))
