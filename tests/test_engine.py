@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env, spawn_engine
 from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
 from flashrl.interfaces import EngineClient
-from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Ping, Pong, encode
+from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
 from flashrl.trainer.weights import WeightSender, build_manifest
 from flashrl.transport import PeerDead, RpcClient, RpcServer, free_port
 
@@ -186,15 +186,30 @@ async def _wait_tokens(client: EngineProcessClient, start: int, n: int) -> None:
     raise AssertionError(f"the engine did not generate {n} tokens in 20 s")
 
 
+async def _start_and_pin(client: EngineProcessClient, req: Generate) -> asyncio.Task[Generated]:
+    """Start ``req`` and pause the engine (keep) once it has produced a few tokens: pinned mid-flight.
+
+    On a busy shared machine a 200-token request can finish between two polls; then try again.
+    """
+    for _ in range(3):
+        task = asyncio.create_task(client.generate(req))
+        await _wait_tokens(client, (await client.load()).generated_tokens, 5)
+        await client.pause("keep")
+        await asyncio.sleep(0.2)  # let a reply that was already on its way arrive
+        if not task.done():
+            return task
+        await client.resume()
+    pytest.fail(f"could not catch a {req.max_tokens}-token request mid-flight in 3 tries")
+
+
 @pytest.mark.slow
 async def test_abort_returns_the_tokens_so_far(client: EngineProcessClient) -> None:
-    start = (await client.load()).generated_tokens
-    task = asyncio.create_task(
-        client.generate(Generate(request_id="long", prompt_ids=PROMPT, max_tokens=240, ignore_eos=True))
-    )
-    await _wait_tokens(client, start, 5)
-    await client.abort(["long"])
-    out = await asyncio.wait_for(task, 30)
+    task = await _start_and_pin(client, Generate(request_id="long", prompt_ids=PROMPT, max_tokens=240, ignore_eos=True))
+    try:
+        await client.abort(["long"])
+        out = await asyncio.wait_for(task, 30)
+    finally:
+        await client.resume()
     assert out.finish_reason == "abort" and out.request_id == "long" and 5 <= len(out.token_ids) < 240
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids) and all(lp <= 0 for lp in out.logprobs)
     assert client.inflight == 0
@@ -252,8 +267,8 @@ async def test_weight_sync_serves_the_new_weights(client: EngineProcessClient, s
     assert len(manifest.buckets) > 1
 
     # A long request in flight across the update: its tokens switch from version 0 to 1 mid-way.
-    long = asyncio.create_task(client.generate(Generate(prompt_ids=PROMPT, max_tokens=200, ignore_eos=True, seed=0)))
-    await _wait_tokens(client, (await client.load()).generated_tokens, 5)  # a few tokens under version 0
+    # It is pinned paused; the update pauses again, loads, and resumes.
+    long = await _start_and_pin(client, Generate(prompt_ids=PROMPT, max_tokens=200, ignore_eos=True))
     reply, send_s = await _sync(client, sender, manifest, flats)
     assert reply.ok and reply.version == 1 and reply.error == "", reply
     print(f"weight sync: engine {reply.seconds:.3f}s, trainer send {send_s:.3f}s, {sum(f.numel() for f in flats) * 4 / 2**20:.1f} MiB")

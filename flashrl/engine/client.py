@@ -232,9 +232,17 @@ class EngineProcess:
                     os.killpg(self.proc.pid, sig)
             if await self._wait_exit(timeout):
                 break
-        # The leader may be gone while a child (vLLM's EngineCore) lingers in the group.
+        # The leader may be gone while a child (vLLM's EngineCore or worker) lingers in the group.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        for _ in range(100):  # SIGKILL is delivered asynchronously: wait (<= 5 s) until the group is empty
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            log.warning("engine %s: processes of group %d survived SIGKILL", self.name, self.proc.pid)
         return self.proc.returncode
 
     async def _wait_exit(self, timeout: float) -> bool:
