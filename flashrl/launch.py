@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,9 @@ def main(cfg: Config) -> int:
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    old = run_dir / "metrics.jsonl"
+    if old.exists():  # a rerun under the same name keeps the earlier metrics, never mixes them
+        old.rename(run_dir / f"metrics.{int(old.stat().st_mtime)}.jsonl")
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
     try:
@@ -126,17 +130,12 @@ async def run_local(cfg: Config) -> dict[str, Any]:
     from envs import make_suite
     from flashrl.controller.controller import Controller
     from flashrl.dashboard import Dashboard
-    from flashrl.engine.client import EngineOptions, spawn_engine
     from flashrl.metrics import MetricsWriter
     from flashrl.models import ensure_model
     from flashrl.models.tokenizer import load_tokenizer
-    from flashrl.trainer.client import TrainerGroup
-    from flashrl.transport import free_port
 
     t0 = time.monotonic()
     run_dir = cfg.run_dir
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     mem = MemorySampler()
     dash = Dashboard.for_config(cfg.run.dashboard)
     dash.start()
@@ -144,14 +143,65 @@ async def run_local(cfg: Config) -> dict[str, Any]:
     model_path = Path(await asyncio.to_thread(ensure_model, cfg))
     tokenizer = load_tokenizer(model_path)
     suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
-    device = resolve_device(cfg)
-    backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
 
-    engines: list[Any] = []
-    trainer: Any = None
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:
-        dash.status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
+        async with local_cluster(cfg, model_path, run_dir, dash.status) as (engines, trainer):
+            clients = [e.client for e in engines]
+            writer = MetricsWriter(run_dir / "metrics.jsonl")
+            history: list[dict[str, Any]] = []
+
+            def on_step(record: dict[str, Any]) -> None:
+                record = dict(record)
+                record["mem/total_gib"] = round(mem.last_bytes / 2**30, 3)
+                writer.write(record)
+                history.append(record)
+                dash.step(record)
+
+            controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step)
+
+            async def refresh() -> None:
+                while True:
+                    dash.update(controller.snapshot())
+                    await asyncio.sleep(0.25)
+
+            refresher = asyncio.create_task(refresh(), name="dashboard")
+            try:
+                result = await controller.run()
+            finally:
+                refresher.cancel()
+                await asyncio.gather(refresher, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    dash.update(controller.snapshot())
+                writer.close()
+            mem.sample()
+            return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes)
+    finally:
+        dash.stop()
+        mem_task.cancel()
+        await asyncio.gather(mem_task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(
+    cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None
+) -> AsyncIterator[tuple[list[Any], Any]]:
+    """Spawn the engines and the trainer group, wait until they answer, join the weight-sync group.
+
+    Yields (engine processes, trainer group); on exit, however it happens, stops every child.
+    """
+    from flashrl.engine.client import EngineOptions, spawn_engine
+    from flashrl.trainer.client import TrainerGroup
+    from flashrl.transport import free_port
+
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg)
+    backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    engines: list[Any] = []
+    trainer: Any = None
+    try:
+        status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
         for i in range(cfg.engine.count):
             opts = EngineOptions(
                 address=f"tcp://127.0.0.1:{free_port()}",
@@ -165,59 +215,26 @@ async def run_local(cfg: Config) -> dict[str, Any]:
                 threads=cfg.engine.threads,
                 seed=cfg.run.seed + i,
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+                log_level=cfg.run.log_level,
             )
-            engines.append(spawn_engine(opts, logs / f"engine{i}.log"))
+            engines.append(spawn_engine(opts, logs / f"engine{i}.log", heartbeat_s=cfg.engine.heartbeat_s))
         trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
         await asyncio.gather(
             *(e.wait_ready(cfg.engine.startup_timeout_s) for e in engines),
             trainer.wait_ready(cfg.engine.startup_timeout_s),
         )
-        clients = [e.client for e in engines]
         port = free_port()
-        world = 1 + len(clients)
-        dash.status("joining the weight-sync group")
+        world = 1 + len(engines)
+        status("joining the weight-sync group")
         await asyncio.gather(
             trainer.init_weight_sync("127.0.0.1", port, world, backend, cfg.weight_sync.timeout_s),
             *(
-                c.init_weight_sync("127.0.0.1", port, 1 + i, world, backend, cfg.weight_sync.timeout_s)
-                for i, c in enumerate(clients)
+                e.client.init_weight_sync("127.0.0.1", port, 1 + i, world, backend, cfg.weight_sync.timeout_s)
+                for i, e in enumerate(engines)
             ),
         )
-
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        history: list[dict[str, Any]] = []
-
-        def on_step(record: dict[str, Any]) -> None:
-            record = dict(record)
-            record["mem/total_gib"] = round(mem.last_bytes / 2**30, 3)
-            writer.write(record)
-            history.append(record)
-            dash.step(record)
-
-        controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step)
-
-        async def refresh() -> None:
-            while True:
-                snap = controller.snapshot()
-                snap.counters = dict(snap.counters)
-                dash.update(snap)
-                await asyncio.sleep(0.25)
-
-        refresher = asyncio.create_task(refresh(), name="dashboard")
-        try:
-            result = await controller.run()
-        finally:
-            refresher.cancel()
-            await asyncio.gather(refresher, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                dash.update(controller.snapshot())
-            writer.close()
-        mem.sample()
-        return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes)
+        yield engines, trainer
     finally:
-        dash.stop()
-        mem_task.cancel()
-        await asyncio.gather(mem_task, return_exceptions=True)
         await _stop_all(engines, trainer)
 
 

@@ -91,16 +91,17 @@ class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen
 
     Training stops at ``max_steps`` or as soon as greedy accuracy on ``probe_size`` train problems
     reaches ``target_accuracy`` (a safety valve): the point is a policy that is right sometimes (so GRPO
-    groups carry signal) but far from perfect (so RL has room to show). The lr decays to 0 so that the
-    result is a settled policy: mid-run, a tiny model's accuracy jumps by +-10 points between checks.
+    groups carry signal) but far from perfect (so RL has room to show). Default: constant lr, stop at 25%
+    probe accuracy (2-digit addition: about 600 steps, 105 s on one core). An lr decayed to 0 gives a
+    more settled policy, but GRPO then degraded it in bench/feasibility_grpo.py, so it is off.
     """
 
-    max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 800
+    max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 3000
     batch: Annotated[int, Meta(ge=1, description="sequences per step")] = 64
     lr: Annotated[float, Meta(gt=0, description="AdamW peak learning rate")] = 1e-3
-    warmup: Annotated[int, Meta(ge=0, description="linear lr warm-up steps")] = 20
-    decay: Annotated[bool, Meta(description="decay the lr linearly to 0 at max_steps (a settled, not mid-jump, policy)")] = True
-    target_accuracy: Annotated[float, Meta(ge=0, le=1, description="stop once probe accuracy reaches this")] = 0.6
+    warmup: Annotated[int, Meta(ge=0, description="linear lr warm-up steps")] = 0
+    decay: Annotated[bool, Meta(description="decay the lr linearly to 0 at max_steps (a settled policy; tried: RL then degraded it)")] = False
+    target_accuracy: Annotated[float, Meta(ge=0, le=1, description="stop once probe accuracy reaches this")] = 0.25
     check_every: Annotated[int, Meta(ge=1, description="steps between probe evaluations")] = 50
     probe_size: Annotated[int, Meta(ge=1, description="train problems in the probe")] = 128
 
