@@ -22,7 +22,10 @@ generation time. ``closeness`` = speed-up / bound.
 
 Other modes: ``overhead`` scenarios (kind = "overhead") time the real controller's CPU per sample
 against engines that answer at once, and the ZeroMQ path (transport.RpcClient -> RpcServer) in
-requests per second. Real mode (vLLM engines, the real trainer) is not wired yet: it says so.
+requests per second. Real mode (scenarios with ``mode = "real"``, bench/real_*.toml, or ``--mode
+real``) runs both variants of every point on real vLLM engines and the real trainer on this machine,
+in wall-clock time: flashrl/benchmarks/real.py. ``flashrl bench all`` runs the scenarios of one mode
+(``--mode``, default sim).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     title: str = ""
     description: str = ""
     kind: Literal["speedup", "throughput", "overhead"] = "speedup"
+    mode: Annotated[Literal["sim", "real"], Meta(description="what the scenario is sized for: the simulator, or real engines and trainer on this machine")] = "sim"
     steps: Annotated[int, Meta(ge=2, description="training steps per run")] = 6
     warmup: Annotated[int, Meta(ge=0, description="steps left out of the steady-state time")] = 1
     x_label: str = "point"
@@ -158,12 +162,17 @@ def variant_config(scn: Scenario, pt: PointSpec, variant: Literal["baseline", "f
     run = cfg_tree.setdefault("run", {})
     run.setdefault("dashboard", "off")
     run["steps"] = scn.steps
-    cfg_tree.setdefault("env", {}).setdefault("name", "sim")
+    if scn.mode == "sim":
+        cfg_tree.setdefault("env", {}).setdefault("name", "sim")
     try:
         sim = msgspec.convert(tree["sim"], SimModel, strict=True)
     except msgspec.ValidationError as e:
         raise BenchError(f"sim: {e}") from None
     cfg = from_dict(cfg_tree, source=f"{scn.name}/{pt.label}/{variant}")
+    if scn.mode == "real":  # no latency model: the engines are real; the env must be too
+        if cfg.env.name == "sim":
+            raise BenchError('env.name = "sim" in a real-mode scenario: name a real environment (e.g. "arithmetic", "guess")')
+        return cfg, sim
     if cfg.engine.max_num_seqs != sim.latency.max_num_seqs:
         raise BenchError(
             f"engine.max_num_seqs ({cfg.engine.max_num_seqs}) != sim.latency.max_num_seqs "
@@ -380,15 +389,33 @@ def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointR
     )
 
 
-def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "real"] = "sim", quiet: bool = False) -> list[PointResult]:
-    """Run every point of one scenario; write results.json, results.csv and a PNG under ``out_dir/<name>/``."""
-    scn = load_scenario(path)
-    if mode != "sim":
+def check_mode(scn: Scenario, mode: str | None, path: str | Path) -> str:
+    """The mode to run ``scn`` in: its own unless ``mode`` names it; a mismatch is an error that says why."""
+    if mode is None or mode == scn.mode:
+        return scn.mode
+    if mode == "real":
         raise BenchError(
-            "real mode is not wired yet: it needs the engine/trainer launcher (flashrl run's process "
-            "manager); run the scenario in sim mode, or calibrate the sim from a real run with "
-            "`flashrl bench calibrate runs/<name>`"
+            f"{path}: scenario {scn.name!r} is sized for the simulator ({_engines(scn)} engines of the "
+            f"{scn.profile or 'default'} latency profile); run its scaled-down real twin instead "
+            "(bench/real_*.toml, e.g. `flashrl bench real_agentic`), or set mode = \"real\" in a copy sized for this machine"
         )
+    raise BenchError(f"{path}: scenario {scn.name!r} has mode = \"real\": it runs real engines, not the simulator; drop --mode sim")
+
+
+def _engines(scn: Scenario) -> int:
+    return int(scn.config.get("engine", {}).get("count", 2))
+
+
+def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "real"] | None = None, quiet: bool = False) -> list[Any]:
+    """Run every point of one scenario; write results.json, results.csv and a PNG under ``out_dir/<name>/``.
+
+    ``mode`` None runs the scenario in its own mode (``Scenario.mode``).
+    """
+    scn = load_scenario(path)
+    if check_mode(scn, mode, path) == "real":
+        from flashrl.benchmarks.real import run_real_scenarios
+
+        return run_real_scenarios([(path, scn)], out_dir, quiet=quiet)[0]
     out = Path(out_dir) / scn.name
     out.mkdir(parents=True, exist_ok=True)
     if scn.kind == "overhead":
@@ -488,21 +515,35 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="flashrl bench", description=__doc__.split("\n")[0])
     ap.add_argument("scenario", help="a bench/*.toml name (e.g. queue_scheduling), a path, or 'all'")
     ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")
-    ap.add_argument("--mode", choices=["sim", "real"], default="sim")
+    ap.add_argument("--mode", choices=["sim", "real"], default=None,
+                    help="sim (virtual time) or real (vLLM engines + trainer here); default: the scenario's own mode, sim for 'all'")
     args = ap.parse_args(argv)
     return bench_main(args.scenario, args.out, args.mode)
 
 
-def bench_main(scenario: str, out: str = "bench/results", mode: str = "sim") -> int:
-    names = sorted(p.stem for p in BENCH_DIR.glob("*.toml")) if scenario == "all" else [scenario]
-    failed = 0
+def scenarios_for(mode: Literal["sim", "real"]) -> list[Path]:
+    """The shipped scenarios (bench/*.toml) sized for ``mode``: what ``flashrl bench all --mode MODE`` runs."""
+    return [p for p in sorted(BENCH_DIR.glob("*.toml")) if load_scenario(p).mode == mode]
+
+
+def bench_main(scenario: str, out: str = "bench/results", mode: str | None = None) -> int:
     t0 = time.perf_counter()
-    for name in names:
-        try:
-            results = run_scenario(find_scenario(name), out, mode)  # type: ignore[arg-type]
-        except (BenchError, ConfigError) as e:
-            print(f"flashrl bench: {e}", file=sys.stderr)
-            return 2
-        failed += sum(1 for r in results if getattr(r, "passed", None) is False)
-    print(f"bench: {len(names)} scenario(s) in {time.perf_counter() - t0:.1f}s wall; results under {out}/")
+    try:
+        if scenario == "all":
+            mode = mode or "sim"
+            paths = scenarios_for(mode)  # type: ignore[arg-type]
+        else:
+            paths = [find_scenario(scenario)]
+            mode = check_mode(load_scenario(paths[0]), mode, paths[0])
+        if mode == "real":  # one process pool for every scenario: a cluster is reused while its config allows
+            from flashrl.benchmarks.real import run_real_scenarios
+
+            all_results = run_real_scenarios([(p, load_scenario(p)) for p in paths], out)
+        else:
+            all_results = [run_scenario(p, out, "sim") for p in paths]
+    except (BenchError, ConfigError) as e:
+        print(f"flashrl bench: {e}", file=sys.stderr)
+        return 2
+    failed = sum(1 for results in all_results for r in results if getattr(r, "passed", None) is False)
+    print(f"bench: {len(paths)} scenario(s) in {time.perf_counter() - t0:.1f}s wall; results under {out}/")
     return 1 if failed else 0

@@ -92,6 +92,7 @@ class TrainerConfig(Section):
     grad_clip: Annotated[float, Meta(ge=0, description="max gradient norm (0 = off)")] = 1.0
     micro_batch: Annotated[int, Meta(ge=1, description="samples per forward/backward on one rank")] = 64
     mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
+    warmup_steps: Annotated[int, Meta(ge=0, description="linear lr warm-up over this many training steps: step s (from 0) uses lr * min(1, (s + 1) / warmup_steps); 0 = off")] = 0
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
 
 

@@ -20,7 +20,7 @@ from flashrl.models.tiny import build_untrained
 from flashrl.protocol import TrainBatch, TrainSample
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.weights import build_manifest
-from flashrl.trainer.worker import Trainer, plan_micro_batches
+from flashrl.trainer.worker import Trainer, plan_micro_batches, warmup_lr
 from flashrl.transport import RemoteError, free_port
 
 PROMPT = [1, 10, 11, 12]
@@ -125,6 +125,16 @@ def test_mini_batches_staleness_ties_and_logprobs(world1, model_path: Path, tmp_
         ref = torch.log_softmax(plain(ids).logits[0, :-1].float(), -1)
     expect = ref[torch.arange(len(PROMPT) - 1, len(PROMPT) + len(GOOD) - 1), torch.tensor(GOOD)]
     assert t.compute_logprobs(PROMPT, GOOD) == pytest.approx(expect.tolist(), abs=1e-5)
+
+
+def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> None:
+    assert warmup_lr(2e-4, 0, 0) == 2e-4  # off
+    assert [warmup_lr(2e-4, 4, s) for s in range(6)] == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
+    t = Trainer(_cfg(tmp_path, lr=1e-3, warmup_steps=4), str(model_path), torch.device("cpu"))
+    # the lr follows the batch's step (not a call count), so a resumed run at step 1 continues the ramp
+    lrs = [t.train_step(_batch(s)).metrics["lr"] for s in (1, 2, 7)]  # type: ignore[union-attr]
+    assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3])
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
 
 
 def test_filter_ties_drops_tied_groups(world1, model_path: Path, tmp_path: Path) -> None:

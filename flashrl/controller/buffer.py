@@ -30,11 +30,10 @@ Invariants (each is checked where it can break; tests/test_buffer.py exercises t
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-
-import anyio
 
 from envs.base import Task
 from flashrl.controller.rollout import Trajectory
@@ -64,6 +63,9 @@ class Group:
     admitted_at: float = 0.0
     completed_at: float = 0.0
     drop_reason: str = ""
+    # min version_start over ``samples`` (each sample's is computed once, when it joins): the group
+    # passes the staleness bound at step s iff s - oldest <= async_ratio
+    oldest: int = 1 << 62
 
     @property
     def missing(self) -> int:
@@ -91,7 +93,12 @@ class SampleBuffer:
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.groups: dict[int, Group] = {}  # outstanding groups only (not TRAINED / DROPPED)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
-        self._changed = anyio.Event()
+        self._generating = 0  # groups ADMITTED or RUNNING (kept, not counted, on every change)
+        # Staleness is re-checked in full only when the step changes; otherwise only the groups
+        # completed since the last check are (nothing else can have become stale).
+        self._checked_step: int | None = None
+        self._unchecked: list[Group] = []
+        self._waiters: list[asyncio.Future[None]] = []
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -104,7 +111,7 @@ class SampleBuffer:
 
     @property
     def generating(self) -> int:
-        return sum(g.state in (GroupState.ADMITTED, GroupState.RUNNING) for g in self.groups.values())
+        return self._generating
 
     def can_admit(self) -> bool:
         return self.outstanding < self.capacity
@@ -120,6 +127,7 @@ class SampleBuffer:
             raise RuntimeError(f"prompt uid {uid} admitted twice")
         g = Group(uid=uid, task=task, need=self.group_size, admitted_at=now)
         self.groups[uid] = g
+        self._generating += 1
         self.counters["admitted/groups"] += 1
         self._notify()
         return g
@@ -134,28 +142,39 @@ class SampleBuffer:
         return first
 
     def add(self, traj: Trajectory, now: float = 0.0) -> bool:
-        """A finished sample joins its group at once. Returns False if the group cannot take it."""
+        """A finished sample joins its group at once. Returns False if the group cannot take it.
+
+        Waiters are woken only when the group completes: a sample that leaves its group short
+        changes nothing the admission or the train loop decide on.
+        """
         g = self.groups.get(traj.group)
         if g is None or g.state is not GroupState.RUNNING or g.missing == 0:
             self.counters["buffer/late_samples"] += 1
             return False
         g.samples.append(traj)
+        v = traj.version_start
+        if v < g.oldest:
+            g.oldest = v
         if g.missing == 0:
+            self._generating -= 1
             if self.filter_ties and len({t.reward for t in g.samples}) == 1:
                 self.drop(g, "ties")
                 return True
             g.state = GroupState.COMPLETE
             g.completed_at = now
             self.complete.append(g)
-        self._notify()
+            self._unchecked.append(g)
+            self._notify()
         return True
 
     def drop(self, g: Group, reason: str) -> None:
         """Give up on a group (cannot be filled, or no learning signal); its slot is freed, counted."""
         if g.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.TRAINING):
             raise RuntimeError(f"group {g.uid} cannot be dropped in state {g.state.value}")
-        if g in self.complete:
+        if g.state is GroupState.COMPLETE:
             self.complete.remove(g)
+        elif g.missing > 0:  # ADMITTED or RUNNING (a group completed by add() was counted there)
+            self._generating -= 1
         g.state = GroupState.DROPPED
         g.drop_reason = reason
         del self.groups[g.uid]
@@ -171,14 +190,23 @@ class SampleBuffer:
         controller to launch ``g.missing`` new rollouts.
         """
         refills: list[Group] = []
-        for g in list(self.complete):
-            stale = [t for t in g.samples if step - t.version_start > self.async_ratio]
-            if stale:
-                g.samples = [t for t in g.samples if not any(t is s for s in stale)]
-                g.state = GroupState.RUNNING
-                self.complete.remove(g)
-                self.counters["stale/dropped_samples"] += len(stale)
-                refills.append(g)
+        if step != self._checked_step:
+            check = self.complete
+            self._checked_step = step
+        else:
+            check = [g for g in self._unchecked if g.state is GroupState.COMPLETE]
+        self._unchecked = []
+        bound = step - self.async_ratio  # a sample is fresh enough iff version_start >= bound
+        stale_groups = [g for g in check if g.oldest < bound]
+        for g in stale_groups:
+            kept = [t for t in g.samples if t.version_start >= bound]
+            self.counters["stale/dropped_samples"] += len(g.samples) - len(kept)
+            g.samples = kept
+            g.oldest = min((t.version_start for t in kept), default=1 << 62)
+            g.state = GroupState.RUNNING
+            self._generating += 1
+            self.complete.remove(g)
+            refills.append(g)
         if refills:
             self._notify()
         if len(self.complete) < self.batch_prompts:
@@ -204,9 +232,14 @@ class SampleBuffer:
 
     # ------------------------------------------------------------------ waiting
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     async def changed(self) -> None:
-        """Wait for the next state change (admission, a sample, a drop, a batch, a publish)."""
-        await self._changed.wait()
+        """Wait for the next change that matters to a decision: an admission, a group completing,
+        a drop, a batch or refill taken, a publish (not every sample: see ``add``)."""
+        w = asyncio.get_running_loop().create_future()
+        self._waiters.append(w)
+        await w

@@ -27,17 +27,20 @@ Dashboard numbers are the controller's own, on the loop clock: per engine, the b
 overall, samples/s (training samples delivered to the buffer) and tokens/s, all over a 10 s window
 (metrics.RateMeter). Step records also carry the run averages (run/samples_per_s, run/tokens_per_s).
 
-All tasks live in one anyio task group. Shutdown is close -> cancel -> wait: admission stops, the
-task group is cancelled (every cancelled generate sends engine.abort; every env is closed,
+All tasks live in one asyncio.TaskGroup (each group task runs its rollouts as its own tasks and
+never returns before they have ended). Shutdown is close -> cancel -> wait: admission stops, every
+task of the group is cancelled (every cancelled generate sends engine.abort; every env is closed,
 shielded), then the group exits only when every task has. A crash in any task cancels the
 others the same way and run() re-raises that error. Engines and the trainer are closed by whoever
 created them (the launcher), never here; the environment suite's own resources (``aclose()``, e.g.
 a remote worker pool) are released here, after the task group, shielded, on every path. Time is
-the event loop's (anyio.current_time()), so the simulator runs this same code on a virtual clock.
+the event loop's (``loop.time()``), so the simulator runs this same code on a virtual clock.
+Plain asyncio rather than anyio: the per-sample path must cost tens of microseconds (rollout.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import sys
@@ -45,14 +48,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import anyio
-import anyio.abc
 import msgspec
 
 from envs.base import EnvSuite
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
-from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
+from flashrl.controller.rollout import RolloutContext, Trajectory, _shielded, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.metrics import EngineStat, RateMeter, Snapshot
@@ -144,8 +145,10 @@ class Controller:
         self.last: dict[str, Any] = {}
         self.samples_trained = 0
         self.tokens_trained = 0
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._eval_done: anyio.Event | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # the group's live tasks (cancelled at shutdown)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._eval_done: asyncio.Event | None = None
         self._closing = False
         self._ran = False
         self._t0 = 0.0
@@ -158,24 +161,26 @@ class Controller:
         if self._ran:
             raise RuntimeError("Controller.run() can only be called once; build a new Controller")
         self._ran = True
-        self._t0 = anyio.current_time()
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
         self.ctx.busy = [BusyMeter(RATE_WINDOW_S, self._t0) for _ in self.engines]
         self.ctx.token_rates = [RateMeter(clock=self._clock, window_s=RATE_WINDOW_S) for _ in self.engines]
         self._sample_rate = RateMeter(clock=self._clock, window_s=RATE_WINDOW_S)
         stop = "steps"
         try:
-            async with anyio.create_task_group() as tg:
+            async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                tg.start_soon(self._admission_loop, name="admission")
+                self._spawn(self._admission_loop(), "admission")
                 self.status = "running"
                 stop = await self._train_loop()
                 # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
                 self.status = "stopping"
                 self._closing = True
-                tg.cancel_scope.cancel()
+                for t in list(self._tasks):
+                    t.cancel()
         except BaseExceptionGroup as eg:
             self.status = "crashed"
-            errors = [e for e in _leaves(eg) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            errors = [e for e in _leaves(eg) if not isinstance(e, asyncio.CancelledError)]
             if len(errors) == 1:
                 raise errors[0] from None
             raise
@@ -184,7 +189,7 @@ class Controller:
             raise
         finally:
             self._tg = None
-            self._t_end = anyio.current_time()
+            self._t_end = self._loop.time()
             await self._close_suite()
         self.status = "done"
         last_eval = self.eval_history[-1][1] if self.eval_history else None
@@ -204,13 +209,20 @@ class Controller:
         aclose = getattr(self.suite, "aclose", None)
         if aclose is None:
             return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(SUITE_CLOSE_TIMEOUT_S) as scope:
-            try:
-                await aclose()
-            except Exception as e:  # the run's own outcome matters more than a failed cleanup
-                self.counters["env/close_failed"] += 1
-                log.error("environment suite aclose() failed: %s; its workers may still be running", e)
-        if scope.cancelled_caught:
+        try:
+            finished = await _shielded(aclose(), SUITE_CLOSE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            # Cancelled while closing: the close still ran (bounded). Re-deliver the cancel at the
+            # caller's next await rather than raise it here, over a crash that may be propagating.
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
+            return
+        except Exception as e:  # the run's own outcome matters more than a failed cleanup
+            self.counters["env/close_failed"] += 1
+            log.error("environment suite aclose() failed: %s; its workers may still be running", e)
+            return
+        if not finished:
             self.counters["env/close_timeout"] += 1
             log.error("environment suite aclose() took longer than %.0f s; gave up waiting", SUITE_CLOSE_TIMEOUT_S)
 
@@ -220,23 +232,33 @@ class Controller:
             return self._t0
         if self._t_end is not None:
             return self._t_end
-        return anyio.current_time()
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Start ``coro`` in the run's task group; tracked so that shutdown can cancel it."""
+        assert self._tg is not None
+        t = self._tg.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
 
     # ------------------------------------------------------------------ admission and groups
     async def _admission_loop(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
         while not self._closing:
             b = self.buffer
             for _ in range(self.admission.admit_count(b.outstanding, b.capacity, b.generating)):
                 uid, task = self.stream.next()
-                g = b.admit(uid, task, anyio.current_time())
+                g = b.admit(uid, task, loop.time())
                 self._launch(g, g.need)
             await b.changed()
 
     def _launch(self, g: Group, need: int) -> None:
-        assert self._tg is not None
         extra = self.cfg.rollout.redundancy
         first = self.buffer.start(g, need + extra)
-        self._tg.start_soon(self._group_task, g, need, first, extra, name=f"group {g.uid}")
+        self._spawn(self._group_task(g, need, first, extra), f"group {g.uid}")
 
     async def _group_task(self, g: Group, need: int, first: int, extra: int) -> None:
         ok = await run_group(
@@ -254,7 +276,7 @@ class Controller:
             self.buffer.drop(g, "unfillable")
 
     def _on_sample(self, t: Trajectory) -> None:
-        if self.buffer.add(t, anyio.current_time()) and self._sample_rate is not None:
+        if self.buffer.add(t, self._clock()) and self._sample_rate is not None:
             self._sample_rate.add()
 
     # ------------------------------------------------------------------ training
@@ -262,7 +284,7 @@ class Controller:
         cfg = self.cfg
         deadline = self._t0 + cfg.run.max_time_s if cfg.run.max_time_s > 0 else math.inf
         self._start_eval({"step": 0, "version": 0})
-        last_end = anyio.current_time()
+        last_end = self._clock()
         stop = "steps"
         # A step record without an eval, held (only when a deadline is set) until the next batch is
         # in hand: should the deadline come first, the final eval goes into it, not into a 2nd line.
@@ -277,7 +299,7 @@ class Controller:
                     self._emit(held)
                     held = None
                 record = await self._train_step(s, batch, last_end)
-                last_end = now = anyio.current_time()
+                last_end = now = self._clock()
                 final = s + 1 == cfg.run.steps or now >= deadline
                 if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
                     self._start_eval(record)
@@ -302,31 +324,33 @@ class Controller:
     async def _train_step(self, s: int, batch: list[Group], last_end: float) -> dict[str, Any]:
         """Train ``batch`` as step ``s``, publish version s+1 to every live engine; the step's record."""
         samples = [t for g in batch for t in g.samples]
-        t0 = anyio.current_time()
+        t0 = self._clock()
         result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
-        train_s = anyio.current_time() - t0
+        train_s = self._clock() - t0
         await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
-        t1 = anyio.current_time()
+        t1 = self._clock()
         await self._sync_weights(s + 1)
-        now = anyio.current_time()
+        now = self._clock()
         self.version = s + 1
         self.buffer.mark_trained(batch)
         return self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
 
     async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
-        with anyio.move_on_after(deadline - anyio.current_time()):
-            while True:
-                batch, refills = self.buffer.take_batch(step)
-                for g in refills:
-                    self._launch(g, g.missing)
-                if batch is not None:
-                    # From now on only steps > ``step`` can take a sample: cancel the rollouts that
-                    # this already makes too stale (buffer invariant 2), rather than finish them.
-                    self._min_step = step + 1
-                    self.ctx.abort_stale()
-                    return batch
-                await self.buffer.changed()
-        return None
+        try:
+            async with asyncio.timeout_at(deadline if math.isfinite(deadline) else None):
+                while True:
+                    batch, refills = self.buffer.take_batch(step)
+                    for g in refills:
+                        self._launch(g, g.missing)
+                    if batch is not None:
+                        # From now on only steps > ``step`` can take a sample: cancel the rollouts that
+                        # this already makes too stale (buffer invariant 2), rather than finish them.
+                        self._min_step = step + 1
+                        self.ctx.abort_stale()
+                        return batch
+                    await self.buffer.changed()
+        except TimeoutError:
+            return None
 
     async def _sync_weights(self, version: int) -> None:
         manifest = await self.trainer.prepare_weights(version)
@@ -337,12 +361,12 @@ class Controller:
                 f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
                 "check the engine logs in the run directory and restart the run"
             )
+        limit = self.cfg.weight_sync.timeout_s
         try:
-            with anyio.fail_after(self.cfg.weight_sync.timeout_s):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self.trainer.send_weights, version, name="trainer.send_weights")
-                    for i in live:
-                        tg.start_soon(self._update_engine, i, manifest, name=f"update {self.engines[i].name}")
+            async with asyncio.timeout(limit if math.isfinite(limit) else None), asyncio.TaskGroup() as tg:
+                tg.create_task(self.trainer.send_weights(version), name="trainer.send_weights")
+                for i in live:
+                    tg.create_task(self._update_engine(i, manifest), name=f"update {self.engines[i].name}")
         except TimeoutError:
             raise RuntimeError(
                 f"weight sync to version {version} took longer than weight_sync.timeout_s = "
@@ -389,28 +413,27 @@ class Controller:
             if record.get("step", 0) > 0:
                 self._emit(record)
             return
-        assert self._tg is not None
-        done = anyio.Event()
+        done = asyncio.Event()
         self._eval_done = done
-        self._tg.start_soon(self._eval, self.version, record, done, name=f"eval v{self.version}")
+        self._spawn(self._eval(self.version, record, done), f"eval v{self.version}")
 
     async def _eval_quiesce(self) -> None:
         if self._eval_done is not None:
             await self._eval_done.wait()
 
-    async def _eval(self, version: int, record: dict[str, Any], done: anyio.Event) -> None:
+    async def _eval(self, version: int, record: dict[str, Any], done: asyncio.Event) -> None:
         results: list[Trajectory] = []
-        t0 = anyio.current_time()
-        async with anyio.create_task_group() as tg:
+        t0 = self._clock()
+        async with asyncio.TaskGroup() as tg:
             for k, task in enumerate(self.eval_tasks):
-                tg.start_soon(self._eval_one, k, task, version, results, name=f"eval {k}")
+                tg.create_task(self._eval_one(k, task, version, results), name=f"eval {k}")
         n = len(self.eval_tasks)
         acc = sum(t.correct for t in results) / n  # a failed eval rollout counts as wrong
         self.eval_history.append((record["step"], acc))
         self.counters["eval/failed"] += n - len(results)
         record["eval/accuracy"] = acc
         record["eval/reward_mean"] = sum(t.reward for t in results) / n
-        record["time/eval_s"] = anyio.current_time() - t0
+        record["time/eval_s"] = self._clock() - t0
         self._emit(record)
         done.set()
 
@@ -441,7 +464,7 @@ class Controller:
         for k, v in metrics.items():
             record[f"train/{k}" if k in _OWN_KEYS else k] = v
         reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
-        elapsed = anyio.current_time() - self._t0
+        elapsed = self._clock() - self._t0
         record.update({
             "step": s + 1,
             "version": self.version,

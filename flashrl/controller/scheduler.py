@@ -25,17 +25,16 @@ Nothing here waits or reads a clock: these are pure decisions the controller cal
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import math
 import random
 from collections.abc import Sequence
 
-import anyio
-
 from envs.base import Task
 
-__all__ = ["Admission", "BusyMeter", "DataStream", "Router", "request_seed", "sample_id"]
+__all__ = ["Admission", "BusyMeter", "DataStream", "Permits", "Router", "request_seed", "sample_id"]
 
 _SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
 
@@ -127,11 +126,24 @@ class Router:
         self.alive = [True] * n_engines
         self.served = [0] * n_engines  # rollouts ever routed to each engine (dashboard, tests)
         self._rr = 0
-        self._slots = [anyio.Semaphore(max_num_seqs) for _ in range(n_engines)]
+        self._dead = 0  # engines marked dead (0: the fast path of pick() applies)
+        self._slots = [Permits(max_num_seqs) for _ in range(n_engines)]
 
     def pick(self, exclude: Sequence[int] = ()) -> int:
         """The live engine with the fewest inflight rollouts; ties round-robin. Counts it as taken."""
-        n = len(self.inflight)
+        inflight = self.inflight
+        n = len(inflight)
+        if not self._dead and not exclude:
+            # Every engine is live: min() and index() scan in C (once per sample, 128 engines and up).
+            # The first minimum at or after the round-robin position, else the first from 0.
+            low = min(inflight)
+            try:
+                best = inflight.index(low, self._rr)
+            except ValueError:
+                best = inflight.index(low)
+            self._rr = (best + 1) % n
+            self.take(best)
+            return best
         best = -1
         for k in range(n):
             i = (self._rr + k) % n
@@ -157,15 +169,70 @@ class Router:
         self.inflight[i] -= 1
 
     def mark_dead(self, i: int) -> None:
+        if self.alive[i]:
+            self._dead += 1
         self.alive[i] = False
 
-    def slot(self, i: int) -> anyio.Semaphore:
+    def slot(self, i: int) -> Permits:
         """Engine i's concurrency permits (engine.max_num_seqs); held while a request generates."""
         return self._slots[i]
 
     @property
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.alive) if a]
+
+
+class Permits:
+    """A counting semaphore whose free permit costs one comparison (no await, no loop round trip).
+
+    ``try_acquire()`` takes a free permit at once; ``await acquire()`` waits in FIFO order; a
+    release hands the permit straight to the first waiter (so nobody overtakes a waiter). ``async
+    with permits:`` works too. A waiter cancelled just after it was handed a permit passes it on.
+    """
+
+    __slots__ = ("value", "_waiters")
+
+    def __init__(self, n: int) -> None:
+        self.value = n  # free permits
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def try_acquire(self) -> bool:
+        if self.value > 0 and not self._waiters:
+            self.value -= 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a permit while being cancelled: it goes to the next one
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.value += 1
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
 
 
 class BusyMeter:

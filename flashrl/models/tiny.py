@@ -6,9 +6,14 @@ generation_config.json, tokenizer files) that loads both in transformers and in 
 a useful RL starting point is ``ensure_model`` in ``flashrl/models/__init__.py``.
 
 Why Llama and not Qwen2 (the same decoder, without q/k/v biases): transformers 5 (and vLLM, which calls
-``AutoTokenizer``) force ``model_type == "qwen2"`` folders onto ``Qwen2Tokenizer``, which rebuilds a
-byte-level BPE from the vocabulary and ignores our tokenizer.json (spaces and newlines vanish). For
-``llama`` folders ``AutoTokenizer`` honours tokenizer.json. head_dim must be one vLLM's CPU attention
+``AutoTokenizer`` through ``CachedHfTokenizer``) force ``model_type == "qwen2"`` folders onto
+``Qwen2Tokenizer``, which rebuilds a byte-level BPE from the vocabulary and ignores our tokenizer.json
+(spaces and newlines vanish: "12 + 3=\n4" decodes as "12+3=4"). ``"tokenizer_class":
+"PreTrainedTokenizerFast"`` in tokenizer_config.json and/or config.json does not help: "qwen2" is in
+transformers' ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``, so ``AutoTokenizer`` replaces any hub class
+with the registered ``Qwen2Tokenizer`` (checked with transformers 5.19; vLLM 0.32's own override list,
+``_MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS``, does not name qwen2). For ``llama`` folders
+``AutoTokenizer`` honours tokenizer.json. head_dim must be one vLLM's CPU attention
 supports (32, 64, 80, ...), which ``TinySpec`` checks.
 """
 

@@ -122,6 +122,14 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """``trainer.warmup_steps``: training step ``step`` (from 0) uses lr * min(1, (step + 1) / warmup_steps).
+
+    A fresh AdamW's first updates on a warm-started model are large relative to its noisy early
+    gradients; ramping the lr keeps the first RL steps from undoing the warm-start."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
+
+
 def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int,
                        micro_batch: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Per mini-batch: its sample indices, and ``rank``'s micro-batches (index tensors, maybe empty).
@@ -302,6 +310,9 @@ class Trainer:
         current = tb.step
         plan = plan_micro_batches(full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch)
+        lr = warmup_lr(self.cfg.trainer.lr, self.cfg.trainer.warmup_steps, current)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # a function of the step, not scheduler state, so a resumed run continues it
         entropy_grad = alg.entropy_coef > 0
 
         # Proximal (and reference) logprobs: the weights at the start of the step, no gradient. With one
@@ -389,6 +400,7 @@ class Trainer:
             "groups/tied": float(count_groups(full.groups, tied)),
             "groups/filtered": float(count_groups(full.groups, tied)) if alg.filter_ties else 0.0,
             "optimizer_steps": float(len(plan)),
+            "lr": lr,
             "step_time_s": time.perf_counter() - t0,
         })
         return TrainResult(step=tb.step, metrics=metrics)
