@@ -502,7 +502,7 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
             f"{r.formula:.2f}x", f"{r.closeness:.0%}", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
             str(r.flash_staleness_max), f"{r.token_ratio:.2f}", f"{r.cpu_s:.1f}",
         )
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)  # a log file gets every column
 
 
 # --------------------------------------------------------------------------- CLI

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from envs.base import Task
 from flashrl.controller.buffer import GroupState, SampleBuffer
 from flashrl.controller.rollout import Trajectory
+from flashrl.sim.fake import run_virtual
 
 
 def traj(group: int, index: int, version: int, reward: float = 0.0) -> Trajectory:
@@ -141,3 +146,73 @@ def test_drop_unfillable_frees_slot_and_counts() -> None:
     buf.drop(g, "unfillable")
     assert g.state is GroupState.DROPPED and buf.outstanding == 0
     assert buf.counters["dropped/groups_unfillable"] == 1 and buf.counters["dropped/samples"] == 1
+
+
+def _recount(buf: SampleBuffer) -> int:
+    return sum(g.state in (GroupState.ADMITTED, GroupState.RUNNING) for g in buf.groups.values())
+
+
+OPS = ["admit", "admit", "add", "add", "add", "add", "take", "take", "drop"]  # weighted: runs reach later steps
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 7), st.integers(0, 3)), min_size=20, max_size=120),
+       st.integers(0, 2), st.booleans())
+def test_counters_and_incremental_staleness_checks_match_a_full_recount(
+    ops: list[tuple[str, int, int]], ratio: int, ties: bool
+) -> None:
+    """``generating`` is a counter and take_batch re-checks only what can have changed: after any
+    sequence of transitions both must agree with recounting / re-checking everything."""
+    buf = make(ratio=ratio, batch=2, group=2, filter_ties=ties)
+    step, uid = 0, 0
+    for op, k, lag in ops:
+        live = [g for g in buf.groups.values() if g.state in (GroupState.ADMITTED, GroupState.RUNNING)]
+        if op == "admit" and buf.can_admit():
+            buf.admit(uid, Task(id=str(uid), prompt=""))
+            uid += 1
+        elif op == "add" and live:
+            g = live[k % len(live)]
+            if g.state is GroupState.ADMITTED:
+                buf.start(g, g.missing)
+            buf.add(traj(g.uid, g.next_index, version=max(0, step - lag), reward=float(k % 2)))
+            g.next_index += 1
+        elif op == "drop":
+            droppable = [g for g in buf.groups.values() if g.state is not GroupState.TRAINING]
+            if droppable:
+                buf.drop(droppable[k % len(droppable)], "unfillable")
+        elif op == "take":
+            batch, refills = buf.take_batch(step)
+            for g in refills:
+                buf.start(g, g.missing)
+            # invariant 2 at this step, for everything still waiting and everything taken
+            for g in buf.complete + (batch or []):
+                assert all(step - t.version_start <= ratio for t in g.samples), (step, g.uid)
+            if batch is not None:
+                buf.mark_trained(batch)
+                step += 1
+        assert buf.generating == _recount(buf)
+    assert buf.outstanding == len(buf.groups) <= buf.capacity
+
+
+def test_waiters_wake_on_a_completed_group_not_on_every_sample() -> None:
+    async def main() -> list[str]:
+        buf = make(ratio=0, batch=1, group=2)
+        seen: list[str] = []
+
+        async def watch() -> None:
+            await buf.changed()
+            seen.append(f"woken with {len(buf.complete)} complete")
+
+        buf.admit(0, Task(id="0", prompt=""))
+        g = buf.groups[0]
+        buf.start(g, 2)
+        w = asyncio.get_running_loop().create_task(watch())
+        await asyncio.sleep(0)
+        buf.add(traj(0, 0, 0))  # the group is still one short: nothing a loop decides on changed
+        await asyncio.sleep(0)
+        assert seen == []
+        buf.add(traj(0, 1, 0))
+        await w
+        return seen
+
+    assert run_virtual(main) == ["woken with 1 complete"]

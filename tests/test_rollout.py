@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -279,3 +280,78 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
         assert eng.aborted == [] and t.t_end == 4.0
     assert ctx.watched == {} and ctx.live == {} and ctx.router.inflight == [0]
     assert suite.closed == suite.opened == 2
+
+
+def test_trajectory_deadlines_expire_in_start_order_whatever_finished_before() -> None:
+    """One timer serves every trajectory deadline (rollout._Deadlines): attempts that ended are
+    skipped, a retry's deadline counts from the retry, and each expiry is exact."""
+    durations = {(0, 0): 1.0, (0, 1): 100.0, (1, 0): 100.0, (2, 0): 2.0}  # (sample, attempt) -> seconds
+
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        sid, attempt, _turn = req.request_id.split(".")
+        return [ord("1")], durations[(int(sid.split("-")[-1]), int(attempt))]
+
+    cfg = config(rollout={"trajectory_timeout_s": 5.0, "max_retries": 1})
+    suite = ScriptedSuite(fail=lambda task, call: "crash" if task.id == "t0" and call == 0 else None)
+    eng = FakeEngine("e0", script)
+    ctx = make_ctx(cfg, [eng], suite)
+
+    async def main() -> dict[int, tuple[Trajectory, float]]:
+        out: dict[int, tuple[Trajectory, float]] = {}
+
+        async def one(k: int) -> None:
+            spec = RolloutSpec(task=suite.train_tasks()[k], group=0, index=k, temperature=1.0, seed_key=(0, k), sample_id=f"0-{k}")
+            ctx.router.take(0)
+            t = await run_sample(ctx, spec, 0)
+            out[k] = (t, anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            for k in range(3):
+                tg.start_soon(one, k)
+        return out
+
+    out = run_virtual(main)
+    assert (out[2][0].status, out[2][1]) == ("ok", 2.0)
+    assert (out[1][0].failure, out[1][1]) == ("trajectory_timeout", 5.0)
+    # sample 0 failed its env step at 1 s and was retried: the retry's deadline is 1 + 5 s
+    assert (out[0][0].failure, out[0][0].attempts, out[0][1]) == ("trajectory_timeout", 2, 6.0)
+    assert ctx.counters["rollout/failed_trajectory_timeout"] == 2 and ctx.counters["rollout/retry_env_crash"] == 1
+    assert sorted(eng.aborted) == ["0-0.1.0", "0-1.0.0"]
+    assert not ctx.deadlines._q and ctx.router.inflight == [0] and ctx.live == {}
+    assert suite.closed == suite.opened == 4
+
+
+def test_rollouts_cancelled_before_their_first_step_release_their_engine_counts() -> None:
+    """A task cancelled before it ever ran never enters run_sample (whose finally releases the
+    engine count): the group's cleanup releases it instead."""
+    from flashrl.controller.rollout import _end_all
+
+    ctx = make_ctx(config(), [FakeEngine("e0"), FakeEngine("e1")], ScriptedSuite())
+
+    async def main() -> list[Any]:
+        engines = [ctx.router.pick() for _ in range(3)]
+        loop = asyncio.get_running_loop()
+        specs = [RolloutSpec(task=ctx.suite.train_tasks()[0], group=0, index=k, temperature=1.0, seed_key=(0, k), sample_id=f"0-{k}")
+                 for k in range(3)]
+        tasks = [loop.create_task(run_sample(ctx, s, i)) for s, i in zip(specs, engines)]
+        assert ctx.router.inflight == [2, 1]
+        await _end_all(ctx, tasks, engines)  # before any of them ran
+        return tasks
+
+    tasks = run_virtual(main)
+    assert all(t.cancelled() for t in tasks)
+    assert ctx.router.inflight == [0, 0] and ctx.suite.opened == 0
+
+
+def test_a_bug_in_one_rollout_cancels_the_others_and_is_raised_from_the_group() -> None:
+    suite = ScriptedSuite(crash=lambda task, call: call == 1)  # the second env step of the task is a bug
+    eng = FakeEngine("e0", by_index([1.0, 2.0, 50.0]))
+    ctx = make_ctx(config(), [eng], suite)
+
+    async def main() -> None:
+        await group(ctx, need=3)
+
+    with pytest.raises(ValueError, match="scripted env bug on t0"):
+        run_virtual(main)
+    assert eng.aborted == ["0-2.0.0"]  # the slow one was aborted, not left running
+    assert ctx.router.inflight == [0] and ctx.live == {} and suite.closed == suite.opened == 3

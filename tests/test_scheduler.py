@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from envs.base import Task
-from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router, request_seed, sample_id
+from flashrl.controller.scheduler import (
+    Admission,
+    BusyMeter,
+    DataStream,
+    Permits,
+    Router,
+    request_seed,
+    sample_id,
+)
+from flashrl.sim.fake import run_virtual
 
 
 def tasks(n: int) -> list[Task]:
@@ -116,3 +129,68 @@ def test_busy_meter_prunes_without_being_read() -> None:
         m.exit(k * 0.1 + 0.05)
     assert len(m._closed) <= 11
     assert m.fraction(10_000 * 0.1) == pytest.approx(0.5)
+
+
+def _reference_pick(inflight: list[int], alive: list[bool], rr: int) -> int:
+    """The routing rule spelled out: fewest inflight among live engines, ties from ``rr`` onwards."""
+    n = len(inflight)
+    order = [(rr + k) % n for k in range(n)]
+    live = [i for i in order if alive[i]]
+    return min(live, key=lambda i: (inflight[i], order.index(i)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=9), st.data())
+def test_router_fast_path_matches_the_routing_rule(loads: list[int], data: st.DataObject) -> None:
+    """pick() scans in C while every engine is live; the choice must be the rule's, dead or not."""
+    n = len(loads)
+    r = Router(n, max_num_seqs=4)
+    r.inflight[:] = loads
+    ref, rr = list(loads), 0
+    alive = [True] * n
+    for step in range(4 * n):
+        if step == 2 * n:  # then some engines die: the slow path takes over
+            for i in data.draw(st.sets(st.integers(0, n - 1), max_size=n - 1)):
+                r.mark_dead(i)
+                alive[i] = False
+        if data.draw(st.booleans()):
+            want = _reference_pick(ref, alive, rr)
+            assert r.pick() == want
+            ref[want] += 1
+            rr = (want + 1) % n
+        else:
+            i = data.draw(st.integers(0, n - 1))
+            if ref[i] > 0:
+                r.release(i)
+                ref[i] -= 1
+        assert r.inflight == ref
+
+
+def test_permits_hand_off_in_fifo_order_and_a_cancelled_waiter_passes_its_permit_on() -> None:
+    async def main() -> None:
+        p = Permits(1)
+        assert p.try_acquire() and not p.try_acquire() and p.value == 0
+        got: list[str] = []
+
+        async def waiter(name: str) -> None:
+            await p.acquire()
+            got.append(name)
+
+        a, b, c = (asyncio.get_running_loop().create_task(waiter(x)) for x in "abc")
+        await asyncio.sleep(0)
+        assert got == [] and p.value == 0
+        p.release()  # handed to a ...
+        a.cancel()  # ... which is cancelled before it runs: the permit must go on to b, not vanish
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert a.cancelled() and got == ["b"] and p.value == 0
+        p.release()
+        await asyncio.sleep(0)
+        assert got == ["b", "c"] and p.value == 0
+        p.release()
+        assert p.value == 1 and await c is None
+        async with p:
+            assert p.value == 0
+        assert p.value == 1
+
+    run_virtual(main)

@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,6 +180,7 @@ class ClusterPool:
         self.say = say
         self.current: Cluster | None = None
         self.started = 0
+        self.setup_s = 0.0  # seconds spent preparing models, starting clusters and warming them up
         self._stack: contextlib.AsyncExitStack | None = None
 
     async def __aenter__(self) -> ClusterPool:
@@ -202,9 +204,12 @@ class ClusterPool:
         from flashrl.models import ensure_model
         from flashrl.models.tokenizer import load_tokenizer
 
-        model_path = Path(await asyncio.to_thread(ensure_model, model_config(cfg)))  # cached: a hash and a stat
+        t_setup = time.perf_counter()
+        # Cached: a hash and a stat. The first build of a model (per environment) takes minutes, once.
+        model_path = Path(await asyncio.to_thread(ensure_model, model_config(cfg)))
         key = process_key(cfg, model_path)
         if self.current is not None and self.current.key == key:
+            self.setup_s += time.perf_counter() - t_setup
             return self.current
         await self.close()
         root = self.root or Path(cfg.run.output_dir) / "bench_real"
@@ -226,6 +231,7 @@ class ClusterPool:
         if warm_cfg is not None:
             one_step = msgspec.structs.replace(warm_cfg, run=msgspec.structs.replace(warm_cfg.run, steps=1))
             await run_real_variant(self.current, one_step, warmup=0)
+        self.setup_s += time.perf_counter() - t_setup
         return self.current
 
 
@@ -331,8 +337,9 @@ class RealPointResult(msgspec.Struct, kw_only=True):
     flash_busy: float
     flash_staleness_max: int
     cluster: str  # "reused": both variants on one cluster (version reset between them); else "fresh"
-    cluster_start_s: float
-    wall_s: float  # both variants, plus a cluster start and warm-up when this point paid for one
+    cluster_start_s: float  # spawn -> every process ready and joined, for clusters this point started
+    setup_s: float  # model preparation (a first build: minutes, once), cluster starts and warm-up steps
+    wall_s: float  # the whole point: setup_s + both variants (and the version resets)
     base_config: dict[str, Any]
     flash_config: dict[str, Any]
     base: RealRun
@@ -345,7 +352,7 @@ async def run_real_point(pool: ClusterPool, scn: Any, pt: Any, index: int) -> Re
     t0 = time.perf_counter()
     base_cfg, _ = variant_config(scn, pt, "baseline")
     flash_cfg, _ = variant_config(scn, pt, "flash")
-    started = pool.started
+    started, setup0 = pool.started, pool.setup_s
     cluster = await pool.get(base_cfg, warm_cfg=base_cfg)
     base = await run_real_variant(cluster, base_cfg, scn.warmup)
     cluster_b = await pool.get(flash_cfg, warm_cfg=flash_cfg)
@@ -368,6 +375,7 @@ async def run_real_point(pool: ClusterPool, scn: Any, pt: Any, index: int) -> Re
         flash_staleness_max=flash.staleness_max,
         cluster="reused" if cluster_b is cluster else "fresh",
         cluster_start_s=sum({c.index: c.start_s for c in (cluster, cluster_b) if c.index >= started}.values()),
+        setup_s=pool.setup_s - setup0,
         wall_s=time.perf_counter() - t0,
         base_config=msgspec.to_builtins(base_cfg),
         flash_config=msgspec.to_builtins(flash_cfg),
@@ -407,7 +415,8 @@ async def _run_all(scenarios: Sequence[tuple[str | Path, Any]], out_dir: Path, q
                 if not quiet:
                     print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x samples/s, {res.token_speedup:.2f}x tokens/s "
                           f"(s/step {res.base_step_s:.2f} -> {res.flash_step_s:.2f}, busy {res.base_busy:.0%} -> "
-                          f"{res.flash_busy:.0%}, cluster {res.cluster}, {res.wall_s:.0f}s wall)", flush=True)
+                          f"{res.flash_busy:.0%}, cluster {res.cluster}, {res.wall_s:.0f}s wall of which "
+                          f"{res.setup_s:.0f}s setup)", flush=True)
             out = out_dir / scn.name
             out.mkdir(parents=True, exist_ok=True)
             write_results(scn, results, out)
@@ -421,7 +430,7 @@ async def _run_all(scenarios: Sequence[tuple[str | Path, Any]], out_dir: Path, q
 CSV_FIELDS = [
     "scenario", "label", "x", "speedup", "token_speedup", "step_ratio", "gain", "target", "passed",
     "base_step_s", "flash_step_s", "base_busy", "flash_busy", "flash_staleness_max", "cluster",
-    "cluster_start_s", "wall_s",
+    "cluster_start_s", "setup_s", "wall_s",
 ]
 
 
@@ -489,4 +498,4 @@ def print_table(scn: Any, results: list[RealPointResult]) -> None:
             "" if r.gain is None else f"{r.gain - 1:+.1%}", bar, f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
             str(r.flash_staleness_max), f"{r.base.response_len:.1f}/{r.flash.response_len:.1f}", r.cluster,
         )
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)  # a log file gets every column

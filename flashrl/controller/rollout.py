@@ -66,6 +66,7 @@ import collections
 import inspect
 import logging
 import math
+import types
 from collections import Counter
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
@@ -206,7 +207,7 @@ class _Expiry:
     __slots__ = ("task", "when", "expired", "over")
 
     def __init__(self, task: asyncio.Task[Any], when: float) -> None:
-        self.task = task
+        self.task: asyncio.Task[Any] | None = task
         self.when = when
         self.expired = False  # the deadline passed and the task was cancelled for it
         self.over = False  # the attempt ended: nothing to cancel any more
@@ -256,6 +257,7 @@ class _Deadlines:
             else:
                 q.popleft()
                 e.expired = True
+                assert e.task is not None
                 e.task.cancel()
 
 
@@ -300,8 +302,13 @@ class _Resume:
                     return stop.value
 
 
-async def _drive(aw: _Resume) -> Any:
+async def _drive(aw: Any) -> Any:
     return await aw
+
+
+def _coro(call: Any) -> Coroutine[Any, Any, Any]:
+    """``call`` as a coroutine that can be stepped by hand (an env or engine method may return any awaitable)."""
+    return call if type(call) is types.CoroutineType else _drive(call)
 
 
 def _timeout_s(seconds: float) -> float | None:
@@ -314,6 +321,7 @@ async def _shielded(coro: Coroutine[Any, Any, Any], seconds: float) -> bool:
     Returns False when it was given up on (timed out: it is cancelled). A cancel of this task that
     came meanwhile is raised once the cleanup is over; the cleanup's own error is raised.
     """
+    coro = _coro(coro)
     try:
         y = coro.send(None)
     except StopIteration:
@@ -362,7 +370,8 @@ def _env_now(ctx: RolloutContext, call: Coroutine[Any, Any, Any]) -> tuple[bool,
     """Run an env call up to its first suspension: (True, its result) or (False, what it yielded).
 
     A call that completes here takes no loop time, so it cannot miss its deadline: the timer of
-    turn_timeout_s is armed (``_env_rest``) only for a call that suspends.
+    turn_timeout_s is armed (``_env_rest``) only for a call that suspends. ``call`` must be the
+    coroutine ``_env_rest`` then goes on with (see ``_coro``).
     """
     try:
         return False, call.send(None)
@@ -505,7 +514,7 @@ async def _turn_loop(
     watch = spec.group >= 0 and ctx.min_train_step is not None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
-    call = env.reset(spec.task)
+    call = _coro(env.reset(spec.task))
     done, obs = _env_now(ctx, call)
     if not done:
         obs = await _env_rest(ctx, traj, call, obs)
@@ -540,7 +549,8 @@ async def _turn_loop(
         traj.behav_logp += out.logprobs
         traj.versions += out.versions
         traj.turns += 1
-        call = env.step(tok.decode(list(out.token_ids)))
+        ids = out.token_ids
+        call = _coro(env.step(tok.decode(ids if type(ids) is list else list(ids))))
         done, res = _env_now(ctx, call)
         if not done:
             res = await _env_rest(ctx, traj, call, res)
@@ -608,6 +618,7 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             finally:
                 if expiry is not None:
                     expiry.over = True
+                    expiry.task = None  # a finished attempt queued behind a long one holds nothing
             if traj.status == "failed" and traj.failure == "stale":
                 reason = "stale"
             else:
