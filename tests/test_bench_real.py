@@ -162,6 +162,7 @@ label = "tiny"
 """)
     (res,) = run_scenario(path, tmp_path / "out", quiet=True)
     assert res.cluster == "reused"  # both variants on one cluster, the version reset in between
+    assert 0 < res.cluster_start_s <= res.setup_s < res.wall_s
     assert res.base.steps == 3 and res.flash.steps == 3
     for run in (res.base, res.flash):
         assert run.samples_per_s * run.step_s == pytest.approx(8.0)  # 2 prompts x 4 samples per step
@@ -205,3 +206,16 @@ def test_calibrate_predicts_a_sync_run_from_its_own_fit(tmp_path: Path, capsys: 
     assert p.error == pytest.approx(p.predicted_s / 1.25 - 1)
     assert main([str(tmp_path)]) == 0
     assert "steps 2-3,5-6: error" in capsys.readouterr().out
+
+
+def test_calibrate_fits_no_slope_that_noise_would_set() -> None:
+    """Near-equal batches on a noisy machine: the token count does not explain the train time, so the
+    fit is a constant (a slope fitted to noise would make the simulator charge every token wrongly)."""
+    from flashrl.benchmarks.calibrate import fit
+
+    times = [1.1, 0.9, 1.3, 0.8, 1.2, 0.95, 1.05, 1.0]
+    tokens = [440, 450, 445, 452, 441, 447, 449, 443]
+    recs = [{"samples": 64, "response_len/mean": t / 64, "time/train_s": y} for t, y in zip(tokens, times)]
+    prof = fit(recs)
+    assert prof["trainer"]["per_token_s"] == 0.0
+    assert prof["trainer"]["step_fixed_s"] == pytest.approx(sum(times) / len(times))

@@ -1,7 +1,9 @@
 """``flashrl bench calibrate runs/<name>``: fit the simulator to a real run, then check it predicts that run.
 
     runs/<name>/metrics.jsonl (one line per step) --fit--> a [sim] profile TOML on stdout (or --out FILE)
-      trainer:  time/train_s = step_fixed_s + per_token_s * tokens        (least squares over steps)
+      trainer:  time/train_s = step_fixed_s + per_token_s * tokens        (least squares over steps;
+                only when the tokens explain the times, R^2 >= MIN_R2, else a constant: on a shared
+                machine with near-equal batches the noise would otherwise set the slope)
       sync:     time/weight_sync_s -> prepare_weights_s + send_weights_s (split evenly: the run
                 does not time them apart)
       lengths:  response_len/mean -> lognormal median for the given sigma (mean = median e^(sigma^2/2))
@@ -43,16 +45,20 @@ CPU_TINY_LATENCY: dict[str, float] = {
 }
 
 
+MIN_R2 = 0.5  # share of the train-time variance the token count must explain before a slope is fitted
+
+
 def fit(records: list[dict], sigma: float = 1.0) -> dict[str, dict[str, float]]:
     rows = [r for r in records if "time/train_s" in r and "samples" in r and "response_len/mean" in r]
     if len(rows) < 2:
         raise ValueError(f"calibration needs at least 2 step records with time/train_s, samples and response_len/mean; found {len(rows)}")
     xs = [r["samples"] * r["response_len/mean"] for r in rows]
     ys = [r["time/train_s"] for r in rows]
-    if len(set(xs)) > 1:
+    slope, intercept = 0.0, statistics.fmean(ys)  # one token count: no slope can be told apart from the fixed cost
+    if len(set(xs)) > 1 and len(set(ys)) > 1 and statistics.correlation(xs, ys) ** 2 >= MIN_R2:
         slope, intercept = statistics.linear_regression(xs, ys)
-    else:  # one token count: no slope can be told apart from the fixed cost
-        slope, intercept = 0.0, statistics.fmean(ys)
+        if intercept < 0:  # a per-token cost alone, through the origin
+            slope, intercept = statistics.fmean(ys) / statistics.fmean(xs), 0.0
     sync = statistics.fmean(r.get("time/weight_sync_s", 0.0) for r in rows)
     mean_len = statistics.fmean(r["response_len/mean"] for r in rows)
     return {
@@ -119,8 +125,13 @@ def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[s
     if not steps:
         raise ValueError(f"{run_dir}: no step to compare (need steps >= 2 not beside an eval); run more steps")
     lat = dict(latency or CPU_TINY_LATENCY) | {"max_num_seqs": cfg.engine.max_num_seqs}
-    sim = msgspec.convert({"latency": lat, "lengths": profile["lengths"], "trainer": profile["trainer"]}, SimModel)
-    env = msgspec.structs.replace(cfg.env, name="sim", params=_sim_env_params(cfg, records))
+    params = _sim_env_params(cfg, records)
+    # fit() counts response tokens only; the simulated trainer charges prompt + response tokens.
+    trainer = dict(profile["trainer"])
+    samples = statistics.fmean(r["samples"] for r in records if "samples" in r)
+    trainer["step_fixed_s"] = max(0.0, trainer["step_fixed_s"] - trainer["per_token_s"] * samples * params["prompt_chars"])
+    sim = msgspec.convert({"latency": lat, "lengths": profile["lengths"], "trainer": trainer}, SimModel)
+    env = msgspec.structs.replace(cfg.env, name="sim", params=params)
     n = max(steps)
     sim_cfg = msgspec.structs.replace(
         cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=n, dashboard="off", checkpoint_every=0, max_time_s=0.0))
@@ -181,10 +192,13 @@ def main(argv: list[str]) -> int:
 
 
 def _ranges(steps: list[int]) -> str:
+    """``2-10,12-20``; past 4 ranges just the count and the span (the rest is in the docstring's rule)."""
     out: list[str] = []
     for s in steps:
         if out and int(out[-1].split("-")[-1]) == s - 1:
             out[-1] = f"{out[-1].split('-')[0]}-{s}"
         else:
             out.append(str(s))
+    if len(out) > 4:
+        return f"{steps[0]}-{steps[-1]} ({len(steps)} steps; step 1 and each step beside an eval left out)"
     return ",".join(out)
