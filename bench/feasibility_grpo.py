@@ -66,6 +66,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lag", type=int, default=0, help="sample with the weights of this many steps ago (async staleness)")
     ap.add_argument("--beta2", type=float, default=0.999)
     ap.add_argument("--ws-batch", type=int, default=64)
+    ap.add_argument("--ws-slip", type=float, default=0.0, help="WarmStart.teacher_carry_slip")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--cache-dir", default=".cache/flashrl")
     ap.add_argument("--out", default="", help="write the curve and settings to this JSON file")
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = Config(run=RunConfig(seed=a.seed), env=EnvConfig(name="arithmetic", params=params, eval_size=a.eval_size),
                  model=ModelConfig(cache_dir=a.cache_dir))
     spec = TinySpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate)
-    warm = WarmStart(target_accuracy=a.ws_target, lr=a.ws_lr, max_steps=a.ws_max_steps, batch=a.ws_batch)
+    warm = WarmStart(target_accuracy=a.ws_target, lr=a.ws_lr, max_steps=a.ws_max_steps, batch=a.ws_batch,
+                     teacher_carry_slip=a.ws_slip)
     path = ensure_model(cfg, spec=spec, warm=warm)
     ws_report = json.loads((path / "flashrl_warmstart.json").read_text())
     print(f"model {path}: warm-start {ws_report['steps']} steps, held-out {ws_report['eval_accuracy']:.3f}, "

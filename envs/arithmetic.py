@@ -40,6 +40,26 @@ def verify(action: str, answer: str) -> bool:
     return int(text) == int(answer)
 
 
+_ADD_RE = re.compile(r"(\d+)\+(\d+)=")
+
+
+def carry_slip_answer(prompt: str) -> str | None:
+    """The answer of a student who forgets the carry out of the units column, or None if nothing to forget.
+
+    Only for addition prompts "a+b=" whose units digits sum to 10 or more: the slipped answer is
+    a + b - 10 ("17+25=" -> "32", not 42; "57+68=" -> "115", not 125). Used to make an imperfect
+    teacher for the model warm-start (flashrl/models/tiny.py, WarmStart.teacher_carry_slip); the
+    verifier above stays exact.
+    """
+    m = _ADD_RE.fullmatch(prompt)
+    if m is None:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    if a % 10 + b % 10 < 10:
+        return None
+    return str(a + b - 10)
+
+
 def _apply(op: str, a: int, b: int) -> int:
     if op == "+":
         return a + b

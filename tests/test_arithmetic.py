@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from envs import make_suite
-from envs.arithmetic import ArithmeticSuite, verify
+from envs.arithmetic import ArithmeticSuite, carry_slip_answer, verify
 from envs.base import Env
 
 
@@ -91,3 +91,30 @@ async def test_episode() -> None:
     await env.close()  # safe twice
     with pytest.raises(RuntimeError, match="reset"):
         await env.step("1")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "slipped"),
+    [
+        ("17+25=", "32"),  # 7+5 carries: the slip forgets it (42 -> 32)
+        ("57+68=", "115"),  # 125 -> 115: only the units carry is forgotten, the tens still carry
+        ("5+5=", "0"),  # 1-digit: 10 -> 0
+        ("99+1=", "90"),
+        ("19+10=", None),  # 9+0 does not carry
+        ("14+25=", None),
+        ("0+0=", None),
+        ("17-25=", None),  # only addition
+        ("17*25=", None),
+        ("garbage", None),
+    ],
+)
+def test_carry_slip_answer(prompt: str, slipped: str | None) -> None:
+    assert carry_slip_answer(prompt) == slipped
+
+
+def test_carry_slip_counts_on_2_digit_addition() -> None:
+    s = _suite(digits=2, ops=["+"], eval_size=1, train_size=9999)
+    tasks = list(s.train_tasks()) + list(s.eval_tasks())
+    slips = [carry_slip_answer(t.prompt) for t in tasks]
+    assert sum(x is not None for x in slips) == 4500  # 45 of the 100 units pairs carry
+    assert all(int(t.answer) - int(x) == 10 for t, x in zip(tasks, slips) if x is not None)

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1200)
 def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
     """A few real steps; then the engine's logprobs equal the trainer's, versions advanced, checksums enforced."""
     from envs import make_suite
@@ -86,6 +87,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig: signal.Signals) -> None:
     """`flashrl run` trains (metrics.jsonl, resolved config, logs), then a signal stops every process within 30 s."""

@@ -121,3 +121,22 @@ def test_ensure_model_other_path(tmp_path: Path, untrained: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelPathError, match="holds no config.json"):
         ensure_model(Config(model=ModelConfig(path=str(tmp_path / "empty"))))
+
+
+def test_teacher_answers_slip_only_carries_and_are_seeded() -> None:
+    import random
+
+    from envs.base import Task
+    from flashrl.models.tiny import teacher_answers
+
+    tasks = [Task(id="c", prompt="17+25=", answer="42"), Task(id="n", prompt="14+25=", answer="39"),
+             Task(id="m", prompt="17*25=", answer="425")]
+    draws = [teacher_answers(tasks, 0.6, random.Random(s)) for s in range(400)]
+    assert all([t.answer for t in d[1:]] == ["39", "425"] for d in draws)  # no carry / not addition: exact
+    carried = [d[0].answer for d in draws]
+    assert set(carried) == {"42", "32"}  # right, or the units carry forgotten
+    assert 0.5 < carried.count("32") / len(carried) < 0.7  # ~slip
+    assert [t.answer for t in teacher_answers(tasks, 0.6, random.Random(7))] == [t.answer for t in draws[7]]
+    assert [t.answer for t in teacher_answers(tasks, 1.0, random.Random(0))] == ["32", "39", "425"]
+    assert [t.answer for t in teacher_answers(tasks, 0.0, random.Random(0))] == ["42", "39", "425"]
+    assert tasks[0].answer == "42"  # the input tasks are not changed

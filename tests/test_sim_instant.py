@@ -134,3 +134,14 @@ def test_zmq_rate_sequential_and_concurrent_inline() -> None:
     assert many["requests"] == 80 and many["client_cpu_us_per_request"] > 0
     with pytest.raises(ValueError, match="concurrency"):
         zmq_rate(4, concurrency=8, server="inline")
+
+
+def test_profile_names_the_controller_hot_spots() -> None:
+    import os
+
+    from flashrl.benchmarks.overhead import profile_controller
+
+    text = profile_controller(8, 4, 2, 2, top=5)
+    assert text.startswith("controller run 8x4, 2 engines, 2 steps:")
+    assert "flashrl/controller/rollout.py" in text and "own time per file" in text
+    assert os.getcwd() + "/" not in text  # repository-relative paths

@@ -101,6 +101,12 @@ class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen
     more settled policy, but GRPO then degraded it in bench/feasibility_grpo.py, so it is off. The probe
     is 512 problems: with 128 the stop point was noisy enough that two seeds started RL at 20% and 40%
     held-out accuracy.
+
+    ``teacher_carry_slip`` (an imperfect teacher, common in practice): the SFT targets come from a
+    teacher that forgets the units carry of an addition with probability p (``teacher_answers``), so a
+    well-imitating model answers carry problems wrong greedily but right in a 1-p fraction of samples;
+    RL with the exact verifier then has dense signal to correct it. The probe and the reported
+    accuracies always score against the exact answers.
     """
 
     max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 3000
@@ -111,6 +117,10 @@ class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen
     target_accuracy: Annotated[float, Meta(ge=0, le=1, description="stop once probe accuracy reaches this")] = 0.25
     check_every: Annotated[int, Meta(ge=1, description="steps between probe evaluations")] = 50
     probe_size: Annotated[int, Meta(ge=1, description="train problems in the probe")] = 512
+    # The warm-start imitates an imperfect teacher; RL with the exact verifier corrects it.
+    teacher_carry_slip: Annotated[float, Meta(ge=0, le=1, description=(
+        "chance the SFT teacher forgets the units carry on an addition that has one (answer a+b-10 instead of "
+        "a+b), drawn afresh each time the problem is drawn; 0 = an exact teacher"))] = 0.0
 
 
 def left_pad(seqs: list[list[int]], pad_id: int):  # -> (input_ids, attention_mask, position_ids)
@@ -194,6 +204,23 @@ def sft_batch(tok, tasks):  # -> (input_ids, attention_mask, labels)
     return ids, mask, lab
 
 
+def teacher_answers(tasks, slip: float, rng) -> list:
+    """``tasks`` as an imperfect teacher answers them: each addition with a units carry gets the
+    carry-forgotten answer (``envs.arithmetic.carry_slip_answer``) with probability ``slip``.
+
+    One ``rng.random()`` per task that has a carry, so the result is deterministic for the rng's state.
+    """
+    from envs.arithmetic import carry_slip_answer
+
+    out = []
+    for t in tasks:
+        wrong = carry_slip_answer(t.prompt)
+        if wrong is not None and rng.random() < slip:
+            t = msgspec.structs.replace(t, answer=wrong)
+        out.append(t)
+    return out
+
+
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
                log=None) -> dict:
     """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
@@ -225,7 +252,10 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
             scale *= 1.0 - step / ws.max_steps
         for group in opt.param_groups:
             group["lr"] = ws.lr * scale
-        ids, mask, lab = sft_batch(tok, rng.sample(train_tasks, min(ws.batch, len(train_tasks))))
+        batch = rng.sample(train_tasks, min(ws.batch, len(train_tasks)))
+        if ws.teacher_carry_slip > 0:
+            batch = teacher_answers(batch, ws.teacher_carry_slip, rng)
+        ids, mask, lab = sft_batch(tok, batch)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
