@@ -119,7 +119,7 @@ def test_train_only_suite_hides_the_eval_split() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_tiny_real_point_runs_both_variants_on_one_cluster(tmp_path: Path) -> None:
     path = tmp_path / "real_tiny.toml"
     path.write_text(f"""
