@@ -6,6 +6,7 @@ Loaders import lazily so that a config naming one environment does not import th
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 import msgspec
@@ -21,6 +22,18 @@ ENVIRONMENTS: dict[str, str] = {
 }
 
 
+def _params_error(msg: str, env: str, params_type: type) -> str:
+    """msgspec's message as `env.params.<key>: what is wrong`, listing the accepted keys for a typo."""
+    at = re.search(r" - at `\$((?:\.[A-Za-z0-9_]+|\[[^\]]*\])*)`", msg)
+    path = "env.params" + (at.group(1) if at else "")
+    what = msg[: at.start()] if at else msg
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
+    if unknown:
+        fields = [f.name for f in msgspec.structs.fields(params_type)]
+        return f"{path}.{unknown.group(1)}: unknown key for env {env!r}; accepted: {', '.join(fields)} (and faults)"
+    return f"{path}: {what} (env {env!r})"
+
+
 def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
     """Build the EnvSuite for ``env.name``; bad params raise ValueError naming ``env.params.<key>``."""
     if name not in ENVIRONMENTS:
@@ -33,8 +46,7 @@ def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> 
     try:
         p = msgspec.convert(params, cls.Params, strict=True)
     except msgspec.ValidationError as e:
-        msg = str(e).replace(" - at `$", " - at `env.params")
-        raise ValueError(f"env.params ({name}): {msg}") from None
+        raise ValueError(_params_error(str(e), name, cls.Params)) from None
     suite = cls(p, seed=seed, eval_size=eval_size)
     if faults is not None:
         from envs.faults import with_faults

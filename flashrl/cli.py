@@ -37,17 +37,22 @@ def _load_or_exit(config: Path | None, overrides: list[str] | None) -> Config:
         raise typer.Exit(code=2) from None
 
 
-@app.command()
-def validate(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
-    cfg = _load_or_exit(config, set_)
-    try:
-        from envs import make_suite
+def _check_env_or_exit(cfg: Config, config: Path) -> None:
+    """The environment's own params struct checks [env.params]; a problem exits 2 like any config error."""
+    from envs import make_suite
 
+    try:
         make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
     except ValueError as e:
         typer.echo(f"config error: {config}: {e}", err=True)
         raise typer.Exit(code=2) from None
+
+
+@app.command()
+def validate(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
+    cfg = _load_or_exit(config, set_)
+    _check_env_or_exit(cfg, config)
     typer.echo(
         f"ok: {config} (run {cfg.run.name}: {cfg.engine.count} engine(s), {cfg.trainer.ranks} trainer rank(s), "
         f"env {cfg.env.name}, loss {cfg.algorithm.loss}, async_ratio {cfg.scheduler.async_ratio})"
@@ -58,13 +63,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
 def run(config: ConfigArg, set_: SetOpt = None) -> None:
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
     cfg = _load_or_exit(config, set_)
-    try:
-        from envs import make_suite
-
-        make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
-    except ValueError as e:
-        typer.echo(f"config error: {config}: {e}", err=True)
-        raise typer.Exit(code=2) from None
+    _check_env_or_exit(cfg, config)
     from flashrl.launch import main as launch_main
 
     code = launch_main(cfg)

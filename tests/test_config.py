@@ -116,3 +116,22 @@ def test_cli_run_bad_config_exits_2_before_starting(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "config file not found" in bad.stderr
+
+
+def test_env_params_errors_name_the_key() -> None:
+    from envs import make_suite
+
+    with pytest.raises(ValueError, match=r"env\.params\.bogus: unknown key for env 'guess'; accepted: max_number"):
+        make_suite("guess", {"bogus": 1}, 0, 10)
+    with pytest.raises(ValueError, match=r"env\.params\.digits: Expected `int`, got `str`"):
+        make_suite("arithmetic", {"digits": "x"}, 0, 10)
+
+
+def test_cli_validate_rejects_bad_env_params() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashrl.cli", "validate", str(ROOT / "configs" / "tiny.toml"), "--set", "env.params.digitz=2"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "env.params.digitz: unknown key for env 'arithmetic'" in bad.stderr
