@@ -324,7 +324,10 @@ class RemoteSuite:
 
     def __init__(self, params: RemoteParams, seed: int = 0, eval_size: int = 200) -> None:
         self.params = params
-        self.local = make_suite(params.inner, dict(params.params), seed, eval_size)  # data + early param errors
+        try:  # data + early param errors, named by their full path under the remote wrapper
+            self.local = make_suite(params.inner, dict(params.params), seed, eval_size)
+        except ValueError as e:
+            raise ValueError(str(e).replace("env.params", "env.params.params", 1)) from None
         self.pool = RemotePool(params, seed, eval_size)
 
     @property
