@@ -507,11 +507,16 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
 
 # --------------------------------------------------------------------------- CLI
 def main(argv: list[str]) -> int:
-    """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]`` and ``flashrl bench calibrate RUN_DIR``."""
+    """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]``, ``flashrl bench calibrate RUN_DIR`` and
+    ``flashrl bench algorithms [--losses ...] [--ratios ...]`` (learning, not speed: flashrl/benchmarks/algorithms.py)."""
     if argv and argv[0] == "calibrate":
         from flashrl.benchmarks.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv and argv[0] == "algorithms":
+        from flashrl.benchmarks.algorithms import main as algorithms_main
+
+        return algorithms_main(argv[1:])
     ap = argparse.ArgumentParser(prog="flashrl bench", description=__doc__.split("\n")[0])
     ap.add_argument("scenario", help="a bench/*.toml name (e.g. queue_scheduling), a path, or 'all'")
     ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")

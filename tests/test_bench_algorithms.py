@@ -1,4 +1,4 @@
-"""bench/algorithms.py: summary, table, CSV/JSON and plot on synthetic runs; CLI driving with a stand-in CLI."""
+"""flashrl/benchmarks/algorithms.py (`flashrl bench algorithms`): summary, table, CSV/JSON and plot on synthetic runs; CLI driving with a stand-in CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.algorithms import Point, markdown_table, read_curve, run_algorithms_bench, summarize, write_results
+from flashrl.benchmarks.algorithms import (
+    Point,
+    markdown_table,
+    read_curve,
+    run_algorithms_bench,
+    summarize,
+    write_results,
+)
 
 
 def _write_metrics(path: Path, rewards: list[float], evals: dict[int, float]) -> None:

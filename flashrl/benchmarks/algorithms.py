@@ -12,7 +12,7 @@ code and the log path, never dropped. "Final reward" is the mean of reward/mean 
 ``FINAL_WINDOW`` logged steps (one step's batch reward is noisy); "final accuracy" is the last
 eval/accuracy logged.
 
-    python -m bench.algorithms --losses ppo,decoupled_ppo,topr --ratios 0,2 --steps 60 --out runs/bench-alg
+    flashrl bench algorithms --losses ppo,decoupled_ppo,topr --ratios 0,2 --steps 60 --out runs/bench-alg
 """
 
 from __future__ import annotations
@@ -222,11 +222,11 @@ def run_algorithms_bench(losses: Sequence[str], ratios: Sequence[int], steps: in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="flashrl bench algorithms", description=__doc__.split("\n")[0])
     ap.add_argument("--losses", default="ppo,decoupled_ppo,tis,topr,cispo,gspo")
-    ap.add_argument("--ratios", default="0,1,2,4")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--out", default="runs/bench-algorithms")
+    ap.add_argument("--ratios", default="0,2,8", help="async ratios; 0 (synchronous, the baseline) is always run")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default="bench/results/algorithms")
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every run")
     ap.add_argument("--timeout-s", type=float, default=None)
