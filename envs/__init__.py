@@ -34,12 +34,17 @@ def _params_error(msg: str, env: str, params_type: type) -> str:
     return f"{path}: {what} (env {env!r})"
 
 
-def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
-    """Build the EnvSuite for ``env.name``; bad params raise ValueError naming ``env.params.<key>``."""
+def suite_class(name: str) -> type:
+    """The EnvSuite class registered for ``env.name`` (imported on demand)."""
     if name not in ENVIRONMENTS:
         raise ValueError(f"env.name: unknown environment {name!r}; expected one of {sorted(ENVIRONMENTS)}")
     module, cls_name = ENVIRONMENTS[name].split(":")
-    cls = getattr(importlib.import_module(module), cls_name)
+    return getattr(importlib.import_module(module), cls_name)
+
+
+def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
+    """Build the EnvSuite for ``env.name``; bad params raise ValueError naming ``env.params.<key>``."""
+    cls = suite_class(name)
     # ``faults`` is reserved for every env: delays and injected faults around it (envs/faults.py).
     faults = params.get("faults")
     params = {k: v for k, v in params.items() if k != "faults"}

@@ -80,3 +80,29 @@ class EnvSuite(Protocol):
     def eval_tasks(self) -> Sequence[Task]: ...
 
     def make_env(self) -> Env: ...
+
+
+class Demo(msgspec.Struct, kw_only=True, frozen=True):
+    """A teacher's episode for the supervised warm-start of the built-in model.
+
+    ``turns`` holds (action, observation) pairs in order: the model is trained on each action (plus
+    the end-of-sequence token that closes a turn), never on the prompt or an observation, which is
+    exactly the token layout and loss mask of a multi-turn rollout. The last observation is "".
+    """
+
+    prompt: str
+    turns: list[tuple[str, str]]
+
+
+@runtime_checkable
+class Demonstrating(Protocol):
+    """An EnvSuite whose warm-start imitates a multi-turn teacher instead of ``prompt -> answer``.
+
+    ``WARM_START`` overrides fields of flashrl.models.WarmStart for this suite (e.g. more steps).
+    """
+
+    WARM_START: ClassVar[dict[str, Any]]
+
+    def demonstration(self, task: Task, rng: Any) -> Demo:
+        """One teacher episode on ``task``; ``rng`` (random.Random) makes it deterministic."""
+        ...

@@ -198,7 +198,7 @@ async def local_cluster(
     """
     from flashrl.engine.client import EngineOptions, spawn_engine
     from flashrl.trainer.client import TrainerGroup
-    from flashrl.transport import free_port
+    from flashrl.transport import free_port, local_address
 
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ async def local_cluster(
         status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
         for i in range(cfg.engine.count):
             opts = EngineOptions(
-                address=f"tcp://127.0.0.1:{free_port()}",
+                address=local_address(f"engine{i}"),
                 model=str(model_path),
                 name=f"engine{i}",
                 dtype=cfg.model.dtype,

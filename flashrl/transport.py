@@ -15,11 +15,16 @@ Sockets bind to loopback unless the address names another host; then CURVE keys 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ipaddress
 import logging
+import os
+import shutil
 import socket
+import tempfile
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -44,6 +49,22 @@ class RemoteError(TransportError):
     def __init__(self, message: str, kind: str = "error") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+_IPC_DIR: str | None = None
+
+
+def local_address(name: str) -> str:
+    """A fresh ``ipc://`` address for a socket between processes of this machine.
+
+    Unix-domain paths in a private directory cannot collide with another process's port, unlike a TCP
+    port picked by ``free_port`` and bound later by a child (another program may take it in between).
+    """
+    global _IPC_DIR
+    if _IPC_DIR is None or not os.path.isdir(_IPC_DIR):
+        _IPC_DIR = tempfile.mkdtemp(prefix="flashrl-ipc-")
+        atexit.register(shutil.rmtree, _IPC_DIR, True)
+    return f"ipc://{_IPC_DIR}/{name}-{uuid.uuid4().hex[:12]}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,6 +129,9 @@ class RpcClient:
         self._sock.connect(address)
         self._next_rid = 1
         self._pending: dict[int, asyncio.Future[Msg]] = {}
+        # rids whose caller gave up (cancelled, timed out): a late reply for one is expected, not a warning.
+        # Bounded: the oldest are forgotten (a reply that late is then warned about, harmlessly).
+        self._abandoned: set[int] = set()
         self._dead: PeerDead | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._send_lock = asyncio.Lock()
@@ -143,6 +167,10 @@ class RpcClient:
             reply = await asyncio.wait_for(fut, timeout) if timeout else await fut
         finally:
             self._pending.pop(rid, None)
+            if fut.cancelled() or not fut.done():  # cancelled or timed out: its late reply is expected
+                self._abandoned.add(rid)
+                if len(self._abandoned) > _ABANDONED_MAX:
+                    self._abandoned = {r for r in self._abandoned if r > rid - _ABANDONED_MAX // 2}
         if isinstance(reply, Error):
             raise RemoteError(f"{self.name}: {reply.message}", reply.kind)
         return reply
@@ -158,7 +186,10 @@ class RpcClient:
                     self._kill(PeerDead(f"{self.name} sent a malformed frame: {e}"))
                     return
                 fut = self._pending.get(reply.rid)
-                if fut is None:
+                if fut is None and reply.rid in self._abandoned:  # e.g. an aborted redundant rollout
+                    self._abandoned.discard(reply.rid)
+                    log.debug("%s: late reply for abandoned request %d dropped", self.name, reply.rid)
+                elif fut is None:
                     log.warning("%s: reply for unknown request %d (%s) ignored", self.name, reply.rid, type(reply).__name__)
                 elif not fut.done():
                     fut.set_result(reply)
@@ -196,6 +227,8 @@ class RpcClient:
         self._tasks.clear()
         self._sock.close(linger=0)
 
+
+_ABANDONED_MAX = 1 << 16
 
 Handler = Callable[[Msg], Awaitable[Msg | None]]
 

@@ -178,6 +178,19 @@ async def test_generate_tokens_logprobs_versions(client: EngineProcessClient, mo
     assert load.generated_tokens >= sum(len(o.token_ids) for o in outs) and load.version == 0
 
 
+@pytest.mark.slow
+async def test_burst_of_seeded_prompts_over_the_token_budget(client: EngineProcessClient) -> None:
+    # 32 seeded 120-token prompts at once: 3840 prompt tokens, over vLLM's 2048-token step budget. With
+    # chunked prefill the CPU engine died here ("CPU Generator does not use offset"); it must serve all.
+    prompt = (PROMPT * 40)[:120]
+    reqs = [Generate(request_id=f"b{i}", prompt_ids=prompt, max_tokens=4, temperature=1.0, seed=100 + i, ignore_eos=True)
+            for i in range(32)]
+    outs = await asyncio.wait_for(asyncio.gather(*(client.generate(r) for r in reqs)), 300)
+    assert [o.request_id for o in outs] == [r.request_id for r in reqs]
+    assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in outs)
+    assert (await client.generate(reqs[5])).token_ids == outs[5].token_ids  # seeded: the same sample again
+
+
 async def _wait_tokens(client: EngineProcessClient, start: int, n: int) -> None:
     for _ in range(1000):  # until the engine has generated n more tokens
         if (await client.load()).generated_tokens >= start + n:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 from envs import make_suite
-from envs.base import Task
-from envs.guess import GuessEnv, GuessParams, GuessSuite
+from envs.base import Demo, Demonstrating, Task
+from envs.guess import GuessEnv, GuessParams, GuessSuite, feedback
 from flashrl import config
 from flashrl.models.tokenizer import CHARSET
 
@@ -35,6 +36,7 @@ async def test_binary_search_transcript() -> None:
     assert [r.observation for r in res] == [" higher\n", " higher\n", " lower\n", ""]
     assert [r.done for r in res] == [False, False, False, True]
     assert res[-1].reward == 0.5**3 and res[-1].info["found"] is True
+    assert res[-1].info["correct"] is True  # a find on any turn is correct (reward < 1 after turn 1)
     assert env.transcript == "Guess 0-9:\n4 higher\n6\n higher\n8 lower\n7"
     assert set(env.transcript) <= set(CHARSET)
 
@@ -48,7 +50,7 @@ async def test_out_of_turns_invalid_and_lenient_parsing() -> None:
     r2 = await env.step("12")  # out of range: invalid
     r3 = await env.step("5 higher")  # the first digits count: 5, still wrong, last turn
     assert [r1.observation, r2.observation] == [" invalid\n", " invalid\n"]
-    assert r3.done and r3.reward == 0.0 and r3.info == {"turns": 3, "guess": 5, "found": False}
+    assert r3.done and r3.reward == 0.0 and r3.info == {"turns": 3, "guess": 5, "found": False, "correct": False}
     with pytest.raises(RuntimeError, match="reset"):
         await env.step("2")
     await env.reset(task)  # a new episode on the same env
@@ -86,3 +88,43 @@ def test_agentic_config_loads_and_builds_its_suite() -> None:
     # the round trip through the resolved-config writer keeps the nested delay table
     again = config.from_dict(__import__("tomllib").loads(config.to_toml(cfg)))
     assert again.env.params == cfg.env.params
+
+
+async def _replay(suite: GuessSuite, task: Task, demo: Demo) -> list:
+    env = suite.make_env()
+    assert await env.reset(task) == demo.prompt
+    return [await env.step(action) for action, _ in demo.turns]
+
+
+@pytest.mark.parametrize("ignore", [0.0, 0.5, 1.0])
+async def test_teacher_demonstrations_replay_exactly_in_the_env(ignore: float) -> None:
+    suite = GuessSuite(GuessParams(max_number=9, max_turns=4, teacher_ignore=ignore), eval_size=1)
+    assert isinstance(suite, Demonstrating)
+    rng = random.Random(0)
+    found = 0
+    for task in suite.train_tasks()[:300]:
+        demo = suite.demonstration(task, rng)
+        results = await _replay(suite, task, demo)
+        # the teacher's observations are the env's, turn by turn, and the episode ends where the env ends it
+        assert [obs for _, obs in demo.turns] == [r.observation for r in results]
+        assert [r.done for r in results] == [False] * (len(results) - 1) + [True]
+        assert 1 <= len(demo.turns) <= 4 and demo.turns[-1][1] == ""
+        found += results[-1].info["found"]
+        if ignore == 0.0:  # every guess is one the feedback so far allows
+            lo, hi = 0, 9
+            for action, obs in demo.turns:
+                g = int(action)
+                assert lo <= g <= hi
+                lo, hi = (g + 1, hi) if obs == " higher\n" else (lo, g - 1) if obs == " lower\n" else (lo, hi)
+    # success of the teacher (simulated exactly: 0.76 consistent, 0.55 at 0.5, 0.35 ignoring everything)
+    expected = {0.0: 0.764, 0.5: 0.547, 1.0: 0.344}[ignore]
+    assert abs(found / 300 - expected) < 0.09
+
+
+def test_teacher_is_deterministic_for_its_rng_and_feedback_is_the_envs() -> None:
+    suite = GuessSuite(GuessParams(), eval_size=1)
+    tasks = suite.train_tasks()[:50]
+    a = [suite.demonstration(t, random.Random(3)) for t in tasks]
+    b = [suite.demonstration(t, random.Random(3)) for t in tasks]
+    assert a == b
+    assert [feedback(5, g, 9) for g in (2, 8, 10, -1)] == [" higher\n", " lower\n", " invalid\n", " invalid\n"]

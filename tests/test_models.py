@@ -140,3 +140,78 @@ def test_teacher_answers_slip_only_carries_and_are_seeded() -> None:
     assert [t.answer for t in teacher_answers(tasks, 1.0, random.Random(0))] == ["32", "39", "425"]
     assert [t.answer for t in teacher_answers(tasks, 0.0, random.Random(0))] == ["42", "39", "425"]
     assert tasks[0].answer == "42"  # the input tasks are not changed
+
+
+def test_demo_batch_labels_actions_and_their_eos_only(untrained: Path) -> None:
+    from envs.base import Demo
+    from flashrl.models.tiny import demo_batch
+
+    tok = load_tokenizer(untrained)
+    demo = Demo(prompt="Guess 0-9:\n", turns=[("5", " higher\n"), ("8", " lower\n"), ("7", "")])
+    ids, mask, lab = demo_batch(tok, [demo, Demo(prompt="Guess 0-9:\n", turns=[("3", "")])])
+    eos = tok.eos_token_id
+    text = "Guess 0-9:\n5" + "\x00" + " higher\n8" + "\x00" + " lower\n7" + "\x00"
+    want_ids = [eos if c == "\x00" else tok.encode(c)[0] for c in text]
+    assert ids[0].tolist() == want_ids and mask[0].tolist() == [1] * len(want_ids)
+    labelled = [i for i, v in enumerate(lab[0].tolist()) if v != -100]
+    p = len("Guess 0-9:\n")
+    assert labelled == [p, p + 1, p + 10, p + 11, p + 19, p + 20]  # "5" EOS, "8" EOS, "7" EOS
+    assert [ids[0, i].item() for i in labelled] == tok.encode("5") + [eos] + tok.encode("8") + [eos] + tok.encode("7") + [eos]
+    # the short row is right-padded: no label and no attention past its end
+    assert lab[1].tolist()[p:p + 2] == tok.encode("3") + [eos] and set(lab[1].tolist()[p + 2:]) == {-100}
+    assert mask[1].sum().item() == p + 2
+
+
+class _Scripted:
+    """A stand-in causal LM that always answers "5" then EOS, and records every context it is fed."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.seen = tok, []
+
+    def __call__(self, input_ids, attention_mask, position_ids):
+        import torch
+
+        rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+        self.seen.append(rows)
+        logits = torch.zeros(len(rows), 1, self.tok.vocab_size)
+        for i, r in enumerate(rows):
+            nxt = self.tok.eos_token_id if r[-1] == self.tok.encode("5")[0] else self.tok.encode("5")[0]
+            logits[i, -1, nxt] = 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_play_episodes_lays_out_turns_like_the_rollout(untrained: Path) -> None:
+    from envs.base import Task
+    from envs.guess import GuessParams, GuessSuite
+    from flashrl.models.tiny import play_episodes
+
+    tok = load_tokenizer(untrained)
+    suite = GuessSuite(GuessParams(max_number=9, max_turns=3), eval_size=1)
+    tasks = [Task(id="a", prompt=suite.prompt(), answer="5"), Task(id="b", prompt=suite.prompt(), answer="7")]
+    model = _Scripted(tok)
+    out = play_episodes(model, tok, suite, tasks, max_new_tokens=3, max_turns=3)
+    assert out == [(1.0, True), (0.0, False)]  # found on turn 1; never found in 3 turns
+    eos = tok.eos_token_id
+    # the last context of episode b: prompt, then per turn "5" EOS + the env's observation
+    last = model.seen[-1][-1]
+    assert last == tok.encode("Guess 0-9:\n5") + [eos] + tok.encode(" higher\n5") + [eos] + tok.encode(" higher\n5")
+
+
+def test_demonstrating_env_gets_its_warm_start_and_faults_do_not_change_the_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from envs.guess import GuessSuite
+
+    monkeypatch.setattr(GuessSuite, "WARM_START", {"max_steps": 3, "batch": 8, "check_every": 3, "probe_size": 8,
+                                                   "target_accuracy": 1.0})
+
+    def cfg(params: dict) -> Config:
+        return Config(model=ModelConfig(cache_dir=str(tmp_path)), env=EnvConfig(name="guess", params=params, eval_size=8))
+
+    path = ensure_model(cfg({"max_number": 9, "train_size": 50}), SMALL)
+    report = json.loads((path / "flashrl_warmstart.json").read_text())
+    assert report["steps"] == 3 and report["warm"]["batch"] == 8  # the env's WARM_START, not the defaults
+    for key in ("eval_accuracy", "eval_success_sampled"):
+        assert 0.0 <= report[key] <= 1.0
+    assert 0.0 <= report["eval_reward_sampled"] <= 1.0
+    delayed = {"max_number": 9, "train_size": 50, "faults": {"delay": {"kind": "constant", "seconds": 0.5}}}
+    assert ensure_model(cfg(delayed), SMALL) == path  # same task, same model: no rebuild for a delay

@@ -61,6 +61,22 @@ async def test_handler_error_is_per_request(pair) -> None:
     assert isinstance(await client.request(P.Ping(), timeout=5), P.Pong)
 
 
+async def test_late_reply_to_an_abandoned_request_is_dropped_quietly(pair, caplog: pytest.LogCaptureFixture) -> None:
+    client, _, _ = pair
+    caplog.set_level("DEBUG", logger="flashrl.transport")
+    slow = P.Generate(request_id="slow", prompt_ids=[0])  # the handler answers it after 0.2 s
+    with pytest.raises(TimeoutError):
+        await client.request(slow, timeout=0.05)
+    task = asyncio.create_task(client.request(P.Generate(request_id="cancelled", prompt_ids=[1]), timeout=5))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.4)  # both late replies arrive
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [] and sum("abandoned" in r.getMessage() for r in caplog.records) == 2
+    assert client._abandoned == set()  # each late reply cleared its rid
+    assert isinstance(await client.request(P.Ping(), timeout=5), P.Pong)  # the channel is fine
+
+
 async def test_malformed_frame_rejected_and_sender_untrusted(pair) -> None:
     _, server, addr = pair
     ctx = zmq.asyncio.Context.instance()

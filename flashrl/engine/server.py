@@ -354,6 +354,12 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
     if opts.device == "cpu":
         kwargs["enforce_eager"] = True
         kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * (1 << 30))
+        # Every request is seeded (reproducible rollouts). With chunked prefill, vLLM discards the token
+        # sampled for a partly prefilled request and rewinds its generator's offset, which CPU torch
+        # generators do not have ("CPU Generator does not use offset": the engine dies once a burst of
+        # prompts exceeds the token budget). Whole prefills only, with a budget that fits any prompt.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(opts.max_model_len, 2048)
     else:
         kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
     args = AsyncEngineArgs(

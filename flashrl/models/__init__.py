@@ -1,7 +1,7 @@
 """Model resolution: ``model.path`` -> a local Hugging Face model folder every process can load.
 
     ensure_model(cfg)
-      "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, params, seed)
+      "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, params but faults, seed)
           lock <cache_dir>/tiny-<key>.lock (fcntl, so concurrent callers build it once)
             hit : the folder exists -> return it
             miss: build_untrained -> warm_start on the env's train split -> flashrl_warmstart.json
@@ -44,13 +44,18 @@ class ModelPathError(FileNotFoundError):
     """model.path does not name a usable model folder; the message says how to fix it."""
 
 
+def _task_params(cfg) -> dict:
+    """``env.params`` without ``faults``: the model learns the task, not its delays or injected faults."""
+    return {k: v for k, v in cfg.env.params.items() if k != "faults"}
+
+
 def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:
     blob = {
         "recipe": _RECIPE_VERSION,
         "spec": msgspec.to_builtins(spec),
         "warm": msgspec.to_builtins(warm),
         "env": cfg.env.name,
-        "params": cfg.env.params,
+        "params": _task_params(cfg),
         "eval_size": cfg.env.eval_size,
         "seed": cfg.run.seed,
     }
@@ -100,7 +105,10 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
         return p
 
     spec = spec or TinySpec()
-    warm = warm or WarmStart()
+    if warm is None:  # the defaults, with the environment's own overrides (envs.base.Demonstrating)
+        from envs import suite_class
+
+        warm = msgspec.structs.replace(WarmStart(), **getattr(suite_class(cfg.env.name), "WARM_START", {}))
     cache = Path(cfg.model.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     key = _cache_key(cfg, spec, warm)
@@ -112,14 +120,15 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
             return final
         from envs import make_suite
 
-        suite = make_suite(cfg.env.name, cfg.env.params, seed=cfg.run.seed, eval_size=cfg.env.eval_size)
+        suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
         try:
             log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
             with _one_torch_thread():
                 build_untrained(tmp, seed=cfg.run.seed, spec=spec)
-                report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed, log=log.info)
-            report |= {"key": key, "env": cfg.env.name, "params": cfg.env.params, "seed": cfg.run.seed,
+                report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
+                                    log=log.info, suite=suite)
+            report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
                        "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
             (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
             log.info("built %s: held-out greedy accuracy %.3f in %.1f s", final, report["eval_accuracy"], report["seconds"])

@@ -224,12 +224,111 @@ def teacher_answers(tasks, slip: float, rng) -> list:
     return out
 
 
+def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
+    """Right-padded multi-turn teacher episodes (envs.base.Demo): labels on every action and the EOS
+    closing its turn; the prompt and the observations get none (the rollout's loss mask, exactly)."""
+    import torch
+
+    seqs, labels = [], []
+    for d in demos:
+        ids = tok.encode(d.prompt)
+        lab = [-100] * len(ids)
+        for action, obs in d.turns:
+            a = tok.encode(action) + [tok.eos_token_id]
+            o = tok.encode(obs) if obs else []
+            ids += a + o
+            lab += a + [-100] * len(o)
+        seqs.append(ids)
+        labels.append(lab)
+    width = max(len(s) for s in seqs)
+    ids_t = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    lab_t = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids_t[i, :len(s)] = torch.tensor(s)
+        lab_t[i, :len(s)] = torch.tensor(lb)
+        mask[i, :len(s)] = 1
+    return ids_t, mask, lab_t
+
+
+def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int, temperature: float = 0.0,
+                  generator=None) -> list[tuple[float, bool]]:
+    """Play ``tasks`` in ``suite``'s environments with the model (in process, all episodes batched per
+    turn), laid out like the controller's rollout: action tokens + EOS, then the observation's tokens.
+    Returns (total reward, correct) per task; correct as the controller scores it (info["correct"], else
+    reward >= 1)."""
+    import asyncio
+
+    async def episodes() -> list[tuple[float, bool]]:
+        envs = [suite.make_env() for _ in tasks]
+        ctx = [tok.encode(await e.reset(t)) for e, t in zip(envs, tasks)]
+        reward, correct = [0.0] * len(tasks), [False] * len(tasks)
+        alive = list(range(len(tasks)))
+        for _ in range(max_turns):
+            if not alive:
+                break
+            outs = generate(model, [ctx[i] for i in alive], max_new_tokens, tok.eos_token_id, tok.pad_token_id,
+                            temperature=temperature, generator=generator)
+            still = []
+            for i, out in zip(alive, outs):
+                ctx[i] = ctx[i] + out
+                res = await envs[i].step(tok.decode(out))
+                reward[i] += res.reward
+                correct[i] = bool(res.info["correct"]) if "correct" in res.info else reward[i] >= 1.0
+                if not res.done:
+                    ctx[i] = ctx[i] + tok.encode(res.observation)
+                    still.append(i)
+            alive = still
+        for e in envs:
+            await e.close()
+        return list(zip(reward, correct))
+
+    return asyncio.run(episodes())
+
+
+def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[int, float]:
+    """Imitate ``suite.demonstration`` episodes (multi-turn); returns (steps, greedy probe success)."""
+    import torch
+
+    train = list(suite.train_tasks())
+    probe = train[: ws.probe_size]
+    sample = [suite.demonstration(t, rng) for t in probe]
+    max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
+    max_turns = max(len(d.turns) for d in sample)
+    probe_acc, step = 0.0, 0
+    while step < ws.max_steps:
+        model.train()
+        scale = min(1.0, (step + 1) / ws.warmup) if ws.warmup else 1.0
+        if ws.decay:
+            scale *= 1.0 - step / ws.max_steps
+        for group in opt.param_groups:
+            group["lr"] = ws.lr * scale
+        demos = [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))]
+        ids, mask, lab = demo_batch(tok, demos)
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % ws.check_every == 0 or step == ws.max_steps:
+            model.eval()
+            probe_acc = sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
+            if log:
+                log(f"warm-start step {step}: loss {loss.item():.3f} probe success (greedy) {probe_acc:.3f}")
+            if probe_acc >= ws.target_accuracy:
+                break
+    return step, probe_acc
+
+
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
-               log=None) -> dict:
+               log=None, suite=None) -> dict:
     """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
 
     Deterministic for a seed on one thread (the caller sets torch threads). Report keys: eval_accuracy
-    (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds.
+    (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds; for a ``suite`` that demonstrates
+    (envs.base.Demonstrating: multi-turn teacher episodes) also eval_success_sampled and eval_reward_sampled
+    (temperature 1, what the RL rollouts start from).
     """
     import random
     import time
@@ -245,6 +344,22 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    if suite is not None and hasattr(suite, "demonstration"):
+        steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log)
+        model.eval()
+        eval_tasks = list(suite.eval_tasks())
+        sample = [suite.demonstration(t, random.Random(seed)) for t in eval_tasks[:64]]
+        max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
+        max_turns = max(len(d.turns) for d in sample)
+        greedy = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns)
+        gen = torch.Generator().manual_seed(seed)
+        sampled = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns, temperature=1.0, generator=gen)
+        model.save_pretrained(str(model_dir), safe_serialization=True)
+        n = max(len(eval_tasks), 1)
+        return {"eval_accuracy": sum(c for _, c in greedy) / n, "probe_accuracy": probe_acc, "steps": steps,
+                "eval_success_sampled": sum(c for _, c in sampled) / n,
+                "eval_reward_sampled": sum(r for r, _ in sampled) / n,
+                "seconds": round(time.perf_counter() - t0, 2)}
     probe = list(train_tasks[: ws.probe_size])
     max_new = answer_tokens(list(train_tasks) + list(eval_tasks))
     probe_acc, step = 0.0, 0

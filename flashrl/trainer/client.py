@@ -42,7 +42,7 @@ from flashrl.protocol import (
     TrainStep,
     WeightManifest,
 )
-from flashrl.transport import PeerDead, RpcClient, free_port
+from flashrl.transport import PeerDead, RpcClient, free_port, local_address
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class TrainerGroup:
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         world = cfg.trainer.ranks
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = local_address("trainer")
         master_port = free_port()
         cmd = [python, "-m", "flashrl.trainer.worker", "--config", str(config_path), "--address", address,
                "--model", str(model_path)]
