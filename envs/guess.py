@@ -101,7 +101,7 @@ class GuessSuite:
     Params: ClassVar[type] = GuessParams
     # Warm-start (flashrl.models.WarmStart overrides): imitate the teacher for a fixed number of steps;
     # greedy success is not a useful stop signal here (the teacher's mode already plays well).
-    WARM_START: ClassVar[dict] = {"max_steps": 1200, "target_accuracy": 1.0, "check_every": 200, "probe_size": 256}
+    WARM_START: ClassVar[dict] = {"max_steps": 600, "target_accuracy": 1.0, "check_every": 100, "probe_size": 256}
 
     def __init__(self, params: GuessParams, seed: int = 0, eval_size: int = 200) -> None:
         self.params = params

@@ -18,7 +18,7 @@ from flashrl.bench import (
     scenarios_for,
     variant_config,
 )
-from flashrl.benchmarks.real import BusyProbe, TrainOnlySuite, model_config, process_key
+from flashrl.benchmarks.real import BusyProbe, TrainOnlySuite, process_key
 from flashrl.protocol import Generate, Generated
 from flashrl.sim.clock import run_virtual
 
@@ -56,15 +56,6 @@ def test_real_scenario_rejects_the_sim_env(tmp_path: Path) -> None:
     p.write_text('name = "r"\nmode = "real"\n[config.env]\nname = "sim"\n[[points]]\nlabel = "a"\n')
     with pytest.raises(BenchError, match='env.name = "sim"'):
         load_scenario(p)
-
-
-def test_model_config_drops_only_the_faults() -> None:
-    scn = load_scenario(BENCH_DIR / "real_agentic.toml")
-    cfg, _ = variant_config(scn, scn.points[0], "flash")
-    m = model_config(cfg)
-    assert "faults" not in m.env.params and "faults" in cfg.env.params
-    assert m.env.params == {k: v for k, v in cfg.env.params.items() if k != "faults"} != {}
-    assert m.rollout == cfg.rollout and m.engine == cfg.engine
 
 
 class _SlowEngine:

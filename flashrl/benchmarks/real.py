@@ -54,7 +54,7 @@ from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, We
 log = logging.getLogger("flashrl.bench.real")
 
 __all__ = [
-    "BusyProbe", "ClusterPool", "RealPointResult", "RealRun", "TrainOnlySuite", "model_config", "process_key",
+    "BusyProbe", "ClusterPool", "RealPointResult", "RealRun", "TrainOnlySuite", "process_key",
     "run_real_point", "run_real_scenarios", "run_real_variant",
 ]
 
@@ -148,17 +148,6 @@ def process_key(cfg: Config, model_path: Path | str) -> bytes:
     })
 
 
-def model_config(cfg: Config) -> Config:
-    """``cfg`` as ensure_model should see it: without ``env.params.faults``.
-
-    The built-in model is warm-started per environment and its cache key holds ``env.params``; the
-    injected delays change how slow the environment is, not the task, so they must not force a
-    second (minutes-long) build of the same model.
-    """
-    params = {k: v for k, v in cfg.env.params.items() if k != "faults"}
-    return msgspec.structs.replace(cfg, env=msgspec.structs.replace(cfg.env, params=params))
-
-
 @dataclass
 class Cluster:
     """One running set of processes: the engine processes (``.client`` each) and the trainer group."""
@@ -206,7 +195,7 @@ class ClusterPool:
 
         t_setup = time.perf_counter()
         # Cached: a hash and a stat. The first build of a model (per environment) takes minutes, once.
-        model_path = Path(await asyncio.to_thread(ensure_model, model_config(cfg)))
+        model_path = Path(await asyncio.to_thread(ensure_model, cfg))  # env faults do not change the model)
         key = process_key(cfg, model_path)
         if self.current is not None and self.current.key == key:
             self.setup_s += time.perf_counter() - t_setup
