@@ -177,11 +177,27 @@ def _default_cmd() -> list[str]:
     return [found] if found else [sys.executable, "-m", "flashrl.cli"]
 
 
+def _completed(run_dir: Path, steps: int) -> float | None:
+    """The wall time of a run in ``run_dir`` that finished ``steps`` steps (its summary.json), else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if int(summary.get("steps", 0)) < steps or not (run_dir / "metrics.jsonl").exists():
+        return None
+    return float(summary.get("wall_s") or 0.0)
+
+
 def run_algorithms_bench(losses: Sequence[str], ratios: Sequence[int], steps: int, out_dir: str | Path,
                          config: str | Path = "configs/tiny.toml", *, prefix: str = "alg",
                          flashrl_cmd: Sequence[str] | None = None, extra_sets: Sequence[str] = (),
-                         timeout_s: float | None = None) -> list[Point]:
-    """Run every (loss, ratio) through the real CLI, one after another, then write the results files."""
+                         timeout_s: float | None = None, resume: bool = False) -> list[Point]:
+    """Run every (loss, ratio) through the real CLI, one after another, then write the results files.
+
+    ``resume``: a run whose ``summary.json`` in OUT says it completed ``steps`` steps is kept as it is
+    (its curve and wall time read back), not run again; every other run (missing, failed, cut short)
+    is run afresh in a clean folder.
+    """
     if not losses:
         raise ValueError("run_algorithms_bench: losses is empty; give at least one, e.g. ['ppo']")
     if steps < 1:
@@ -200,6 +216,14 @@ def run_algorithms_bench(losses: Sequence[str], ratios: Sequence[int], steps: in
             cmd = [*cmd0, "run", str(config)] + [arg for s in sets for arg in ("--set", s)]
             log = logs_dir / f"{name}.log"
             point = Point(loss=loss, ratio=ratio, run_name=name, log=str(log))
+            done = _completed(runs_dir / name, steps) if resume else None
+            if done is not None:
+                point.returncode, point.wall_s = 0, done
+                point.curve = read_curve(runs_dir / name / "metrics.jsonl")
+                print(f"[bench] {name}: kept (completed {steps} steps earlier)", flush=True)
+                points.append(point)
+                continue
+            shutil.rmtree(runs_dir / name, ignore_errors=True)  # never mix a new run with an old one's metrics
             t0 = time.monotonic()
             with log.open("w") as f:
                 f.write(" ".join(cmd) + "\n")
@@ -230,9 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every run")
     ap.add_argument("--timeout-s", type=float, default=None)
+    ap.add_argument("--resume", action="store_true", help="keep the runs in --out that completed --steps steps")
     args = ap.parse_args(argv)
     points = run_algorithms_bench(args.losses.split(","), [int(r) for r in args.ratios.split(",")], args.steps,
-                                  args.out, args.config, extra_sets=args.sets, timeout_s=args.timeout_s)
+                                  args.out, args.config, extra_sets=args.sets, timeout_s=args.timeout_s,
+                                  resume=args.resume)
     print(markdown_table(points))
     return 0 if all(p.returncode == 0 for p in points) else 1
 
