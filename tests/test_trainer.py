@@ -91,8 +91,15 @@ def test_micro_batches_accumulate_to_the_full_batch_step(world1, model_path: Pat
     assert r2.metrics["loss"] == pytest.approx(r1.metrics["loss"], abs=1e-6)
     assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-5)
     w1, w2 = _weights(whole), _weights(split)
+    # Adam's first step is lr * g / (|g| + eps): for a coordinate whose gradient is ~eps (1e-8), a
+    # summation-order difference of 1e-9 moves it by up to ~lr/10. So: all but a handful of coordinates
+    # within 1e-5, and every coordinate within lr. (A wrong weighting of micro-batches is caught by the
+    # loss and grad-norm checks above and would also flip the sign, i.e. move by 2 lr, of many coordinates.)
+    lr = 1e-3
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0)  # Adam amplifies ~1e-8 grads
+        diff = (w2[k] - w1[k]).abs()
+        assert int((diff > 1e-5).sum()) <= max(2, diff.numel() // 10_000), k
+        assert float(diff.max()) <= lr, k
     m = r1.metrics
     assert m["samples"] == 15 and m["tokens"] == 52  # 3 groups of 4 + 3 + 3 tokens, 2 of 4 + 3 + 4
     assert m["ratio/mean"] == 1.0  # one mini-batch: on the proximal policy exactly
