@@ -42,6 +42,14 @@ def suite_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls_name)
 
 
+def warm_start_overrides(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The WarmStart fields ``env.name`` overrides for the built-in model (envs.base.Demonstrating);
+    a wrapper suite (remote) answers for the suite it wraps."""
+    cls = suite_class(name)
+    hook = getattr(cls, "warm_start_overrides", None)
+    return dict(hook(params)) if hook is not None else dict(getattr(cls, "WARM_START", {}))
+
+
 def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
     """Build the EnvSuite for ``env.name``; bad params raise ValueError naming ``env.params.<key>``."""
     cls = suite_class(name)

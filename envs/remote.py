@@ -330,6 +330,18 @@ class RemoteSuite:
             raise ValueError(str(e).replace("env.params", "env.params.params", 1)) from None
         self.pool = RemotePool(params, seed, eval_size)
 
+    @staticmethod
+    def warm_start_overrides(params: dict[str, Any]) -> dict[str, Any]:
+        """The wrapped suite's warm-start overrides (see envs.warm_start_overrides)."""
+        from envs import warm_start_overrides
+
+        return warm_start_overrides(str(params.get("inner", "")), dict(params.get("params", {})))
+
+    @property
+    def task_suite(self) -> Any:
+        """The wrapped suite, in this process: what the built-in model's warm-start learns from."""
+        return self.local
+
     @property
     def counters(self) -> Counter[str]:
         return self.pool.counters

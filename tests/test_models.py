@@ -215,3 +215,19 @@ def test_demonstrating_env_gets_its_warm_start_and_faults_do_not_change_the_mode
     assert 0.0 <= report["eval_reward_sampled"] <= 1.0
     delayed = {"max_number": 9, "train_size": 50, "faults": {"delay": {"kind": "constant", "seconds": 0.5}}}
     assert ensure_model(cfg(delayed), SMALL) == path  # same task, same model: no rebuild for a delay
+
+
+def test_remote_wrapped_env_warm_starts_on_the_env_it_wraps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from envs import warm_start_overrides
+    from envs.guess import GuessSuite
+
+    quick = {"max_steps": 2, "batch": 8, "check_every": 2, "probe_size": 8, "target_accuracy": 1.0}
+    monkeypatch.setattr(GuessSuite, "WARM_START", quick)
+    inner = {"max_number": 9, "train_size": 50}
+    assert warm_start_overrides("remote", {"inner": "guess", "params": inner}) == quick
+    assert warm_start_overrides("arithmetic", {}) == {}
+    cfg = Config(model=ModelConfig(cache_dir=str(tmp_path)),
+                 env=EnvConfig(name="remote", params={"inner": "guess", "params": inner, "workers": 1}, eval_size=8))
+    report = json.loads((ensure_model(cfg, SMALL) / "flashrl_warmstart.json").read_text())
+    # multi-turn demonstrations of the wrapped game (their report has the sampled success), its overrides
+    assert report["steps"] == 2 and "eval_success_sampled" in report

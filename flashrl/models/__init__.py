@@ -106,9 +106,9 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
 
     spec = spec or TinySpec()
     if warm is None:  # the defaults, with the environment's own overrides (envs.base.Demonstrating)
-        from envs import suite_class
+        from envs import warm_start_overrides
 
-        warm = msgspec.structs.replace(WarmStart(), **getattr(suite_class(cfg.env.name), "WARM_START", {}))
+        warm = msgspec.structs.replace(WarmStart(), **warm_start_overrides(cfg.env.name, _task_params(cfg)))
     cache = Path(cfg.model.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     key = _cache_key(cfg, spec, warm)
@@ -121,6 +121,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
         from envs import make_suite
 
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
+        suite = getattr(suite, "task_suite", suite)  # a wrapper (remote) warm-starts on what it wraps
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
         try:
             log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
