@@ -35,7 +35,6 @@ class RunConfig(Section):
     max_time_s: Annotated[float, Meta(ge=0, description="stop after this many seconds of training (0 = no limit)")] = 0.0
     eval_every: Annotated[int, Meta(ge=0, description="evaluate on the held-out split every N steps (0 = only at start and end)")] = 10
     dashboard: Annotated[Literal["auto", "rich", "plain", "off"], Meta(description="auto: rich live view on a terminal, plain lines otherwise")] = "auto"
-    checkpoint_every: Annotated[int, Meta(ge=0, description="save a checkpoint every N steps (0 = never)")] = 0
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level of every process")] = "INFO"
 
 

@@ -134,7 +134,7 @@ def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[s
     env = msgspec.structs.replace(cfg.env, name="sim", params=params)
     n = max(steps)
     sim_cfg = msgspec.structs.replace(
-        cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=n, dashboard="off", checkpoint_every=0, max_time_s=0.0))
+        cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=n, dashboard="off", max_time_s=0.0))
     with tempfile.TemporaryDirectory(prefix="flashrl-calibrate-") as tmp:
         res = run_variant(sim_cfg, sim, 0, Path(tmp))
     ends = [0.0, *res.step_ends]
