@@ -164,6 +164,7 @@ async def run_local(cfg: Config) -> dict[str, Any]:
             # walk them constantly (~30% of controller CPU in bench/results/controller_overhead). Freeze the
             # start-up objects and collect less often; this process only.
             gc.freeze()
+            gc_thresholds = gc.get_threshold()
             gc.set_threshold(50_000, 20, 100)
 
             async def refresh() -> None:
@@ -180,6 +181,10 @@ async def run_local(cfg: Config) -> dict[str, Any]:
                 with contextlib.suppress(Exception):
                     dash.update(controller.snapshot())
                 writer.close()
+                # Frozen objects are never collected, not even at exit: native extensions loaded at
+                # start-up (triton, via the tokenizer's torch) would then report them as leaked.
+                gc.unfreeze()
+                gc.set_threshold(*gc_thresholds)
             mem.sample()
             return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes)
     finally:
