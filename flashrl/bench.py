@@ -70,6 +70,7 @@ class PointSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     x: Annotated[float | None, Meta(description="x value in the sweep plot (default: the point's position)")] = None
     set: Annotated[dict[str, Any], Meta(description="dotted overrides for both variants, e.g. {'rollout.group_size' = 8}")] = {}
     flash: Annotated[dict[str, Any], Meta(description="dotted overrides for the flash variant only")] = {}
+    baseline: Annotated[dict[str, Any], Meta(description="dotted overrides for the baseline variant only (ablations: the baseline is flash minus one knob)")] = {}
     target: Annotated[float | None, Meta(description="the speed-up bar this point must reach (of ``gain`` when ``versus`` is set)")] = None
     versus: Annotated[str, Meta(description="label of an earlier point: also report gain = speed-up / that point's speed-up")] = ""
 
@@ -89,6 +90,8 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     baseline: Annotated[dict[str, Any], Meta(description="dotted overrides of the synchronous baseline")] = {}
     flash: Annotated[dict[str, Any], Meta(description="dotted overrides of the ROLL Flash variant")] = {}
     points: list[PointSpec] = []
+    length_matched: Annotated[bool, Meta(description="also run the synchronous baseline capped at the longest response flash trained (speed-up scenarios with a sync baseline)")] = True
+    steps_note: Annotated[str, Meta(description="why this many steps (steady state)")] = ""
     busy_target: Annotated[float | None, Meta(description="flash engine busy fraction to reach where the bound allows it")] = None
     zmq_requests: Annotated[int, Meta(ge=0, description="overhead: requests through the ZeroMQ echo path")] = 0
 
@@ -154,7 +157,7 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 def variant_config(scn: Scenario, pt: PointSpec, variant: Literal["baseline", "flash"]) -> tuple[Config, SimModel]:
     """The flashrl Config and sim model of one run. ``sim.*`` keys override the latency model."""
     tree: dict[str, Any] = {"config": copy.deepcopy(scn.config), "sim": msgspec.to_builtins(scn.sim)}
-    layers = [pt.set, scn.baseline] if variant == "baseline" else [pt.set, scn.flash, pt.flash]
+    layers = [pt.set, scn.baseline, pt.baseline] if variant == "baseline" else [pt.set, scn.flash, pt.flash]
     for layer in layers:
         for key, value in layer.items():
             _set_dotted(tree, key if key.startswith("sim.") else f"config.{key}", value)
@@ -182,6 +185,80 @@ def variant_config(scn: Scenario, pt: PointSpec, variant: Literal["baseline", "f
 
 
 # --------------------------------------------------------------------------- one run
+class TokenLedger(msgspec.Struct, kw_only=True):
+    """Where the generated tokens of the requests answered in the steady window went.
+
+    ``generated`` = trained + stale + aborted + unused; ``pending`` (could still have been trained
+    when the run stopped) is left out of every share. See ``token_ledger`` for the rules.
+    """
+
+    generated: int = 0
+    trained: int = 0
+    stale: int = 0  # too stale to ever be trained: dropped by the buffer, or a multi-turn stale abort
+    aborted: int = 0  # cancelled mid-generation for another reason (redundant rollouts, deadlines)
+    unused: int = 0  # finished but never trained: an attempt retried after an environment failure
+    pending: int = 0
+    longest_trained: int = 0  # the longest trained request (one turn), tokens
+
+    @property
+    def waste_share(self) -> float:
+        """Generated tokens thrown away / generated."""
+        return (self.generated - self.trained) / self.generated if self.generated else 0.0
+
+    @property
+    def stale_share(self) -> float:
+        """Generated tokens thrown away because they went stale / generated."""
+        return self.stale / self.generated if self.generated else 0.0
+
+
+def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, async_ratio: int, t0: float, t1: float) -> TokenLedger:
+    """Classify the tokens of every request answered in ``(t0, t1]`` (engine ledgers, ``SimEngine.ledger``).
+
+    Request ids are ``<sample id>.<attempt>.<turn>`` (controller/rollout.py); attempts of one sample
+    run one after another, so a trained sample trained its last attempt. A request is
+      trained  -- its sample was trained and this is the sample's last attempt;
+      stale    -- aborted with a later attempt of its sample (the stale early abort restarts it), or
+                  finished, never trained, and its attempt's first token older than any step still
+                  to come allows (version < final_version - async_ratio: buffer.take_batch's bound);
+      aborted  -- aborted with no later attempt (a redundant rollout cancelled, a deadline);
+      unused   -- finished, an earlier attempt of a trained sample (retried after an env failure);
+      pending  -- finished, not trained, still fresh enough to be trained had the run gone on.
+    """
+    last: dict[str, int] = {}
+    first_turn: dict[tuple[str, int], tuple[int, int]] = {}  # (sample, attempt) -> (turn, first_version)
+    parsed = []
+    for e in entries:
+        sid, att_s, turn_s = e.request_id.rsplit(".", 2)
+        att, turn = int(att_s), int(turn_s)
+        parsed.append((e, sid, att))
+        last[sid] = max(last.get(sid, -1), att)
+        prev = first_turn.get((sid, att))
+        if prev is None or turn < prev[0]:
+            first_turn[(sid, att)] = (turn, e.first_version)
+    led = TokenLedger()
+    for e, sid, att in parsed:
+        if not t0 < e.t <= t1:
+            continue
+        n = e.tokens
+        if sid in trained_ids and att == last[sid]:
+            led.trained += n
+            led.longest_trained = max(led.longest_trained, n)
+        elif e.finish == "abort":
+            if att < last[sid]:
+                led.stale += n
+            else:
+                led.aborted += n
+        elif sid in trained_ids:
+            led.unused += n
+        elif first_turn[(sid, att)][1] < final_version - async_ratio:
+            led.stale += n
+        else:
+            led.pending += n
+            continue
+        led.generated += n
+    return led
+
+
 class RunResult(msgspec.Struct, kw_only=True):
     step_s: float  # steady-state seconds per training step
     step_ends: list[float]
@@ -196,6 +273,11 @@ class RunResult(msgspec.Struct, kw_only=True):
     cpu_s: float
     events: int
     counters: dict[str, int] = {}
+    samples_per_s: float = 0.0  # trained samples per second (steady window)
+    tokens_per_s: float = 0.0  # trained response tokens per second (steady window)
+    generated_tokens_per_s: float = 0.0  # every token the engines generated, trained or not
+    response_len_max: int = 0  # the longest trained sample (all its turns' generated tokens)
+    ledger: TokenLedger = msgspec.field(default_factory=TokenLedger)
 
 
 def _controller_cls() -> Any:
@@ -212,16 +294,20 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
 
     Controller = _controller_cls()
     tok = SimTokenizer()
+    n_eng = cfg.engine.count
     engines = [
-        SimEngine(f"sim{i}", sim.latency, sim.lengths, seed=cfg.run.seed, vocab_size=tok.vocab_size)
-        for i in range(cfg.engine.count)
+        SimEngine(f"sim{i}", sim.latency, sim.lengths, seed=cfg.run.seed, vocab_size=tok.vocab_size,
+                  sync_extra_s=sim.trainer.sync_extra_s(n_eng))
+        for i in range(n_eng)
     ]
-    trainer = SimTrainer(sim.trainer)
+    trainer = SimTrainer(sim.trainer, engines=n_eng)
     busy_at: list[float] = []  # total engine busy seconds at each step's end
+    gen_at: list[int] = []  # total generated tokens at each step's end
 
     def on_step_end(_rec: Any) -> None:
         now = asyncio.get_running_loop().time()
         busy_at.append(sum(e.busy_until(now) for e in engines))
+        gen_at.append(sum(e.generated_until(now) for e in engines))
 
     trainer.on_step_end = on_step_end
     suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size)
@@ -253,13 +339,18 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
     step_s = (t1 - t0) / n
     busy0 = busy_at[warmup - 1] if warmup > 0 else 0.0
     busy = (busy_at[-1] - busy0) / (len(engines) * (t1 - t0)) if t1 > t0 else 0.0
+    gen0 = gen_at[warmup - 1] if warmup > 0 else 0
     gaps = [hist[i].start_s - hist[i - 1].end_s for i in range(max(1, warmup), len(hist))]
+    samples = statistics.fmean(h.samples for h in window)
+    resp = statistics.fmean(h.response_tokens for h in window)
+    ledger = token_ledger([x for e in engines for x in e.ledger], trainer.trained_ids, trainer.version,
+                          cfg.scheduler.async_ratio, t0 if warmup > 0 else -1.0, t1)
     return RunResult(
         step_s=step_s,
         step_ends=[h.end_s for h in hist],
         busy=busy,
-        samples_per_step=statistics.fmean(h.samples for h in window),
-        response_tokens_per_step=statistics.fmean(h.response_tokens for h in window),
+        samples_per_step=samples,
+        response_tokens_per_step=resp,
         prompt_tokens_per_step=statistics.fmean(h.tokens - h.response_tokens for h in window),
         train_s=statistics.fmean(h.end_s - h.start_s for h in window),
         gen_s=statistics.fmean(gaps) if gaps else 0.0,
@@ -268,6 +359,11 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         cpu_s=cpu,
         events=loop_jumps[0] if loop_jumps else 0,
         counters=counters,
+        samples_per_s=samples / step_s if step_s > 0 else 0.0,
+        tokens_per_s=resp / step_s if step_s > 0 else 0.0,
+        generated_tokens_per_s=(gen_at[-1] - gen0) / (t1 - t0) if t1 > t0 else 0.0,
+        response_len_max=max(h.response_len_max for h in window),
+        ledger=ledger,
     )
 
 
@@ -303,9 +399,10 @@ def capacity_times(cfg: Config, sim: SimModel, run: RunResult) -> tuple[float, f
     step = lat.step_time(c, int(c * mean_ctx))
     gen = run.response_tokens_per_step * step / c / cfg.engine.count
     gen += run.prompt_tokens_per_step * lat.prefill_per_token_s / cfg.engine.count
-    gen += lat.weight_load_s
     tm = sim.trainer
-    train = tm.step_time(int(run.response_tokens_per_step + run.prompt_tokens_per_step)) + tm.prepare_weights_s + tm.send_weights_s
+    extra = tm.sync_extra_s(cfg.engine.count)  # the broadcast's growth with the engine count
+    gen += lat.weight_load_s + extra
+    train = tm.step_time(int(run.response_tokens_per_step + run.prompt_tokens_per_step)) + tm.prepare_weights_s + tm.send_weights_s + extra
     return gen, train
 
 
@@ -314,7 +411,7 @@ class PointResult(msgspec.Struct, kw_only=True):
     scenario: str
     label: str
     x: float
-    speedup: float
+    speedup: float  # trained samples per second, flash / baseline (the paper's measure)
     gain: float | None  # speedup / speedup of point ``versus`` (None without one)
     target: float | None
     passed: bool | None
@@ -333,6 +430,19 @@ class PointResult(msgspec.Struct, kw_only=True):
     flash_config: dict[str, Any]
     base: RunResult
     flash: RunResult
+    token_speedup: float = math.nan  # trained response tokens per second, flash / baseline
+    base_waste: float = 0.0  # generated tokens thrown away / generated, baseline
+    flash_waste: float = 0.0  # the same for flash (stale drops, stale aborts, redundant rollouts, retried attempts)
+    flash_stale_share: float = 0.0  # generated tokens thrown away because they went stale / generated, flash
+    base_longest: int = 0  # longest trained request (one turn) in the steady window, tokens
+    flash_longest: int = 0
+    lm_cap: int | None = None  # the length-matched baseline's max_new_tokens (= flash_longest); None: not run
+    lm_step_s: float | None = None
+    lm_speedup: float | None = None  # samples/s, flash / length-matched baseline
+    lm_token_speedup: float | None = None  # tokens/s, flash / length-matched baseline
+    half_speedup: float = math.nan  # the same ratio over the first half of the steady window
+    drift: float = math.nan  # speedup / half_speedup - 1: how far from steady state the ratio still moves
+    lm: RunResult | None = None
 
 
 def tail_ratio(lengths: LengthModel, max_tokens: int, n: int = 4096) -> float:
@@ -342,15 +452,42 @@ def tail_ratio(lengths: LengthModel, max_tokens: int, n: int = 4096) -> float:
     return xs[-1] / xs[n // 2]
 
 
-def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointResult:
+def _window_step_s(run: RunResult, warmup: int, k: int) -> float:
+    """Mean seconds per step over steps ``warmup+1 .. warmup+k``."""
+    t0 = run.step_ends[warmup - 1] if warmup > 0 else 0.0
+    return (run.step_ends[warmup + k - 1] - t0) / k
+
+
+def _run_cached(cache: dict[bytes, RunResult] | None, cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunResult:
+    """run_variant, once per distinct (config, sim model, warmup) within a scenario: a run is deterministic."""
+    key = msgspec.json.encode([msgspec.to_builtins(cfg), msgspec.to_builtins(sim), warmup])
+    if cache is not None and key in cache:
+        return cache[key]
+    res = run_variant(cfg, sim, warmup, out_dir)
+    if cache is not None:
+        cache[key] = res
+    return res
+
+
+def length_matched(cfg: Config, cap: int) -> Config:
+    """``cfg`` with the response-length cap ``cap`` (rollout.max_new_tokens): the length-matched baseline."""
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=cap))
+
+
+def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path, cache: dict[bytes, RunResult] | None = None) -> PointResult:
     base_cfg, base_sim = variant_config(scn, pt, "baseline")
     flash_cfg, flash_sim = variant_config(scn, pt, "flash")
-    base = run_variant(base_cfg, base_sim, scn.warmup, out_dir)
-    flash = run_variant(flash_cfg, flash_sim, scn.warmup, out_dir)
+    base = _run_cached(cache, base_cfg, base_sim, scn.warmup, out_dir)
+    flash = _run_cached(cache, flash_cfg, flash_sim, scn.warmup, out_dir)
+    n = scn.steps - scn.warmup
+    half = max(1, n // 2)
     if scn.kind == "throughput":  # scaling: samples per second relative to the first point's baseline
-        speedup = (flash.samples_per_step / flash.step_s) / (base.samples_per_step / base.step_s)
+        speedup = flash.samples_per_s / base.samples_per_s
+        per = flash.samples_per_step / base.samples_per_step
+        half_speedup = per * _window_step_s(base, scn.warmup, half) / _window_step_s(flash, scn.warmup, half)
     else:
         speedup = base.step_s / flash.step_s
+        half_speedup = _window_step_s(base, scn.warmup, half) / _window_step_s(flash, scn.warmup, half)
     gen_cap, train_cap = capacity_times(flash_cfg, flash_sim, flash)
     cap = max(gen_cap, train_cap)
     if scn.kind == "throughput":  # ideal: linear in the engines (and everything scaled with them)
@@ -362,6 +499,13 @@ def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointR
     l_gen = max(0.0, base.gen_s - base_gen_cap)
     alpha = flash_cfg.scheduler.async_ratio
     formula = base.step_s / max(cap, base.step_s - l_gen * alpha / (alpha + 1))
+    # Length-matched baseline: the synchronous baseline capped at the longest response flash trained.
+    lm: RunResult | None = None
+    lm_cap: int | None = None
+    if scn.kind == "speedup" and scn.length_matched and base_cfg.scheduler.async_ratio == 0 and flash.ledger.longest_trained > 0:
+        lm_cap = min(flash.ledger.longest_trained, base_cfg.rollout.max_new_tokens)
+        lm = base if lm_cap >= base_cfg.rollout.max_new_tokens else _run_cached(
+            cache, length_matched(base_cfg, lm_cap), base_sim, scn.warmup, out_dir)
     return PointResult(
         scenario=scn.name,
         label=pt.label,
@@ -381,11 +525,24 @@ def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path) -> PointR
         token_ratio=flash.response_tokens_per_step / base.response_tokens_per_step * (
             base.samples_per_step / flash.samples_per_step if scn.kind == "throughput" else 1.0),
         tail_ratio=tail_ratio(flash_sim.lengths, flash_cfg.rollout.max_new_tokens),
-        cpu_s=base.cpu_s + flash.cpu_s,
+        cpu_s=base.cpu_s + flash.cpu_s + (lm.cpu_s if lm is not None and lm is not base else 0.0),
         base_config=msgspec.to_builtins(base_cfg) | {"sim": msgspec.to_builtins(base_sim)},
         flash_config=msgspec.to_builtins(flash_cfg) | {"sim": msgspec.to_builtins(flash_sim)},
         base=base,
         flash=flash,
+        token_speedup=flash.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else math.nan,
+        base_waste=base.ledger.waste_share,
+        flash_waste=flash.ledger.waste_share,
+        flash_stale_share=flash.ledger.stale_share,
+        base_longest=base.ledger.longest_trained,
+        flash_longest=flash.ledger.longest_trained,
+        lm_cap=lm_cap,
+        lm_step_s=lm.step_s if lm is not None else None,
+        lm_speedup=(flash.samples_per_s / lm.samples_per_s) if lm is not None else None,
+        lm_token_speedup=(flash.tokens_per_s / lm.tokens_per_s) if lm is not None and lm.tokens_per_s > 0 else None,
+        half_speedup=half_speedup,
+        drift=speedup / half_speedup - 1 if half_speedup > 0 else math.nan,
+        lm=lm,
     )
 
 
@@ -423,9 +580,10 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
 
         return run_overhead(scn, out, quiet=quiet)  # type: ignore[return-value]
     results: list[PointResult] = []
+    cache: dict[bytes, RunResult] = {}
     with tempfile.TemporaryDirectory(prefix="flashrl-bench-") as tmp:
         for i, pt in enumerate(scn.points):
-            res = run_point(scn, pt, i, Path(tmp))
+            res = run_point(scn, pt, i, Path(tmp), cache)
             if pt.versus:
                 ref = next((r for r in results if r.label == pt.versus), None)
                 if ref is None:
@@ -434,7 +592,10 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
                 res.passed = None if pt.target is None else res.gain >= pt.target
             results.append(res)
             if not quiet:
-                print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x (bound {res.bound:.2f}x, busy {res.flash_busy:.0%}, cpu {res.cpu_s:.1f}s)", flush=True)
+                lm = "" if res.lm_speedup is None else f", length-matched {res.lm_speedup:.2f}x"
+                print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x samples/s, {res.token_speedup:.2f}x tokens/s{lm}, "
+                      f"flash waste {res.flash_waste:.1%} (bound {res.bound:.2f}x, busy {res.flash_busy:.0%}, "
+                      f"drift {res.drift:+.1%}, cpu {res.cpu_s:.1f}s)", flush=True)
     write_results(scn, results, out)
     if not quiet:
         print_table(scn, results)
@@ -443,8 +604,10 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
 
 # --------------------------------------------------------------------------- outputs
 CSV_FIELDS = [
-    "scenario", "label", "x", "speedup", "gain", "target", "passed", "base_step_s", "flash_step_s", "base_busy", "flash_busy",
-    "bound", "formula", "closeness", "flash_staleness_max", "token_ratio", "tail_ratio", "cpu_s",
+    "scenario", "label", "x", "speedup", "token_speedup", "lm_speedup", "lm_token_speedup", "lm_cap", "base_waste",
+    "flash_waste", "flash_stale_share", "base_longest", "flash_longest", "half_speedup", "drift", "gain", "target",
+    "passed", "base_step_s", "flash_step_s", "lm_step_s", "base_busy", "flash_busy", "bound", "formula", "closeness",
+    "flash_staleness_max", "token_ratio", "tail_ratio", "cpu_s",
 ]
 
 
@@ -469,7 +632,11 @@ def plot(scn: Scenario, results: list[PointResult], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = list(range(len(results)))
-    ax.plot(xs, [r.speedup for r in results], "o-", label="flash / sync (measured)")
+    ax.plot(xs, [r.speedup for r in results], "o-", label="samples/s ratio")
+    ax.plot(xs, [r.token_speedup for r in results], "s-", label="tokens/s ratio")
+    if any(r.lm_speedup is not None for r in results):
+        ax.plot(xs, [r.lm_speedup if r.lm_speedup is not None else math.nan for r in results], "^-",
+                label="samples/s vs length-matched sync")
     ax.plot(xs, [r.bound for r in results], "k--", label="capacity bound")
     if scn.kind != "throughput":
         ax.plot(xs, [r.formula for r in results], ":", color="gray", label="paper formula")
@@ -492,15 +659,18 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
     from rich.table import Table
 
     t = Table(title=f"{scn.name}: {scn.title}")
-    for col in ("point", "sync s/step", "flash s/step", "speed-up", "gain", "bar", "bound", "formula", "closeness", "busy sync", "busy flash", "stale max", "tokens", "cpu s"):
+    for col in ("point", "sync s/step", "flash s/step", "samples/s x", "tokens/s x", "vs len-matched", "waste",
+                "stale", "drift", "gain", "bar", "bound", "formula", "busy sync", "busy flash", "stale max", "cpu s"):
         t.add_column(col, justify="right")
     for r in results:
         bar = "" if r.target is None else (f"[green]>={r.target:g} ok[/]" if r.passed else f"[red]>={r.target:g} MISS[/]")
         t.add_row(
-            r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x",
+            r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x", f"{r.token_speedup:.2f}x",
+            "" if r.lm_speedup is None else f"{r.lm_speedup:.2f}x (cap {r.lm_cap})",
+            f"{r.flash_waste:.1%}", f"{r.flash_stale_share:.1%}", f"{r.drift:+.1%}",
             "" if r.gain is None else f"{r.gain - 1:+.1%}", bar, f"{r.bound:.2f}x",
-            f"{r.formula:.2f}x", f"{r.closeness:.0%}", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
-            str(r.flash_staleness_max), f"{r.token_ratio:.2f}", f"{r.cpu_s:.1f}",
+            f"{r.formula:.2f}x", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
+            str(r.flash_staleness_max), f"{r.cpu_s:.1f}",
         )
     Console(width=None if sys.stdout.isatty() else 160).print(t)  # a log file gets every column
 

@@ -7,7 +7,8 @@
                    -> advance every running sequence by the steps done (an interrupted step
                       finishes first: a newcomer joins at the next step boundary)
                    -> resolve finished sequences' futures with ``Generated``
-    update_weights() -- pause after the current step, load for ``weight_load_s``, new version, resume
+    update_weights() -- pause after the current step, receive and load for ``weight_load_s`` (+ the
+                        broadcast's growth with the engine count, ``sync_extra_s``), new version, resume
     abort(ids)       -- aborted sequences answer finish_reason "abort" with their tokens so far
 
 The loop is event-driven (one wake-up per arrival or completion, not per token), so a 128-engine,
@@ -21,6 +22,9 @@ sequences add ``prefill_per_token_s`` per prompt token to the step they join. Li
 modelled: KV preemption (a request waits until its whole sequence fits the KV reservation instead),
 prefix caching (a multi-turn request re-prefills its whole context), speculative decoding.
 
+Every answer is written to ``ledger`` (request id, tokens, finish reason, version of the first
+token, time): the bench uses it to tell trained tokens from thrown-away ones (bench.token_ledger).
+
 Response lengths (``LengthModel``) are a pure function of (engine seed, request seed or id): the
 synchronous baseline and the asynchronous run see exactly the same samples.
 """
@@ -32,7 +36,7 @@ import hashlib
 import math
 from collections import deque
 from statistics import NormalDist
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -114,6 +118,16 @@ def steps_within(prefill: float, a: float, c: float, elapsed: float, kmax: int) 
     return j
 
 
+class LedgerEntry(NamedTuple):
+    """One answered request: what it generated and how it ended."""
+
+    request_id: str
+    tokens: int
+    finish: str  # "stop" | "length" | "abort"
+    first_version: int  # policy version of its first token (the engine's version if it generated none)
+    t: float  # when it was answered (virtual seconds)
+
+
 class _Seq:
     __slots__ = ("req", "key", "prompt_len", "target", "finish", "done", "segments", "fut", "gone")
 
@@ -149,6 +163,7 @@ class SimEngine:
         *,
         seed: int = 0,
         vocab_size: int = 64,
+        sync_extra_s: float = 0.0,
     ) -> None:
         if vocab_size <= FIRST_TEXT_ID + 1:
             raise ValueError(f"vocab_size must be > {FIRST_TEXT_ID + 1}, got {vocab_size}")
@@ -157,6 +172,7 @@ class SimEngine:
         self.lengths = lengths or LengthModel()
         self.seed = seed
         self.vocab_size = vocab_size
+        self.sync_extra_s = sync_extra_s  # the weight broadcast's extra rounds with many engines (TrainerModel.sync_extra_s)
         self.version = 0
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -174,6 +190,7 @@ class SimEngine:
         self.generated_tokens = 0
         self.finished = 0
         self.aborted = 0
+        self.ledger: list[LedgerEntry] = []  # one entry per answered request
 
     # ------------------------------------------------------------------ EngineClient
     @property
@@ -226,7 +243,7 @@ class SimEngine:
         self._poke()
         try:
             await ack  # the step in progress finishes first (its boundary may lie a little ahead)
-            await asyncio.sleep(self.latency.weight_load_s)
+            await asyncio.sleep(self.latency.weight_load_s + self.sync_extra_s)
             self.version = manifest.version
         finally:
             self._paused -= 1
@@ -258,6 +275,7 @@ class SimEngine:
                 pass
             self._task = None
         for seq in (*self._waiting, *self._running):
+            self._record(seq, "abort")
             if not seq.fut.done():
                 seq.fut.set_result(self._answer(seq, "abort"))
         self._waiting.clear()
@@ -270,8 +288,16 @@ class SimEngine:
             return self.busy_s
         return self.busy_s + max(0.0, now - self._plan_start)
 
+    def generated_until(self, now: float) -> int:
+        """Tokens generated up to ``now``, counting the decode steps of the current plan already done."""
+        if self._plan_start is None or self._plan is None:
+            return self.generated_tokens
+        prefill, a, c, k, b = self._plan
+        return self.generated_tokens + b * steps_within(prefill, a, c, now - self._plan_start, k)
+
     # ------------------------------------------------------------------ the batching loop
     _plan_start: float | None = None  # start of the decode plan now running (busy accounting)
+    _plan: tuple[float, float, float, int, int] | None = None  # (prefill, a, c, k, batch) of that plan
     _state_t = 0.0  # the instant the running sequences' counts are valid for (a step boundary)
 
     def _ensure_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -320,10 +346,12 @@ class SimEngine:
             t_start = self._state_t
             t_end = t_start + prefill + k * a + c * k * (k - 1) / 2
             self._plan_start = t_start
+            self._plan = (prefill, a, c, k, b)
             try:
                 await self._sleep_until(loop, t_end)
             finally:
                 self._plan_start = None
+                self._plan = None
             now = loop.time()
             if now >= t_end:
                 j = k
@@ -394,8 +422,17 @@ class SimEngine:
             self.aborted += 1
         else:
             self.finished += 1
+        self._record(seq, reason)  # also when the caller cancelled (no one reads the answer): its tokens were generated
         if not seq.fut.done():
             seq.fut.set_result(self._answer(seq, reason))
+
+    def _record(self, seq: _Seq, reason: str) -> None:
+        first = seq.segments[0][0] if seq.segments else self.version
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:  # pragma: no cover - answered outside a loop
+            now = 0.0
+        self.ledger.append(LedgerEntry(seq.req.request_id, seq.done, reason, first, now))
 
     def _answer(self, seq: _Seq, reason: str) -> Generated:
         n = seq.done
