@@ -55,9 +55,9 @@ class RolloutConfig(Section):
     group_size: Annotated[int, Meta(ge=1, le=4096, description="samples per prompt (GRPO group)")] = 8
     batch_prompts: Annotated[int, Meta(ge=1, description="prompts (groups) per training batch")] = 8
     max_new_tokens: Annotated[int, Meta(ge=1, description="tokens generated per turn")] = 8
-    temperature: Annotated[float, Meta(ge=0, description="sampling temperature for training rollouts")] = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling for training rollouts")] = 1.0
-    eval_temperature: Annotated[float, Meta(ge=0, description="sampling temperature for held-out evaluation (0 = greedy)")] = 0.0
+    temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature for training rollouts; the trainer scores logprobs at the same temperature (logits / T)")] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling for training rollouts; below 1 the engines' logprobs are renormalized over the nucleus, the trainer's are not (importance weights carry the nucleus mass)")] = 1.0
+    eval_temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature for held-out evaluation (0 = greedy)")] = 0.0
     redundancy: Annotated[int, Meta(ge=0, description="extra rollouts per group; the first group_size to finish are kept")] = 0
     max_turns: Annotated[int, Meta(ge=1, description="environment turns per trajectory (1 = single-turn RLVR)")] = 1
     turn_timeout_s: Annotated[float, Meta(gt=0, description="deadline for one environment step")] = 60.0

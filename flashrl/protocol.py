@@ -207,10 +207,12 @@ class SendWeights(Msg):
 
 
 class ComputeLogprobs(Msg):
-    """Log-probabilities of ``response_ids`` given ``prompt_ids`` under the trainer's weights."""
+    """Log-probabilities of ``response_ids`` given ``prompt_ids`` under the trainer's weights, scored at
+    ``temperature`` as the engine samples (0 = greedy: untempered); None = the run's rollout.temperature."""
 
     prompt_ids: list[int] = []
     response_ids: list[int] = []
+    temperature: float | None = None
 
 
 class Logprobs(Msg):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashrl.protocol import TrainSample
-from flashrl.trainer.batch import BatchError, pad_batch, token_logprobs
+from flashrl.trainer.batch import BatchError, pad_batch, sampling_temperature, token_logprobs
 
 PAD = 0
 
@@ -51,6 +51,22 @@ def test_logprob_alignment_with_a_known_model() -> None:
     resp = logp[pb.loss_mask.bool()]
     assert resp[0].item() == pytest.approx(0.0, abs=1e-6)
     assert resp[1].item() < -50
+
+
+def test_logprobs_are_scored_at_the_sampling_temperature() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 16, generator=g) * 3
+    targets = torch.randint(0, 16, (2, 5), generator=g)
+    raw, raw_ent = token_logprobs(logits, targets)
+    hot, hot_ent = token_logprobs(logits, targets, temperature=0.7)
+    want = torch.log_softmax(logits / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(hot, want, atol=1e-6)
+    assert float((hot - raw).abs().max()) > 0.1  # the temperature changes what a ratio compares
+    assert float(hot_ent.mean()) < float(raw_ent.mean())  # T < 1 sharpens the distribution
+    # vLLM's rules: temperature 0 is greedy, scored untempered; (0, 0.01) is raised to 0.01
+    assert sampling_temperature(0.0) == 1.0 and sampling_temperature(0.7) == 0.7
+    assert sampling_temperature(0.001) == 0.01
+    assert torch.equal(token_logprobs(logits, targets, temperature=0.0)[0], raw)
 
 
 def test_select_trims_and_keeps_alignment() -> None:

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(1200)
 def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
-    """A few real steps; then the engine's logprobs equal the trainer's, versions advanced, checksums enforced."""
+    """A few real steps; then the engine's logprobs equal the trainer's (greedy and at T = 0.7), versions
+    advanced, checksums enforced."""
     from envs import make_suite
     from flashrl.controller import Controller
     from flashrl.launch import local_cluster
@@ -59,8 +60,20 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
             prompt = tok.encode("12+34=")
             gen = await client.generate(Generate(request_id="fixed", prompt_ids=prompt, max_tokens=6, temperature=0.0))
             assert gen.token_ids and gen.versions == [2] * len(gen.token_ids)
-            ref = await trainer.compute_logprobs(prompt, gen.token_ids)
+            ref = await trainer.compute_logprobs(prompt, gen.token_ids, temperature=0.0)
             assert ref == pytest.approx(gen.logprobs, abs=2e-3)
+
+            # Sampled at the config's temperature (0.7): the engine returns the logprobs of the tempered
+            # distribution it sampled from, and the trainer's recomputation (the one behind proximal and
+            # current logprobs) scores the same; temperature-1 (raw) logprobs would be far off.
+            assert cfg.rollout.temperature == 0.7 and cfg.rollout.top_p == 1.0
+            for seed in range(3):
+                hot = await client.generate(Generate(request_id=f"t{seed}", prompt_ids=prompt, max_tokens=12,
+                                                     temperature=0.7, seed=seed, ignore_eos=True))
+                mine = await trainer.compute_logprobs(prompt, hot.token_ids)
+                raw = await trainer.compute_logprobs(prompt, hot.token_ids, temperature=1.0)
+                assert mine == pytest.approx(hot.logprobs, abs=2e-3)
+                assert max(abs(a - b) for a, b in zip(raw, hot.logprobs)) > 0.05
 
             # a sync whose checksum does not match is refused and the engine keeps serving version 2
             manifest = await trainer.prepare_weights(3)

@@ -134,6 +134,39 @@ def test_mini_batches_staleness_ties_and_logprobs(world1, model_path: Path, tmp_
     assert t.compute_logprobs(PROMPT, GOOD) == pytest.approx(expect.tolist(), abs=1e-5)
 
 
+def test_recomputed_logprobs_use_the_rollout_temperature(world1, model_path: Path, tmp_path: Path) -> None:
+    """Proximal, current and ComputeLogprobs logprobs are scored at rollout.temperature, as the engines
+    sample: behaviour logprobs of the same weights then give importance weights of exactly 1."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = from_dict({"run": {"output_dir": str(tmp_path), "name": "t"}, "rollout": {"temperature": 0.7},
+                     "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, "mini_batches": 2},
+                     "algorithm": {"loss": "decoupled_ppo"}})
+    t = Trainer(cfg, str(model_path), torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    with torch.no_grad():
+        logits = plain(torch.tensor([PROMPT + GOOD])).logits[0, len(PROMPT) - 1 : -1].float()
+    at = {temp: torch.log_softmax(logits / temp, -1)[torch.arange(len(GOOD)), torch.tensor(GOOD)].tolist()
+          for temp in (0.7, 1.0)}
+    assert t.compute_logprobs(PROMPT, GOOD) == pytest.approx(at[0.7], abs=1e-5)
+    assert t.compute_logprobs(PROMPT, GOOD, temperature=1.0) == pytest.approx(at[1.0], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(at[0.7], at[1.0])) > 0.05
+
+    def batch(behaviour: float) -> TrainBatch:  # behaviour logprobs as an engine at ``behaviour`` returns them
+        b = _batch(0)
+        for s in b.samples:
+            s.behav_logp = t.compute_logprobs(s.prompt_ids, s.response_ids, temperature=behaviour)
+        return b
+
+    on_policy, raw = batch(0.7), batch(1.0)
+    m = t.train_step(on_policy).metrics  # type: ignore[union-attr]
+    # w = pi_prox / pi_behav with both at step start's weights: 1 on every token when temperatures agree
+    assert m["iw/mean"] == pytest.approx(1.0, abs=1e-5) and m["iw/max"] == pytest.approx(1.0, abs=1e-5)
+    fresh = Trainer(cfg, str(model_path), torch.device("cpu"))
+    m_raw = fresh.train_step(raw).metrics  # type: ignore[union-attr]
+    assert abs(m_raw["iw/max"] - 1.0) > 0.05  # temperature-1 behaviour logprobs: weights off by the temperature
+
+
 def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> None:
     assert warmup_lr(2e-4, 0, 0) == 2e-4  # off
     assert [warmup_lr(2e-4, 4, s) for s in range(6)] == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])

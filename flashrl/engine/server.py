@@ -10,6 +10,12 @@
         GetLoad         -> LoadMeter.report (fed by a vLLM stat logger and the Generate tasks)
         Ping / Shutdown -> Pong(version) / Ok, then a clean exit (SIGTERM does the same)
 
+Logprobs: each returned logprob is the sampled token's under the distribution it was drawn from
+(vLLM ``logprobs_mode="processed_logprobs"``): log-softmax of logits / temperature, renormalized over
+the tokens top-k/top-p kept; greedy (temperature 0): the plain log-softmax. The trainer recomputes
+with the same temperature (trainer/batch.py ``token_logprobs``); top-p/top-k it does not apply, so
+with rollout.top_p < 1 on-policy trainer/engine ratios equal the kept mass (<= 1), not 1.
+
 Per-token policy versions come from vLLM itself: the server labels its weights with
 ``AsyncLLM.update_weight_version(str(version))`` while generation is paused, the EngineCore attaches
 that label to every step's output, and the finished output carries ``weight_versions`` spans, so a
@@ -75,10 +81,6 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     threads: Annotated[int, Meta(ge=1, description="CPU threads for the model (cpu)")] = 1
     seed: Annotated[int, Meta(ge=0, description="vLLM's global seed (per-request seeds override it)")] = 0
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory (cuda)")] = 0.5
-    logprobs_mode: Annotated[
-        Literal["raw_logprobs", "processed_logprobs"],
-        Meta(description="raw: log-softmax of the model's logits (temperature 1); processed: after temperature/top-p"),
-    ] = "raw_logprobs"
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
 
 
@@ -368,7 +370,11 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
         max_model_len=opts.max_model_len,
         max_num_seqs=opts.max_num_seqs,
         seed=opts.seed,
-        logprobs_mode=opts.logprobs_mode,
+        # The logprob of each sampled token under the distribution it was sampled from: log-softmax of
+        # logits / temperature after top-k/top-p (vLLM's Sampler.sample -> TopKTopPSampler); greedy
+        # requests get the untempered log-softmax. "raw_logprobs" (vLLM's default) would be the
+        # temperature-1 distribution, against which every importance weight at T != 1 is wrong.
+        logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
         **kwargs,
     )

@@ -117,15 +117,41 @@ def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
     )
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each target under ``logits`` [B, T, V], and the entropy of each position.
+# vLLM's sampler (vllm/v1/sample/sampler.py, sampling_params.py): a temperature below 1e-5 is greedy and
+# its logprobs come from the untempered logits; a positive one below 1e-2 is raised to 1e-2.
+_GREEDY_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
+
+
+def sampling_temperature(temperature: float) -> float:
+    """What the engine divides the logits by for a request sampled at ``temperature`` (greedy: 1).
+
+    The engines return ``processed_logprobs``: log-softmax of logits / T after top-k/top-p. The trainer
+    scores the same tokens with ``token_logprobs(..., temperature=T)`` so that the two agree; this is
+    the one place the two sides' temperature rule is written down.
+    """
+    if temperature < _GREEDY_EPS:
+        return 1.0
+    return max(float(temperature), _MIN_TEMPERATURE)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target under softmax(``logits`` / T) [B, T, V], and that distribution's entropy.
+
+    T is ``sampling_temperature(temperature)``: the distribution the engine sampled from, so behaviour,
+    proximal and current logprobs of one token are comparable (their ratios are importance weights).
+    Not applied here: top-p/top-k truncation. The engine's logprob of a sampled token is renormalized
+    over the kept tokens, so on-policy pi_trainer / pi_engine = the kept probability mass (<= 1, exactly 1
+    when rollout.top_p = 1 and no top-k); importance weights then carry that factor.
 
     Computed in float32 whatever the logits dtype (bf16 log-softmax loses the small differences the
     ratio terms need). The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus):
     otherwise it is a metric and keeping its [B, T, V] graph would only cost memory.
     """
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    t = sampling_temperature(temperature)
+    scaled = logits.float() if t == 1.0 else logits.float() / t
+    logp_all = torch.log_softmax(scaled, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -184,8 +184,11 @@ class TrainerGroup:
                              backend=backend, timeout_s=t)  # type: ignore[arg-type]
         await self._call(msg, timeout=t + 30.0)
 
-    async def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        reply = await self._call(ComputeLogprobs(prompt_ids=prompt_ids, response_ids=response_ids))
+    async def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                               temperature: float | None = None) -> list[float]:
+        """The trainer's logprob of each response token, at ``temperature`` (None: rollout.temperature)."""
+        reply = await self._call(ComputeLogprobs(prompt_ids=prompt_ids, response_ids=response_ids,
+                                                 temperature=temperature))
         assert isinstance(reply, Logprobs), type(reply)
         return reply.logprobs
 

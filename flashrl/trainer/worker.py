@@ -163,6 +163,7 @@ class Trainer:
         self.world = dist.get_world_size()
         self.device = device
         self.version = 0
+        self.temperature = cfg.rollout.temperature  # training rollouts' sampling temperature
         self.mesh = init_device_mesh(device.type, (self.world,))
         mp = None
         if device.type == "cuda" and cfg.model.dtype != "float32":
@@ -208,7 +209,7 @@ class Trainer:
         if isinstance(msg, InitWeightSync):
             return self.init_weight_sync(msg)
         if isinstance(msg, ComputeLogprobs):
-            lp = self.compute_logprobs(msg.prompt_ids, msg.response_ids)
+            lp = self.compute_logprobs(msg.prompt_ids, msg.response_ids, msg.temperature)
             return Logprobs(logprobs=lp) if self.rank == 0 else None
         if isinstance(msg, SaveCheckpoint):
             self.save_checkpoint(msg.path)
@@ -220,9 +221,18 @@ class Trainer:
         raise ValueError(f"trainer: no handler for {type(msg).__name__}")
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
+                         temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [B, T] of ``b``'s targets under ``model`` (and entropies), at the sampling temperature.
+
+        The one recomputation behind the current, proximal and reference logprobs and ComputeLogprobs:
+        scored under softmax(logits / T) with T = ``rollout.temperature`` (what the engines sampled
+        training rollouts at, batch.sampling_temperature) unless ``temperature`` is given, so a ratio to
+        the engines' behaviour logprobs compares one distribution. An FSDP forward: every rank calls it.
+        """
+        t = self.temperature if temperature is None else temperature
         out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
-        return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad)
+        return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
 
     @staticmethod
     def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:
@@ -325,9 +335,9 @@ class Trainer:
                     for k, idx in enumerate(micros):
                         b = self._micro(full, mini, idx).to(self.device)
                         if len(plan) > 1:
-                            prox[i, k] = self._forward(self.model, b, False)[0]
+                            prox[i, k] = self.forward_logprobs(self.model, b, False)[0]
                         if self.ref_model is not None:
-                            ref[i, k] = self._forward(self.ref_model, b, False)[0]
+                            ref[i, k] = self.forward_logprobs(self.ref_model, b, False)[0]
 
         sums: dict[str, float] = {}  # loss/*: summed over micro-batches and ranks (each carries norm / R)
         weighted: dict[str, float] = {}  # token-weighted means
@@ -341,7 +351,7 @@ class Trainer:
             for k, idx in enumerate(micros):
                 b = self._micro(full, mini, idx).to(self.device)
                 em = self._rows(ent_mask, mini, idx, b.loss_mask.shape[1])
-                logp, entropy = self._forward(self.model, b, entropy_grad)
+                logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
                 loss, met = compute_policy_loss(
                     alg,
                     logp=logp,
@@ -436,14 +446,16 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ logprobs
-    def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """Logprob of each response token given the prompt, current weights (every rank forwards)."""
+    def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int],
+                         temperature: float | None = None) -> list[float]:
+        """Logprob of each response token given the prompt, current weights (every rank forwards), at
+        ``temperature`` (None: rollout.temperature), as ``forward_logprobs`` scores it in a train step."""
         r = len(response_ids)
         sample = TrainSample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * r,
                              behav_logp=[0.0] * r, versions=[0] * r, reward=0.0, group=0)
         b = pad_batch([sample], self.pad_id).to(self.device)
         with torch.no_grad():
-            logp, _ = self._forward(self.model, b, False)
+            logp, _ = self.forward_logprobs(self.model, b, False, temperature)
         p = len(prompt_ids)
         return [float(x) for x in logp[0, p - 1 : p - 1 + r].cpu()]
 
