@@ -10,7 +10,9 @@ the parent compares JSON texts, so ``True`` does not pass for ``1`` nor ``2.0`` 
 in a ```python fence is taken from the fence. Whatever the code does (loop, exhaust memory, fork,
 open a socket) is a policy failure: reward 0 and the sandbox status in ``info``; only a sandbox that
 cannot start is an EnvFailure. Limit: the harness shares a process with the answer, so a program
-written to forge the result line could; the sandbox protects the machine, not the reward.
+written to forge the result line could; the sandbox protects the machine, not the reward. Where the
+sandbox has no isolation to offer (envs/sandbox.py: isolation) the suite refuses to start unless
+``env.params.limits.allow_unisolated = true``.
 
 Tasks come from a dozen families with seeded constants and seeded test inputs (``FAMILIES``).
 """
@@ -29,7 +31,7 @@ import msgspec
 from msgspec import Meta
 
 from envs.base import Env, EnvFailure, StepResult, Task
-from envs.sandbox import SandboxLimits, run_sandboxed
+from envs.sandbox import SandboxLimits, isolation, run_sandboxed, unavailable_message
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -192,6 +194,9 @@ class CodeSuite:
     Params: ClassVar[type] = CodeParams
 
     def __init__(self, params: CodeParams, seed: int = 0, eval_size: int = 200) -> None:
+        if isolation(params.limits) is None and not params.limits.allow_unisolated:
+            # Checked here so that `flashrl validate/run` stop with a config error before any process starts.
+            raise ValueError(unavailable_message(params.limits, key="env.params.limits.allow_unisolated"))
         self.params = params
         tr, ev = random.Random(f"code:train:{seed}"), random.Random(f"code:eval:{seed}")
         self._train = [make_task(tr, f"code-train-{i}", params.tests) for i in range(params.train_size)]

@@ -1,32 +1,40 @@
-"""Run untrusted Python in a separate, limited process without blocking the event loop.
+"""Run untrusted Python in a separate, isolated process without blocking the event loop.
 
     run_sandboxed(code, stdin, limits)                               (asyncio; many may run at once)
+      plan = isolation(limits): "uid" (root), "landlock" (any user), or refused (SandboxUnavailable)
       temp dir (0700, owned by the sandbox uid) <- main.py
-      spawn: python -I -S -c BOOTSTRAP   cwd = temp dir, clean environment, own session/process group
-        child, BOOTSTRAP (trusted, runs before any untrusted byte):
-          1. unshare(CLONE_NEWNET)  -> a network namespace with only a downed loopback (root only)
-          2. setrlimit CPU, AS, NPROC, FSIZE, NOFILE, CORE=0
-          3. root: pre-import common stdlib modules, then drop to a fresh uid (no groups)
-          4. sys.addaudithook: connect/bind/sendto/DNS -> exit code 86 ("network_blocked")
-          5. exec main.py (a MemoryError escaping it -> exit code 87, "memory")
+      spawn: python -I -S sandbox_boot.py PLAN   cwd = temp dir, clean environment, own process group
+        child, envs/sandbox_boot.py (trusted, runs before any untrusted byte; see its docstring):
+          netns (root) -> rlimits -> preload + fresh uid (root) -> Landlock -> seccomp -> audit hook
+          -> "ready" on a private pipe -> exec main.py (MemoryError -> exit 87, "memory")
       parent: feed stdin, drain stdout/stderr (capped), wait up to wall_s
       always: SIGKILL the process group, then (uid mode) every process of the sandbox uid
-      remove the temp dir; status from the exit code -> SandboxResult
+      remove the temp dir; no "ready" -> SandboxError (setup failed); else status -> SandboxResult
+
+Isolation modes (``isolation``):
+- "uid" (root with drop_privileges): a fresh uid that owns nothing (RLIMIT_NPROC bites; every
+  process of that uid is killed afterwards, however it detached), a private network namespace
+  (required unless seccomp is available), plus Landlock and seccomp when the kernel has them.
+- "landlock" (not root, or root without drop_privileges): Landlock confines files to the Python
+  runtime, system libraries and the temp dir, denies TCP and (ABI >= 6) signals to processes outside
+  the sandbox; seccomp makes socket(), io_uring and the creation of processes fail (threads work).
+  Both are inherited and irreversible, and with no child process nothing outlives the run.
+  Needs Linux >= 5.13 with Landlock enabled and seccomp (x86_64 or aarch64).
+- neither available: ``run_sandboxed`` refuses (SandboxUnavailable) unless ``allow_unisolated``;
+  then only rlimits, the layers that do exist, and the audit hook (which a child process or ctypes
+  bypasses) stand between the code and this user's files and network.
 
 Why a bootstrap instead of ``preexec_fn``: ``preexec_fn`` runs between fork and exec in a copy of a
 multi-threaded parent (ZeroMQ's I/O threads), which Python documents as deadlock-prone; the
 bootstrap sets the same limits in the child before untrusted code runs, without that hazard.
 
-What was checked on the development machine (root in a container, Python 3.11; see
-tests/test_env_sandbox.py): ``unshare(CLONE_NEWNET)`` through libc works as root (Python 3.11 has no
-``os.unshare``), and the child then sees only ``lo``; setuid to an unused uid works, which is what
-makes RLIMIT_NPROC bite (root ignores it) and keeps the code out of root's files. Not root: no
-namespace and no uid change; the audit hook still blocks Python-level network calls (a program
-using ctypes could bypass it), RLIMIT_NPROC counts all of the user's processes, and a descendant
-that leaves the process group survives. Use a container for untrusted code at scale.
+Checked on the development machine (Linux 6.18, Landlock ABI 7, Python 3.11; tests/test_env_sandbox.py
+runs both modes, the non-root one as ``nobody``). Limits: the code can read the Python runtime and
+system libraries; on Landlock ABI < 6 a non-root sandbox can still signal this user's processes.
+Use a container or VM for untrusted code at scale.
 
 Status table: ok (exit 0) | error (non-zero exit, e.g. an exception; a fork bomb whose fork fails
-with EAGAIN) | timeout (wall-clock limit, or CPU limit -> SIGXCPU) | memory (MemoryError under
+with EAGAIN/EPERM) | timeout (wall-clock limit, or CPU limit -> SIGXCPU) | memory (MemoryError under
 RLIMIT_AS) | network_blocked (the audit hook stopped a network call) | killed (any other signal).
 """
 
@@ -34,21 +42,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import itertools
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-NET_EXIT = 86
-MEM_EXIT = 87
+from envs.sandbox_boot import ARCHES, MEM_EXIT, NET_EXIT, landlock_abi
+
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 _UID_BASE = 1_000_000  # sandbox uids: _UID_BASE + pid * 64 + n, never a real account
 _counter = itertools.count()
 
@@ -59,48 +71,19 @@ Status = Literal["ok", "timeout", "memory", "killed", "error", "network_blocked"
 PRELOAD = (
     "math", "cmath", "itertools", "functools", "collections", "heapq", "bisect", "re", "string",
     "json", "random", "fractions", "decimal", "statistics", "operator", "typing", "dataclasses",
-    "traceback", "linecache", "copy", "io", "array", "enum", "socket", "encodings.idna",
+    "traceback", "linecache", "copy", "io", "array", "enum", "socket", "encodings.idna", "threading",
 )  # fmt: skip
+# Readable (not writable) inside the sandbox besides its temp dir: the runtime and shared libraries.
+SYSTEM_READ_ONLY = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache", "/proc/self")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
-_BOOTSTRAP = r"""
-import os, sys, resource, json
-cfg = json.loads(sys.argv[1])
-if cfg["unshare_net"]:
-    try:
-        import ctypes
-        if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
-            pass
-    except Exception:
-        pass
-for m in cfg["preload"]:
-    try:
-        __import__(m)
-    except ImportError:
-        pass
-R = resource
-R.setrlimit(R.RLIMIT_CPU, (cfg["cpu"], cfg["cpu"] + 1))
-for r, v in ((R.RLIMIT_AS, cfg["mem"]), (R.RLIMIT_FSIZE, cfg["fsize"]), (R.RLIMIT_NOFILE, cfg["nofile"]),
-             (R.RLIMIT_NPROC, cfg["nproc"]), (R.RLIMIT_CORE, 0)):
-    R.setrlimit(r, (v, v))
-if cfg["uid"] is not None:
-    os.setgroups([])
-    os.setgid(cfg["uid"])
-    os.setuid(cfg["uid"])
-NET = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-       "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
-def _hook(event, args, _w=os.write, _x=os._exit):
-    if event in NET:
-        _w(2, ("\nsandbox: network access blocked (" + event + ")\n").encode())
-        _x(86)
-sys.addaudithook(_hook)
-del cfg, R, m
-src = open("main.py", encoding="utf-8").read()
-try:
-    exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-except MemoryError:
-    os.write(2, b"\nMemoryError\n")
-    os._exit(87)
-"""
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation is available here and the limits do not allow running without it."""
+
+
+class SandboxError(OSError):
+    """The sandbox itself could not start or set up an isolation layer (not the code's fault)."""
 
 
 class SandboxLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -113,8 +96,9 @@ class SandboxLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
     fsize_mb: Annotated[int, Meta(ge=0, le=4096, description="largest file the code may write, MiB (RLIMIT_FSIZE)")] = 8
     nofile: Annotated[int, Meta(ge=8, le=4096, description="open file descriptors (RLIMIT_NOFILE)")] = 64
     max_output_chars: Annotated[int, Meta(ge=0, description="stdout/stderr kept (the rest is read and dropped)")] = 65536
-    unshare_net: Annotated[bool, Meta(description="try a private network namespace (needs root)")] = True
+    unshare_net: Annotated[bool, Meta(description="root: a private network namespace (required when seccomp is unavailable)")] = True
     drop_privileges: Annotated[bool, Meta(description="as root, run the code under a fresh unprivileged uid")] = True
+    allow_unisolated: Annotated[bool, Meta(description="run even where no isolation is available (the code gets this user's files and network); false: refuse")] = False
 
 
 class SandboxResult(msgspec.Struct, kw_only=True, frozen=True):
@@ -125,8 +109,61 @@ class SandboxResult(msgspec.Struct, kw_only=True, frozen=True):
     seconds: float
 
 
-def _sandbox_uid() -> int | None:
-    return _UID_BASE + os.getpid() * 64 + next(_counter) % 64 if os.geteuid() == 0 else None
+def _sandbox_uid() -> int:
+    return _UID_BASE + os.getpid() * 64 + next(_counter) % 64
+
+
+@functools.cache
+def kernel_support() -> tuple[int, str | None]:
+    """(Landlock ABI version or 0, the seccomp architecture name or None) of this machine."""
+    arch = platform.machine()
+    libc = ctypes.CDLL(None, use_errno=True)
+    seccomp = arch if arch in ARCHES and libc.prctl(21, 0, 0, 0, 0) >= 0 else None  # PR_GET_SECCOMP
+    return landlock_abi(), seccomp
+
+
+def _read_only_paths() -> list[str]:
+    lib = {os.path.join(sys.base_prefix, "lib"), os.path.join(sys.base_exec_prefix, "lib")}
+    return sorted(lib) + list(SYSTEM_READ_ONLY)
+
+
+def isolation(lim: SandboxLimits) -> str | None:
+    """How ``run_sandboxed`` isolates code under ``lim`` on this machine: "uid", "landlock" or None."""
+    abi, seccomp = kernel_support()
+    if os.geteuid() == 0 and lim.drop_privileges:
+        return "uid" if (lim.unshare_net or seccomp) else None
+    return "landlock" if abi >= 1 and seccomp else None
+
+
+def unavailable_message(lim: SandboxLimits, key: str = "allow_unisolated") -> str:
+    abi, seccomp = kernel_support()
+    who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} (not root)"
+    return (f"{key}: no sandbox isolation here: running as {who}, Landlock ABI {abi or 'unavailable'}, seccomp "
+            f"{seccomp or 'unavailable'} (drop_privileges={lim.drop_privileges}, unshare_net={lim.unshare_net}); "
+            "untrusted code would run with this user's files, processes and network. Run as root, or on Linux "
+            f">= 5.13 with Landlock and seccomp, or set {key} = true to accept that risk")
+
+
+def plan(lim: SandboxLimits) -> dict[str, Any]:
+    """The bootstrap's settings (envs/sandbox_boot.py) for one run; raises SandboxUnavailable."""
+    mode = isolation(lim)
+    if mode is None and not lim.allow_unisolated:
+        raise SandboxUnavailable(unavailable_message(lim))
+    abi, seccomp = kernel_support()
+    root = os.geteuid() == 0
+    uid = _sandbox_uid() if mode == "uid" else None
+    netns = None
+    if root and lim.unshare_net:
+        netns = "required" if (mode == "uid" and not seccomp) else "optional"
+    return {
+        "mode": mode, "cpu": lim.cpu_s, "mem": lim.memory_mb << 20, "fsize": lim.fsize_mb << 20,
+        "nofile": lim.nofile, "uid": uid, "netns": netns, "landlock": abi, "seccomp": seccomp,
+        # A fresh uid makes RLIMIT_NPROC a per-sandbox bound; for a shared uid it would count every
+        # process of this user, so without one no process may be created at all (seccomp).
+        "nproc": lim.nproc if uid is not None else None, "no_procs": uid is None,
+        "preload": list(PRELOAD) if uid is not None else [],
+        "read_only": _read_only_paths(), "devices": list(DEVICES),
+    }  # fmt: skip
 
 
 def _kill_uid(uid: int) -> None:
@@ -199,24 +236,27 @@ def _status(code: int | None, timed_out: bool, stderr: str) -> Status:
 async def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``code`` as a Python program under ``limits``; never raises for anything the code does.
 
-    Raises OSError only when the sandbox itself cannot start (no temp dir, no interpreter).
+    Raises SandboxUnavailable when this machine offers no isolation and ``limits.allow_unisolated`` is
+    false, and SandboxError (an OSError) when the sandbox itself cannot start or set up a layer.
     """
     lim = limits or SandboxLimits()
     loop = asyncio.get_running_loop()
-    uid = _sandbox_uid() if lim.drop_privileges else None
+    cfg = plan(lim)
+    uid = cfg["uid"]
     tmp = await asyncio.to_thread(_prepare_dir, code, uid)
+    ready_r, ready_w = os.pipe()
     try:
-        cfg = {
-            "cpu": lim.cpu_s, "mem": lim.memory_mb << 20, "fsize": lim.fsize_mb << 20, "nofile": lim.nofile,
-            "nproc": lim.nproc, "uid": uid, "unshare_net": lim.unshare_net, "preload": PRELOAD if uid is not None else [],
-        }  # fmt: skip
+        cfg["ready_fd"] = ready_w
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
         start = loop.time()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(cfg),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            cwd=tmp, env=env, start_new_session=True,
-        )  # fmt: skip
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", BOOT, json.dumps(cfg),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                cwd=tmp, env=env, start_new_session=True, pass_fds=(ready_w,),
+            )  # fmt: skip
+        finally:
+            os.close(ready_w)
         out: list[bytes] = []
         err: list[bytes] = []
         io = [
@@ -239,14 +279,23 @@ async def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits | None
                 proc.kill()
             await proc.wait()
             _, pending = await asyncio.wait(io, timeout=1.0)
-            for t in pending:  # a descendant outside our reach still holds a pipe (not root)
+            for t in pending:  # a descendant outside our reach still holds a pipe (allow_unisolated)
                 t.cancel()
             await asyncio.gather(*io, return_exceptions=True)
         seconds = loop.time() - start
+        # The bootstrap closes its end before the code runs, so the child's death means EOF here.
+        os.set_blocking(ready_r, False)
+        with contextlib.suppress(BlockingIOError):
+            ready = os.read(ready_r, 16)
     finally:
+        os.close(ready_r)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     stdout = b"".join(out).decode("utf-8", "replace")
     stderr = b"".join(err).decode("utf-8", "replace")
+    if ready != b"ready":
+        # Checked through a pipe the code never sees: a program cannot fake a setup failure.
+        raise SandboxError(f"sandbox did not start ({cfg['mode'] or 'unisolated'} mode, exit {proc.returncode}"
+                           f"{', wall-clock limit' if timed_out else ''}): {stderr.strip()[-500:]}")
     return SandboxResult(
         status=_status(proc.returncode, timed_out, stderr),
         stdout=stdout,
