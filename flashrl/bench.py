@@ -563,12 +563,18 @@ def _engines(scn: Scenario) -> int:
     return int(scn.config.get("engine", {}).get("count", 2))
 
 
-def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "real"] | None = None, quiet: bool = False) -> list[Any]:
+def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "real"] | None = None, quiet: bool = False,
+                 steps: int | None = None) -> list[Any]:
     """Run every point of one scenario; write results.json, results.csv and a PNG under ``out_dir/<name>/``.
 
-    ``mode`` None runs the scenario in its own mode (``Scenario.mode``).
+    ``mode`` None runs the scenario in its own mode (``Scenario.mode``); ``steps`` overrides its step count
+    (steady-state checks: compare the ratios at N and 2N steps).
     """
     scn = load_scenario(path)
+    if steps is not None:
+        if steps <= scn.warmup:
+            raise BenchError(f"--steps {steps} must be > the scenario's warmup ({scn.warmup})")
+        scn = msgspec.structs.replace(scn, steps=steps)
     if check_mode(scn, mode, path) == "real":
         from flashrl.benchmarks.real import run_real_scenarios
 
@@ -692,8 +698,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")
     ap.add_argument("--mode", choices=["sim", "real"], default=None,
                     help="sim (virtual time) or real (vLLM engines + trainer here); default: the scenario's own mode, sim for 'all'")
+    ap.add_argument("--steps", type=int, default=None, help="override every scenario's step count (sim mode; steady-state checks)")
     args = ap.parse_args(argv)
-    return bench_main(args.scenario, args.out, args.mode)
+    return bench_main(args.scenario, args.out, args.mode, args.steps)
 
 
 def scenarios_for(mode: Literal["sim", "real"]) -> list[Path]:
@@ -701,7 +708,7 @@ def scenarios_for(mode: Literal["sim", "real"]) -> list[Path]:
     return [p for p in sorted(BENCH_DIR.glob("*.toml")) if load_scenario(p).mode == mode]
 
 
-def bench_main(scenario: str, out: str = "bench/results", mode: str | None = None) -> int:
+def bench_main(scenario: str, out: str = "bench/results", mode: str | None = None, steps: int | None = None) -> int:
     t0 = time.perf_counter()
     try:
         if scenario == "all":
@@ -715,7 +722,7 @@ def bench_main(scenario: str, out: str = "bench/results", mode: str | None = Non
 
             all_results = run_real_scenarios([(p, load_scenario(p)) for p in paths], out)
         else:
-            all_results = [run_scenario(p, out, "sim") for p in paths]
+            all_results = [run_scenario(p, out, "sim", steps=steps) for p in paths]
     except (BenchError, ConfigError) as e:
         print(f"flashrl bench: {e}", file=sys.stderr)
         return 2

@@ -162,3 +162,27 @@ def test_engine_ledger_records_cancelled_requests() -> None:
     ledger, _, _ = run_virtual(main)
     assert len(ledger) == 1 and ledger[0].finish == "abort" and ledger[0].request_id == "7-0.0.0"
     assert 0 < ledger[0].tokens < 1000
+
+
+def test_cross_calibration_recovers_a_known_engine_scale() -> None:
+    """Fit on one variant of a committed real result, whose step time we made with a known engine scale."""
+    from flashrl.bench import BENCH_DIR
+    from flashrl.benchmarks.calibrate import (
+        _prompt_chars,
+        cross_validate,
+        fit_engine_scale,
+        load_cross_runs,
+        simulate_cross,
+    )
+
+    runs = load_cross_runs(BENCH_DIR / "results" / "real_agentic" / "results.json")
+    assert [r.name for r in runs] == ["real_agentic/base", "real_agentic/flash"]
+    fit = runs[1]
+    prompt = _prompt_chars(fit.cfg)
+    fit.step_s = simulate_cross(fit, 3.0, fit, prompt)  # a run the simulator explains exactly at k = 3
+    k, clamped = fit_engine_scale(fit)
+    assert not clamped and k == pytest.approx(3.0, rel=0.02)
+    rows, _ = cross_validate(runs, [fit.name])
+    assert [(r.target, r.in_sample) for r in rows] == [("real_agentic/base", False), ("real_agentic/flash", True)]
+    assert abs(rows[1].error) < 0.02
+    assert rows[0].error == pytest.approx(rows[0].predicted_s / rows[0].measured_s - 1)

@@ -146,6 +146,17 @@ def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[s
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--cross":
+        cp = argparse.ArgumentParser(prog="flashrl bench calibrate --cross")
+        cp.add_argument("results", nargs="+", help="real-mode results.json files (bench/results/real_*/results.json)")
+        cp.add_argument("--fit", action="append", default=[], help="fit on this run only (<scenario>/<base|flash>); repeatable; default: each in turn")
+        cp.add_argument("--out", default="", help="write results.json and results.txt under this folder")
+        a = cp.parse_args(argv[1:])
+        try:
+            return cross_main(a.results, a.fit, a.out)
+        except (ValueError, OSError) as e:
+            print(f"flashrl bench calibrate --cross: {e}")
+            return 2
     ap = argparse.ArgumentParser(prog="flashrl bench calibrate")
     ap.add_argument("run_dir", help="a run directory holding metrics.jsonl (and config.toml for the prediction)")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of response lengths (not identifiable from means)")
@@ -202,3 +213,183 @@ def _ranges(steps: list[int]) -> str:
     if len(out) > 4:
         return f"{steps[0]}-{steps[-1]} ({len(steps)} steps; step 1 and each step beside an eval left out)"
     return ",".join(out)
+
+
+# --------------------------------------------------------------------------- out-of-sample prediction
+# ``flashrl bench calibrate --cross RESULTS.json ...``: fit the timing on ONE variant of a committed
+# real-mode result (bench/results/real_*/results.json), predict every OTHER variant (another scheduler
+# config and/or another environment), report each prediction's error. What is fitted, from the fit run only:
+#   engine   CPU_TINY_LATENCY's step costs x one scale k, bisected so that the simulated fit run's
+#            s/step equals the measured one (k is clamped to [K_MIN, K_MAX]; clamped = the engine did
+#            not set that run's step time)
+#   trainer  per_token_s = train_s / tokens per step (through the origin: one batch size cannot
+#            separate a fixed cost from a per-token one), step_fixed_s = 0
+#   sync     prepare_weights_s = send_weights_s = sync_s / 2
+# What the predicted run contributes is its workload, never a timing: its config (engine count,
+# batch, scheduler, env delay distribution, max_new_tokens) and its measured turns per sample and
+# tokens per turn (the policy's behaviour). The env delay is the config's [env.params.faults] delay
+# on every call (reset and step), as envs/faults.py does.
+K_MIN, K_MAX = 0.05, 50.0
+
+
+class CrossRun(msgspec.Struct, kw_only=True):
+    """One variant of a real-mode result, as calibration sees it."""
+
+    name: str  # "<scenario>/<variant>"
+    cfg: Any
+    warmup: int
+    steps: int
+    step_s: float
+    train_s: float
+    sync_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    response_len: float
+    turns: float
+
+
+def load_cross_runs(path: Path) -> list[CrossRun]:
+    from flashrl.config import from_dict
+
+    doc = msgspec.json.decode(Path(path).read_bytes())
+    if doc.get("mode") != "real":
+        raise ValueError(f"{path}: not a real-mode result (mode = {doc.get('mode')!r}); give bench/results/real_*/results.json")
+    scn = doc["scenario"]
+    out = []
+    for p in doc["points"]:
+        for v, key in (("base", "base_config"), ("flash", "flash_config")):
+            cfg_tree = _known_keys({k: val for k, val in p[key].items() if k != "sim"})
+            r = p[v]
+            out.append(CrossRun(
+                name=f"{scn['name']}/{v}", cfg=from_dict(cfg_tree, source=f"{path}:{key}"), warmup=int(scn["warmup"]),
+                steps=int(r["steps"]), step_s=r["step_s"], train_s=r["train_s"], sync_s=r["sync_s"],
+                samples_per_s=r["samples_per_s"], tokens_per_s=r["tokens_per_s"], response_len=r["response_len"], turns=r["turns"]))
+    return out
+
+
+def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` without the keys today's Config no longer has (a result written by an older flashrl)."""
+    from flashrl.config import Config
+
+    out: dict[str, Any] = {}
+    sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    for sec, body in tree.items():
+        typ = sections.get(sec)
+        if typ is None:
+            continue
+        if isinstance(body, dict) and isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+            names = {f.name for f in msgspec.structs.fields(typ)}
+            body = {k: v for k, v in body.items() if k in names}
+        out[sec] = body
+    return out
+
+
+def _prompt_chars(cfg: Any) -> int:
+    from envs import make_suite
+
+    suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
+    prompts = [t.prompt for t in list(suite.train_tasks())[:256]]
+    return max(1, round(statistics.fmean(len(p) for p in prompts)))
+
+
+def _tokens_per_step(run: CrossRun, prompt_chars: int) -> float:
+    samples = run.cfg.rollout.batch_prompts * run.cfg.rollout.group_size
+    return samples * (prompt_chars + run.response_len)
+
+
+def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> float:
+    """Predicted steady s/step of ``run`` with the timing fitted on ``fit`` (engine scale ``k``)."""
+    from flashrl.bench import SimModel, run_variant
+
+    cfg = run.cfg
+    prompt = _prompt_chars(cfg)
+    turns = max(1, round(run.turns))
+    gen_per_sample = run.tokens_per_s / run.samples_per_s if run.samples_per_s > 0 else run.response_len
+    per_turn = max(1.0, min(float(cfg.rollout.max_new_tokens), gen_per_sample / run.turns))
+    obs = max(0, round((run.response_len - gen_per_sample) / (run.turns - 1))) if run.turns > 1.05 else 0
+    params: dict[str, Any] = {"prompt_chars": prompt, "turns_min": turns, "turns_max": turns, "obs_chars": obs, "reset_delay": True}
+    delay = (cfg.env.params.get("faults") or {}).get("delay")
+    if isinstance(delay, dict) and delay.get("kind") == "lognormal":
+        sig = float(delay.get("sigma", 1.0))
+        params["delay"] = {"median_s": float(delay.get("mean_s", 1.0)) * math.exp(-sig**2 / 2), "sigma": sig,
+                           "max_s": float(delay.get("max_s", 0.0))}
+    elif isinstance(delay, dict) and delay.get("kind") == "constant":
+        params["delay"] = {"median_s": float(delay.get("seconds", 0.0)), "sigma": 0.0}
+    lat = {key: v * k if key.endswith("_s") and key != "weight_load_s" else v for key, v in CPU_TINY_LATENCY.items()}
+    lat["max_num_seqs"] = cfg.engine.max_num_seqs
+    per_token = fit.train_s / _tokens_per_step(fit, fit_prompt)
+    trainer = {"step_fixed_s": 0.0, "per_token_s": per_token, "gpus": 1.0,
+               "prepare_weights_s": fit.sync_s / 2, "send_weights_s": fit.sync_s / 2}
+    sim = msgspec.convert({"latency": lat, "lengths": {"dist": "constant", "median": per_turn}, "trainer": trainer}, SimModel)
+    env = msgspec.structs.replace(cfg.env, name="sim", params=params)
+    sim_cfg = msgspec.structs.replace(cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=run.steps, dashboard="off", max_time_s=0.0))
+    with tempfile.TemporaryDirectory(prefix="flashrl-cross-") as tmp:
+        return run_variant(sim_cfg, sim, run.warmup, Path(tmp)).step_s
+
+
+def fit_engine_scale(fit: CrossRun) -> tuple[float, bool]:
+    """(k, clamped): the engine-cost scale that makes the simulated fit run's s/step the measured one."""
+    prompt = _prompt_chars(fit.cfg)
+    lo, hi = math.log(K_MIN), math.log(K_MAX)
+    if simulate_cross(fit, K_MIN, fit, prompt) >= fit.step_s:
+        return K_MIN, True
+    if simulate_cross(fit, K_MAX, fit, prompt) <= fit.step_s:
+        return K_MAX, True
+    for _ in range(12):  # s/step rises with k: bisect on log k (to ~0.3%)
+        mid = (lo + hi) / 2
+        if simulate_cross(fit, math.exp(mid), fit, prompt) < fit.step_s:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2), False
+
+
+class CrossRow(msgspec.Struct, kw_only=True):
+    fit: str
+    target: str
+    measured_s: float
+    predicted_s: float
+    error: float  # predicted / measured - 1
+    in_sample: bool
+
+
+def cross_validate(runs: list[CrossRun], fit_names: list[str] | None = None) -> tuple[list[CrossRow], dict[str, tuple[float, bool]]]:
+    """Fit on each of ``fit_names`` (default: every run) in turn; predict every run."""
+    rows: list[CrossRow] = []
+    scales: dict[str, tuple[float, bool]] = {}
+    by_name = {r.name: r for r in runs}
+    for name in fit_names or list(by_name):
+        if name not in by_name:
+            raise ValueError(f"--fit {name!r}: not one of {sorted(by_name)}")
+        fit = by_name[name]
+        k, clamped = fit_engine_scale(fit)
+        scales[name] = (k, clamped)
+        fp = _prompt_chars(fit.cfg)
+        for r in runs:
+            pred = simulate_cross(r, k, fit, fp)
+            rows.append(CrossRow(fit=name, target=r.name, measured_s=r.step_s, predicted_s=pred,
+                                 error=pred / r.step_s - 1, in_sample=r.name == name))
+    return rows, scales
+
+
+def cross_main(paths: list[str], fit_names: list[str], out: str) -> int:
+    runs = [r for p in paths for r in load_cross_runs(Path(p))]
+    rows, scales = cross_validate(runs, fit_names or None)
+    oos = [abs(r.error) for r in rows if not r.in_sample]
+    lines = ["fit run -> predicted run: measured / predicted s/step, error (out of sample unless marked)"]
+    for r in rows:
+        k, clamped = scales[r.fit]
+        tag = " (in sample)" if r.in_sample else ""
+        lines.append(f"  {r.fit} (k={k:.3g}{', clamped' if clamped else ''}) -> {r.target}: "
+                     f"{r.measured_s:.3f} / {r.predicted_s:.3f} s, {r.error:+.1%}{tag}")
+    if oos:
+        lines.append(f"out-of-sample |error|: mean {statistics.fmean(oos):.1%}, max {max(oos):.1%} over {len(oos)} predictions")
+    print("\n".join(lines))
+    if out:
+        o = Path(out)
+        o.mkdir(parents=True, exist_ok=True)
+        doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()}, "rows": rows,
+               "oos_mean_abs_error": statistics.fmean(oos) if oos else None, "oos_max_abs_error": max(oos) if oos else None}
+        (o / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))
+        (o / "results.txt").write_text("\n".join(lines) + "\n")
+    return 0

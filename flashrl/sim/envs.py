@@ -1,6 +1,6 @@
 """Simulated environments (``env.name = "sim"``) and the character tokenizer the simulator uses.
 
-    controller rollout ---reset(task)---> SimEnv: prompt text (prompt_chars characters), no delay
+    controller rollout ---reset(task)---> SimEnv: prompt text (prompt_chars characters), a delay if reset_delay
                        ---step(action)--> SimEnv: sleeps a delay drawn from ``delay``,
                                           maybe fail-slow (sleeps slow_factor x longer),
                                           maybe fail-stop (raises EnvFailure("crash") or hangs),
@@ -72,11 +72,14 @@ class DelayModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     median_s: Annotated[float, Meta(ge=0, description="median step delay")] = 0.0
     sigma: Annotated[float, Meta(ge=0, description="std of the log delay (0 = constant)")] = 0.0
+    max_s: Annotated[float, Meta(ge=0, description="cap on one delay (0 = none), as envs/faults.py's max_s")] = 0.0
 
     def draw(self, u: float) -> float:
         if self.median_s == 0 or self.sigma == 0:
-            return self.median_s
-        return self.median_s * math.exp(self.sigma * _NORMAL.inv_cdf(u))
+            d = self.median_s
+        else:
+            d = self.median_s * math.exp(self.sigma * _NORMAL.inv_cdf(u))
+        return min(d, self.max_s) if self.max_s > 0 else d
 
 
 _NORMAL = NormalDist()
@@ -91,6 +94,7 @@ class SimEnvParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turns_min: Annotated[int, Meta(ge=1, description="fewest environment turns of an episode")] = 1
     turns_max: Annotated[int, Meta(ge=1, description="most environment turns of an episode")] = 1
     delay: DelayModel = msgspec.field(default_factory=DelayModel)
+    reset_delay: Annotated[bool, Meta(description="reset waits a delay too (as [env.params.faults] delays every call)")] = False
     fail_slow_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step is slow (fail-slow)")] = 0.0
     slow_factor: Annotated[float, Meta(ge=1, description="a slow step takes this many times its delay")] = 10.0
     fail_stop_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step fails (fail-stop)")] = 0.0
@@ -112,6 +116,12 @@ class SimEnv:
         self._task = task
         self._turn = 0
         self._turns = int(task.meta.get("turns", 1))
+        p = self._suite.params
+        if p.reset_delay:
+            key = f"{task.id}|reset"
+            delay = p.delay.draw(uniform(self._suite.seed, f"{key}|{self._suite.count(key)}".encode(), b"delay"))
+            if delay > 0:
+                await asyncio.sleep(delay)
         return task.prompt
 
     async def step(self, action: str) -> StepResult:
