@@ -22,8 +22,9 @@ Failure rules (per call; each raises ``EnvFailure`` so the controller retries th
 Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", workers = 2,
 params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
 inside the workers). Tasks come from a copy of the inner suite built in the controller (data only).
-Messages are msgspec structs (below); nothing is pickled. Workers die with the controller
-(PR_SET_PDEATHSIG, plus a parent check every second); call ``RemoteSuite.aclose()`` on shutdown.
+Messages are msgspec structs (below); nothing is pickled. Workers are ``flashrl.procs`` children: each leads its own process
+group and dies with the controller (parent-death signal plus a watchdog); call
+``RemoteSuite.aclose()`` on shutdown.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import weakref
@@ -50,6 +49,7 @@ from msgspec import Meta
 from envs import make_suite
 from envs.base import Env, EnvFailure, StepResult, Task
 from envs.faults import WORKER_ENV_VAR, validate_observation
+from flashrl.procs import Child, child_init
 from flashrl.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
 from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer
 
@@ -106,10 +106,11 @@ class RemoteParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class _Worker:
     """One slot's current process. ``generation`` increases with every replacement."""
 
-    def __init__(self, slot: int, generation: int, proc: asyncio.subprocess.Process, client: RpcClient) -> None:
+    def __init__(self, slot: int, generation: int, child: Child, client: RpcClient) -> None:
         self.slot = slot
         self.generation = generation
-        self.proc = proc
+        self.child = child
+        self.proc = child.proc
         self.client = client
         self.sessions = 0
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -132,8 +133,9 @@ class RemotePool:
         self._closing = False
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
         self._background: set[asyncio.Task[Any]] = set()
-        self._pids: set[int] = set()
-        self._finalizer = weakref.finalize(self, _kill_pids, self._pids, self._dir)
+        # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
+        self._children: set[Child] = set()
+        self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)
 
     @property
     def pids(self) -> list[int]:
@@ -156,10 +158,10 @@ class RemotePool:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[WORKER_ENV_VAR] = "1"
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "envs.remote", *args, env=env)
-        self._pids.add(proc.pid)
+        child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, "-m", "envs.remote", *args], None, env=env)
+        self._children.add(child)
         client = RpcClient(address, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}")
-        w = _Worker(slot, gen, proc, client)
+        w = _Worker(slot, gen, child, client)
         w.supervisor = asyncio.get_running_loop().create_task(self._supervise(w), name=f"env-worker-{slot}.{gen}-supervisor")
         self.counters["spawned"] += 1
         return w
@@ -169,7 +171,7 @@ class RemotePool:
         loop = asyncio.get_running_loop()
         born = loop.time()
         ping = loop.create_task(w.client.request(Ping(), timeout=self.params.startup_timeout_s))
-        exited = loop.create_task(w.proc.wait())
+        exited = loop.create_task(w.child.exited())
         await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
         if ping.done() and ping.exception() is None:
             w.ready.set_result(None)
@@ -179,11 +181,11 @@ class RemotePool:
             err = ping.exception() if ping.done() and not ping.cancelled() else None
             w.ready.set_exception(EnvFailure("crash", f"env worker {w.slot} did not start ({err or 'it exited'})"))
             w.ready.exception()  # mark retrieved: nobody may be waiting on this worker yet
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
+            w.child.kill()
         code = await exited
         w.alive = False
-        self._pids.discard(w.proc.pid)
+        await w.child.reap_group()  # anything the worker started (e.g. sandboxed code) goes with it
+        self._children.discard(w.child)
         await w.client.close()  # pending calls get PeerDead -> EnvFailure("crash")
         if self._closing:
             return
@@ -211,8 +213,7 @@ class RemotePool:
         """Kill ``w``'s process; its supervisor replaces it."""
         if w.alive:
             self.counters[f"killed:{reason}"] += 1
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
+            w.child.kill()
 
     def new_session(self) -> int:
         return next(self._sessions)
@@ -227,8 +228,7 @@ class RemotePool:
         self._closing = True
         workers = [w for w in self._slots if w is not None]
         for w in workers:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
+            w.child.kill()
         for w in workers:
             if w.supervisor is not None:
                 with contextlib.suppress(BaseException):
@@ -239,10 +239,9 @@ class RemotePool:
         self._finalizer()
 
 
-def _kill_pids(pids: set[int], path: str) -> None:
-    for pid in list(pids):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+def _kill_all(children: set[Child], path: str) -> None:
+    for child in list(children):
+        child.kill()
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -412,21 +411,13 @@ class _WorkerState:
                 await env.close()
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 async def _worker_main(ns: argparse.Namespace) -> None:
     params = msgspec.json.decode(ns.params)
     suite = make_suite(ns.inner, params, ns.seed, ns.eval_size)
     state = _WorkerState(suite)
     server = RpcServer(ns.address, WORKER_REQUESTS, state.handle, name=f"env-worker({ns.inner})")
     serve = asyncio.get_running_loop().create_task(server.serve())
-    parent = os.getppid()
-    while not state.stop.is_set() and os.getppid() == parent:
-        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-            await asyncio.wait_for(state.stop.wait(), 1.0)
+    await state.stop.wait()
     serve.cancel()
     with contextlib.suppress(BaseException):
         await serve
@@ -440,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-size", type=int, default=200)
     ns = ap.parse_args(argv)
-    _die_with_parent()
+    child_init(f"env worker ({ns.inner})")  # dies with the controller, and takes its own children along
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s env-worker %(levelname)s %(message)s")
     asyncio.run(_worker_main(ns))
 

@@ -1,8 +1,8 @@
 """Controller side of an engine process: spawn it, wait for it, talk to it, stop it.
 
-    spawn_engine(opts) -> EngineProcess ------ Popen(python -m flashrl.engine.server, own process group)
-        wait_ready(): one Ping in flight; poll the process every 0.2 s until Pong, exit, or deadline
-        terminate():  Shutdown -> wait -> SIGTERM to the group -> wait -> SIGKILL to the group
+    spawn_engine(opts) -> EngineProcess ------ procs.Child (python -m flashrl.engine.server, own process group)
+        wait_ready(): one Ping in flight, raced against the process's exit, until Pong, exit, or deadline
+        terminate():  procs.Child.stop: Shutdown -> wait -> SIGTERM to the group -> wait -> SIGKILL
 
     EngineProcessClient (interfaces.EngineClient) ---- RpcClient (DEALER) ----> engine's RpcServer
         generate/abort/update_weights/load/...: one request each, multiplexed on one socket
@@ -18,13 +18,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from flashrl.engine.server import EngineOptions, options_to_argv
+from flashrl.procs import Child
 from flashrl.protocol import (
     ENGINE_REPLIES,
     Abort,
@@ -143,15 +143,13 @@ class EngineProcessClient:
 
 
 class EngineProcess:
-    """A spawned engine process (its own process group, so its vLLM children go down with it)."""
+    """A spawned engine process (a ``procs.Child``: its own process group, so vLLM's children go with it)."""
 
-    def __init__(self, opts: EngineOptions, proc: subprocess.Popen[bytes], log_path: Path, heartbeat_s: float = 5.0) -> None:
+    def __init__(self, opts: EngineOptions, child: Child, heartbeat_s: float = 5.0) -> None:
         self.opts = opts
-        self.proc = proc
-        self.log_path = log_path
+        self.child = child
         self.heartbeat_s = heartbeat_s
         self.ready_s: float | None = None
-        self._spawned_at = time.monotonic()
         self._client: EngineProcessClient | None = None
 
     @property
@@ -163,15 +161,20 @@ class EngineProcess:
         return self.opts.address
 
     @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.child.proc
+
+    @property
+    def log_path(self) -> Path:
+        assert self.child.log_path is not None
+        return self.child.log_path
+
+    @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.child.alive
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as e:
-            return f"(no log at {self.log_path}: {e})"
-        return "\n".join(text.splitlines()[-lines:])
+        return self.child.log_tail(lines)
 
     @property
     def client(self) -> EngineProcessClient:
@@ -191,66 +194,47 @@ class EngineProcess:
         ``timeout`` seconds.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         probe = self.new_client()
         # One Ping, queued by ZeroMQ until the engine binds (it binds only once vLLM is up).
         ping = loop.create_task(probe.ping())
+        exited = loop.create_task(self.child.exited())
         try:
-            while not ping.done():
-                if not self.alive:
-                    raise RuntimeError(
-                        f"engine {self.name} exited with code {self.proc.returncode} before it was ready; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                if loop.time() > deadline:
-                    raise TimeoutError(
-                        f"engine {self.name} not ready after {timeout:.0f}s (raise engine.startup_timeout_s "
-                        f"if the machine is slow); log {self.log_path}:\n{self.log_tail()}"
-                    )
-                await asyncio.wait({ping}, timeout=0.2)
-            ping.result()
+            done, _ = await asyncio.wait({ping, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if ping in done:
+                ping.result()
+            elif exited in done:
+                raise RuntimeError(f"{self.child.describe()}\n(engine {self.name} stopped before it was ready)")
+            else:
+                raise TimeoutError(
+                    f"engine {self.name} not ready after {timeout:.0f}s (raise engine.startup_timeout_s "
+                    f"if the machine is slow); log {self.log_path}:\n{self.log_tail()}"
+                )
         finally:
-            ping.cancel()
-            with contextlib.suppress(BaseException):
-                await ping
+            for t in (ping, exited):
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
             await probe.close()
-        self.ready_s = time.monotonic() - self._spawned_at
+        self.ready_s = time.monotonic() - self.child.spawned_at
         return self.ready_s
 
     async def terminate(self, timeout: float = 10.0) -> int | None:
         """Stop the engine: Shutdown, then SIGTERM, then SIGKILL to its process group; no orphans."""
         if self._client is not None:
             await self._client.close()
-        if self.alive:
-            probe = self.new_client()
-            with contextlib.suppress(Exception):
-                await probe.shutdown(timeout=min(timeout, 5.0))
-            await probe.close()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            if sig is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, sig)
-            if await self._wait_exit(timeout):
-                break
-        # The leader may be gone while a child (vLLM's EngineCore or worker) lingers in the group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for _ in range(100):  # SIGKILL is delivered asynchronously: wait (<= 5 s) until the group is empty
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            log.warning("engine %s: processes of group %d survived SIGKILL", self.name, self.proc.pid)
-        return self.proc.returncode
 
-    async def _wait_exit(self, timeout: float) -> bool:
-        try:
-            await asyncio.to_thread(self.proc.wait, timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        async def shutdown() -> None:
+            probe = self.new_client()
+            try:
+                await probe.shutdown(timeout=min(timeout, 5.0))
+            finally:
+                await probe.close()
+
+        return await self.child.stop(timeout, shutdown=shutdown)
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group now."""
+        self.child.kill()
 
 
 def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -282,18 +266,7 @@ def spawn_engine(
 
     ``heartbeat_s`` is the Ping interval of ``EngineProcess.client`` (0 = off).
     """
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flashrl.engine.server", *options_to_argv(opts)]
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=engine_env(opts, env_extra),
-            start_new_session=True,  # own process group: terminate() reaches vLLM's children too
-        )
-    ep = EngineProcess(opts, proc, log_path, heartbeat_s)
-    log.info("spawned engine %s (pid %d) on %s; log %s", opts.name, proc.pid, opts.address, log_path)
-    return ep
+    child = Child.spawn(f"engine {opts.name}", cmd, log_path, env=engine_env(opts, env_extra))
+    log.info("engine %s on %s", opts.name, opts.address)
+    return EngineProcess(opts, child, heartbeat_s)

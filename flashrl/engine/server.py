@@ -44,6 +44,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from flashrl.procs import child_init
 from flashrl.protocol import (
     ENGINE_REQUESTS,
     Abort,
@@ -431,7 +432,9 @@ def serve(opts: EngineOptions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_options(sys.argv[1:] if argv is None else list(argv)))
+    opts = parse_options(sys.argv[1:] if argv is None else list(argv))
+    child_init(f"engine {opts.name}")  # dies with the controller, taking vLLM's EngineCore along
+    return serve(opts)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard is required

@@ -1,14 +1,15 @@
 """The controller's handle on the trainer group: R rank processes, one ZeroMQ channel to rank 0.
 
-    TrainerGroup.spawn --subprocess x R (own session each; env as torchrun sets it)--> worker.py ranks
+    TrainerGroup.spawn --procs.Child x R (own process group each; env as torchrun sets it)--> worker.py ranks
                         stdout+stderr -> <run_dir>/logs/trainer<rank>.log
     train_step / prepare_weights / ... --RpcClient--> rank 0 (fans out to the others)
          each call races its reply against the rank processes: a rank that exits fails the call at
          once with TrainerDied (and the tail of its log) instead of leaving it waiting forever
     close(): Shutdown request -> wait -> SIGTERM each rank's process group -> wait -> SIGKILL
 
-``TrainerGroup`` implements ``flashrl.interfaces.TrainerClient``. A finalizer SIGKILLs every rank's
-process group if the object is dropped without ``close()`` (a half-built group leaves no orphans).
+``TrainerGroup`` implements ``flashrl.interfaces.TrainerClient``. Each rank's ``procs.Child`` SIGKILLs
+its process group if dropped without ``close()`` (a half-built group leaves no orphans), and each rank
+dies on its own when the controller does (``procs.child_init``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
-import weakref
 from pathlib import Path
-from typing import IO
 
 from flashrl import protocol
 from flashrl.config import Config
+from flashrl.procs import Child, tail
 from flashrl.protocol import (
     ComputeLogprobs,
     InitWeightSync,
@@ -53,31 +52,24 @@ class TrainerDied(PeerDead):
     """A trainer rank process exited; the message carries its exit code and the tail of its log."""
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def _signal_groups(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, sig)  # each rank leads its own session: this reaches its children too
-
-
 class TrainerGroup:
     """R trainer ranks as one ``TrainerClient``. Build with ``spawn``; then ``await wait_ready()``."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], logs: list[Path], address: str, cfg: Config) -> None:
-        self.procs = procs
-        self.logs = logs
+    def __init__(self, children: list[Child], address: str, cfg: Config) -> None:
+        self.children = children
         self.address = address
         self.cfg = cfg
         self.version = 0
         self._rpc: RpcClient | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _signal_groups, [p.pid for p in procs], signal.SIGKILL)
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [c.proc for c in self.children]
+
+    @property
+    def logs(self) -> list[Path]:
+        return [c.log_path for c in self.children if c.log_path is not None]
 
     @classmethod
     def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path, config_path: str | Path,
@@ -92,8 +84,7 @@ class TrainerGroup:
                "--model", str(model_path)]
         if resume is not None:
             cmd += ["--resume", str(resume)]
-        procs: list[subprocess.Popen[bytes]] = []
-        logs: list[Path] = []
+        children: list[Child] = []
         try:
             for rank in range(world):
                 env = dict(os.environ)
@@ -103,27 +94,19 @@ class TrainerGroup:
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                     "OMP_NUM_THREADS": str(cfg.trainer.threads),
                 })
-                path = run_dir / "logs" / f"trainer{rank}.log"
-                out: IO[bytes] = open(path, "ab")  # noqa: SIM115 - the child owns it from here
-                try:
-                    procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True))
-                finally:
-                    out.close()
-                logs.append(path)
+                children.append(Child.spawn(f"trainer rank {rank}", cmd, run_dir / "logs" / f"trainer{rank}.log", env=env))
         except BaseException:
-            _signal_groups([p.pid for p in procs], signal.SIGKILL)
+            for c in children:
+                c.kill()
             raise
         log.info("trainer group: %d rank(s), rank 0 at %s, logs %s", world, address, run_dir / "logs")
-        return cls(procs, logs, address, cfg)
+        return cls(children, address, cfg)
 
     # ------------------------------------------------------------------ liveness
     def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            code = p.poll()
-            if code is not None:
-                raise TrainerDied(f"trainer rank {rank} exited with code {code}; last lines of "
-                                  f"{self.logs[rank]}:\n{_tail(self.logs[rank])}")
+        for c in self.children:
+            if not c.alive:
+                raise TrainerDied(c.describe())
 
     def _client(self) -> RpcClient:
         if self._closed:
@@ -157,7 +140,7 @@ class TrainerGroup:
             reply = await self._call(Ping(), timeout=timeout)
         except (TimeoutError, asyncio.TimeoutError):
             raise TimeoutError(f"trainer group not ready after {timeout:.0f}s; see {self.logs[0]}:\n"
-                               f"{_tail(self.logs[0])}") from None
+                               f"{tail(self.logs[0], 30)}") from None
         assert isinstance(reply, Pong), type(reply)
         self.version = reply.version
 
@@ -202,29 +185,18 @@ class TrainerGroup:
         return reply.version
 
     async def close(self, grace_s: float = 15.0) -> None:
-        """Shutdown (orderly), then SIGTERM, then SIGKILL; returns when every rank has exited."""
+        """Shutdown (orderly), then SIGTERM, then SIGKILL (procs.Child.stop); returns when every rank has exited."""
         if self._closed:
             return
-        if all(p.poll() is None for p in self.procs):
+        asked = False
+        if all(c.alive for c in self.children):
             with contextlib.suppress(Exception):
                 await self._call(Shutdown(), timeout=grace_s)
+                asked = True
         self._closed = True
-        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            alive = [p for p in self.procs if p.poll() is None]
-            if not alive:
-                break
-            if sig is not None:
-                log.warning("trainer group: %d rank(s) still running; sending %s", len(alive), sig.name)
-                _signal_groups([p.pid for p in alive], sig)
-            await self._wait_exit(wait_s)
-        self._finalizer.detach()
+        if asked:  # rank 0 fans Shutdown out to the others: every rank gets the grace to exit
+            await asyncio.gather(*(c.wait(grace_s) for c in self.children))
+        await asyncio.gather(*(c.stop() for c in self.children))  # then SIGTERM, SIGKILL, group reaped
         if self._rpc is not None:
             await self._rpc.close()
             self._rpc = None
-
-    async def _wait_exit(self, seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + seconds
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(p.wait, max(0.0, end - loop.time()))

@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from flashrl import protocol
 from flashrl.config import Config, load
+from flashrl.procs import child_init
 from flashrl.protocol import (
     ComputeLogprobs,
     Error,
@@ -686,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                   "flashrl.trainer.client.TrainerGroup", file=sys.stderr)
             return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    child_init(f"trainer rank {rank}")  # dies with the controller (a no-op under torchrun)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cfg = load(args.config)
     from flashrl.logging_setup import FORMAT
