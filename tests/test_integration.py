@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+def _listening(procs: list[psutil.Process]) -> set[str]:
+    """The addresses the TCP sockets of ``procs`` listen on."""
+    return {c.laddr.ip for p in procs for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
 @pytest.mark.timeout(1200)
 def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
     """A few real steps; then the engine's logprobs equal the trainer's (greedy and at T = 0.7), versions
@@ -54,6 +59,13 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
             client = engines[0].client
             suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
             await Controller(cfg, tok, suite, [client], trainer, on_step=records.append).run()
+            # The trainer's default group and the weight-sync group listen on loopback only (rank 0 hosts
+            # both stores; every rank and the engine's vLLM worker have gloo sockets), never on a
+            # wildcard address.
+            for rank, p in enumerate(trainer.procs):
+                assert _listening([psutil.Process(p.pid)]) == {"127.0.0.1"}, rank
+            engine = psutil.Process(engines[0].proc.pid)
+            assert _listening([engine, *engine.children(recursive=True)]) <= {"127.0.0.1"}
             assert await client.ping() == 2  # two updates reached the engine
             assert await trainer.ping() == 2
 

@@ -181,18 +181,18 @@ def join_group(
 ) -> dist.ProcessGroup:
     """Join the weight-sync group without touching the default process group (vLLM has its own).
 
-    Group rank 0 (trainer rank 0) hosts the TCPStore on ``master_addr:master_port``; the others
-    connect to it. Every member must call this concurrently; it returns once all ``world_size`` joined.
+    Group rank 0 (trainer rank 0) hosts the TCPStore, listening on ``master_addr:master_port`` only
+    (trainer/rendezvous.py: loopback for the local launcher); the others connect to it. Every member
+    must call this concurrently; it returns once all ``world_size`` joined.
     """
+    from flashrl.trainer.rendezvous import gloo_group, group_store
+
     if not 0 <= rank < world_size:
         raise ValueError(f"weight sync: rank {rank} is outside the group of {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
-    store = dist.PrefixStore("flashrl-weight-sync", store)
+    store = dist.PrefixStore("flashrl-weight-sync", group_store(master_addr, master_port, rank, world_size, timeout))
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return gloo_group(store, rank, world_size, timeout, master_addr)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -95,6 +95,7 @@ from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_group
 from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
+from flashrl.trainer.rendezvous import init_default_group
 from flashrl.trainer.rhythm import credit_scale
 
 log = logging.getLogger("flashrl.trainer")
@@ -705,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    # The store listens on MASTER_ADDR only (loopback for the local launcher), not on every interface.
+    init_default_group(backend, rank, world, datetime.timedelta(minutes=30))
     try:
         trainer = Trainer(cfg, args.model, device)
         if args.resume:
