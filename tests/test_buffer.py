@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from envs.base import Task
 from flashrl.controller.buffer import GroupState, SampleBuffer
 from flashrl.controller.rollout import Trajectory
+from flashrl.core.staleness import Staleness
 from flashrl.sim.fake import run_virtual
 
 
@@ -30,7 +31,7 @@ def traj(group: int, index: int, version: int, reward: float = 0.0) -> Trajector
 
 
 def make(ratio: int = 1, batch: int = 2, group: int = 2, **kw) -> SampleBuffer:
-    return SampleBuffer(group_size=group, batch_prompts=batch, async_ratio=ratio, **kw)
+    return SampleBuffer(group_size=group, batch_prompts=batch, staleness=Staleness(ratio), **kw)
 
 
 def fill(buf: SampleBuffer, uid: int, version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> None:
@@ -108,6 +109,8 @@ def test_stale_samples_are_dropped_counted_and_refilled() -> None:
     batch, refills = buf.take_batch(step=2)
     assert refills == [] and batch is not None
     assert all(2 - t.version_start <= 1 for t in batch[0].samples)
+    # handing out the batch of step 2 tells the shared rule: no earlier step takes a sample now
+    assert buf.staleness.next_step == 3 and buf.staleness.doomed(1) and not buf.staleness.doomed(2)
 
 
 def test_version_start_is_first_generated_token() -> None:

@@ -12,6 +12,7 @@ import pytest
 from flashrl.config import Config
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, Trajectory, run_group, run_sample
 from flashrl.controller.scheduler import Router
+from flashrl.core.staleness import Staleness
 from flashrl.protocol import Generate, TrainSample
 from flashrl.sim.fake import CharTokenizer, FakeEngine, ScriptedSuite, run_virtual
 
@@ -230,7 +231,7 @@ def test_env_bug_is_not_swallowed() -> None:
 
 @pytest.mark.parametrize("case", ["watched", "at_registration", "eval"])
 def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
-    """Three 1 s turns; min_train_step jumps to 2 (async_ratio 1), the engine loads version 1 at 1.5 s.
+    """Three 1 s turns; the next train step jumps to 2 (async_ratio 1), the engine loads version 1 at 1.5 s.
 
     watched: the jump comes at 1.5 s, during turn 2: that request is aborted, the sample restarts
     at once and ends at 4.5 s. at_registration: the jump comes at 0.5 s, so when turn 1 returns at
@@ -243,8 +244,7 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
     eng = FakeEngine("e0", lambda req, v: ([ord("3")], 1.0))
     suite = ScriptedSuite(turns=3)
     ctx = make_ctx(cfg, [eng], suite)
-    step = [0]
-    ctx.min_train_step = lambda: step[0]
+    ctx.staleness = Staleness(cfg.scheduler.async_ratio)
     group = -1 if case == "eval" else 0
     spec = RolloutSpec(task=suite.train_tasks()[3], group=group, index=0, temperature=1.0, seed_key=(group, 0),
                        sample_id=f"{group}-0")
@@ -259,7 +259,8 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
             ctx.router.take(0)
             tg.start_soon(sample)
             await anyio.sleep(0.5 if case == "at_registration" else 1.5)
-            step[0] = 2
+            ctx.staleness.taken(1)  # the batch of step 1 was taken: step 2 is next
+            assert ctx.staleness.next_step == 2
             ctx.abort_stale()
             await anyio.sleep(1.5 - anyio.current_time())
             await eng.update_weights(WeightManifest(version=1))

@@ -10,17 +10,23 @@
 
 Invariants (each is checked where it can break; tests/test_buffer.py exercises them):
 
+The staleness rule itself (capacity, fresh, the step still to come) is flashrl/core/staleness.py's;
+the buffer applies it, sharing the run's one ``Staleness`` object with the rollouts' early abort.
+
 1. Capacity = the staleness bound on admission. ``outstanding`` = groups admitted and not yet
    TRAINED or DROPPED. ``admit()`` is refused unless ``outstanding < capacity`` with
-   ``capacity = (async_ratio + 1) * batch_prompts`` (AReaL's rule), so outstanding never exceeds it.
+   ``capacity = staleness.capacity(batch_prompts)`` = (async_ratio + 1) * batch_prompts (AReaL's
+   rule), so outstanding never exceeds it.
    A slot is freed by ``mark_trained()``, which the controller calls only after the update that
    trained the group is published to every engine: a prompt admitted into that slot therefore
    generates with the new weights (with async_ratio = 0 every sample is exactly on-policy).
 2. Staleness per sample. The batch taken at step s (the update that makes version s+1) holds only
-   samples with ``s - version_start <= async_ratio``, version_start being the version of the
-   sample's first generated token. ``take_batch()`` removes any sample that breaks it, counts it
-   (``stale/dropped_samples``) and hands its group back as RUNNING for a refill. Nothing is lost
-   silently: every sample that leaves the buffer is either in a batch or in a counter.
+   samples with ``staleness.fresh(s, version_start)`` (s - version_start <= async_ratio),
+   version_start being the version of the sample's first generated token. ``take_batch()`` removes
+   any sample that breaks it, counts it (``stale/dropped_samples``) and hands its group back as
+   RUNNING for a refill; handing out the batch of step s it records ``staleness.taken(s)`` (the
+   early abort then knows no earlier step will take a sample). Nothing is lost silently: every
+   sample that leaves the buffer is either in a batch or in a counter.
 3. Order. Batches are whole COMPLETE groups in completion order (``ordered=True``, the barrier
    mode: in admission order, so the synchronous loop is reproduced exactly). Inside a group,
    samples are ordered by their sample index.
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 
 from envs.base import Task
 from flashrl.controller.rollout import Trajectory
+from flashrl.core.staleness import Staleness
 
 __all__ = ["Group", "GroupState", "SampleBuffer"]
 
@@ -64,7 +71,7 @@ class Group:
     completed_at: float = 0.0
     drop_reason: str = ""
     # min version_start over ``samples`` (each sample's is computed once, when it joins): the group
-    # passes the staleness bound at step s iff s - oldest <= async_ratio
+    # passes the staleness bound at step s iff staleness.fresh(s, oldest)
     oldest: int = 1 << 62
 
     @property
@@ -80,14 +87,14 @@ class SampleBuffer:
         *,
         group_size: int,
         batch_prompts: int,
-        async_ratio: int,
+        staleness: Staleness,
         ordered: bool = False,
         filter_ties: bool = False,
         counters: Counter[str] | None = None,
     ) -> None:
         self.group_size = group_size
         self.batch_prompts = batch_prompts
-        self.async_ratio = async_ratio
+        self.staleness = staleness
         self.ordered = ordered
         self.filter_ties = filter_ties
         self.counters: Counter[str] = counters if counters is not None else Counter()
@@ -103,7 +110,7 @@ class SampleBuffer:
     # ------------------------------------------------------------------ accounting
     @property
     def capacity(self) -> int:
-        return (self.async_ratio + 1) * self.batch_prompts
+        return self.staleness.capacity(self.batch_prompts)
 
     @property
     def outstanding(self) -> int:
@@ -196,7 +203,7 @@ class SampleBuffer:
         else:
             check = [g for g in self._unchecked if g.state is GroupState.COMPLETE]
         self._unchecked = []
-        bound = step - self.async_ratio  # a sample is fresh enough iff version_start >= bound
+        bound = self.staleness.oldest(step)  # a sample is fresh iff version_start >= bound
         stale_groups = [g for g in check if g.oldest < bound]
         for g in stale_groups:
             kept = [t for t in g.samples if t.version_start >= bound]
@@ -217,6 +224,7 @@ class SampleBuffer:
             self.complete.remove(g)
             g.state = GroupState.TRAINING
             g.samples.sort(key=lambda t: t.index)
+        self.staleness.taken(step)
         self._notify()
         return batch, refills
 

@@ -6,8 +6,9 @@
                                            |   v
     train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
       waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the sync
-      0. batch taken: min_train_step = step+1; ctx.abort_stale() cancels multi-turn rollouts that
-         can no longer pass the staleness bound (rollout.py), instead of letting them finish
+      0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
+         multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
+         rollout.py), instead of letting them finish
       1. trainer.train_step(batch)
       2. manifest = trainer.prepare_weights(v+1)
       3. engines whose client already reports ``dead`` are marked dead and skipped (counted);
@@ -55,6 +56,7 @@ from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, _shielded, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
+from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.metrics import EngineStat, RateMeter, Snapshot
 from flashrl.protocol import TrainBatch, WeightManifest
@@ -117,10 +119,13 @@ class Controller:
         self.counters: Counter[str] = Counter()
         self.version = 0
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
+        # THE staleness rule of this run: the buffer applies it (and advances next_step as it hands
+        # out batches), the rollouts' early abort and the step records read it.
+        self.staleness = Staleness(cfg.scheduler.async_ratio)
         self.buffer = SampleBuffer(
             group_size=cfg.rollout.group_size,
             batch_prompts=cfg.rollout.batch_prompts,
-            async_ratio=cfg.scheduler.async_ratio,
+            staleness=self.staleness,
             ordered=not cfg.scheduler.queue_scheduling,
             filter_ties=cfg.algorithm.filter_ties,
             counters=self.counters,
@@ -136,7 +141,7 @@ class Controller:
             router=self.router,
             version=lambda: self.version,
             counters=self.counters,
-            min_train_step=lambda: self._min_step,
+            staleness=self.staleness,
         )
         self.engine_versions = [0] * len(engines)
         self.status = "starting"
@@ -153,7 +158,6 @@ class Controller:
         self._ran = False
         self._t0 = 0.0
         self._t_end: float | None = None  # set when run() ends (the clock then stops there)
-        self._min_step = 0  # earliest step that may still take a sample (rollout stale abort)
         self._sample_rate: RateMeter | None = None  # made in run(): a RateMeter reads the clock at once
 
     # ------------------------------------------------------------------ run and shutdown
@@ -343,9 +347,8 @@ class Controller:
                     for g in refills:
                         self._launch(g, g.missing)
                     if batch is not None:
-                        # From now on only steps > ``step`` can take a sample: cancel the rollouts that
-                        # this already makes too stale (buffer invariant 2), rather than finish them.
-                        self._min_step = step + 1
+                        # From now on only steps > ``step`` can take a sample (staleness.next_step):
+                        # cancel the rollouts this already makes too stale, rather than finish them.
                         self.ctx.abort_stale()
                         return batch
                     await self.buffer.changed()
@@ -455,7 +458,7 @@ class Controller:
     def _step_record(
         self, s: int, samples: list[Trajectory], metrics: dict[str, float], step_s: float, train_s: float, sync_s: float
     ) -> dict[str, Any]:
-        stale = [s - t.version_start for t in samples]
+        stale_mean, stale_max = lag_stats(s, (t.version_start for t in samples))
         tokens = sum(t.n_generated for t in samples)
         rewards = [t.reward for t in samples]
         self.samples_trained += len(samples)
@@ -469,8 +472,8 @@ class Controller:
             "step": s + 1,
             "version": self.version,
             "reward/mean": reward_mean,
-            "staleness/mean": sum(stale) / len(stale) if stale else 0.0,
-            "staleness/max": max(stale, default=0),
+            "staleness/mean": stale_mean,
+            "staleness/max": stale_max,
             "time/step_s": step_s,
             "time/train_s": train_s,
             "time/weight_sync_s": sync_s,

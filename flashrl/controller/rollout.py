@@ -34,19 +34,18 @@ Failure tiers, each counted under its own name (nothing is lost silently):
       prompt longer than model.max_model_len              -> rollout/failed_prompt_too_long
   retries exhausted -> rollout/failed_<reason>. Any other exception is a bug and crashes the run.
 
-Stale early abort (``RolloutContext.min_train_step`` set, training rollouts only): once a
+Stale early abort (``RolloutContext.staleness`` set, training rollouts only): once a
 multi-turn trajectory knows the version of its first generated token (its first generate came
 back and the env asked for another turn), it is watched; when that version can no longer pass
-the buffer's staleness bound at any step still to come (``min_train_step() - version_start >
-scheduler.async_ratio``, the same inequality buffer.take_batch applies), the trajectory is
-cancelled at once (its engine request aborted, its env closed), counted
+the staleness bound at any step still to come (``staleness.doomed(version_start)``: the rule of
+flashrl/core/staleness.py that buffer.take_batch applies), the trajectory is cancelled at once (its engine request aborted, its env closed), counted
 ``rollout/aborted_stale``, and the sample restarts on fresh weights (not charged to
 rollout.max_retries). Why only then: before the first generate returns, the controller knows only
 a lower bound on the first token's version (its own version at dispatch: every live engine had
 loaded it before it was published), and staleness needs an upper bound; a single-turn sample is
 done by the time its versions are known, so the buffer's check catches it at no extra cost.
 Restarts converge: a restart's first token is at least the controller's version V when it starts,
-and min_train_step() <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
+and staleness.next_step <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
 training sample generates while a batch trains (capacity = batch_prompts: every group is in it).
 
 Cost (the controller must push >= 20K samples per CPU second through this path): plain asyncio,
@@ -77,6 +76,7 @@ import msgspec
 from envs.base import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.config import Config
 from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
+from flashrl.core.staleness import Staleness
 from flashrl.interfaces import EngineClient
 from flashrl.metrics import RateMeter
 from flashrl.protocol import Generate, Generated, TrainSample
@@ -168,8 +168,9 @@ class RolloutContext:
     # per engine: time with >= 1 generate in flight (the controller replaces these at run start)
     busy: list[BusyMeter] = field(default_factory=list)
     token_rates: list[RateMeter] = field(default_factory=list)  # per engine; empty: not metered
-    # earliest train step that may still take a sample; None turns the stale early abort off
-    min_train_step: Callable[[], int] | None = None
+    # the run's staleness rule (shared with the buffer, which advances its next_step); None turns
+    # the stale early abort off
+    staleness: Staleness | None = None
     # trajectories watched for staleness: "<sample id>.<attempt>" -> (version_start, what cancels it:
     # an object with ``cancel()`` and ``cancel_called``)
     watched: dict[str, tuple[int, Any]] = field(default_factory=dict)
@@ -182,20 +183,17 @@ class RolloutContext:
         if not self.busy:
             self.busy = [BusyMeter() for _ in self.engines]
 
-    def doomed(self, version_start: int) -> bool:
-        """Can a sample whose first token has ``version_start`` never be trained (buffer invariant 2)?"""
-        if self.min_train_step is None:
-            return False
-        return self.min_train_step() - version_start > self.cfg.scheduler.async_ratio
-
     def abort_stale(self) -> int:
         """Cancel every watched trajectory that became too stale to train; return how many.
 
-        The controller calls this whenever ``min_train_step()`` grows (a batch was taken).
+        The controller calls this whenever ``staleness.next_step`` grows (a batch was taken).
         """
+        rule = self.staleness
+        if rule is None:
+            return 0
         n = 0
         for version_start, scope in self.watched.values():
-            if not scope.cancel_called and self.doomed(version_start):
+            if not scope.cancel_called and rule.doomed(version_start):
                 scope.cancel()
                 n += 1
         return n
@@ -511,7 +509,7 @@ async def _turn_loop(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     cfg = ctx.cfg
-    watch = spec.group >= 0 and ctx.min_train_step is not None  # training rollouts only
+    rule = ctx.staleness if spec.group >= 0 else None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
     call = _coro(env.reset(spec.task))
@@ -568,9 +566,9 @@ async def _turn_loop(
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)
         traj.versions += [-1] * len(obs_ids)
-        if watch and not att.key and traj.n_generated > 0:
+        if rule is not None and not att.key and traj.n_generated > 0:
             # version_start is now exact (the first generated token's version), and more turns follow.
-            if ctx.doomed(traj.version_start):
+            if rule.doomed(traj.version_start):
                 traj.status, traj.failure = "failed", "stale"
                 return
             att.key = f"{spec.sample_id}.{attempt}"

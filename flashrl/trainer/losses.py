@@ -218,17 +218,16 @@ def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- entry point
 def compute_policy_loss(cfg: AlgorithmConfig, *, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor,
-                        advantages: Tensor, mask: Tensor, rewards: Tensor, versions: Tensor | None = None,
-                        current_version: int | None = None, entropy: Tensor | None = None,
+                        advantages: Tensor, mask: Tensor, rewards: Tensor, entropy: Tensor | None = None,
                         ref_logp: Tensor | None = None, entropy_mask: Tensor | None = None,
                         norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """The configured loss, aggregated, plus -beta H (entropy bonus) and kl_coef * k3 KL; and metrics.
 
-    Shapes: logp/prox_logp/behav_logp/advantages/mask/entropy/ref_logp [B, T]; rewards [B]; versions
-    [B, T] int (the policy version that sampled each token; -1 on masked tokens). ``entropy_mask`` [B, T]
+    Shapes: logp/prox_logp/behav_logp/advantages/mask/entropy/ref_logp [B, T]; rewards [B]. ``entropy_mask`` [B, T]
     (AsyPPO's I^H) removes tokens from the entropy bonus only. ``norm``: see ``aggregate``.
     Metrics keys: loss/policy, loss/total, ratio/mean, ratio/clipped_frac, iw/mean, iw/max,
-    iw/clipped_frac, staleness/mean, staleness/max, entropy/mean, kl/mean (only those that apply).
+    iw/clipped_frac, entropy/mean, kl/mean (only those that apply). Staleness is not a loss metric:
+    the controller reports it per step (flashrl/core/staleness.py, the one rule).
     """
     if cfg.loss not in LOSSES:
         raise ValueError(f"algorithm.loss: unknown loss {cfg.loss!r}; expected one of {sorted(LOSSES)}")
@@ -258,10 +257,6 @@ def compute_policy_loss(cfg: AlgorithmConfig, *, logp: Tensor, prox_logp: Tensor
         metrics["iw/mean"] = mmean(stats["iw"])
         metrics["iw/max"] = mmax(stats["iw"])
         metrics["iw/clipped_frac"] = mmean(stats["iw_clipped"])
-    if versions is not None and current_version is not None:
-        lag = (current_version - versions).to(torch.float64)
-        metrics["staleness/mean"] = mmean(lag)
-        metrics["staleness/max"] = mmax(lag)
     if entropy is not None:
         metrics["entropy/mean"] = mmean(entropy.detach())
         if cfg.entropy_coef > 0:

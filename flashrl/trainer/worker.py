@@ -362,8 +362,6 @@ class Trainer:
                     advantages=b.advantages,
                     mask=b.loss_mask,
                     rewards=b.rewards,
-                    versions=b.versions,
-                    current_version=current,
                     entropy=entropy,
                     ref_logp=ref.get((i, k)),
                     entropy_mask=em.to(self.device) if em is not None else None,
@@ -392,7 +390,6 @@ class Trainer:
         if self.rank != 0:
             return None
         m = full.loss_mask > 0
-        lag = (current - full.versions)[m].to(torch.float64)
         used = full.advantages[m].to(torch.float64)  # what the loss saw: GRPO or critic, x gamma
         metrics.update(extra)
         metrics.update({
@@ -404,8 +401,6 @@ class Trainer:
             "advantage/std": float(used.std(correction=0)) if used.numel() else 0.0,
             "advantage/min": float(used.min()) if used.numel() else 0.0,
             "advantage/max": float(used.max()) if used.numel() else 0.0,
-            "staleness/mean": float(lag.mean()) if lag.numel() else 0.0,
-            "staleness/max": float(lag.max()) if lag.numel() else 0.0,
             "samples": float(full.size),
             "tokens": float(m.sum()),
             "groups": float(count_groups(full.groups)),
