@@ -290,7 +290,7 @@ def _controller_cls() -> Any:
 
 def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunResult:
     """Run the real controller on simulated engines/trainer/envs, on virtual time."""
-    from envs import make_suite
+    from flashrl.plugins import make_suite
 
     Controller = _controller_cls()
     tok = SimTokenizer()

@@ -39,7 +39,7 @@ def _load_or_exit(config: Path | None, overrides: list[str] | None) -> Config:
 
 def _check_env_or_exit(cfg: Config, config: Path) -> None:
     """The environment's own params struct checks [env.params]; a problem exits 2 like any config error."""
-    from envs import make_suite
+    from flashrl.plugins import make_suite
 
     try:
         make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)

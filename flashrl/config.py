@@ -46,7 +46,7 @@ class ModelConfig(Section):
 
 
 class EnvConfig(Section):
-    name: Annotated[str, Meta(min_length=1, description="environment from envs/ (arithmetic, countdown, guess, code, ...)")] = "arithmetic"
+    name: Annotated[str, Meta(min_length=1, description="a built-in environment (arithmetic, countdown, guess, code, dataset, remote), a plug-in of the entry-point group flashrl.envs, or your own class: 'package.module:Class' or './file.py:Class'")] = "arithmetic"
     params: Annotated[dict[str, Any], Meta(description="environment-specific options, checked by the environment's own struct")] = {}
     eval_size: Annotated[int, Meta(ge=1, description="held-out tasks per evaluation")] = 200
 
@@ -234,14 +234,11 @@ def _check(cfg: Config, source: str) -> None:
     """Cross-field rules msgspec bounds cannot express."""
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
-    if cfg.env.name not in _known_envs():
-        raise ConfigError(f"{source}: env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(_known_envs())}")
+    from flashrl.plugins import env_name_problem  # imports no environment: names and entry points only
 
-
-def _known_envs() -> set[str]:
-    from envs import ENVIRONMENTS
-
-    return set(ENVIRONMENTS)
+    problem = env_name_problem(cfg.env.name)
+    if problem:
+        raise ConfigError(f"{source}: env.name: {problem}")
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

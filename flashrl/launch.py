@@ -128,7 +128,7 @@ async def _main_with_signals(cfg: Config) -> dict[str, Any] | None:
 
 async def run_local(cfg: Config) -> dict[str, Any]:
     """Start engines and trainer, run the controller, always stop every child."""
-    from envs import make_suite
+    from flashrl.plugins import make_suite
     from flashrl.controller.controller import Controller
     from flashrl.dashboard import Dashboard
     from flashrl.metrics import MetricsWriter

@@ -94,7 +94,7 @@ def compared_steps(records: list[dict[str, Any]]) -> list[int]:
 
 def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's environment as the simulator's: prompt length, turns per sample, injected delay."""
-    from envs import make_suite
+    from flashrl.plugins import make_suite
 
     suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]

@@ -262,7 +262,7 @@ class RealRun(msgspec.Struct, kw_only=True):
 
 async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRun:
     """Run the real controller for ``cfg.run.steps`` steps on ``cluster``; measure the steady window."""
-    from envs import make_suite
+    from flashrl.plugins import make_suite
     from flashrl.controller.controller import Controller
 
     await publish_version_zero(cluster, cfg)

@@ -106,7 +106,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
 
     spec = spec or TinySpec()
     if warm is None:  # the defaults, with the environment's own overrides (envs.base.Demonstrating)
-        from envs import warm_start_overrides
+        from flashrl.plugins import warm_start_overrides
 
         warm = msgspec.structs.replace(WarmStart(), **warm_start_overrides(cfg.env.name, _task_params(cfg)))
     cache = Path(cfg.model.cache_dir).expanduser()
@@ -118,7 +118,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
     with _file_lock(cache / f"tiny-{key}.lock"):
         if _is_built(final):  # another process built it while we waited for the lock
             return final
-        from envs import make_suite
+        from flashrl.plugins import make_suite
 
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         suite = getattr(suite, "task_suite", suite)  # a wrapper (remote) warm-starts on what it wraps
