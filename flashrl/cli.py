@@ -3,6 +3,7 @@
     flashrl run CONFIG [--set k=v ...]       train: engines + trainer group + controller (+ dashboard)
     flashrl validate CONFIG [--set k=v ...]  check a config only (exit 2 on any problem)
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
+    flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl bench SCENARIO                   throughput sweeps (bench/*.toml)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
 
@@ -78,6 +79,23 @@ def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
 
     path = ensure_model(cfg)
     typer.echo(str(path))
+
+
+@app.command()
+def samples(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory, e.g. runs/dataset")],
+    step: Annotated[Optional[int], typer.Option("--step", "-n", help="the step to show (default: the last one logged)")] = None,
+    kind: Annotated[str, typer.Option(help="train, eval or all")] = "all",
+    limit: Annotated[int, typer.Option(help="at most this many samples per kind")] = 8,
+) -> None:
+    """Show the rollouts and eval generations a run logged to samples.jsonl (log.samples_per_step, log.eval_samples)."""
+    from flashrl.samples import SamplesError, show
+
+    try:
+        show(run_dir, step=step, kind=kind, limit=limit)
+    except SamplesError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

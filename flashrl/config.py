@@ -9,6 +9,7 @@ key path and what is expected; the CLI prints it and exits with code 2 before an
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -137,6 +138,15 @@ class WeightSyncConfig(Section):
     timeout_s: Annotated[float, Meta(gt=0, description="deadline for one weight sync")] = 300.0
 
 
+class LogConfig(Section):
+    samples_per_step: Annotated[int, Meta(ge=0, le=4096, description="training rollouts per step written to runs/<name>/samples.jsonl (0 = none)")] = 4
+    eval_samples: Annotated[int, Meta(ge=0, description="held-out generations per evaluation written to samples.jsonl (0 = none)")] = 8
+    tensorboard: Annotated[bool, Meta(description="also write metrics as TensorBoard event files to runs/<name>/tensorboard/ (extra: flashrl[log])")] = False
+    wandb: Annotated[bool, Meta(description="also log metrics to Weights & Biases (extra: flashrl[log]); files under runs/<name>/wandb/")] = False
+    wandb_project: Annotated[str, Meta(min_length=1, description="W&B project")] = "flashrl"
+    wandb_mode: Annotated[Literal["offline", "online"], Meta(description="offline: no network, sync later with `wandb sync`")] = "offline"
+
+
 class Config(Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -147,6 +157,7 @@ class Config(Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -234,6 +245,10 @@ def _check(cfg: Config, source: str) -> None:
     """Cross-field rules msgspec bounds cannot express."""
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
+    for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(cfg.log, key) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{source}: log.{key}: the {package} package is not installed; "
+                              f"pip install 'flashrl[log]' or set log.{key} = false")
     from flashrl.plugins import env_name_problem  # imports no environment: names and entry points only
 
     problem = env_name_problem(cfg.env.name)

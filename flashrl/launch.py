@@ -83,9 +83,10 @@ def main(cfg: Config) -> int:
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    old = run_dir / "metrics.jsonl"
-    if old.exists():  # a rerun under the same name keeps the earlier metrics, never mixes them
-        old.rename(run_dir / f"metrics.{int(old.stat().st_mtime)}.jsonl")
+    for stem in ("metrics", "samples"):
+        old = run_dir / f"{stem}.jsonl"
+        if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
+            old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
     try:
@@ -128,12 +129,12 @@ async def _main_with_signals(cfg: Config) -> dict[str, Any] | None:
 
 async def run_local(cfg: Config) -> dict[str, Any]:
     """Start engines and trainer, run the controller, always stop every child."""
-    from flashrl.plugins import make_suite
     from flashrl.controller.controller import Controller
     from flashrl.dashboard import Dashboard
-    from flashrl.metrics import MetricsWriter
+    from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
     from flashrl.models import ensure_model
     from flashrl.models.tokenizer import load_tokenizer
+    from flashrl.plugins import make_suite
 
     t0 = time.monotonic()
     run_dir = cfg.run_dir
@@ -149,7 +150,13 @@ async def run_local(cfg: Config) -> dict[str, Any]:
     try:
         async with local_cluster(cfg, model_path, run_dir, dash.status) as (engines, trainer):
             clients = [e.client for e in engines]
-            writer = MetricsWriter(run_dir / "metrics.jsonl")
+            writer = MetricsWriter(
+                run_dir / "metrics.jsonl",
+                tensorboard_dir=run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                wandb_run=open_wandb(run_dir, cfg.run.name, cfg.log.wandb_project, cfg.log.wandb_mode,
+                                     msgspec.to_builtins(cfg)) if cfg.log.wandb else None,
+            )
+            samples_out = SamplesWriter(run_dir / "samples.jsonl")
             history: list[dict[str, Any]] = []
 
             def on_step(record: dict[str, Any]) -> None:
@@ -159,7 +166,7 @@ async def run_local(cfg: Config) -> dict[str, Any]:
                 history.append(record)
                 dash.step(record)
 
-            controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step)
+            controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write)
             # The controller holds many small per-token lists; default GC thresholds make full collections
             # walk them constantly (~30% of controller CPU in bench/results/controller_overhead). Freeze the
             # start-up objects and collect less often; this process only.
@@ -181,6 +188,7 @@ async def run_local(cfg: Config) -> dict[str, Any]:
                 with contextlib.suppress(Exception):
                     dash.update(controller.snapshot())
                 writer.close()
+                samples_out.close()
                 # Frozen objects are never collected, not even at exit: native extensions loaded at
                 # start-up (triton, via the tokenizer's torch) would then report them as leaked.
                 gc.unfreeze()

@@ -1,7 +1,8 @@
 """Run metrics: the live ``Snapshot`` the dashboard renders, and ``metrics.jsonl`` (one object per step).
 
     controller ---snapshot()---> Snapshot ---> dashboard.py (rich live view, or plain lines)
-    controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ tensorboard, if installed)
+    controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ TensorBoard, W&B: [log] keys)
+    controller ---on_samples---> SamplesWriter ---> runs/<name>/samples.jsonl   (`flashrl samples RUN_DIR` shows it)
     rollouts   ---add(n)------> RateMeter (on the event-loop clock) ---rate()---> Snapshot.*_per_s
 
 Every step line has at least: step, reward/mean, time/step_s, staleness/mean; and eval/accuracy
@@ -158,19 +159,29 @@ def _open_tensorboard(log_dir: Path) -> Any | None:
     return SummaryWriter(log_dir=str(log_dir))
 
 
+def open_wandb(run_dir: Path, name: str, project: str, mode: str, config: dict[str, Any]) -> Any:
+    """A W&B run writing under ``run_dir/wandb`` (mode "offline": no network; `wandb sync` uploads later)."""
+    import wandb
+
+    return wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
+                      settings=wandb.Settings(silent=True, console="off"))
+
+
 class MetricsWriter:
     """Append one JSON object per line to ``path``; flushed per line so a crash loses nothing.
 
-    With ``tensorboard_dir``, numeric fields are also written as tensorboard scalars at the record's
-    ``step`` (skipped, with one log line, when tensorboard is not installed).
+    The same records go, as scalars at the record's ``step``, to TensorBoard event files in
+    ``tensorboard_dir`` (skipped, with one log line, when tensorboard is not installed) and to the
+    W&B run ``wandb_run`` (see ``open_wandb``), when given.
     """
 
-    def __init__(self, path: Path, *, tensorboard_dir: Path | None = None) -> None:
+    def __init__(self, path: Path, *, tensorboard_dir: Path | None = None, wandb_run: Any | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = path.open("a", buffering=1)
         self._enc = msgspec.json.Encoder()
         self._tb = _open_tensorboard(tensorboard_dir) if tensorboard_dir is not None else None
+        self._wandb = wandb_run
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -185,6 +196,11 @@ class MetricsWriter:
             for key, value in _scalars(record).items():
                 if key != "step":
                     self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            scalars = {k: v for k, v in _scalars(record).items() if k != "step"}
+            step = record.get("step")
+            self._wandb.log(scalars, step=int(step) if isinstance(step, int) else None)
 
     def close(self) -> None:
         if not self._f.closed:
@@ -192,12 +208,33 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            run, self._wandb = self._wandb, None
+            run.finish()
 
     def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SamplesWriter:
+    """``samples.jsonl``: one JSON object per rollout shown (Controller.on_samples), flushed per batch."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a", buffering=1)
+        self._enc = msgspec.json.Encoder()
+
+    def write(self, lines: list[dict[str, Any]]) -> None:
+        self._f.write("".join(self._enc.encode(x).decode() + "\n" for x in lines))
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

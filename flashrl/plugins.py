@@ -67,12 +67,12 @@ def _where(e: BaseException) -> str:
     return f" (at {f.filename}:{f.lineno})"
 
 
-def _import_file(path: Path, key: str) -> Any:
-    p = path.expanduser()
+def _import_file(target: str, key: str) -> Any:
+    p = Path(target).expanduser()
     if not p.is_absolute():
         p = Path.cwd() / p
     if not p.is_file():
-        raise PluginError(f"{key}: file {str(path)!r} not found (looked at {p}; a relative path is relative to "
+        raise PluginError(f"{key}: file {target!r} not found (looked at {p}; a relative path is relative to "
                           f"the directory flashrl runs in, {Path.cwd()})")
     name = "flashrl_user_" + re.sub(r"\W", "_", str(p.resolve().with_suffix("")))
     mod = sys.modules.get(name)
@@ -113,7 +113,7 @@ def load_object(ref: str, key: str) -> Any:
     if not sep or not target or not attr:
         raise PluginError(f"{key}: {ref!r} is not a reference; expected 'package.module:name' or './file.py:name'")
     if target.endswith(".py") or "/" in target or os.sep in target:
-        mod = _import_file(Path(target), key)
+        mod = _import_file(target, key)
         where = target
     else:
         mod = _import_module(target, key)

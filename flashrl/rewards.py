@@ -26,7 +26,7 @@ failure counted, never scored 0.
 
 Process workers (``python -m flashrl.rewards``) speak msgspec JSON lines over their stdin/stdout
 (nothing is pickled); a worker's own prints go to its stderr. They die with the controller
-(PR_SET_PDEATHSIG, and EOF on stdin) and are closed by ``RewardRunner.aclose()``.
+(flashrl.procs.child_init: parent-death signal and watchdog; EOF on stdin) and are closed by ``RewardRunner.aclose()``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import inspect
 import logging
@@ -51,6 +50,7 @@ from typing import Any, Literal
 import msgspec
 
 from flashrl.plugins import PluginError, is_reference, load_object
+from flashrl.procs import PARENT_ENV, child_init
 
 __all__ = ["BUILTIN_REWARDS", "RewardFailed", "RewardOptions", "RewardResult", "RewardRunner", "make_reward_fn"]
 
@@ -227,7 +227,8 @@ class _ProcessPool:
         self._spawned = 0
         self._all: set[_Worker] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[Any]] = set()  # draining a cancelled call's reply
+        self._reaping: set[asyncio.Task[Any]] = set()  # waiting for a killed worker's exit
         self._changed: asyncio.Future[None] | None = None
         self.counters = {"workers_started": 0, "workers_killed": 0}
 
@@ -237,6 +238,7 @@ class _ProcessPool:
     async def _spawn(self) -> _Worker:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "flashrl.rewards", "--spec", self.spec, "--options", _ENC.encode(self.opts).decode(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True,
@@ -262,13 +264,15 @@ class _ProcessPool:
 
     def _discard(self, w: _Worker, count: bool = True) -> None:
         w.kill()
+        if w.proc.stdin is not None:
+            w.proc.stdin.close()
         self._all.discard(w)
         if count:
             self._spawned -= 1
         self._wake()
         task = asyncio.get_running_loop().create_task(w.proc.wait())  # reap it
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     async def _acquire(self) -> _Worker:
         loop = asyncio.get_running_loop()
@@ -354,6 +358,8 @@ class _ProcessPool:
     async def aclose(self) -> None:
         for t in list(self._background):
             t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._reaping, return_exceptions=True)
         workers = list(self._all)
         self._all.clear()
         for w in workers:
@@ -436,8 +442,7 @@ class RewardRunner:
 
 # --------------------------------------------------------------------------- worker process
 def _worker(spec: str, opts: RewardOptions) -> int:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the controller
+    child_init("reward-worker")  # dies with the controller (parent-death signal + watchdog)
     out = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol channel; user prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -262,8 +262,8 @@ class RealRun(msgspec.Struct, kw_only=True):
 
 async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRun:
     """Run the real controller for ``cfg.run.steps`` steps on ``cluster``; measure the steady window."""
-    from flashrl.plugins import make_suite
     from flashrl.controller.controller import Controller
+    from flashrl.plugins import make_suite
 
     await publish_version_zero(cluster, cfg)
     suite = TrainOnlySuite(make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size))

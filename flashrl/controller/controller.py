@@ -108,6 +108,7 @@ class Controller:
         engines: Sequence[EngineClient],
         trainer: TrainerClient,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_samples: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("Controller needs at least one engine (engine.count >= 1)")
@@ -116,6 +117,7 @@ class Controller:
         self.engines = list(engines)
         self.trainer = trainer
         self.on_step = on_step
+        self.on_samples = on_samples  # readable rollouts for samples.jsonl (log.samples_per_step, log.eval_samples)
         self.counters: Counter[str] = Counter()
         self.version = 0
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
@@ -337,6 +339,11 @@ class Controller:
         now = self._clock()
         self.version = s + 1
         self.buffer.mark_trained(batch)
+        n = self.cfg.log.samples_per_step
+        if self.on_samples is not None and n:
+            # Spread over the groups: the first sample of each group, then the second, ...
+            picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
+            self.on_samples([self._sample_line("train", s + 1, t, task) for task, t in picked[:n]])
         return self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
 
     async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
@@ -436,6 +443,11 @@ class Controller:
         self.counters["eval/failed"] += n - len(results)
         record["eval/accuracy"] = acc
         record["eval/reward_mean"] = sum(t.reward for t in results) / n
+        record.update(_metric_means(results, "eval/reward/"))
+        m = self.cfg.log.eval_samples
+        if self.on_samples is not None and m:
+            firsts = sorted(results, key=lambda t: -1 - t.group)[:m]  # the same held-out tasks every time
+            self.on_samples([self._sample_line("eval", record["step"], t, self.eval_tasks[-1 - t.group]) for t in firsts])
         record["time/eval_s"] = self._clock() - t0
         self._emit(record)
         done.set()
@@ -489,12 +501,24 @@ class Controller:
             "turns/mean": sum(t.turns for t in samples) / len(samples) if samples else 0.0,
             "response_len/mean": sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
         })
+        record.update(_metric_means(samples, "reward/"))
         for k, v in sorted(self.counters.items()):
             record[f"count/{k}"] = v
         record.update(self._env_counters())
         self.reward_history.append((s + 1, reward_mean))
         self.last = record
         return record
+
+    def _sample_line(self, kind: str, step: int, t: Trajectory, task: Any) -> dict[str, Any]:
+        """One rollout as samples.jsonl shows it: text in and out, reward, versions, how it ended."""
+        decode = self.ctx.tokenizer.decode
+        return {
+            "step": step, "kind": kind, "sample_id": t.sample_id, "task_id": t.task_id,
+            "prompt": decode(t.prompt_ids), "response": decode(t.response_ids), "answer": getattr(task, "answer", ""),
+            "reward": t.reward, "correct": t.correct, "metrics": dict(t.metrics),
+            "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
+            "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": t.n_generated, "engine": t.engine,
+        }
 
     def _emit(self, record: dict[str, Any]) -> None:
         if self.on_step is not None:
@@ -556,6 +580,21 @@ class Controller:
             counters=self._all_counters(),
             status=self.status,
         )
+
+
+def _metric_means(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+    """Mean of each per-trajectory metric (a reward function's extras) over the trajectories that have it."""
+    sums: dict[str, float] = {}
+    counts: Counter[str] = Counter()
+    for t in trajs:
+        for k, v in t.metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] += 1
+    out = {}
+    for k, total in sums.items():
+        key = prefix + k
+        out[key if key not in _OWN_KEYS else prefix + "extra_" + k] = total / counts[k]
+    return out
 
 
 def _leaves(e: BaseException) -> list[BaseException]:

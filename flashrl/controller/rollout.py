@@ -115,6 +115,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
     gen_s: float = 0.0  # inside engine.generate
     env_s: float = 0.0  # inside env.reset / env.step
     wait_s: float = 0.0  # waiting for an engine permit
+    task_id: str = ""
+    metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
 
     @property
     def version_start(self) -> int:
@@ -462,6 +464,7 @@ async def run_trajectory(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt
         attempts=attempt + 1,
         version_sent=ctx.version(),
         t_start=loop.time(),
+        task_id=spec.task.id,
     )
     env = ctx.suite.make_env()
     try:
@@ -554,6 +557,8 @@ async def _turn_loop(
             res = await _env_rest(ctx, traj, call, res)
         traj.reward += res.reward
         traj.correct = _correct(res, traj.reward)
+        if res.info and "metrics" in res.info:
+            traj.metrics.update(res.info["metrics"])
         if res.done:
             traj.finish_reason = out.finish_reason
             return
