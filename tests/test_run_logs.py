@@ -4,6 +4,7 @@ offline W&B run from the same records as metrics.jsonl, and the [log] keys."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,11 @@ def test_wandb_offline_writes_a_run_directory(tmp_path: Path, monkeypatch: pytes
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
     files = list(runs[0].glob("run-*.wandb"))
     assert files and files[0].stat().st_size > 0
-    data = files[0].read_bytes()  # protobuf records: the metric names and values are in there as text
+    # Protobuf records, the metric names in there as text. wandb-core (its own process) may still be
+    # writing the file when finish() returns: wait for it, with a deadline.
+    deadline = time.monotonic() + 30
+    while b"reward/parsed" not in (data := files[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert b"reward/parsed" in data and b"eval/accuracy" in data
 
 
