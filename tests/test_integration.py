@@ -101,7 +101,8 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["staleness/max"] <= 1
-        assert 0.0 <= r["reward/mean"] <= 1.0
+        # 2 prompts x 4 samples, each rewarded 0 or 1 by the exact verifier
+        assert r["samples"] == 8 and r["reward/mean"] * 8 == pytest.approx(round(r["reward/mean"] * 8))
         assert r["time/weight_sync_s"] > 0
 
 
@@ -155,7 +156,9 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
     assert load(run_dir / "config.toml").run.name == "sig"
     assert {"controller.log", "engine0.log", "engine1.log", "trainer0.log"} <= {p.name for p in (run_dir / "logs").iterdir()}
     rows = read_jsonl(metrics)
-    assert rows[0]["step"] == 0 and 0.0 <= rows[0]["eval/accuracy"] <= 1.0
+    # step 0 evaluates the warm-started built-in model (README: ~55% greedy) on the 16 held-out items
+    acc = rows[0]["eval/accuracy"]
+    assert rows[0]["step"] == 0 and acc * 16 == pytest.approx(round(acc * 16)) and acc >= 0.25
     trained = [r for r in rows if r["step"] >= 1]
     for r in trained:
         for key in ("step", "reward/mean", "time/step_s", "staleness/mean"):

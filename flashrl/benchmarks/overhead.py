@@ -5,6 +5,12 @@
                  CPU is the controller's plus what those parts cost (``fixture_cost``, measured
                  apart and subtracted) -> generated and trained samples per CPU second, controller
                  CPU microseconds per generated sample
+    end to end:  the same Controller.run(), but every engine is an EngineProcessClient talking ZeroMQ
+                 (loopback TCP) to instant-engine server processes (``instant_engine_server``: an
+                 InstantEngine behind an RpcServer), as real engines are reached -> generated samples
+                 per CPU second of the controller process (its ZeroMQ I/O thread included; nothing
+                 subtracted), the servers' CPU per sample beside it. This is the controller overhead
+                 figure a real run pays; the in-process one above is the scheduling code alone.
     zeromq:      EngineProcessClient -> RpcClient --Generate--> RpcServer (echo: answers Generated at
                  once) on loopback TCP; the server in its own process (as an engine is) or in this
                  loop ("inline"); ``concurrency`` tasks each issue requests back to back on the ONE
@@ -91,11 +97,17 @@ def overhead_config(batch_prompts: int, group_size: int, engines: int, steps: in
 
 
 def controller_rate(batch_prompts: int, group_size: int, engines: int, steps: int, *, tokens: int = 16, turns: int = 1,
-                    gc_mode: GcMode = "tuned", profile: Any = None) -> dict[str, float]:
+                    gc_mode: GcMode = "tuned", profile: Any = None, transport: Literal["inline", "zmq"] = "inline",
+                    servers: int = 2) -> dict[str, float]:
     """One run of the real Controller against instant parts; CPU per sample (see the module docstring).
 
+    ``transport = "zmq"``: the engines are EngineProcessClients of ``servers`` instant-engine server
+    processes (engines shared round-robin), and nothing is subtracted: end-to-end controller CPU.
     ``profile``: a cProfile.Profile to enable around the run (its numbers are then inflated by it).
     """
+    if transport == "zmq":
+        return _controller_rate_zmq(batch_prompts, group_size, engines, steps, tokens=tokens, turns=turns,
+                                    gc_mode=gc_mode, servers=servers)
     from flashrl.controller.controller import Controller
     from flashrl.sim.instant import (
         InstantEngine,
@@ -149,6 +161,121 @@ def controller_rate(batch_prompts: int, group_size: int, engines: int, steps: in
         "fixture_us_per_sample": fix,
         "controller_us_per_generated": 1e6 * cpu / generated - fix,
         "gc_collections": out["gc_collections"],
+    }
+
+
+def instant_engine_server(address: str, tokens: int = 16) -> None:
+    """An InstantEngine behind an RpcServer: the engine protocol answered at once, until Shutdown."""
+    from flashrl.protocol import (
+        ENGINE_REQUESTS,
+        Abort,
+        Generate,
+        GetLoad,
+        Ok,
+        Ping,
+        Pong,
+        Shutdown,
+        UpdateWeights,
+    )
+    from flashrl.sim.instant import InstantEngine
+    from flashrl.transport import RpcServer
+
+    engine = InstantEngine(f"instant@{address}", tokens, yield_once=False)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+
+        async def handler(msg: Any) -> Any:
+            if isinstance(msg, Generate):
+                return await engine.generate(msg)
+            if isinstance(msg, Abort):
+                await engine.abort(list(msg.request_ids))
+                return Ok()
+            if isinstance(msg, UpdateWeights):
+                return await engine.update_weights(msg.manifest)
+            if isinstance(msg, GetLoad):
+                return await engine.load()
+            if isinstance(msg, Ping):
+                return Pong(version=engine.version)
+            if isinstance(msg, Shutdown):
+                stop.set()
+            return Ok()
+
+        server = RpcServer(address, ENGINE_REQUESTS, handler, name="instant-engine")
+        task = asyncio.get_running_loop().create_task(server.serve())
+        await stop.wait()
+        await asyncio.sleep(0.05)  # let the Shutdown's reply go out
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    gc.freeze()
+    gc.set_threshold(*GC_TUNED_THRESHOLDS)
+    asyncio.run(main())
+
+
+def _controller_rate_zmq(batch_prompts: int, group_size: int, engines: int, steps: int, *, tokens: int, turns: int,
+                         gc_mode: GcMode, servers: int) -> dict[str, float]:
+    from flashrl.controller.controller import Controller
+    from flashrl.engine.client import EngineProcessClient
+    from flashrl.sim.instant import InstantSuite, InstantSuiteParams, InstantTokenizer, InstantTrainer
+    from flashrl.transport import free_port
+
+    cfg = overhead_config(batch_prompts, group_size, engines, steps, tokens=tokens, turns=turns)
+    suite = InstantSuite(InstantSuiteParams(turns=turns))
+    trainer = InstantTrainer()
+    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(max(1, min(servers, engines)))]
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", f"from flashrl.benchmarks.overhead import instant_engine_server as s; s({a!r}, {tokens})"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for a in addrs]  # fmt: skip
+    out: dict[str, float] = {}
+
+    async def main() -> None:
+        clients = [EngineProcessClient(f"instant{i}", addrs[i % len(addrs)], heartbeat_s=0) for i in range(engines)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.ping() for c in clients)), 60)  # servers up, clients connected
+            ctrl = Controller(cfg, InstantTokenizer(), suite, clients, trainer)
+            if gc_mode == "tuned":
+                gc.freeze()
+            s0 = sum(_proc_cpu_s(p.pid) for p in procs)
+            c0, w0 = time.process_time(), time.perf_counter()
+            summary = await ctrl.run()
+            out["cpu_s"] = time.process_time() - c0
+            out["wall_s"] = time.perf_counter() - w0
+            out["server_cpu_s"] = sum(_proc_cpu_s(p.pid) for p in procs) - s0
+            out["steps"] = float(summary.steps)
+            for c in clients[: len(addrs)]:  # one per server
+                with contextlib.suppress(Exception):
+                    await c.shutdown(timeout=5)
+        finally:
+            for c in clients:
+                await c.close()
+
+    try:
+        with gc_settings(gc_mode):
+            asyncio.run(main())
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    generated, trained = suite.episodes, trainer.samples
+    if trained != steps * batch_prompts * group_size:
+        raise RuntimeError(f"overhead run trained {trained} samples, expected {steps * batch_prompts * group_size}")
+    cpu = out["cpu_s"]
+    return {
+        "generated": float(generated),
+        "trained": float(trained),
+        "cpu_s": cpu,
+        "wall_s": out["wall_s"],
+        "generated_per_cpu_s": generated / cpu,
+        "trained_per_cpu_s": trained / cpu,
+        "cpu_us_per_generated": 1e6 * cpu / generated,
+        "controller_us_per_generated": 1e6 * cpu / generated,  # end to end: nothing subtracted
+        "server_cpu_us_per_generated": 1e6 * out["server_cpu_s"] / generated,
+        "servers": float(len(addrs)),
     }
 
 
@@ -375,7 +502,8 @@ def run_overhead(scn: Any, out: Path, quiet: bool = False) -> list[OverheadResul
             runs = [
                 controller_rate(int(p.get("batch_prompts", 128)), int(p.get("group_size", 8)), int(p.get("count", 16)),
                                 int(p.get("steps", scn.steps)), tokens=int(p.get("max_new_tokens", 16)),
-                                turns=int(p.get("max_turns", 1)), gc_mode=p.get("gc", "tuned"))
+                                turns=int(p.get("max_turns", 1)), gc_mode=p.get("gc", "tuned"),
+                                transport=p.get("transport", "inline"), servers=int(p.get("servers", 2)))
                 for _ in range(max(1, int(p.get("repeats", 1))))
             ]
             # Best of N, as timeit reports: on a shared machine other processes only ever add CPU time
@@ -400,7 +528,7 @@ def run_overhead(scn: Any, out: Path, quiet: bool = False) -> list[OverheadResul
         for x in results:
             w.writerow([x.scenario, x.label, x.value, x.unit, x.target, x.passed, msgspec.json.encode(x.detail).decode()])
     _plot(scn, results, out / f"{scn.name}.png")
-    first = next((pt for pt in scn.points if not pt.label.startswith("zmq")), None)
+    first = next((pt for pt in scn.points if not pt.label.startswith("zmq") and "x.transport" not in pt.set), None)
     if first is not None:  # where the controller's time goes, for whoever optimizes it next
         p = {k.split(".")[-1]: v for k, v in first.set.items()}
         (out / "profile.txt").write_text(profile_controller(
