@@ -61,13 +61,32 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def run(config: ConfigArg, set_: SetOpt = None) -> None:
+def run(
+    config: ConfigArg,
+    path: Annotated[Optional[Path], typer.Argument(help="with --resume: a checkpoint (runs/<name>/checkpoints/step-<N>) or a run folder", show_default=False)] = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="continue from the latest checkpoint of runs/<name> (or of PATH: `--resume PATH`)")] = False,
+) -> None:
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
     cfg = _load_or_exit(config, set_)
+    if path is not None and not resume:
+        typer.echo(f"error: unexpected argument {path}; to resume from it write `flashrl run {config} --resume {path}`", err=True)
+        raise typer.Exit(code=2)
     _check_env_or_exit(cfg, config)
     from flashrl.launch import main as launch_main
 
-    code = launch_main(cfg)
+    r = None
+    if resume:
+        from flashrl.checkpoint import CheckpointError, prepare_resume
+
+        try:
+            r = prepare_resume(cfg, path)
+        except CheckpointError as e:
+            typer.echo(f"resume error: {e}", err=True)
+            raise typer.Exit(code=2) from None
+        for why in r.skipped:
+            typer.echo(f"warning: skipped a corrupt checkpoint: {why}", err=True)
+    code = launch_main(cfg, resume=r)
     raise typer.Exit(code=code)
 
 

@@ -37,6 +37,8 @@ class RunConfig(Section):
     eval_every: Annotated[int, Meta(ge=0, description="evaluate on the held-out split every N steps (0 = only at start and end)")] = 10
     dashboard: Annotated[Literal["auto", "rich", "plain", "off"], Meta(description="auto: rich live view on a terminal, plain lines otherwise")] = "auto"
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level of every process")] = "INFO"
+    checkpoint_every: Annotated[int, Meta(ge=0, description="checkpoint every N steps into <run dir>/checkpoints/step-<N>/ (0 = only at the end, on Ctrl-C/SIGTERM and at max_time_s); resume with `flashrl run CONFIG --resume`")] = 50
+    keep_checkpoints: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest are deleted once a newer one is complete)")] = 3
 
 
 class ModelConfig(Section):

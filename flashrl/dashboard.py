@@ -127,6 +127,8 @@ def _header(s: Snapshot) -> Text:
     t = Text()
     t.append(s.run_name or "flashrl", style="bold")
     t.append(f"   step {_step_text(s)}   policy v{s.version}   elapsed {format_duration(s.elapsed_s)}   ")
+    if s.resumed_from is not None:
+        t.append(f"resumed from step {s.resumed_from}   ", style="bold")
     t.append(f"{s.samples_per_s:.1f} samples/s   {s.tokens_per_s:.0f} tokens/s")
     return t
 
@@ -289,7 +291,8 @@ class Dashboard:
         self._updated = True
         if self.mode == "rich" and self._live is not None:
             self._live.update(render(snapshot))
-        elif self.mode == "plain" and snapshot.step != self._printed_step and snapshot.step > 0:
+        elif (self.mode == "plain" and snapshot.step != self._printed_step and snapshot.step > 0
+              and snapshot.step != snapshot.resumed_from):  # a resumed run prints from its first new step
             self._printed_step = snapshot.step
             self._print(format_plain(snapshot))
 

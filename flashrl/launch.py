@@ -28,11 +28,13 @@ from typing import Any
 
 import msgspec
 
+from flashrl.checkpoint import Resume
 from flashrl.config import Config, to_toml
 
 log = logging.getLogger("flashrl.launch")
 
 SHUTDOWN_DEADLINE_S = 20.0
+STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM: finish the step and checkpoint within this, else cancel
 
 
 def resolve_device(cfg: Config) -> str:
@@ -77,20 +79,38 @@ class MemorySampler:
             await asyncio.sleep(interval_s)
 
 
-def main(cfg: Config) -> int:
-    """Run ``cfg`` locally; returns the process exit code (0 ok, 1 failure, 130 interrupted)."""
+def main(cfg: Config, resume: Resume | None = None) -> int:
+    """Run ``cfg`` locally; returns the process exit code (0 ok, 1 failure, 130 interrupted).
+
+    ``resume``: a checkpoint from ``checkpoint.prepare_resume(cfg, path)`` (verified, config checked):
+    the run continues from it (trainer state, data position, metrics.jsonl up to its step).
+    """
+    from flashrl.checkpoint import continue_metrics, prepare_folder
     from flashrl.logging_setup import setup_logging
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stem in ("metrics", "samples"):
-        old = run_dir / f"{stem}.jsonl"
-        if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
-            old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
+    ckpts = run_dir / "checkpoints"
+    dropped = 0
+    if resume is not None:
+        # metrics.jsonl (and samples.jsonl) continue: lines written after the checkpoint are dropped
+        dropped = continue_metrics(run_dir / "metrics.jsonl", resume)
+        continue_metrics(run_dir / "samples.jsonl", resume, through=resume.step)
+        prepare_folder(ckpts, resume)
+    else:
+        for stem in ("metrics", "samples"):
+            old = run_dir / f"{stem}.jsonl"
+            if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
+                old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
+        if ckpts.exists():  # ... and the earlier checkpoints (resume them with --resume PATH)
+            ckpts.rename(run_dir / f"checkpoints.{int(time.time())}")
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
+    if resume is not None:
+        log.info("resuming from %s (step %d); metrics.jsonl continues after step %d (%d later line(s) dropped)",
+                 resume.path, resume.step, resume.state.metrics_through, dropped)
     try:
-        summary = asyncio.run(_main_with_signals(cfg))
+        summary = asyncio.run(_main_with_signals(cfg, resume))
     except KeyboardInterrupt:
         print("interrupted: all processes stopped", file=sys.stderr)
         return 130
@@ -103,32 +123,49 @@ def main(cfg: Config) -> int:
         return 130
     (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
     _print_summary(summary)
+    if (summary.get("result") or {}).get("stop_reason") == "interrupted":
+        ck = summary["result"].get("last_checkpoint")
+        where = f"checkpoint {ck} written; continue with `flashrl run CONFIG --resume`" if ck else "no checkpoint written"
+        print(f"interrupted: all processes stopped; {where}", file=sys.stderr)
+        return 130
     return 0
 
 
-async def _main_with_signals(cfg: Config) -> dict[str, Any] | None:
+async def _main_with_signals(cfg: Config, resume: Resume | None = None) -> dict[str, Any] | None:
+    """Run with Ctrl-C / SIGTERM handled: the first asks the controller to finish its step and checkpoint
+    (bounded by STOP_GRACE_S), a second one (or the bound) cancels at once; children are stopped either way."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
     stopped = {"by": ""}
+    hooks: dict[str, Any] = {}
 
     def _stop(signame: str) -> None:
+        first = not stopped["by"]
         stopped["by"] = signame
+        controller = hooks.get("controller")
+        if first and controller is not None and controller.status == "running":
+            log.warning("%s received: finishing the current step, writing a checkpoint, shutting down "
+                        "(again to stop at once)", signame)
+            controller.request_stop()
+            loop.call_later(STOP_GRACE_S, task.cancel)
+            return
         log.warning("%s received: shutting down", signame)
         task.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _stop, sig.name)
     try:
-        return await run_local(cfg)
+        return await run_local(cfg, resume, hooks=hooks)
     except asyncio.CancelledError:
         if stopped["by"]:
             return None
         raise
 
 
-async def run_local(cfg: Config) -> dict[str, Any]:
+async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start engines and trainer, run the controller, always stop every child."""
+    from flashrl.checkpoint import CheckpointWriter
     from flashrl.controller.controller import Controller
     from flashrl.dashboard import Dashboard
     from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
@@ -148,7 +185,8 @@ async def run_local(cfg: Config) -> dict[str, Any]:
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:
-        async with local_cluster(cfg, model_path, run_dir, dash.status) as (engines, trainer):
+        async with local_cluster(cfg, model_path, run_dir, dash.status,
+                                 resume=resume.trainer_dir if resume else None) as (engines, trainer):
             clients = [e.client for e in engines]
             writer = MetricsWriter(
                 run_dir / "metrics.jsonl",
@@ -166,7 +204,15 @@ async def run_local(cfg: Config) -> dict[str, Any]:
                 history.append(record)
                 dash.step(record)
 
-            controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write)
+            checkpoints = CheckpointWriter(run_dir / "checkpoints", trainer, to_toml(cfg), cfg.run.keep_checkpoints,
+                                           last_step=resume.step if resume else None)
+            controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write,
+                                    checkpoints=checkpoints,
+                                    resume=resume.state if resume else None)
+            if hooks is not None:
+                hooks["controller"] = controller
+            if resume is not None:
+                dash.status(f"resumed from step {resume.step} ({resume.path})")
             # The controller holds many small per-token lists; default GC thresholds make full collections
             # walk them constantly (~30% of controller CPU in bench/results/controller_overhead). Freeze the
             # start-up objects and collect less often; this process only.
@@ -203,9 +249,12 @@ async def run_local(cfg: Config) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def local_cluster(
-    cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None
+    cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None,
+    *, resume: Path | None = None,
 ) -> AsyncIterator[tuple[list[Any], Any]]:
     """Spawn the engines and the trainer group, wait until they answer, join the weight-sync group.
+
+    ``resume``: the trainer's part of a checkpoint (``step-N/trainer``); every rank loads it at start.
 
     Yields (engine processes, trainer group); on exit, however it happens, stops every child.
     """
@@ -237,7 +286,7 @@ async def local_cluster(
                 log_level=cfg.run.log_level,
             )
             engines.append(spawn_engine(opts, logs / f"engine{i}.log", heartbeat_s=cfg.engine.heartbeat_s))
-        trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
+        trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume)
         await asyncio.gather(
             *(e.wait_ready(cfg.engine.startup_timeout_s) for e in engines),
             trainer.wait_ready(cfg.engine.startup_timeout_s),
@@ -278,6 +327,12 @@ def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: fl
         "eval_best": max((a for _, a in evals), default=None),
         "evals": evals,
         "pid": os.getpid(),
+        "resumed_from": getattr(result, "resumed_from", None),
+        "checkpoints": getattr(result, "checkpoints", 0),
+        "checkpoint_s": round(getattr(result, "checkpoint_s", 0.0), 3),
+        # of the training time (the controller's elapsed_s: start-up and model building excluded)
+        "checkpoint_share": round(getattr(result, "checkpoint_s", 0.0) / result.segment_s, 5)
+        if getattr(result, "segment_s", 0) else 0.0,
         "result": msgspec.to_builtins(result) if result is not None else None,
     }
 
@@ -285,7 +340,14 @@ def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: fl
 def _print_summary(s: dict[str, Any]) -> None:
     first, last = s["eval_first"], s["eval_last"]
     acc = f"held-out accuracy {first:.1%} -> {last:.1%}" if first is not None and last is not None else "no eval"
+    res = s.get("result") or {}
+    ck = f"; {s['checkpoints']} checkpoint(s) in {s['checkpoint_s']:.1f}s ({s['checkpoint_share']:.1%} of training time)"
+    if res.get("last_checkpoint"):
+        ck += f", latest {res['last_checkpoint']}"
+    if (res.get("counters") or {}).get("checkpoint/failed"):
+        ck += f"; {res['counters']['checkpoint/failed']} checkpoint(s) FAILED (see the log)"
+    resumed = f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") is not None else ""
     print(
-        f"done: {s['run']} {s['steps']} steps in {s['wall_s']:.0f}s; {acc}; "
-        f"peak memory {s['peak_mem_gib']:.2f} GiB (all processes)"
+        f"done: {s['run']} {s['steps']} steps{resumed} in {s['wall_s']:.0f}s; {acc}; "
+        f"peak memory {s['peak_mem_gib']:.2f} GiB (all processes){ck}"
     )

@@ -66,6 +66,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # counters: dropped / retried / failed rollouts and why (nothing is lost silently)
     counters: dict[str, int] = {}
     status: str = "starting"
+    resumed_from: int | None = None  # the checkpoint step this run resumed from
 
 
 # ----------------------------------------------------------------------------------------------

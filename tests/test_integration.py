@@ -165,3 +165,8 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
             assert key in r, key
     assert any("eval/accuracy" in r for r in trained if r["step"] == 2)
     assert "step 1/100000" in out  # plain progress lines when stdout is not a terminal
+    # the signal let the step in progress finish and wrote a checkpoint of it (resume: --resume)
+    from flashrl.checkpoint import find_checkpoint
+
+    ck = find_checkpoint(run_dir)
+    assert ck.step == max(r["step"] for r in trained) and f"checkpoint {ck.path} written" in out

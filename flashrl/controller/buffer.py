@@ -239,6 +239,10 @@ class SampleBuffer:
         self._notify()
 
     # ------------------------------------------------------------------ waiting
+    def wake(self) -> None:
+        """Wake every ``changed()`` waiter without a change (the controller's stop request)."""
+        self._notify()
+
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []
         for w in waiters:

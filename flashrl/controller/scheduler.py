@@ -70,7 +70,8 @@ class DataStream:
         self.epoch = 0
         self._order: list[int] = []
         self._pos = 0
-        self.uid = 0  # the uid the next prompt gets
+        self.uid = 0  # the uid the next new prompt gets
+        self._readmit: collections.deque[int] = collections.deque()  # resume: uids handed out again first
         self._shuffle()
 
     def _shuffle(self) -> None:
@@ -78,7 +79,39 @@ class DataStream:
         random.Random(f"{self._seed}:{self.epoch}").shuffle(self._order)
         self._pos = 0
 
+    @property
+    def size(self) -> int:
+        return len(self._tasks)
+
+    def task_of(self, uid: int) -> Task:
+        """The task uid ``uid`` was (or will be) handed out with: epoch ``uid // size``, position ``uid % size``."""
+        epoch, pos = divmod(uid, len(self._tasks))
+        order = list(range(len(self._tasks)))
+        random.Random(f"{self._seed}:{epoch}").shuffle(order)
+        return self._tasks[order[pos]]
+
+    def restore(self, next_uid: int, readmit: Sequence[int] = ()) -> None:
+        """Continue a checkpointed stream: hand out ``readmit`` (their own uids, ascending) first, then
+        ``next_uid``, ``next_uid + 1``, ... exactly as the uninterrupted stream would have."""
+        self.epoch, self._pos = divmod(next_uid, len(self._tasks))
+        self._shuffle_keep_pos()
+        self.uid = next_uid
+        self._readmit = collections.deque(sorted(readmit))
+
+    @property
+    def pending_readmit(self) -> list[int]:
+        """Re-admitted uids not handed out yet (resume)."""
+        return list(self._readmit)
+
+    def _shuffle_keep_pos(self) -> None:
+        pos = self._pos
+        self._shuffle()
+        self._pos = pos
+
     def next(self) -> tuple[int, Task]:
+        if self._readmit:
+            uid = self._readmit.popleft()
+            return uid, self.task_of(uid)
         if self._pos == len(self._order):
             self.epoch += 1
             self._shuffle()

@@ -15,10 +15,13 @@ only the event loop's clock, so they work on real time and on the virtual clock 
 
 from __future__ import annotations
 
+import json
 import random
+import warnings
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -200,6 +203,8 @@ class FakeTrainer:
         self.train_times: list[float] = []  # loop time when each train_step began
         self.prepared: list[int] = []
         self.sent: list[int] = []
+        self.saved: list[str] = []  # checkpoint folders written
+        self.fail_save: BaseException | None = None
 
     async def train_step(self, batch: TrainBatch) -> TrainResult:
         self.train_times.append(anyio.current_time())
@@ -217,6 +222,26 @@ class FakeTrainer:
     async def send_weights(self, version: int) -> None:
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
+
+    async def save_checkpoint(self, path: str | Path) -> None:
+        """A real (tiny) DCP checkpoint in ``path``, like the trainer's: tmp folder, then rename.
+
+        ``fail_save`` (an exception) is raised instead, after half the files are written (a full disk).
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        final = Path(path)
+        tmp = final.with_name(final.name + ".tmp")
+        state = {"version": torch.tensor(len(self.batches)), "w": torch.arange(256, dtype=torch.float32)}
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": yes, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        if self.fail_save is not None:
+            raise self.fail_save
+        (tmp / "trainer.json").write_text(json.dumps({"version": len(self.batches)}))
+        tmp.rename(final)
+        self.saved.append(str(final))
 
     async def close(self) -> None:
         pass

@@ -495,7 +495,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
-        """DCP save of model + optimizer into ``path``, atomically: write ``path.tmp``, fsync, rename.
+        """DCP save of model + optimizer (+ critics, torch RNG) into ``path``, atomically: write ``path.tmp``, fsync, rename.
 
         ``path`` must be on a file system every rank sees. An existing ``path`` is refused (checkpoints
         are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
@@ -514,13 +514,15 @@ class Trainer:
         if self._agree_error(err):
             raise FileExistsError(err or f"checkpoint {final} refused by rank 0")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        # torch's RNG (replicated: one copy); nothing in a step samples today, but a dropout or a sampled
+        # credit would, and a resumed run must then draw what the uninterrupted one would have
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
         if self.critics is not None:
             # replicated plain tensors: DCP writes one copy
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
         dcp.save(state, checkpoint_id=str(tmp))
         if self.rank == 0:
-            meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None}
+            meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True}
             (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
             for f in tmp.rglob("*"):
                 if f.is_file():
@@ -540,6 +542,8 @@ class Trainer:
         meta = json.loads((Path(path) / CHECKPOINT_META).read_text())
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if meta.get("rng"):
+            state["rng"] = torch.get_rng_state()
         critics = self.critics is not None and bool(meta.get("critics", False))
         if self.critics is not None:
             if critics:
@@ -551,6 +555,8 @@ class Trainer:
         if critics and self.critics is not None:
             set_state_dict(self.critics, self.critics.optimizer, model_state_dict=state["critics"],
                            optim_state_dict=state["critics_optim"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
         self.version = int(meta["version"])
 
     def _agree_error(self, err: str) -> bool:

@@ -1,0 +1,414 @@
+"""Run checkpoints: one atomic folder per checkpoint, a ``latest`` pointer, and the resume checks.
+
+    runs/<name>/checkpoints/
+      step-40/                  one complete checkpoint (appears only when complete: tmp name, fsync, rename)
+        trainer/                torch DCP: model + optimizer (+ critics) + torch RNG; trainer.json (version)
+        controller.json         ControllerState (msgspec JSON): step, version, data position, counters, ...
+        config.toml             the resolved config it was written under (resume refuses unsafe changes)
+      step-50/
+      latest                    "step-50": rewritten (tmp, fsync, rename) only after step-50/ is complete
+
+Write order: ``step-N.tmp/`` -> trainer's DCP save into ``step-N.tmp/trainer`` (itself atomic) ->
+controller.json + config.toml (fsync each) -> fsync the folder -> rename to ``step-N`` -> fsync the
+parent -> ``latest`` -> delete the oldest beyond ``run.keep_checkpoints``. A crash (SIGKILL, full disk)
+at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
+ignored by resume and removed by the next save of that step.
+
+Rollouts generated but not yet trained are *not* saved: the prompts of every group outstanding at the
+checkpoint (admitted, generating, or complete and waiting) are re-admitted first on resume, under
+the same prompt uids (so the same request seeds, ``scheduler.request_seed``). That is simpler than
+saving trajectories with their versions and logprobs, costs at most one buffer's worth of generation
+((async_ratio + 1) * batch_prompts groups), and keeps the guarantee: every prompt uid is trained
+exactly once (or dropped, counted), across any number of resumes. The data order needs no RNG state:
+uid u is epoch ``u // len(train split)``, position ``u % len``, of that epoch's seeded shuffle.
+
+Resume (``prepare_resume``) happens before any process starts: the checkpoint is verified (JSON
+decodes, DCP metadata reads, no data file shorter than the metadata says), the latest corrupt one is
+skipped for the one before (logged, naming it), and a config change outside ``SAFE_TO_CHANGE`` is
+refused naming the keys. Every problem is a ``CheckpointError``; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from flashrl.config import Config, ConfigError, load
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_FILE = "controller.json"
+CONFIG_FILE = "config.toml"
+TRAINER_DIR = "trainer"
+LATEST = "latest"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+# Config keys a resumed run may change: how long, how often, how it is shown, where engines run and
+# how many. Everything else changes what is trained (model, data, algorithm, batch shape) and is refused.
+SAFE_TO_CHANGE = (
+    "run.steps", "run.max_time_s", "run.eval_every", "run.dashboard", "run.log_level", "run.checkpoint_every",
+    "run.keep_checkpoints", "run.auto_resume", "run.name", "run.output_dir",
+    "engine.count", "engine.device", "engine.kv_cache_gib", "engine.gpu_memory_utilization", "engine.max_num_seqs",
+    "engine.threads", "engine.startup_timeout_s", "engine.heartbeat_s", "engine.max_restarts",
+    "trainer.ranks", "trainer.threads", "trainer.micro_batch", "weight_sync.",
+    "rollout.turn_timeout_s", "rollout.trajectory_timeout_s", "rollout.max_retries",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or resumed from; the message names the file and the fix."""
+
+
+class ControllerState(msgspec.Struct, kw_only=True):
+    """Everything the controller needs to continue a run exactly where a checkpoint left it."""
+
+    format: int = FORMAT
+    step: int  # steps trained (== policy version)
+    version: int
+    elapsed_s: float  # training time so far (run.max_time_s counts the whole run, across resumes)
+    samples_trained: int = 0
+    tokens_trained: int = 0
+    seed: int = 0
+    train_size: int = 0  # length of the train split (the data order is a function of seed and this)
+    next_uid: int = 0  # the uid the next new prompt gets
+    readmit: list[int] = []  # uids outstanding at the checkpoint: re-admitted first on resume
+    counters: dict[str, int] = {}
+    reward_history: list[tuple[int, float]] = []
+    eval_history: list[tuple[int, float]] = []
+    metrics_through: int = 0  # last step whose line is in metrics.jsonl
+    pending_record: dict[str, Any] | None = None  # this step's record, not yet written (held or eval in flight)
+    pending_eval: bool = False  # ... and it was waiting for its eval (resume evaluates the same weights)
+
+
+_ENC = msgspec.json.Encoder()
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint folders under ``root`` (``step-N``, not ``.tmp``), oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def read_latest(root: Path) -> Path | None:
+    """The folder ``latest`` names, or None when there is no pointer."""
+    ptr = root / LATEST
+    if not ptr.exists():
+        return None
+    name = ptr.read_text().strip()
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{ptr}: expected a line like 'step-40', found {name[:80]!r}; delete the file to "
+                              "resume from the newest complete checkpoint")
+    return root / name
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+class CheckpointWriter:
+    """Writes ``step-N`` folders under ``root`` for one run (see the module docstring for the order).
+
+    ``trainer`` is anything with ``async save_checkpoint(path)`` (trainer/client.TrainerGroup; the
+    simulator's fakes). ``save`` raises CheckpointError, with the previous checkpoint intact, when
+    anything fails (a full disk: OSError ENOSPC); the caller decides whether the run goes on.
+    """
+
+    def __init__(self, root: Path, trainer: Any, cfg_toml: str, keep: int, *, last_step: int | None = None) -> None:
+        self.root = Path(root)
+        self.trainer = trainer
+        self.cfg_toml = cfg_toml
+        self.keep = max(1, keep)
+        self.last_step = last_step  # the step of the newest complete checkpoint (resume: the one resumed from)
+        self.saved = 0
+        self.failed = 0
+        self.seconds = 0.0  # total wall time spent saving (the stall the train loop sees)
+
+    async def save(self, state: ControllerState) -> Path:
+        import asyncio
+
+        step = state.step
+        final = step_dir(self.root, step)
+        if self.last_step == step and final.is_dir():
+            return final  # nothing trained since: the checkpoint of this step is already there
+        t0 = time.perf_counter()
+        tmp = self.root / f"step-{step}.tmp"
+        try:
+            await asyncio.to_thread(self._begin, tmp, final)
+            await self.trainer.save_checkpoint(tmp / TRAINER_DIR)
+            await asyncio.to_thread(self._finish, tmp, final, state)
+        except Exception as e:
+            self.failed += 1
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            prev = read_latest(self.root) if (self.root / LATEST).exists() else None
+            keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
+            raise CheckpointError(f"checkpoint {final} not written ({type(e).__name__}: {e}); {keep}") from e
+        self.seconds += time.perf_counter() - t0
+        self.saved += 1
+        self.last_step = step
+        return final
+
+    def _begin(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            raise FileExistsError(f"{final} already exists (written by an earlier run under this name?)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
+        tmp.mkdir()
+
+    def _finish(self, tmp: Path, final: Path, state: ControllerState) -> None:
+        _write_durable(tmp / CONTROLLER_FILE, _ENC.encode(state))
+        _write_durable(tmp / CONFIG_FILE, self.cfg_toml.encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        ptr_tmp = self.root / (LATEST + ".tmp")
+        _write_durable(ptr_tmp, f"{final.name}\n".encode())
+        os.replace(ptr_tmp, self.root / LATEST)
+        _fsync_dir(self.root)
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        done = list_checkpoints(self.root)
+        for _, p in done[: max(0, len(done) - self.keep)]:
+            if p != newest:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- verify
+
+
+def verify(path: Path) -> ControllerState:
+    """Check that ``path`` is a complete, readable checkpoint; its ControllerState, or CheckpointError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    cfile = path / CONTROLLER_FILE
+    if not cfile.is_file():
+        raise CheckpointError(f"{path}: not a flashrl checkpoint ({CONTROLLER_FILE} missing); "
+                              "pass a runs/<name>/checkpoints/step-<N> folder or a run folder")
+    try:
+        state = msgspec.json.decode(cfile.read_bytes(), type=ControllerState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CheckpointError(f"{cfile}: corrupt ({e})") from None
+    if state.format != FORMAT:
+        raise CheckpointError(f"{cfile}: checkpoint format {state.format}, this flashrl reads {FORMAT}")
+    if not (path / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{path / CONFIG_FILE}: missing")
+    _verify_dcp(path / TRAINER_DIR)
+    return state
+
+
+def _verify_dcp(path: Path) -> None:
+    """The trainer's DCP folder: metadata readable and every data file at least as long as it says."""
+    meta_json = path / "trainer.json"
+    if not meta_json.is_file():
+        raise CheckpointError(f"{meta_json}: missing (the trainer's part of the checkpoint is incomplete)")
+    try:
+        msgspec.json.decode(meta_json.read_bytes())
+    except msgspec.DecodeError as e:
+        raise CheckpointError(f"{meta_json}: corrupt ({e})") from None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # DCP's own format; a truncated file fails inside its reader
+        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") from None
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        size = f.stat().st_size if f.is_file() else -1
+        if size < end:
+            what = "missing" if size < 0 else f"truncated: {size} bytes, the metadata needs {end}"
+            raise CheckpointError(f"{f}: {what}")
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+class Resume(msgspec.Struct, kw_only=True):
+    """A verified checkpoint to start a run from (``prepare_resume``)."""
+
+    path: str  # the step-N folder
+    state: ControllerState
+    skipped: list[str] = []  # newer checkpoints found corrupt and passed over (with why)
+
+    @property
+    def trainer_dir(self) -> Path:
+        return Path(self.path) / TRAINER_DIR
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+
+def find_checkpoint(run_dir: Path, explicit: Path | None = None) -> Resume:
+    """The checkpoint to resume: ``explicit`` (a step folder, a checkpoints folder or a run folder), else
+    the latest of ``run_dir``. Without an explicit step folder, a corrupt newest checkpoint is skipped
+    for the one before (named in ``skipped`` and the log); an explicit corrupt one is an error."""
+    if explicit is not None:
+        explicit = Path(explicit)
+        if (explicit / CONTROLLER_FILE).exists() or _STEP_RE.match(explicit.name):
+            return Resume(path=str(explicit), state=verify(explicit))
+        root = explicit / "checkpoints" if (explicit / "checkpoints").is_dir() else explicit
+    else:
+        root = Path(run_dir) / "checkpoints"
+    found = list_checkpoints(root)
+    if not found:
+        where = explicit if explicit is not None else run_dir
+        raise CheckpointError(f"--resume: no checkpoint in {root} (nothing to resume in {where}); "
+                              "run without --resume to start fresh, or pass --resume PATH to a step-<N> folder")
+    latest = read_latest(root)
+    order = [p for _, p in reversed(found)]
+    if latest is not None and latest in order:  # the pointer wins; newer folders are never half-written
+        order = order[order.index(latest):]
+    skipped: list[str] = []
+    for p in order:
+        try:
+            state = verify(p)
+        except CheckpointError as e:
+            log.error("checkpoint %s is unusable (%s); trying the one before", p, e)
+            skipped.append(str(e))
+            continue
+        return Resume(path=str(p), state=state, skipped=skipped)
+    raise CheckpointError(f"--resume: every checkpoint in {root} is unusable:\n  " + "\n  ".join(skipped))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def config_changes(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, new value) for every key that differs and may not change on resume."""
+    a, b = _flatten(msgspec.to_builtins(old)), _flatten(msgspec.to_builtins(new))
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not _safe(k)]
+
+
+def prepare_resume(cfg: Config, explicit: Path | None = None) -> Resume:
+    """Find, verify and check a checkpoint against ``cfg`` before anything starts (CheckpointError if not).
+
+    The entry point for every resume: ``flashrl run --resume``, and run.auto_resume after a failure.
+    """
+    r = find_checkpoint(cfg.run_dir, explicit)
+    try:
+        old = load(Path(r.path) / CONFIG_FILE)
+    except ConfigError as e:
+        raise CheckpointError(f"{Path(r.path) / CONFIG_FILE}: cannot be read back ({e})") from None
+    changed = config_changes(old, cfg)
+    if changed:
+        what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed)
+        raise CheckpointError(
+            f"cannot resume {r.path}: the config changed in keys that change what is trained ({what}). "
+            f"Put back the checkpoint's values (its config is {Path(r.path) / CONFIG_FILE}) or start a new run "
+            f"(another run.name). Keys that may change on resume: {', '.join(SAFE_TO_CHANGE)}"
+        )
+    if r.state.step >= cfg.run.steps:
+        raise CheckpointError(f"{r.path} is at step {r.state.step} and run.steps = {cfg.run.steps}: nothing left to "
+                              f"train; raise run.steps (e.g. --set run.steps={r.state.step * 2}) to continue")
+    if cfg.run.max_time_s > 0 and r.state.elapsed_s >= cfg.run.max_time_s:
+        raise CheckpointError(f"{r.path} has used {r.state.elapsed_s:.0f} s of run.max_time_s = {cfg.run.max_time_s:g}: "
+                              "raise run.max_time_s (or set it to 0) to continue")
+    return r
+
+
+def continue_metrics(metrics: Path, resume: Resume, *, through: int | None = None) -> int:
+    """Make ``metrics`` hold exactly the lines up to the checkpoint's ``metrics_through`` step.
+
+    Lines after it (written after the checkpoint, by the run that then died) are dropped, so the resumed
+    run appends with no duplicate and no missing step. When resuming into another run folder, the lines
+    come from the checkpoint's own run (``<run>/checkpoints/step-N`` -> ``<run>/metrics.jsonl``). Returns
+    how many lines were dropped. The file is replaced atomically. ``through``: another last step to
+    keep (samples.jsonl keeps the rollouts of the steps the checkpoint trained).
+    """
+    if through is None:
+        through = resume.state.metrics_through
+    source = metrics if metrics.exists() else Path(resume.path).parent.parent / metrics.name
+    lines = source.read_text().splitlines() if source.exists() else []
+    keep: list[str] = []
+    dropped = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            step = int(msgspec.json.decode(line).get("step", 0))
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            dropped += 1  # a torn last line from a killed run
+            continue
+        if step <= through:
+            keep.append(line)
+        else:
+            dropped += 1
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, metrics)
+    return dropped
+
+
+def prepare_folder(root: Path, resume: Resume) -> list[Path]:
+    """Before a resumed run writes checkpoints into ``root``: delete ``step-N.tmp`` folders left by a
+    killed save, and set aside (``step-N.abandoned``, kept for inspection) every checkpoint newer than
+    the one resumed from: corrupt ones that were skipped, or a later timeline when an older checkpoint
+    was chosen with --resume PATH. Returns the folders set aside."""
+    if not root.is_dir():
+        return []
+    for p in root.glob("step-*.tmp"):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(p)
+    moved = []
+    if Path(resume.path).parent.resolve() == root.resolve():
+        for step, p in list_checkpoints(root):
+            if step > resume.step:
+                dest = p.with_name(f"{p.name}.abandoned")
+                shutil.rmtree(dest, ignore_errors=True)
+                os.rename(p, dest)
+                moved.append(dest)
+                log.warning("checkpoint %s is newer than the resumed %s: set aside as %s", p, resume.path, dest)
+    return moved

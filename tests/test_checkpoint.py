@@ -1,0 +1,319 @@
+"""Checkpoints and resume on fakes (virtual clock): atomic folders, resume equivalence, faults, bad input.
+
+The real-process version (vLLM engines, a trainer rank, `flashrl run --resume`) is in
+tests/test_resume.py (slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from flashrl.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    ControllerState,
+    continue_metrics,
+    find_checkpoint,
+    list_checkpoints,
+    prepare_resume,
+    read_latest,
+    verify,
+)
+from flashrl.config import Config, to_toml
+from flashrl.controller.controller import Controller, RunSummary
+from flashrl.controller.scheduler import DataStream
+from flashrl.metrics import MetricsWriter, read_jsonl
+from flashrl.sim.fake import (
+    CharTokenizer,
+    FakeEngine,
+    FakeTrainer,
+    ScriptedSuite,
+    default_script,
+    run_virtual,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOK = CharTokenizer()
+
+
+def config(tmp: Path, **sections: Any) -> Config:
+    sections.setdefault("run", {})
+    sections["run"] = {"output_dir": str(tmp), "name": "r", **sections["run"]}
+    return msgspec.convert(sections, Config)
+
+
+def with_run(cfg: Config, **run: Any) -> Config:
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, **run))
+
+
+class Run:
+    """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.run_local."""
+
+    def __init__(self, cfg: Config, suite: ScriptedSuite, *, resume: Any = None, engines: int = 2,
+                 trainer: FakeTrainer | None = None, stop_at_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.trainer = trainer or FakeTrainer(train_s=0.5)
+        self.engines = [FakeEngine(f"e{i}", default_script(token_s=0.05 * (i + 1)), sync_s=0.2) for i in range(engines)]
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = cfg.run_dir / "metrics.jsonl"
+        if resume is not None:
+            continue_metrics(metrics, resume)
+        self.writer = MetricsWriter(metrics)
+        self.records: list[dict[str, Any]] = []
+        self.ckpt = CheckpointWriter(cfg.run_dir / "checkpoints", self.trainer, to_toml(cfg), cfg.run.keep_checkpoints,
+                                     last_step=resume.step if resume else None)
+        self.controller = Controller(cfg, TOK, suite, self.engines, self.trainer, on_step=self._on_step,
+                                     checkpoints=self.ckpt, resume=resume.state if resume else None)
+        self.stop_at_s = stop_at_s
+
+    def _on_step(self, r: dict[str, Any]) -> None:
+        self.records.append(r)
+        self.writer.write(r)
+
+    def go(self) -> RunSummary:
+        async def main() -> RunSummary:
+            if self.stop_at_s is not None:
+                asyncio.get_running_loop().call_later(self.stop_at_s, self.controller.request_stop)
+            return await self.controller.run()
+
+        try:
+            return run_virtual(main)
+        finally:
+            self.writer.close()
+
+
+def trained(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+    return {r["step"]: r["prompt_uids"] for r in records if "prompt_uids" in r}
+
+
+def sync_cfg(tmp: Path, **run: Any) -> Config:
+    return config(
+        tmp,
+        run={"steps": 6, "seed": 3, "eval_every": 2, "checkpoint_every": 2, **run},
+        rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 5},
+        scheduler={"async_ratio": 0, "queue_scheduling": True},
+    )
+
+
+def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path) -> None:
+    """async_ratio 0: stop at step 3, resume to 6 == 6 uninterrupted steps (prompts, samples, versions)."""
+    suite = lambda: ScriptedSuite(n_train=5, n_eval=3)  # noqa: E731  (5 prompts: the epoch ends mid-batch)
+    ref = Run(sync_cfg(tmp_path / "a"), suite())
+    ref.go()
+
+    cfg = sync_cfg(tmp_path / "b", steps=3)
+    first = Run(cfg, suite())
+    s1 = first.go()
+    assert s1.steps == 3 and s1.checkpoints == 2 and s1.last_checkpoint == str(cfg.run_dir / "checkpoints" / "step-3")
+    assert [n for n, _ in list_checkpoints(cfg.run_dir / "checkpoints")] == [2, 3]
+    r = prepare_resume(with_run(cfg, steps=6))  # run.steps may change on resume
+    assert r.step == 3 and r.state.metrics_through == 3
+    second = Run(with_run(cfg, steps=6), suite(), resume=r)
+    s2 = second.go()
+    assert s2.steps == 6 and s2.resumed_from == 3
+
+    assert trained(first.records) | trained(second.records) == trained(ref.records)
+    assert first.trainer.batches + second.trainer.batches == ref.trainer.batches  # same samples, same versions
+    # the resumed engines got the checkpoint's weights (version 3) before any request
+    assert [e.version for e in second.engines] == [6, 6] and second.trainer.prepared[0] == 3
+    # metrics.jsonl: every step exactly once, the evals where the uninterrupted run has them
+    lines = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    assert [x["step"] for x in lines] == list(range(7))
+    evals = [x["step"] for x in ref.records if "eval/accuracy" in x]
+    assert [x["step"] for x in lines if "eval/accuracy" in x] == sorted(evals + [3])  # + the first run's final eval
+    assert lines[-1]["time/elapsed_s"] == pytest.approx(ref.records[-1]["time/elapsed_s"], rel=0.2)
+
+
+def epoch_check(stream: DataStream, uids: list[int], epochs: int) -> None:
+    """Every prompt of each of the first ``epochs`` epochs trained exactly once."""
+    assert len(uids) == len(set(uids)), "a prompt uid was trained twice"
+    n = stream.size
+    for e in range(epochs):
+        ids = sorted(stream.task_of(u).id for u in uids if u // n == e)
+        assert ids == sorted(t.id for t in ScriptedSuite(n_train=n).train_tasks()), f"epoch {e}: {ids}"
+
+
+@pytest.mark.parametrize("stops", [1, 3])
+def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops: int) -> None:
+    """async_ratio 2, interrupted (request_stop, as on Ctrl-C) ``stops`` times with rollouts in flight."""
+    cfg = config(tmp_path, run={"steps": 20, "seed": 5, "eval_every": 0, "checkpoint_every": 3},
+                 rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
+                 scheduler={"async_ratio": 2, "queue_scheduling": True})
+    suite = lambda: ScriptedSuite(n_train=7, n_eval=2)  # noqa: E731  (7 prompts: 5+ epochs in 20 steps)
+    records: list[dict[str, Any]] = []
+    run = Run(cfg, suite(), stop_at_s=3.0)
+    summary = run.go()
+    assert summary.stop_reason == "interrupted" and 0 < summary.steps < 8
+    records += run.records
+    readmitted = 0
+    for k in range(stops):
+        r = find_checkpoint(cfg.run_dir)
+        assert r.step == summary.steps  # the stop wrote a checkpoint of the last finished step
+        readmitted += len(r.state.readmit)
+        run = Run(cfg, suite(), resume=r, stop_at_s=2.5 if k + 1 < stops else None)
+        summary = run.go()
+        records = [x for x in records if x["step"] <= r.state.metrics_through] + run.records
+    assert summary.steps == 20 and summary.stop_reason == "steps"
+    assert readmitted > 0  # rollouts were in flight at the checkpoints: their prompts came back
+    uids = [u for x in records for u in x.get("prompt_uids", [])]
+    epoch_check(DataStream(suite().train_tasks(), 5), uids, epochs=5)
+    lines = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    assert [x["step"] for x in lines] == list(range(21))  # no duplicate, no missing step
+    assert max(x["staleness/max"] for x in lines if x["step"]) <= 2
+
+
+def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = sync_cfg(tmp_path, steps=6)
+    trainer = FakeTrainer(train_s=0.5)
+    run = Run(cfg, ScriptedSuite(n_train=5), trainer=trainer)
+    saves = []
+    orig = trainer.save_checkpoint
+
+    async def save(path: Any) -> None:
+        saves.append(path)
+        if len(saves) >= 2:  # the disk fills up after the first checkpoint
+            trainer.fail_save = OSError(errno.ENOSPC, "No space left on device")
+        await orig(path)
+
+    trainer.save_checkpoint = save  # type: ignore[method-assign]
+    summary = run.go()
+    root = cfg.run_dir / "checkpoints"
+    assert summary.steps == 6  # training went on
+    assert summary.counters["checkpoint/failed"] == 2 and summary.last_checkpoint is None
+    assert [n for n, _ in list_checkpoints(root)] == [2] and read_latest(root) == root / "step-2"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2"]  # no half-written step-4.tmp
+    verify(root / "step-2")
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("step-4 not written" in m and "No space left" in m and "step-2 is intact" in m for m in msgs), msgs
+    assert run.records[-1]["count/checkpoint/failed"] == 1  # in the step records (the last failure came after)
+
+
+def _checkpointed_run(tmp: Path) -> Config:
+    cfg = sync_cfg(tmp, steps=4, checkpoint_every=1, keep_checkpoints=2)
+    Run(cfg, ScriptedSuite(n_train=5)).go()
+    return cfg
+
+
+def test_corrupt_latest_checkpoint_falls_back_or_is_named(tmp_path: Path) -> None:
+    cfg = _checkpointed_run(tmp_path)
+    root = cfg.run_dir / "checkpoints"
+    assert [n for n, _ in list_checkpoints(root)] == [3, 4]  # keep_checkpoints = 2
+    data = next((root / "step-4" / "trainer").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])  # truncated, as by a full disk or a torn copy
+    r = find_checkpoint(cfg.run_dir)
+    assert r.step == 3 and len(r.skipped) == 1 and str(data) in r.skipped[0] and "truncated" in r.skipped[0]
+    with pytest.raises(CheckpointError, match=rf"{data}: truncated: 100 bytes"):
+        find_checkpoint(cfg.run_dir, root / "step-4")  # named explicitly: an error, no silent fall-back
+    (root / "step-3" / "controller.json").write_bytes((root / "step-3" / "controller.json").read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is unusable[\s\S]*step-4[\s\S]*step-3/controller.json: corrupt"):
+        find_checkpoint(cfg.run_dir)
+
+
+def test_resume_refuses_bad_input_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint in .*checkpoints"):
+        prepare_resume(sync_cfg(tmp_path / "empty"))
+    cfg = _checkpointed_run(tmp_path)
+    more = with_run(cfg, steps=10, eval_every=5, max_time_s=100.0, dashboard="off", checkpoint_every=7)
+    assert prepare_resume(more).step == 4  # known-safe keys may change
+    changed = msgspec.structs.replace(more, rollout=msgspec.structs.replace(more.rollout, group_size=4))
+    with pytest.raises(CheckpointError, match=r"rollout.group_size: 3 -> 4.*config.toml"):
+        prepare_resume(changed)
+    other_model = msgspec.structs.replace(more, model=msgspec.structs.replace(more.model, path="/models/qwen"))
+    with pytest.raises(CheckpointError, match=r"model.path: 'builtin:tiny' -> '/models/qwen'"):
+        prepare_resume(other_model)
+    with pytest.raises(CheckpointError, match=r"at step 4 and run.steps = 4.*raise run.steps"):
+        prepare_resume(cfg)
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        prepare_resume(more, cfg.run_dir / "checkpoints" / "step-99")
+
+
+def test_cli_resume_errors_exit_2_before_any_process(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--set",
+           f"run.output_dir={tmp_path}", "--set", "run.name=none", "--resume"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "resume error: --resume: no checkpoint in" in p.stderr, p.stderr
+    p = subprocess.run(cmd + [str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no checkpoint in" in p.stderr and "nope" in p.stderr, p.stderr
+    p = subprocess.run(cmd[:-1] + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--resume" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "none" / "logs").exists()  # nothing was started
+
+
+_KILL_SCRIPT = textwrap.dedent('''
+    import asyncio, sys, time
+    from pathlib import Path
+    from flashrl.checkpoint import CheckpointWriter, ControllerState
+    from flashrl.sim.fake import FakeTrainer
+
+    class SlowTrainer(FakeTrainer):
+        async def save_checkpoint(self, path):
+            if Path(path).parent.name == "step-2.tmp":
+                Path(path).mkdir(parents=True)
+                with open(Path(path) / "__0_0.distcp", "wb") as f:
+                    f.write(b"x" * 4096); f.flush()
+                    print("writing", flush=True)
+                    time.sleep(60)  # killed here, in the middle of the write
+            await super().save_checkpoint(path)
+
+    async def main():
+        w = CheckpointWriter(Path(sys.argv[1]), SlowTrainer(), "", keep=3)
+        await w.save(ControllerState(step=1, version=1, elapsed_s=1.0, train_size=5, next_uid=2))
+        await w.save(ControllerState(step=2, version=2, elapsed_s=2.0, train_size=5, next_uid=4))
+
+    asyncio.run(main())
+''')
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path) -> None:
+    """A process SIGKILLed while writing step-2 leaves step-1 as the latest; resume uses it; a new save works."""
+    root = tmp_path / "checkpoints"
+    p = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+        os.kill(p.pid, signal.SIGKILL)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (root / "step-2.tmp").exists() and not (root / "step-2").exists()
+    assert read_latest(root) == root / "step-1"
+    r = find_checkpoint(tmp_path)
+    assert r.step == 1 and r.skipped == []
+
+    async def again() -> None:
+        w = CheckpointWriter(root, FakeTrainer(), "", keep=3)
+        await w.save(ControllerState(step=2, version=2, elapsed_s=2.0, train_size=5, next_uid=4))
+
+    asyncio.run(again())
+    assert read_latest(root) == root / "step-2" and not (root / "step-2.tmp").exists()
+    assert find_checkpoint(tmp_path).step == 2
+
+
+def test_continue_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_path: Path) -> None:
+    m = tmp_path / "run" / "metrics.jsonl"
+    m.parent.mkdir()
+    m.write_text("".join(f'{{"step": {i}}}\n' for i in range(6)) + '{"step": 6, "rew')
+    st = ControllerState(step=4, version=4, elapsed_s=1.0, metrics_through=3)
+    from flashrl.checkpoint import Resume
+
+    assert continue_metrics(m, Resume(path=str(tmp_path / "run" / "checkpoints" / "step-4"), state=st)) == 3
+    assert [x["step"] for x in read_jsonl(m)] == [0, 1, 2, 3]
+    # resuming into a new run folder: the lines come from the checkpoint's own run
+    other = tmp_path / "fork" / "metrics.jsonl"
+    continue_metrics(other, Resume(path=str(tmp_path / "run" / "checkpoints" / "step-4"), state=st))
+    assert [x["step"] for x in read_jsonl(other)] == [0, 1, 2, 3]
