@@ -67,9 +67,9 @@ def show(run_dir: Path, step: int | None = None, kind: str = "all", limit: int =
     step, rows = select(load(run_dir), step, kind, limit)
     console = console or Console()
     table = Table(title=f"{run_dir}: step {step}", show_lines=True, expand=True)
-    for col, style in (("kind", "dim"), ("prompt", ""), ("response", "bold"), ("answer", "dim"), ("reward", ""), ("versions", "dim"),
-                       ("end", "dim")):
-        table.add_column(col, style=style or None, overflow="fold")
+    for col, style, ratio in (("kind", "dim", None), ("prompt", "", 4), ("response", "bold", 4), ("answer", "dim", 2),
+                              ("reward", "", None), ("versions", "dim", None), ("end", "dim", None)):
+        table.add_column(col, style=style or None, overflow="fold", ratio=ratio, no_wrap=ratio is None)
     for r in rows:
         ok = r.get("correct")
         reward = Text(f"{r.get('reward', 0.0):.3g}", style="green" if ok else "red")

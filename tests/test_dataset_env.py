@@ -221,3 +221,20 @@ async def test_a_raising_reward_is_retried_as_an_infrastructure_failure(tmp_path
     n = summary.counters["rollout/retry_env_reward_error"]
     assert n > 0 and summary.counters["rollout/failed_env_reward_error"] > 0
     assert summary.counters["env/reward_error"] == n + summary.counters["rollout/failed_env_reward_error"]
+
+
+def test_the_worked_example_validates_and_its_reward_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # paths in configs/dataset.toml are relative to the repository root
+    r = CliRunner().invoke(app, ["validate", "configs/dataset.toml"])
+    assert r.exit_code == 0, r.output
+    from flashrl.config import load
+
+    c = load("configs/dataset.toml")
+    s = make_suite(c.env.name, c.env.params, c.run.seed, c.env.eval_size)
+    assert len(s.train_tasks()) == 3600 and len(s.eval_tasks()) == 400 and s.counters == {}
+    t = next(t for t in s.eval_tasks() if t.meta["carry"])
+    assert t.prompt.endswith("=") and "+" in t.prompt
+    fn = s.rewards.fn
+    assert fn(s.row(t), t.answer) == {"reward": 1.0, "correct": True, "parsed": 1.0, "abs_error": 0.0, "carry_accuracy": 1.0}
+    assert fn(s.row(t), "x") == {"reward": 0.0, "correct": False, "parsed": 0.0, "carry_accuracy": 0.0}
