@@ -284,7 +284,7 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
 
 
 def test_trajectory_deadlines_expire_in_start_order_whatever_finished_before() -> None:
-    """One timer serves every trajectory deadline (rollout._Deadlines): attempts that ended are
+    """One timer serves every trajectory deadline (aio.Deadlines): attempts that ended are
     skipped, a retry's deadline counts from the retry, and each expiry is exact."""
     durations = {(0, 0): 1.0, (0, 1): 100.0, (1, 0): 100.0, (2, 0): 2.0}  # (sample, attempt) -> seconds
 
@@ -318,14 +318,14 @@ def test_trajectory_deadlines_expire_in_start_order_whatever_finished_before() -
     assert (out[0][0].failure, out[0][0].attempts, out[0][1]) == ("trajectory_timeout", 2, 6.0)
     assert ctx.counters["rollout/failed_trajectory_timeout"] == 2 and ctx.counters["rollout/retry_env_crash"] == 1
     assert sorted(eng.aborted) == ["0-0.1.0", "0-1.0.0"]
-    assert not ctx.deadlines._q and ctx.router.inflight == [0] and ctx.live == {}
+    assert len(ctx.deadlines) == 0 and ctx.router.inflight == [0] and ctx.live == {}
     assert suite.closed == suite.opened == 4
 
 
 def test_rollouts_cancelled_before_their_first_step_release_their_engine_counts() -> None:
     """A task cancelled before it ever ran never enters run_sample (whose finally releases the
     engine count): the group's cleanup releases it instead."""
-    from flashrl.controller.rollout import _end_all
+    from flashrl.aio import cancel_and_wait
 
     ctx = make_ctx(config(), [FakeEngine("e0"), FakeEngine("e1")], ScriptedSuite())
 
@@ -336,7 +336,7 @@ def test_rollouts_cancelled_before_their_first_step_release_their_engine_counts(
                  for k in range(3)]
         tasks = [loop.create_task(run_sample(ctx, s, i)) for s, i in zip(specs, engines)]
         assert ctx.router.inflight == [2, 1]
-        await _end_all(ctx, tasks, engines)  # before any of them ran
+        await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))  # before any of them ran
         return tasks
 
     tasks = run_virtual(main)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,12 +11,10 @@ from flashrl.controller.scheduler import (
     Admission,
     BusyMeter,
     DataStream,
-    Permits,
     Router,
     request_seed,
     sample_id,
 )
-from flashrl.sim.fake import run_virtual
 
 
 def tasks(n: int) -> list[Task]:
@@ -164,33 +160,3 @@ def test_router_fast_path_matches_the_routing_rule(loads: list[int], data: st.Da
                 r.release(i)
                 ref[i] -= 1
         assert r.inflight == ref
-
-
-def test_permits_hand_off_in_fifo_order_and_a_cancelled_waiter_passes_its_permit_on() -> None:
-    async def main() -> None:
-        p = Permits(1)
-        assert p.try_acquire() and not p.try_acquire() and p.value == 0
-        got: list[str] = []
-
-        async def waiter(name: str) -> None:
-            await p.acquire()
-            got.append(name)
-
-        a, b, c = (asyncio.get_running_loop().create_task(waiter(x)) for x in "abc")
-        await asyncio.sleep(0)
-        assert got == [] and p.value == 0
-        p.release()  # handed to a ...
-        a.cancel()  # ... which is cancelled before it runs: the permit must go on to b, not vanish
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert a.cancelled() and got == ["b"] and p.value == 0
-        p.release()
-        await asyncio.sleep(0)
-        assert got == ["b", "c"] and p.value == 0
-        p.release()
-        assert p.value == 1 and await c is None
-        async with p:
-            assert p.value == 0
-        assert p.value == 1
-
-    run_virtual(main)

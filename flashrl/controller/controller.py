@@ -52,10 +52,11 @@ from typing import Any
 import msgspec
 
 from envs.base import EnvSuite
+from flashrl.aio import shielded, timeout
 from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
-from flashrl.controller.rollout import RolloutContext, Trajectory, _shielded, run_group
+from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.interfaces import EngineClient, TrainerClient
@@ -248,7 +249,7 @@ class Controller:
         if aclose is None:
             return
         try:
-            finished = await _shielded(aclose(), SUITE_CLOSE_TIMEOUT_S)
+            finished = await shielded(aclose(), SUITE_CLOSE_TIMEOUT_S)
         except asyncio.CancelledError:
             # Cancelled while closing: the close still ran (bounded). Re-deliver the cancel at the
             # caller's next await rather than raise it here, over a crash that may be propagating.
@@ -515,9 +516,8 @@ class Controller:
                 f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
                 "check the engine logs in the run directory and restart the run"
             )
-        limit = self.cfg.weight_sync.timeout_s
         try:
-            async with asyncio.timeout(limit if math.isfinite(limit) else None), asyncio.TaskGroup() as tg:
+            async with timeout(self.cfg.weight_sync.timeout_s), asyncio.TaskGroup() as tg:
                 tg.create_task(self.trainer.send_weights(version), name="trainer.send_weights")
                 for i in live:
                     tg.create_task(self._update_engine(i, manifest), name=f"update {self.engines[i].name}")

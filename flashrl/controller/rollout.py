@@ -48,32 +48,38 @@ Restarts converge: a restart's first token is at least the controller's version 
 and staleness.next_step <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
 training sample generates while a batch trains (capacity = batch_prompts: every group is in it).
 
-Cost (the controller must push >= 20K samples per CPU second through this path): plain asyncio,
-no anyio cancel scopes per sample. One task per rollout and nothing else: no per-sample streams,
-no helper tasks. Cancellation is asyncio's own (``Task.cancel`` / ``uncancel`` counting, as
-``asyncio.timeout`` does), so the three causes stay apart: a stale abort (``_Attempt``), the
-trajectory deadline (``asyncio.timeout``), and the caller's cancel (redundancy, shutdown), which
-always propagates. An env call or cleanup (env.close, engine.abort) is first run to its first
-suspension inline: one that completes at once (the common case) costs no timer and no task; one
-that suspends then gets its deadline (turn_timeout_s) or its shielded, bounded wait.
+Cost (the controller must push >= 20K samples per CPU second through this path): one task per
+rollout and nothing else, with the toolkit of flashrl/aio.py. Three causes of a cancel stay apart:
+a stale abort (``aio.TaskCancel``), the trajectory deadline (``aio.Deadlines``: asyncio.timeout's
+semantics on one shared timer), and the caller's cancel (redundancy, shutdown), which always
+propagates. An env call is first run to its first
+suspension inline (``aio.first_step``): one that completes at once (the common case) costs no
+timer; one that suspends then gets its deadline (turn_timeout_s). Cleanups (env.close,
+engine.abort) are ``aio.shielded``: run to their end even under a cancel, bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import inspect
 import logging
-import math
-import types
 from collections import Counter
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
 from envs.base import EnvFailure, EnvSuite, StepResult, Task
+from flashrl.aio import (
+    Deadlines,
+    Resumed,
+    TaskCancel,
+    as_coroutine,
+    cancel_and_wait,
+    first_step,
+    shielded,
+    timeout,
+)
 from flashrl.config import Config
 from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
 from flashrl.core.staleness import Staleness
@@ -166,22 +172,20 @@ class RolloutContext:
     version: Callable[[], int]
     counters: Counter[str] = field(default_factory=Counter)
     live: dict[str, int] = field(default_factory=dict)  # request id -> engine, while generating
-    generated_tokens: list[int] = field(default_factory=list)  # per engine, for rates
     # per engine: time with >= 1 generate in flight (the controller replaces these at run start)
     busy: list[BusyMeter] = field(default_factory=list)
     token_rates: list[RateMeter] = field(default_factory=list)  # per engine; empty: not metered
     # the run's staleness rule (shared with the buffer, which advances its next_step); None turns
     # the stale early abort off
     staleness: Staleness | None = None
-    # trajectories watched for staleness: "<sample id>.<attempt>" -> (version_start, what cancels it:
-    # an object with ``cancel()`` and ``cancel_called``)
-    watched: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    # trajectory deadlines of the attempts in flight (rollout.trajectory_timeout_s)
-    deadlines: _Deadlines = field(default_factory=lambda: _Deadlines())
+    # attempts watched for staleness (multi-turn training rollouts past their first turn):
+    # what cancels the attempt -> the version of its first generated token
+    watched: dict[TaskCancel, int] = field(default_factory=dict)
+    # the trajectory deadline of every attempt in flight (rollout.trajectory_timeout_s): one timer
+    deadlines: Deadlines = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.generated_tokens:
-            self.generated_tokens = [0] * len(self.engines)
+        self.deadlines = Deadlines(self.cfg.rollout.trajectory_timeout_s)
         if not self.busy:
             self.busy = [BusyMeter() for _ in self.engines]
 
@@ -194,71 +198,11 @@ class RolloutContext:
         if rule is None:
             return 0
         n = 0
-        for version_start, scope in self.watched.values():
+        for scope, version_start in self.watched.items():
             if not scope.cancel_called and rule.doomed(version_start):
                 scope.cancel()
                 n += 1
         return n
-
-
-class _Expiry:
-    """The trajectory deadline of one attempt running in ``task`` (see ``_Deadlines``)."""
-
-    __slots__ = ("task", "when", "expired", "over")
-
-    def __init__(self, task: asyncio.Task[Any], when: float) -> None:
-        self.task: asyncio.Task[Any] | None = task
-        self.when = when
-        self.expired = False  # the deadline passed and the task was cancelled for it
-        self.over = False  # the attempt ended: nothing to cancel any more
-
-
-class _Deadlines:
-    """Trajectory deadlines, all ``trajectory_timeout_s`` long: they expire in the order they began.
-
-    One loop timer for the earliest pending one instead of an ``asyncio.timeout`` (a timer handle,
-    a heap push and a cancel) per attempt. An attempt that ended is skipped when its turn comes;
-    ended ones at the front are also dropped whenever a new one is added, so the queue holds about
-    the attempts in flight.
-    """
-
-    def __init__(self) -> None:
-        self._q: collections.deque[_Expiry] = collections.deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def add(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], seconds: float) -> _Expiry:
-        if loop is not self._loop:  # a context reused on another loop: the old timer is gone with it
-            self._q.clear()
-            self._timer = None
-            self._loop = loop
-        e = _Expiry(task, loop.time() + seconds)
-        q = self._q
-        while q and q[0].over:
-            q.popleft()
-        q.append(e)
-        if self._timer is None:
-            self._timer = loop.call_at(e.when, self._fire)
-        return e
-
-    def _fire(self) -> None:
-        self._timer = None
-        loop = self._loop
-        assert loop is not None
-        now = loop.time()
-        q = self._q
-        while q:
-            e = q[0]
-            if e.over:
-                q.popleft()
-            elif e.when > now:
-                self._timer = loop.call_at(e.when, self._fire)
-                return
-            else:
-                q.popleft()
-                e.expired = True
-                assert e.task is not None
-                e.task.cancel()
 
 
 def _correct(res: StepResult, reward: float) -> bool:
@@ -267,116 +211,16 @@ def _correct(res: StepResult, reward: float) -> bool:
     return reward >= 1.0
 
 
-# --------------------------------------------------------------------------- cheap awaiting helpers
-class _Resume:
-    """Awaitable that goes on with a coroutine already run to its first suspension.
-
-    ``first`` is what the coroutine yielded there (the future it waits on). Exactly what
-    ``await coro`` does after its first step: values sent and exceptions thrown (a cancel) go on
-    into the coroutine.
-    """
-
-    __slots__ = ("_coro", "_first")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
-        self._coro = coro
-        self._first = first
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, y = self._coro, self._first
-        while True:
-            try:
-                sent = yield y
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as e:  # noqa: BLE001 - delivered into the coroutine, as ``await`` does
-                try:
-                    y = coro.throw(e)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    y = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
-
-
-async def _drive(aw: Any) -> Any:
-    return await aw
-
-
-def _coro(call: Any) -> Coroutine[Any, Any, Any]:
-    """``call`` as a coroutine that can be stepped by hand (an env or engine method may return any awaitable)."""
-    return call if type(call) is types.CoroutineType else _drive(call)
-
-
-def _timeout_s(seconds: float) -> float | None:
-    return seconds if math.isfinite(seconds) else None
-
-
-async def _shielded(coro: Coroutine[Any, Any, Any], seconds: float) -> bool:
-    """Run cleanup ``coro`` to its end, even if this task is cancelled meanwhile, for at most ``seconds``.
-
-    Returns False when it was given up on (timed out: it is cancelled). A cancel of this task that
-    came meanwhile is raised once the cleanup is over; the cleanup's own error is raised.
-    """
-    coro = _coro(coro)
-    try:
-        y = coro.send(None)
-    except StopIteration:
-        return True  # finished at once: no task, no timer
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(_drive(_Resume(coro, y)))
-    deadline = loop.time() + seconds
-    cancelled = False
-    gave_up = False
-    while not task.done():
-        left = deadline - loop.time()
-        if left <= 0 and not gave_up:
-            gave_up = True
-            task.cancel()
-        try:
-            await asyncio.wait((task,), timeout=None if gave_up else left)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    if not task.cancelled():
-        err = task.exception()
-        if err is not None:
-            raise err
-    return not gave_up
-
-
-class _Attempt:
-    """One attempt of one rollout, running in ``task``: what ``RolloutContext.abort_stale`` cancels."""
-
-    __slots__ = ("task", "cancel_called", "key")
-
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self.task = task
-        self.cancel_called = False
-        self.key = ""  # its key in RolloutContext.watched once watched
-
-    def cancel(self) -> None:
-        if not self.cancel_called:
-            self.cancel_called = True
-            self.task.cancel()
-
-
 # --------------------------------------------------------------------------- one trajectory
 def _env_now(ctx: RolloutContext, call: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
-    """Run an env call up to its first suspension: (True, its result) or (False, what it yielded).
+    """Run an env call up to its first suspension (``aio.first_step``): (True, its result) or
+    (False, what it yielded, for ``_env_rest``).
 
     A call that completes here takes no loop time, so it cannot miss its deadline: the timer of
-    turn_timeout_s is armed (``_env_rest``) only for a call that suspends. ``call`` must be the
-    coroutine ``_env_rest`` then goes on with (see ``_coro``).
+    turn_timeout_s is armed (``_env_rest``) only for a call that suspends.
     """
     try:
-        return False, call.send(None)
-    except StopIteration as stop:
-        return True, stop.value
+        return first_step(call)
     except TimeoutError:
         raise _env_timeout(ctx) from None
 
@@ -385,12 +229,9 @@ async def _env_rest(ctx: RolloutContext, traj: Trajectory, call: Coroutine[Any, 
     """The rest of an env call that suspended, bounded by rollout.turn_timeout_s."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    limit = _timeout_s(ctx.cfg.rollout.turn_timeout_s)
     try:
-        if limit is None:
-            return await _Resume(call, first)
-        async with asyncio.timeout(limit):
-            return await _Resume(call, first)
+        async with timeout(ctx.cfg.rollout.turn_timeout_s):
+            return await Resumed(call, first)
     except TimeoutError:
         raise _env_timeout(ctx) from None
     finally:
@@ -425,7 +266,7 @@ async def _generate(
             # Cancelled (redundant sample, deadline, stale, shutdown): the engine would keep
             # generating a request nobody reads, holding its slot. Tell it, shielded and bounded.
             try:
-                await _shielded(engine.abort([rid]), ABORT_TIMEOUT_S)
+                await shielded(engine.abort([rid]), ABORT_TIMEOUT_S)
             except asyncio.CancelledError:
                 pass  # this task is being cancelled anyway: raised just below
             except Exception as e:  # a dead engine cannot abort anything; nothing to free
@@ -439,18 +280,16 @@ async def _generate(
     finally:
         if slot is not None:
             slot.release()
-    n = len(out.token_ids)
-    ctx.generated_tokens[i] += n
     if ctx.token_rates:
-        ctx.token_rates[i].add(n)
+        ctx.token_rates[i].add(len(out.token_ids))
     return out
 
 
 async def run_trajectory(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int = 0) -> Trajectory:
     """One attempt of one rollout on engine ``i``. Raises EnvFailure / PeerDead / RemoteError.
 
-    Its turns may be cancelled by ``RolloutContext.abort_stale`` (``_Attempt``): the trajectory
-    then comes back with status "failed", failure "stale".
+    Its turns may be cancelled by ``RolloutContext.abort_stale`` (``aio.TaskCancel``): the
+    trajectory then comes back with status "failed", failure "stale".
     """
     cfg = ctx.cfg
     loop = asyncio.get_running_loop()
@@ -474,24 +313,24 @@ async def run_trajectory(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt
             t0 = loop.time()
             await held.acquire()
             traj.wait_s += loop.time() - t0
-        att = _Attempt(task)
+        att = TaskCancel(task)
         try:
             await _turn_loop(ctx, spec, i, attempt, env, traj, held is not None, att, loop)
         except asyncio.CancelledError:
             # Ours (the stale abort) only if no other cancel is pending on the task: a deadline or
             # the caller's cancel always goes on up.
-            if att.cancel_called and task.uncancel() == 0:
+            if att.claim():
                 traj.status, traj.failure = "failed", "stale"
             else:
                 raise
         finally:
-            if att.key:
-                ctx.watched.pop(att.key, None)
+            if ctx.watched:
+                ctx.watched.pop(att, None)
             if held is not None:
                 held.release()
     finally:
         try:
-            await _shielded(env.close(), ENV_CLOSE_TIMEOUT_S)
+            await shielded(env.close(), ENV_CLOSE_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken env must not hide the rollout's own outcome
@@ -508,14 +347,14 @@ async def _turn_loop(
     env: Any,
     traj: Trajectory,
     hold: bool,
-    att: _Attempt,
+    att: TaskCancel,
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     cfg = ctx.cfg
     rule = ctx.staleness if spec.group >= 0 else None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
-    call = _coro(env.reset(spec.task))
+    call = as_coroutine(env.reset(spec.task))
     done, obs = _env_now(ctx, call)
     if not done:
         obs = await _env_rest(ctx, traj, call, obs)
@@ -551,7 +390,7 @@ async def _turn_loop(
         traj.versions += out.versions
         traj.turns += 1
         ids = out.token_ids
-        call = _coro(env.step(tok.decode(ids if type(ids) is list else list(ids))))
+        call = as_coroutine(env.step(tok.decode(ids if type(ids) is list else list(ids))))
         done, res = _env_now(ctx, call)
         if not done:
             res = await _env_rest(ctx, traj, call, res)
@@ -571,13 +410,12 @@ async def _turn_loop(
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)
         traj.versions += [-1] * len(obs_ids)
-        if rule is not None and not att.key and traj.n_generated > 0:
+        if rule is not None and att not in ctx.watched and traj.n_generated > 0:
             # version_start is now exact (the first generated token's version), and more turns follow.
             if rule.doomed(traj.version_start):
                 traj.status, traj.failure = "failed", "stale"
                 return
-            att.key = f"{spec.sample_id}.{attempt}"
-            ctx.watched[att.key] = (traj.version_start, att)
+            ctx.watched[att] = traj.version_start
 
 
 def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Trajectory:
@@ -603,25 +441,13 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
     i = engine
     attempt = 0
     retries = 0  # infrastructure retries only; stale restarts are not charged to max_retries
-    limit = _timeout_s(ctx.cfg.rollout.trajectory_timeout_s)
-    loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
     while True:
         name = ctx.engines[i].name
         try:
-            expiry = None if limit is None else ctx.deadlines.add(loop, task, limit)
-            try:
+            with ctx.deadlines.scope(task):  # the attempt's deadline: TimeoutError below
                 traj = await run_trajectory(ctx, spec, i, attempt)
-            except asyncio.CancelledError:
-                # The deadline's cancel only if no other cancel is pending (as asyncio.timeout decides).
-                if expiry is not None and expiry.expired and task.uncancel() == 0:
-                    raise TimeoutError from None
-                raise
-            finally:
-                if expiry is not None:
-                    expiry.over = True
-                    expiry.task = None  # a finished attempt queued behind a long one holds nothing
             if traj.status == "failed" and traj.failure == "stale":
                 reason = "stale"
             else:
@@ -706,7 +532,9 @@ async def run_group(
     try:
         await state.decided
     finally:
-        await _end_all(ctx, tasks, engines)
+        # Cancel the rest (their aborts are shielded) and wait for every one: the group never leaves
+        # rollouts behind. A task cancelled before it ran never entered run_sample: release its count.
+        await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))
     if state.error is not None:
         raise state.error
     if state.kept == need and state.done < n:
@@ -754,30 +582,3 @@ async def _report(ctx: RolloutContext, spec: RolloutSpec, i: int, state: _GroupS
         raise
     except BaseException as e:  # noqa: BLE001 - a bug (or on_sample's error): the group raises it
         state.fail(e)
-
-
-async def _end_all(ctx: RolloutContext, tasks: list[asyncio.Task[None]], engines: list[int]) -> None:
-    """Cancel the group's unfinished tasks and wait for every one to end (their aborts are shielded).
-
-    A task cancelled before it ever ran never enters run_sample, so its engine count is released
-    here. A cancel of the waiting task itself is raised after the wait: the group never leaves
-    rollouts behind.
-    """
-    pending = [t for t in tasks if not t.done()]
-    if not pending:
-        return
-    for k, t in enumerate(tasks):
-        if t.done():
-            continue
-        if inspect.getcoroutinestate(t.get_coro()) == inspect.CORO_CREATED:
-            ctx.router.release(engines[k])
-        t.cancel()
-    cancelled = False
-    while pending:
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-        pending = [t for t in pending if not t.done()]
-    if cancelled:
-        raise asyncio.CancelledError

@@ -10,7 +10,7 @@
     Router.pick() per request  -> least ``inflight`` engine, ties round-robin   (replication on)
     Router.pick() once per group, all samples there                              (replication off)
          |
-    Router.slot(engine)  -> per-engine concurrency permit (engine.max_num_seqs), see rollout.py
+    Router.slot(engine)  -> per-engine concurrency permits (engine.max_num_seqs, aio.Permits), see rollout.py
 
 The synchronous baseline (``async_ratio = 0``, ``queue_scheduling = false``) is therefore: admit
 ``batch_prompts`` prompts, generate all of them, train, sync, repeat. Request seeds come from
@@ -25,7 +25,6 @@ Nothing here waits or reads a clock: these are pure decisions the controller cal
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import hashlib
 import math
@@ -33,8 +32,9 @@ import random
 from collections.abc import Sequence
 
 from envs.base import Task
+from flashrl.aio import Permits
 
-__all__ = ["Admission", "BusyMeter", "DataStream", "Permits", "Router", "request_seed", "sample_id"]
+__all__ = ["Admission", "BusyMeter", "DataStream", "Router", "request_seed", "sample_id"]
 
 _SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
 
@@ -213,59 +213,6 @@ class Router:
     @property
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.alive) if a]
-
-
-class Permits:
-    """A counting semaphore whose free permit costs one comparison (no await, no loop round trip).
-
-    ``try_acquire()`` takes a free permit at once; ``await acquire()`` waits in FIFO order; a
-    release hands the permit straight to the first waiter (so nobody overtakes a waiter). ``async
-    with permits:`` works too. A waiter cancelled just after it was handed a permit passes it on.
-    """
-
-    __slots__ = ("value", "_waiters")
-
-    def __init__(self, n: int) -> None:
-        self.value = n  # free permits
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    def try_acquire(self) -> bool:
-        if self.value > 0 and not self._waiters:
-            self.value -= 1
-            return True
-        return False
-
-    async def acquire(self) -> None:
-        if self.try_acquire():
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # handed a permit while being cancelled: it goes to the next one
-            else:
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    def release(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.value += 1
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 class BusyMeter:
