@@ -157,7 +157,6 @@ class Router:
             raise ValueError("the controller needs at least one engine (engine.count >= 1)")
         self.inflight = [0] * n_engines
         self.alive = [True] * n_engines
-        self.served = [0] * n_engines  # rollouts ever routed to each engine (dashboard, tests)
         self._rr = 0
         self._dead = 0  # engines marked dead (0: the fast path of pick() applies)
         self._slots = [Permits(max_num_seqs) for _ in range(n_engines)]
@@ -196,7 +195,6 @@ class Router:
 
     def take(self, i: int) -> None:
         self.inflight[i] += 1
-        self.served[i] += 1
 
     def release(self, i: int) -> None:
         self.inflight[i] -= 1
