@@ -24,8 +24,9 @@ from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env
 from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
 from flashrl.interfaces import EngineClient
 from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
-from flashrl.trainer.weights import WeightSender, build_manifest
+from flashrl.trainer.weights import WeightSender
 from flashrl.transport import PeerDead, RpcClient, RpcServer, free_port
+from flashrl.weightsync import build_manifest
 
 # --------------------------------------------------------------------------- unit
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flashrl.protocol import WeightManifest
-from flashrl.trainer.weights import DTYPES, group_device, join_group, unpack_bucket, verify_checksum
+from flashrl.weightsync import DTYPES, group_device, join_group, unpack_bucket, verify_checksum
 
 log = logging.getLogger(__name__)
 

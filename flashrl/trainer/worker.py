@@ -91,11 +91,11 @@ from flashrl.protocol import (
     TrainStep,
     WeightManifest,
 )
+from flashrl.rendezvous import init_default_group
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
-from flashrl.trainer.rendezvous import init_default_group
 from flashrl.trainer.rhythm import credit_scale
 
 log = logging.getLogger("flashrl.trainer")
@@ -467,7 +467,7 @@ class Trainer:
         sd = self.full_state_dict()
         if self.rank != 0:
             return None
-        from flashrl.trainer.weights import build_manifest
+        from flashrl.weightsync import build_manifest
 
         self._prepared = None  # free the previous version's buckets before building new ones
         manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb,
