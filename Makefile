@@ -28,6 +28,7 @@ run: model
 
 lint: setup
 	$(BIN)/ruff check flashrl envs tests bench
+	$(BIN)/mypy
 
 # The integration tests use the built-in model of configs/tiny.toml: build it (once, cached) before
 # the tests so its one-time warm-start is not charged to any test's timeout.
