@@ -32,6 +32,13 @@ class EngineClient(Protocol):
         """Requests sent and not yet answered (the controller's own count; used for routing)."""
         ...
 
+    @property
+    def dead(self) -> object:
+        """Why the engine is known to be gone (transport.PeerDead: its process died, its heartbeat
+        stopped), else a falsy value (None). Before a weight sync the controller marks such an
+        engine dead and skips it, instead of failing the whole sync on it."""
+        ...
+
     async def generate(self, req: Generate) -> Generated:
         """Generate one sample. An aborted request returns finish_reason "abort" with the tokens so far.
 

@@ -538,8 +538,8 @@ class Controller:
         the whole sync. Skipped here, it fails only its own rollouts (retried elsewhere).
         """
         for i in self.router.live:
-            dead = getattr(self.engines[i], "dead", None)
-            if dead and not callable(dead):  # EngineProcessClient: PeerDead | None; fakes: bool
+            dead = self.engines[i].dead
+            if dead:
                 self.router.mark_dead(i)
                 self.counters["engines/dead"] += 1
                 self.counters["weight_sync/found_dead_engines"] += 1

@@ -168,6 +168,7 @@ class SimEngine:
         if vocab_size <= FIRST_TEXT_ID + 1:
             raise ValueError(f"vocab_size must be > {FIRST_TEXT_ID + 1}, got {vocab_size}")
         self.name = name
+        self.dead = None  # never dies (EngineClient.dead)
         self.latency = latency or LatencyModel()
         self.lengths = lengths or LengthModel()
         self.seed = seed

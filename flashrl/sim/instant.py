@@ -53,6 +53,7 @@ class InstantEngine:
         if tokens < 1:
             raise ValueError(f"InstantEngine tokens must be >= 1, got {tokens}")
         self.name = name
+        self.dead = None  # never dies (EngineClient.dead)
         self.tokens = tokens
         self.yield_once = yield_once
         self.version = 0
