@@ -85,25 +85,10 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
     ``resume``: a checkpoint from ``checkpoint.prepare_resume(cfg, path)`` (verified, config checked):
     the run continues from it (trainer state, data position, metrics.jsonl up to its step).
     """
-    from flashrl.checkpoint import continue_metrics, prepare_folder
     from flashrl.logging_setup import setup_logging
 
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = run_dir / "checkpoints"
-    dropped = 0
-    if resume is not None:
-        # metrics.jsonl (and samples.jsonl) continue: lines written after the checkpoint are dropped
-        dropped = continue_metrics(run_dir / "metrics.jsonl", resume)
-        continue_metrics(run_dir / "samples.jsonl", resume, through=resume.step)
-        prepare_folder(ckpts, resume)
-    else:
-        for stem in ("metrics", "samples"):
-            old = run_dir / f"{stem}.jsonl"
-            if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
-                old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
-        if ckpts.exists():  # ... and the earlier checkpoints (resume them with --resume PATH)
-            ckpts.rename(run_dir / f"checkpoints.{int(time.time())}")
+    dropped = prepare_run_dir(cfg, resume)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
     if resume is not None:
@@ -128,6 +113,34 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
         where = f"checkpoint {ck} written; continue with `flashrl run CONFIG --resume`" if ck else "no checkpoint written"
         print(f"interrupted: all processes stopped; {where}", file=sys.stderr)
         return 130
+    return 0
+
+
+def prepare_run_dir(cfg: Config, resume: Resume | None) -> int:
+    """Get ``runs/<name>/`` ready for a run: fresh, or continuing ``resume``. Returns the metrics lines dropped.
+
+    Fresh: earlier metrics/samples .jsonl and checkpoints/ are renamed aside (kept, never mixed in).
+    Resume: metrics.jsonl and samples.jsonl are cut back to the checkpoint's step, killed saves are
+    removed and newer checkpoints set aside (checkpoint.prepare_folder). Restarting after a failure in
+    the same process (run.auto_resume) is ``r = checkpoint.prepare_resume(cfg)``, this, ``run_local(cfg, r)``.
+    """
+    from flashrl.checkpoint import continue_metrics, prepare_folder
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = run_dir / "checkpoints"
+    if resume is not None:
+        # metrics.jsonl (and samples.jsonl) continue: lines written after the checkpoint are dropped
+        dropped = continue_metrics(run_dir / "metrics.jsonl", resume)
+        continue_metrics(run_dir / "samples.jsonl", resume, through=resume.step)
+        prepare_folder(ckpts, resume)
+        return dropped
+    for stem in ("metrics", "samples"):
+        old = run_dir / f"{stem}.jsonl"
+        if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
+            old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
+    if ckpts.exists():  # ... and the earlier checkpoints (resume them with --resume PATH)
+        ckpts.rename(run_dir / f"checkpoints.{int(time.time())}")
     return 0
 
 

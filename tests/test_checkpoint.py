@@ -317,3 +317,21 @@ def test_continue_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_p
     other = tmp_path / "fork" / "metrics.jsonl"
     continue_metrics(other, Resume(path=str(tmp_path / "run" / "checkpoints" / "step-4"), state=st))
     assert [x["step"] for x in read_jsonl(other)] == [0, 1, 2, 3]
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path: Path) -> None:
+    """--resume PATH to step-3 while step-4 exists: step-4 is kept as step-4.abandoned, never overwritten
+    or resumed by accident; the run dir is prepared by the same function a restart after a failure uses."""
+    from flashrl.launch import prepare_run_dir
+
+    cfg = _checkpointed_run(tmp_path)
+    root = cfg.run_dir / "checkpoints"
+    (root / "step-5.tmp").mkdir()  # a save that was killed
+    more = with_run(cfg, steps=6)
+    r = prepare_resume(more, root / "step-3")
+    assert r.step == 3
+    assert prepare_run_dir(more, r) == 1  # step 4's line dropped from metrics.jsonl
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3", "step-4.abandoned"]
+    Run(more, ScriptedSuite(n_train=5), resume=r).go()
+    assert [n for n, _ in list_checkpoints(root)] == [5, 6] and (root / "step-4.abandoned").is_dir()
+    assert [x["step"] for x in read_jsonl(cfg.run_dir / "metrics.jsonl")] == list(range(1, 7))  # (no eval split: no step 0)

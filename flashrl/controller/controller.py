@@ -19,6 +19,13 @@
       same Router as training rollouts; the record of that step is emitted when it finishes, and
       the next weight sync waits for it so that every eval token comes from the evaluated weights.
 
+Checkpoints (``checkpoints=`` a checkpoint.CheckpointWriter): after every run.checkpoint_every-th
+step, at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
+batch being waited for is given up), the train loop writes ``state()`` + the trainer's DCP state; a
+failed write is logged and counted (``checkpoint/failed``) and training goes on. ``resume=`` a
+ControllerState continues a run: same version, counters and history, the stream re-admits the
+prompts that were outstanding, and run() publishes the checkpoint's weights before any request.
+
 Records: exactly one per step (plus step 0's eval), so metrics.jsonl has one line per step. With
 run.max_time_s set, a step's record that carries no eval is held until the next batch is in hand:
 if the deadline comes first, the final eval is merged into that record instead of a second line.
