@@ -253,7 +253,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
                 gc.unfreeze()
                 gc.set_threshold(*gc_thresholds)
             mem.sample()
-            return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes)
+            before = [(int(a), float(b)) for a, b in resume.state.eval_history
+                      if a <= resume.state.metrics_through] if resume else []
+            return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes, evals_before=before)
     finally:
         dash.stop()
         mem_task.cancel()
@@ -328,8 +330,10 @@ async def _stop_all(engines: list[Any], trainer: Any) -> None:
         await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
 
 
-def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: float, peak: int) -> dict[str, Any]:
-    evals = [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: float, peak: int,
+             evals_before: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+    # a resumed run's evals continue those in the checkpoint (its metrics.jsonl lines up to it)
+    evals = list(evals_before or []) + [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
     return {
         "run": cfg.run.name,
         "steps": max((r.get("step", 0) for r in history), default=0),
