@@ -157,7 +157,8 @@ async def _main_with_signals(cfg: Config, resume: Resume | None = None) -> dict[
         first = not stopped["by"]
         stopped["by"] = signame
         controller = hooks.get("controller")
-        if first and controller is not None and controller.status == "running":
+        if first and controller is not None and (controller.status == "running"
+                                                 or controller.status.startswith("checkpointing")):
             log.warning("%s received: finishing the current step, writing a checkpoint, shutting down "
                         "(again to stop at once)", signame)
             controller.request_stop()
