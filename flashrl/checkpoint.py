@@ -369,7 +369,12 @@ def continue_metrics(metrics: Path, resume: Resume, *, through: int | None = Non
     """
     if through is None:
         through = resume.state.metrics_through
-    source = metrics if metrics.exists() else Path(resume.path).parent.parent / metrics.name
+    ckpt_run = Path(resume.path).resolve().parent.parent
+    source = metrics
+    if ckpt_run != metrics.parent.resolve():  # a fork into another run folder: its lines come from the checkpoint's run
+        source = ckpt_run / metrics.name
+        if metrics.exists():  # whatever this folder held before is kept aside, never mixed in
+            metrics.rename(metrics.with_name(f"{metrics.stem}.{int(metrics.stat().st_mtime)}{metrics.suffix}"))
     lines = source.read_text().splitlines() if source.exists() else []
     keep: list[str] = []
     dropped = 0

@@ -315,8 +315,11 @@ def test_continue_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_p
     assert [x["step"] for x in read_jsonl(m)] == [0, 1, 2, 3]
     # resuming into a new run folder: the lines come from the checkpoint's own run
     other = tmp_path / "fork" / "metrics.jsonl"
+    other.parent.mkdir()
+    other.write_text('{"step": 0, "other": 1}\n{"step": 9}\n')  # an unrelated earlier run there: set aside
     continue_metrics(other, Resume(path=str(tmp_path / "run" / "checkpoints" / "step-4"), state=st))
-    assert [x["step"] for x in read_jsonl(other)] == [0, 1, 2, 3]
+    assert [x["step"] for x in read_jsonl(other)] == [0, 1, 2, 3] and "other" not in read_jsonl(other)[0]
+    assert len(list(other.parent.glob("metrics.*.jsonl"))) == 1
 
 
 def test_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path: Path) -> None:
