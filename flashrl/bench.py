@@ -215,17 +215,21 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
     """Classify the tokens of every request answered in ``(t0, t1]`` (engine ledgers, ``SimEngine.ledger``).
 
     Request ids are ``<sample id>.<attempt>.<turn>`` (controller/rollout.py); attempts of one sample
-    run one after another, so a trained sample trained its last attempt. A request is
+    run one after another, so a trained sample trained its last attempt. An attempt (all its turns) is
       trained  -- its sample was trained and this is the sample's last attempt;
-      stale    -- aborted with a later attempt of its sample (the stale early abort restarts it), or
-                  finished, never trained, and its attempt's first token older than any step still
-                  to come allows (version < final_version - async_ratio: buffer.take_batch's bound);
-      aborted  -- aborted with no later attempt (a redundant rollout cancelled, a deadline);
+      stale    -- one of its requests was aborted and the sample has a later attempt (the stale early
+                  abort restarts a trajectory on fresh weights), or it finished, was never trained,
+                  and its first token is older than any step still to come allows
+                  (version < final_version - async_ratio: buffer.take_batch's bound);
+      aborted  -- one of its requests was aborted and no later attempt exists (a redundant rollout
+                  cancelled, a deadline): its finished earlier turns count here too;
       unused   -- finished, an earlier attempt of a trained sample (retried after an env failure);
       pending  -- finished, not trained, still fresh enough to be trained had the run gone on.
+    Tokens count in the window by their request's answer time.
     """
     last: dict[str, int] = {}
     first_turn: dict[tuple[str, int], tuple[int, int]] = {}  # (sample, attempt) -> (turn, first_version)
+    cut: set[tuple[str, int]] = set()  # attempts with an aborted request
     parsed = []
     for e in entries:
         sid, att_s, turn_s = e.request_id.rsplit(".", 2)
@@ -235,6 +239,8 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
         prev = first_turn.get((sid, att))
         if prev is None or turn < prev[0]:
             first_turn[(sid, att)] = (turn, e.first_version)
+        if e.finish == "abort":
+            cut.add((sid, att))
     led = TokenLedger()
     for e, sid, att in parsed:
         if not t0 < e.t <= t1:
@@ -243,7 +249,7 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
         if sid in trained_ids and att == last[sid]:
             led.trained += n
             led.longest_trained = max(led.longest_trained, n)
-        elif e.finish == "abort":
+        elif (sid, att) in cut:
             if att < last[sid]:
                 led.stale += n
             else:

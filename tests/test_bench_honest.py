@@ -63,12 +63,14 @@ def test_token_ledger_classifies_a_hand_built_run() -> None:
         E("4-0.0.0", 999, t=0.5),  # answered before the window: left out
         E("5-0.0.0", 10, t=9.5),  # multi-turn trained sample, two turns
         E("5-0.0.1", 15, t=9.6),
+        E("6-0.0.0", 35, version=0),  # a redundant multi-turn rollout: its first turn finished ...
+        E("6-0.0.1", 5, "abort"),  # ... its second was cancelled: all of it is "aborted", none "stale"
     ]
     led = token_ledger(entries, {"0-0", "0-1", "2-0", "5-0"}, final_version=4, async_ratio=2, t0=1.0, t1=10.0)
-    assert (led.trained, led.stale, led.aborted, led.unused, led.pending) == (100 + 60 + 25 + 10 + 15, 40 + 500, 30, 20, 70)
-    assert led.generated == 210 + 540 + 30 + 20
-    assert led.waste_share == pytest.approx(590 / 800)
-    assert led.stale_share == pytest.approx(540 / 800)
+    assert (led.trained, led.stale, led.aborted, led.unused, led.pending) == (100 + 60 + 25 + 10 + 15, 40 + 500, 30 + 40, 20, 70)
+    assert led.generated == 210 + 540 + 70 + 20
+    assert led.waste_share == pytest.approx(630 / 840)
+    assert led.stale_share == pytest.approx(540 / 840)
     assert led.longest_trained == 100
 
 

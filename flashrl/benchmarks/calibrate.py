@@ -372,6 +372,19 @@ def cross_validate(runs: list[CrossRun], fit_names: list[str] | None = None) -> 
     return rows, scales
 
 
+def ratio_rows(rows: list[CrossRow]) -> list[dict[str, Any]]:
+    """Per fit and scenario with both variants predicted: the flash speed-up, measured and predicted."""
+    out = []
+    cell = {(r.fit, r.target): r for r in rows}
+    for fit in dict.fromkeys(r.fit for r in rows):
+        for scn in dict.fromkeys(r.target.rsplit("/", 1)[0] for r in rows):
+            b, f = cell.get((fit, f"{scn}/base")), cell.get((fit, f"{scn}/flash"))
+            if b and f:
+                m, p = b.measured_s / f.measured_s, b.predicted_s / f.predicted_s
+                out.append({"fit": fit, "scenario": scn, "measured": m, "predicted": p, "error": p / m - 1})
+    return out
+
+
 def cross_main(paths: list[str], fit_names: list[str], out: str) -> int:
     runs = [r for p in paths for r in load_cross_runs(Path(p))]
     rows, scales = cross_validate(runs, fit_names or None)
@@ -384,11 +397,16 @@ def cross_main(paths: list[str], fit_names: list[str], out: str) -> int:
                      f"{r.measured_s:.3f} / {r.predicted_s:.3f} s, {r.error:+.1%}{tag}")
     if oos:
         lines.append(f"out-of-sample |error|: mean {statistics.fmean(oos):.1%}, max {max(oos):.1%} over {len(oos)} predictions")
+    ratios = ratio_rows(rows)
+    if ratios:
+        lines.append("flash speed-up (base s/step / flash s/step), measured vs predicted:")
+        lines += [f"  fit {r['fit']}: {r['scenario']}: {r['measured']:.2f}x measured, {r['predicted']:.2f}x predicted ({r['error']:+.1%})"
+                  for r in ratios]
     print("\n".join(lines))
     if out:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
-        doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()}, "rows": rows,
+        doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()}, "rows": rows, "ratios": ratios,
                "oos_mean_abs_error": statistics.fmean(oos) if oos else None, "oos_max_abs_error": max(oos) if oos else None}
         (o / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))
         (o / "results.txt").write_text("\n".join(lines) + "\n")
