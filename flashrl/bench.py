@@ -188,15 +188,16 @@ def variant_config(scn: Scenario, pt: PointSpec, variant: Literal["baseline", "f
 class TokenLedger(msgspec.Struct, kw_only=True):
     """Where the generated tokens of the requests answered in the steady window went.
 
-    ``generated`` = trained + stale + aborted + unused; ``pending`` (could still have been trained
+    ``generated`` = trained + stale + aborted + unused + dropped; ``pending`` (could still have been trained
     when the run stopped) is left out of every share. See ``token_ledger`` for the rules.
     """
 
-    generated: int = 0
+    generated: int = 0  # trained + stale + aborted + unused + dropped
     trained: int = 0
     stale: int = 0  # too stale to ever be trained: dropped by the buffer, or a multi-turn stale abort
     aborted: int = 0  # cancelled mid-generation for another reason (redundant rollouts, deadlines)
     unused: int = 0  # finished but never trained: an attempt retried after an environment failure
+    dropped: int = 0  # multi-turn with redundancy: finished turns of a never-trained sample, stale or cancelled between turns (not told apart)
     pending: int = 0
     longest_trained: int = 0  # the longest trained request (one turn), tokens
 
@@ -211,7 +212,8 @@ class TokenLedger(msgspec.Struct, kw_only=True):
         return self.stale / self.generated if self.generated else 0.0
 
 
-def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, async_ratio: int, t0: float, t1: float) -> TokenLedger:
+def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, async_ratio: int, t0: float, t1: float,
+                 redundancy: int = 0) -> TokenLedger:
     """Classify the tokens of every request answered in ``(t0, t1]`` (engine ledgers, ``SimEngine.ledger``).
 
     Request ids are ``<sample id>.<attempt>.<turn>`` (controller/rollout.py); attempts of one sample
@@ -224,12 +226,16 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
       aborted  -- one of its requests was aborted and no later attempt exists (a redundant rollout
                   cancelled, a deadline): its finished earlier turns count here too;
       unused   -- finished, an earlier attempt of a trained sample (retried after an env failure);
+      dropped  -- instead of stale, with ``redundancy`` > 0 and several turns: a redundant rollout
+                  cancelled while its environment stepped leaves no aborted request either, so
+                  these tokens are stale drops or redundant ones, not told apart (thrown away);
       pending  -- finished, not trained, still fresh enough to be trained had the run gone on.
     Tokens count in the window by their request's answer time.
     """
     last: dict[str, int] = {}
     first_turn: dict[tuple[str, int], tuple[int, int]] = {}  # (sample, attempt) -> (turn, first_version)
     cut: set[tuple[str, int]] = set()  # attempts with an aborted request
+    multi: set[tuple[str, int]] = set()  # attempts with more than one turn
     parsed = []
     for e in entries:
         sid, att_s, turn_s = e.request_id.rsplit(".", 2)
@@ -241,6 +247,8 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
             first_turn[(sid, att)] = (turn, e.first_version)
         if e.finish == "abort":
             cut.add((sid, att))
+        if turn > 0:
+            multi.add((sid, att))
     led = TokenLedger()
     for e, sid, att in parsed:
         if not t0 < e.t <= t1:
@@ -257,7 +265,10 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
         elif sid in trained_ids:
             led.unused += n
         elif first_turn[(sid, att)][1] < final_version - async_ratio:
-            led.stale += n
+            if redundancy > 0 and (sid, att) in multi:
+                led.dropped += n
+            else:
+                led.stale += n
         else:
             led.pending += n
             continue
@@ -350,7 +361,7 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
     samples = statistics.fmean(h.samples for h in window)
     resp = statistics.fmean(h.response_tokens for h in window)
     ledger = token_ledger([x for e in engines for x in e.ledger], trainer.trained_ids, trainer.version,
-                          cfg.scheduler.async_ratio, t0 if warmup > 0 else -1.0, t1)
+                          cfg.scheduler.async_ratio, t0 if warmup > 0 else -1.0, t1, cfg.rollout.redundancy)
     return RunResult(
         step_s=step_s,
         step_ends=[h.end_s for h in hist],
@@ -439,7 +450,7 @@ class PointResult(msgspec.Struct, kw_only=True):
     token_speedup: float = math.nan  # trained response tokens per second, flash / baseline
     base_waste: float = 0.0  # generated tokens thrown away / generated, baseline
     flash_waste: float = 0.0  # the same for flash (stale drops, stale aborts, redundant rollouts, retried attempts)
-    flash_stale_share: float = 0.0  # generated tokens thrown away because they went stale / generated, flash
+    flash_stale_share: float = 0.0  # generated tokens thrown away because they went stale / generated, flash (a lower bound when the ledger has ``dropped`` tokens)
     base_longest: int = 0  # longest trained request (one turn) in the steady window, tokens
     flash_longest: int = 0
     lm_cap: int | None = None  # the length-matched baseline's max_new_tokens (= flash_longest); None: not run

@@ -72,6 +72,12 @@ def test_token_ledger_classifies_a_hand_built_run() -> None:
     assert led.waste_share == pytest.approx(630 / 840)
     assert led.stale_share == pytest.approx(540 / 840)
     assert led.longest_trained == 100
+    # With redundancy, a multi-turn rollout cancelled between turns leaves only finished turns: its
+    # tokens cannot be told from a stale drop, so they go to "dropped" (single-turn ones stay stale).
+    multi = [E("7-0.0.0", 50, version=0), E("7-0.0.1", 60, version=0), E("8-0.0.0", 80, version=0)]
+    led = token_ledger(multi, set(), final_version=4, async_ratio=2, t0=1.0, t1=10.0, redundancy=2)
+    assert (led.dropped, led.stale, led.generated) == (110, 80, 190)
+    assert led.waste_share == 1.0 and led.stale_share == pytest.approx(80 / 190)
 
 
 def test_sync_wastes_nothing_and_flash_counts_its_stale_drops(tmp_path: Path) -> None:
