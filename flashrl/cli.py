@@ -4,6 +4,7 @@
     flashrl validate CONFIG [--set k=v ...]  check a config only (exit 2 on any problem)
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
+    flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
     flashrl bench SCENARIO                   throughput sweeps (bench/*.toml)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
 
@@ -49,11 +50,28 @@ def _check_env_or_exit(cfg: Config, config: Path) -> None:
         raise typer.Exit(code=2) from None
 
 
+def _check_model_or_exit(cfg: Config, config: Path) -> None:
+    """A local model folder: its tokenizer loads and its chat template fits model.chat_template (exit 2)."""
+    from flashrl.models import BUILTIN_TINY
+
+    if cfg.model.path == BUILTIN_TINY:
+        return
+    from flashrl.models import ModelPathError, ensure_model, load_tokenizer
+    from flashrl.models.chat import ChatTemplateError
+
+    try:
+        load_tokenizer(ensure_model(cfg), cfg.model.chat_template, cfg.model.system_prompt)
+    except (ModelPathError, ChatTemplateError, FileNotFoundError) as e:
+        typer.echo(f"config error: {config}: model: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+
 @app.command()
 def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
     cfg = _load_or_exit(config, set_)
     _check_env_or_exit(cfg, config)
+    _check_model_or_exit(cfg, config)
     typer.echo(
         f"ok: {config} (run {cfg.run.name}: {cfg.engine.count} engine(s), {cfg.trainer.ranks} trainer rank(s), "
         f"env {cfg.env.name}, loss {cfg.algorithm.loss}, async_ratio {cfg.scheduler.async_ratio})"
@@ -73,6 +91,7 @@ def run(
         typer.echo(f"error: unexpected argument {path}; to resume from it write `flashrl run {config} --resume {path}`", err=True)
         raise typer.Exit(code=2)
     _check_env_or_exit(cfg, config)
+    _check_model_or_exit(cfg, config)
     from flashrl.launch import main as launch_main
 
     r = None
@@ -115,6 +134,23 @@ def samples(
     except SamplesError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="run folder, e.g. runs/tiny")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="new folder to write the Hugging Face model to")],
+    step: Annotated[Optional[int], typer.Option("--step", help="export checkpoint step N instead of the final policy")] = None,
+) -> None:
+    """Write a run's policy (final, or checkpoint --step N) as a Hugging Face folder that transformers and vLLM load."""
+    from flashrl.models.export import ExportError, export_run
+
+    try:
+        path, what = export_run(run_dir, out, step)
+    except ExportError as e:
+        typer.echo(f"export error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"exported {what} to {path}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -46,6 +46,8 @@ class ModelConfig(Section):
     cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="weights dtype for engines and trainer")] = "float32"
     max_model_len: Annotated[int, Meta(ge=16, le=1 << 20, description="prompt + response tokens per sequence")] = 128
+    chat_template: Annotated[Literal["auto", "on", "off"], Meta(description="auto: prompts and multi-turn observations rendered with the model folder's chat template when it has one; on: require one; off: raw prompt text")] = "auto"
+    system_prompt: Annotated[str, Meta(description="system message of every chat prompt (needs a chat template; empty = none)")] = ""
 
 
 class EnvConfig(Section):
@@ -247,6 +249,13 @@ def _check(cfg: Config, source: str) -> None:
     """Cross-field rules msgspec bounds cannot express."""
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
+    if cfg.model.path == "builtin:tiny" and (cfg.model.chat_template == "on" or cfg.model.system_prompt):
+        key = "model.system_prompt" if cfg.model.system_prompt else "model.chat_template"
+        raise ConfigError(f"{source}: {key}: the built-in model has no chat template; use a Hugging Face model "
+                          "folder with one (model.path), or leave model.chat_template = \"auto\" and model.system_prompt empty")
+    if cfg.model.system_prompt and cfg.model.chat_template == "off":
+        raise ConfigError(f"{source}: model.system_prompt: a system prompt needs the chat template, but "
+                          "model.chat_template = \"off\"; set it to \"auto\" or remove the system prompt")
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(cfg.log, key) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{source}: log.{key}: the {package} package is not installed; "

@@ -5,6 +5,7 @@
       -> spawn E engine processes + R trainer ranks (each in its own process group, logs in runs/<name>/logs/)
       -> wait until all answer Ping; join the weight-sync group (trainer rank 0 = rank 0, engine i = rank 1+i)
       -> Controller.run()  (rollouts, training loop, weight sync, eval)   +  dashboard refresh  +  memory sampler
+      -> the final policy as a Hugging Face folder: runs/<name>/final/ (trainer rank 0, atomic)
       -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL
 
 Ctrl-C / SIGTERM cancel the main task; the ``finally`` blocks stop every child within the deadline.
@@ -194,7 +195,7 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     dash.start()
     dash.status(f"preparing model {cfg.model.path}")
     model_path = Path(await asyncio.to_thread(ensure_model, cfg))
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
     suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
@@ -256,7 +257,13 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
             mem.sample()
             before = [(int(a), float(b)) for a, b in resume.state.eval_history
                       if a <= resume.state.metrics_through] if resume else []
-            return _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes, evals_before=before)
+            summary = _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes, evals_before=before)
+            if getattr(result, "stop_reason", "steps") != "interrupted":
+                # The final policy as a Hugging Face folder (`flashrl export` copies it out).
+                dash.status("writing the final policy")
+                await trainer.save_model(run_dir / "final", replace=True)
+                summary["final_policy"] = str(run_dir / "final")
+            return summary
     finally:
         dash.stop()
         mem_task.cancel()

@@ -60,6 +60,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     reward_mean: float = 0.0
     weight_sync_s: float = 0.0
     step_s: float = 0.0
+    mismatch_kl: float | None = None  # train/inference mismatch of the last step (mismatch/kl); None: not measured
     # history for sparklines: (step, value)
     reward_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []

@@ -223,7 +223,16 @@ class SaveCheckpoint(Msg):
     path: str = ""
 
 
-TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint, Ping, Shutdown]
+class SaveModel(Msg):
+    """Write the current policy as a Hugging Face folder at ``path`` (flashrl/models/export.py), atomically;
+    ``replace``: an existing folder there is replaced."""
+
+    path: str = ""
+    replace: bool = False
+
+
+TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint, SaveModel,
+                       Ping, Shutdown]
 TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error]
 
 

@@ -163,6 +163,38 @@ def test_recomputed_logprobs_use_the_rollout_temperature(world1, model_path: Pat
     assert abs(m_raw["iw/max"] - 1.0) > 0.05  # temperature-1 behaviour logprobs: weights off by the temperature
 
 
+def test_mismatch_compares_engine_and_trainer_logprobs_of_on_policy_tokens(world1, model_path: Path,
+                                                                            tmp_path: Path) -> None:
+    """mismatch/kl (k3 of KL(engine || trainer)) and mismatch/max_abs over the tokens sampled by the weights
+    the step starts from, against the trainer's first-pass logprobs; stale tokens are left out."""
+    import math
+
+    t = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    b = _batch(0)
+    for s in b.samples:  # what an engine holding the same weights returns
+        s.behav_logp = t.compute_logprobs(s.prompt_ids, s.response_ids)
+    b.samples[0].behav_logp = [x + 0.5 for x in b.samples[0].behav_logp]  # one sample's 4 tokens off by 0.5
+    m = t.train_step(b).metrics  # type: ignore[union-attr]
+    assert m["mismatch/tokens"] == 52
+    assert m["mismatch/max_abs"] == pytest.approx(0.5, abs=1e-5)
+    assert m["mismatch/kl"] == pytest.approx(4 * (math.exp(-0.5) - 1 + 0.5) / 52, rel=1e-4)
+
+    same = Trainer(_cfg(tmp_path, mini_batches=3), str(model_path), torch.device("cpu"))
+    b = _batch(0)
+    for s in b.samples:
+        s.behav_logp = same.compute_logprobs(s.prompt_ids, s.response_ids)
+    m = same.train_step(b).metrics  # type: ignore[union-attr]
+    assert m["mismatch/kl"] < 1e-10 and m["mismatch/max_abs"] < 1e-5  # later mini-batches: still the first pass
+
+    stale = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    m = stale.train_step(_batch(2)).metrics  # type: ignore[union-attr]
+    assert m["mismatch/tokens"] == 5 * len(GOOD)  # only sample 0 of each group was sampled by version 2
+    b = _batch(2)
+    for s in b.samples:
+        s.versions = [0] * len(s.versions)
+    assert not any(k.startswith("mismatch/") for k in stale.train_step(b).metrics)  # type: ignore[union-attr]
+
+
 def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> None:
     assert warmup_lr(2e-4, 0, 0) == 2e-4  # off
     assert [warmup_lr(2e-4, 4, s) for s in range(6)] == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])

@@ -730,6 +730,7 @@ class Controller:
             reward_mean=float(self.last.get("reward/mean", 0.0)),
             weight_sync_s=float(self.last.get("time/weight_sync_s", 0.0)),
             step_s=float(self.last.get("time/step_s", 0.0)),
+            mismatch_kl=self.last.get("mismatch/kl"),
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
             counters=self._all_counters(),

@@ -14,7 +14,10 @@
 
 A rollout stays on the engine it was routed to for all its turns (its prefix stays in that
 engine's cache) and moves only when retried. Token ids are concatenated turn after turn; nothing
-is re-tokenized from text. Generated tokens keep the engine's logprob and per-token policy
+is re-tokenized from text. With a chat model (the tokenizer's ``encode_prompt`` /
+``encode_observation``, flashrl/models/chat.py) the prompt is the chat template's rendering and each
+observation is the template's turn: the assistant turn's closing, user(observation), the next
+generation prompt. Requests carry the model's stop tokens (``tokenizer.stop_token_ids``). Generated tokens keep the engine's logprob and per-token policy
 version; observation tokens get mask 0, logprob 0.0, version -1.
 
 Engine concurrency model (``rollout.env_async``): every engine has ``engine.max_num_seqs`` permits
@@ -358,12 +361,16 @@ async def _turn_loop(
     done, obs = _env_now(ctx, call)
     if not done:
         obs = await _env_rest(ctx, traj, call, obs)
-    traj.prompt_ids = list(tok.encode(obs))  # the only tokenization of the prompt
+    # The only tokenization of the prompt: chat-rendered when the tokenizer has a chat template.
+    encode_obs = getattr(tok, "encode_observation", None)
+    prompt = tok.encode_prompt(obs) if encode_obs is not None else tok.encode(obs)
+    traj.prompt_ids = list(prompt)
     if len(traj.prompt_ids) >= max_len:
         traj.status, traj.failure = "failed", "prompt_too_long"
         return
     uid, idx = spec.seed_key
     top_p = cfg.rollout.top_p if spec.group >= 0 else 1.0
+    stop_ids = getattr(tok, "stop_token_ids", None) or []  # the model's generation_config.json eos list
     while True:
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         if room <= 0:
@@ -376,6 +383,7 @@ async def _turn_loop(
             temperature=spec.temperature,
             top_p=top_p,
             seed=request_seed(cfg.run.seed, uid, idx, traj.turns),
+            stop_token_ids=stop_ids,
         )
         out = await _generate(ctx, i, req, traj, hold, loop)
         n = len(out.token_ids)
@@ -405,7 +413,9 @@ async def _turn_loop(
             traj.finish_reason = "max_turns"
             return
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
-        obs_ids = list(tok.encode(res.observation))[: max(room, 0)]
+        # The observation turn as the chat template renders it after this generated turn (or raw text).
+        obs_ids = encode_obs(res.observation, ids) if encode_obs is not None else tok.encode(res.observation)
+        obs_ids = list(obs_ids)[: max(room, 0)]
         traj.response_ids += obs_ids
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from flashrl.models.chat import ChatFormat
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -25,7 +28,11 @@ CHARSET: str = string.digits + string.ascii_lowercase + string.ascii_uppercase +
 
 
 class TextTokenizer(Protocol):
-    """What flashrl needs from a tokenizer (the built-in one or a Hugging Face one)."""
+    """What flashrl needs from a tokenizer (the built-in one or a Hugging Face one).
+
+    Rollouts also use ``encode_prompt`` / ``encode_observation`` when a tokenizer has them (chat
+    templates, ``HFTokenizer``); without them a prompt or observation is ``encode(text)``.
+    """
 
     eos_token_id: int
     pad_token_id: int
@@ -61,15 +68,29 @@ def build_char_tokenizer(charset: str = CHARSET):  # -> transformers.PreTrainedT
 
 
 class HFTokenizer:
-    """A thin wrapper giving any Hugging Face tokenizer the ``TextTokenizer`` shape."""
+    """A thin wrapper giving any Hugging Face tokenizer the ``TextTokenizer`` shape.
 
-    def __init__(self, hf) -> None:
+    ``chat`` (a ``ChatFormat``, or None): prompts and observation turns rendered by the model's chat
+    template. ``stop_token_ids``: the model's stop tokens (generation_config.json's eos_token_id list).
+    """
+
+    def __init__(self, hf, chat: ChatFormat | None = None, stop_token_ids: list[int] | None = None) -> None:
         self.hf = hf
         if hf.eos_token_id is None:
             raise ValueError(f"tokenizer at {hf.name_or_path!r} has no eos token; set eos_token in tokenizer_config.json")
         self.eos_token_id: int = int(hf.eos_token_id)
         # Models without a pad token pad with EOS (a masked position never reaches the loss).
         self.pad_token_id: int = int(hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
+        self.chat = chat
+        self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [self.eos_token_id]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The first observation (the env's prompt text) as the model sees it: chat-rendered or raw."""
+        return self.chat.prompt_ids(text) if self.chat is not None else self.encode(text)
+
+    def encode_observation(self, text: str, generated: list[int]) -> list[int]:
+        """Ids appended after the generated turn ``generated`` for the env's next observation ``text``."""
+        return self.chat.observation_ids(text, generated) if self.chat is not None else self.encode(text)
 
     @property
     def vocab_size(self) -> int:
@@ -82,12 +103,26 @@ class HFTokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def load_tokenizer(path: str | Path) -> HFTokenizer:
-    """Load the tokenizer saved in the model folder ``path`` (offline)."""
+def load_tokenizer(path: str | Path, chat_template: str = "auto", system_prompt: str = "") -> HFTokenizer:
+    """Load the tokenizer saved in the model folder ``path`` (offline).
+
+    ``chat_template`` (model.chat_template): "auto" renders prompts with the folder's chat template when
+    it has one, "on" requires one (ChatTemplateError otherwise), "off" sends raw prompt text.
+    ``system_prompt`` (model.system_prompt) is the system message of chat prompts.
+    """
     from transformers import AutoTokenizer
+
+    from flashrl.models.chat import ChatFormat, ChatTemplateError, stop_token_ids
 
     p = Path(path)
     if not (p / "tokenizer_config.json").is_file() and not (p / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{p}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
                                 "point model.path at a Hugging Face model folder or use builtin:tiny")
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    chat = None
+    if chat_template == "on" or (chat_template == "auto" and getattr(hf, "chat_template", None)):
+        chat = ChatFormat(hf, system_prompt, stop_token_ids(p, hf.eos_token_id))
+    elif system_prompt:
+        why = "model.chat_template is off" if chat_template == "off" else f"{p} has no chat template"
+        raise ChatTemplateError(f"model.system_prompt is set but {why}: a system prompt needs a chat template")
+    return HFTokenizer(hf, chat, stop_token_ids(p, hf.eos_token_id))

@@ -34,6 +34,7 @@ from flashrl.protocol import (
     Pong,
     PrepareWeights,
     SaveCheckpoint,
+    SaveModel,
     SendWeights,
     Shutdown,
     TrainBatch,
@@ -178,6 +179,10 @@ class TrainerGroup:
     async def save_checkpoint(self, path: str | Path) -> None:
         """DCP checkpoint of model + optimizer at ``path`` (appears atomically when complete)."""
         await self._call(SaveCheckpoint(path=str(path)))
+
+    async def save_model(self, path: str | Path, replace: bool = False) -> None:
+        """The current policy as a Hugging Face folder at ``path`` (appears atomically when complete)."""
+        await self._call(SaveModel(path=str(path), replace=replace))
 
     async def ping(self) -> int:
         reply = await self._call(Ping(), timeout=30.0)

@@ -83,6 +83,7 @@ from flashrl.protocol import (
     Pong,
     PrepareWeights,
     SaveCheckpoint,
+    SaveModel,
     SendWeights,
     Shutdown,
     TrainBatch,
@@ -161,6 +162,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.model_path = model_path
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = device
@@ -216,6 +218,9 @@ class Trainer:
         if isinstance(msg, SaveCheckpoint):
             self.save_checkpoint(msg.path)
             return Ok(info=msg.path)
+        if isinstance(msg, SaveModel):
+            self.save_model(msg.path, msg.replace)
+            return Ok(info=msg.path) if self.rank == 0 else None
         if isinstance(msg, Ping):
             return Pong(version=self.version)
         if isinstance(msg, Shutdown):
@@ -346,6 +351,7 @@ class Trainer:
         maxes: dict[str, float] = {}
         tokens = 0.0
         grad_norms: list[float] = []
+        mismatch = Mismatch()
         params = [p for p in self.model.parameters() if p.requires_grad]
         for i, (mini, micros) in enumerate(plan):
             # FSDP2 averages gradients over ranks, so each rank divides by norm / R: the sum is the batch mean.
@@ -354,10 +360,12 @@ class Trainer:
                 b = self._micro(full, mini, idx).to(self.device)
                 em = self._rows(ent_mask, mini, idx, b.loss_mask.shape[1])
                 logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
+                prox_logp = prox[i, k] if prox else logp.detach()  # the weights at the start of the step
+                mismatch.add(prox_logp, b.behav_logp, b.loss_mask, b.versions, current)
                 loss, met = compute_policy_loss(
                     alg,
                     logp=logp,
-                    prox_logp=prox[i, k] if prox else logp.detach(),
+                    prox_logp=prox_logp,
                     behav_logp=b.behav_logp,
                     advantages=b.advantages,
                     mask=b.loss_mask,
@@ -382,6 +390,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
         metrics = self._reduce(sums, weighted, maxes, tokens)
+        metrics.update(mismatch.reduce(self.device, self.world))
         if self.critics is not None and returns is not None:
             # after the policy step, as AsyPPO orders it; every rank updates its replica identically
             dev = full.to(self.device)
@@ -494,6 +503,22 @@ class Trainer:
         return Ok(info=f"weight sync: {msg.backend} group of {msg.world_size}")
 
     # ------------------------------------------------------------------ checkpoints
+    def save_model(self, path: str, replace: bool = False) -> None:
+        """The current policy as a Hugging Face folder at ``path`` (every rank gathers; rank 0 writes it,
+        atomically, in model.dtype, with the run model's config, tokenizer and generation config)."""
+        sd = self.full_state_dict()
+        err: Exception | None = None
+        if self.rank == 0:
+            from flashrl.models.export import save_hf_folder
+
+            try:
+                save_hf_folder(sd, self.model_path, path, dtype=self.cfg.model.dtype, replace=replace)
+            except Exception as e:  # raised after the barrier: the other ranks must not wait on rank 0
+                err = e
+        dist.barrier()
+        if err is not None:
+            raise err
+
     def save_checkpoint(self, path: str) -> None:
         """DCP save of model + optimizer (+ critics, torch RNG) into ``path``, atomically: write ``path.tmp``, fsync, rename.
 
@@ -564,6 +589,50 @@ class Trainer:
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
+
+
+class Mismatch:
+    """Train/inference mismatch of one step: the engines' behaviour logprobs against the trainer's own.
+
+    Over the step's on-policy response tokens (sampled by the weights the step starts from: version ==
+    step), compared with the trainer's first-pass (proximal) logprobs of the same tokens before the
+    update. ``mismatch/kl``: mean k3 estimate of KL(engine || trainer), exp(d) - 1 - d with d = trainer -
+    engine logprob (tokens were drawn from the engine); ``mismatch/max_abs``: largest |d|;
+    ``mismatch/tokens``: how many tokens were compared (no keys when none: a step of only stale samples).
+    Near 0 when engines and trainer hold the same weights and score the same distribution; a weight
+    that did not sync, a wrong weight name or a different temperature shows up here at once. With
+    rollout.top_p < 1 it also holds the mass top-p cut off (engine logprobs are renormalized).
+    """
+
+    def __init__(self) -> None:
+        self.kl_sum = 0.0
+        self.tokens = 0
+        self.max_abs = 0.0
+
+    def add(self, trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor,
+            version: int) -> None:
+        with torch.no_grad():
+            on = (mask > 0) & (versions == version)
+            n = int(on.sum())
+            if n == 0:
+                return
+            d = (trainer_logp.detach() - behav_logp)[on].to(torch.float64).clamp(-30.0, 30.0)
+            self.kl_sum += float((torch.expm1(d) - d).sum())
+            self.tokens += n
+            self.max_abs = max(self.max_abs, float(d.abs().max()))
+
+    def reduce(self, device: torch.device, world: int) -> dict[str, float]:
+        """Sums and max over the ranks (every rank calls it); the metrics, identical on every rank."""
+        kl_sum, tokens, max_abs = self.kl_sum, float(self.tokens), self.max_abs
+        if world > 1:
+            flat = torch.tensor([kl_sum, tokens], dtype=torch.float64, device=device)
+            mx = torch.tensor([max_abs], dtype=torch.float64, device=device)
+            dist.all_reduce(flat)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            kl_sum, tokens, max_abs = float(flat[0]), float(flat[1]), float(mx[0])
+        if tokens == 0:
+            return {}
+        return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens}
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,152 @@
+"""A small real-architecture chat model, built offline: what a user's Hugging Face folder looks like.
+
+``build_chat_model(path)`` writes a folder that transformers and vLLM load like any downloaded chat
+model, with nothing downloaded::
+
+    config.json + model.safetensors   Qwen3ForCausalLM (or LlamaForCausalLM), random weights (seeded)
+    tokenizer.json                    byte-level BPE trained here with `tokenizers` on a generated corpus
+    tokenizer_config.json             special tokens <|endoftext|> <|im_start|> <|im_end|>, a ChatML
+    (+ chat_template.jinja)           chat template (system / user / assistant turns)
+    generation_config.json            eos_token_id = [<|im_end|>, <|endoftext|>]: the stop tokens
+
+It exists to exercise the paths a real chat model takes (chat template, multi-token stop list,
+BPE merges across words, Qwen3's q/k norms, untied embeddings) on the CPU, in tests and examples.
+``init_std`` is larger than a trained model's so that greedy decoding has clear winners (random
+weights at the usual 0.02 give near-uniform logits, where float rounding picks the argmax).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_chat_model", "corpus"]
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# ChatML, as Qwen and many others ship it (without Qwen3's <think> handling). A missing system
+# message is simply absent: the configured system prompt (model.system_prompt) adds one.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are as with his they at be this have from or one "
+    "had by word but not what all were we when your can said there use each which she do how their if will "
+    "up other about out many then them these so some her would make like him into time has look two more "
+    "write go see number no way could people my than first water been call who oil its now find long down "
+    "day did get come made may part guess answer question solve what is plus minus times equals correct "
+    "wrong higher lower try again think step because therefore sum total result"
+).split()
+
+
+def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Deterministic training text for the BPE: word salad, arithmetic, and chat-shaped lines."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.4:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))).capitalize() + ".")
+        elif kind < 0.8:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            val = a + b if op == "+" else a - b if op == "-" else a * b
+            lines.append(f"What is {a} {op} {b}? {a}{op}{b}={val}")
+        elif kind < 0.9:
+            lines.append(f"<|im_start|>{rng.choice(['system', 'user', 'assistant'])}\n"
+                         f"{' '.join(rng.choice(_WORDS) for _ in range(rng.randint(2, 6)))}<|im_end|>\n")
+        else:
+            lines.append(f"Guess a number between 1 and {rng.randint(10, 100)}: {rng.randint(1, 100)} is too "
+                         f"{rng.choice(['high', 'low'])}.")
+    return lines
+
+
+def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,  # a chat model's turn ends with <|im_end|>
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+
+
+def build_chat_model(
+    path: str | Path,
+    *,
+    arch: Literal["qwen3", "llama"] = "qwen3",
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate: int = 128,
+    vocab_size: int = 512,
+    max_position: int = 512,
+    init_std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """Write the chat model folder (module docstring) to ``path``; return it. Same ``seed``, same folder.
+
+    head size = hidden / heads must be one vLLM's CPU attention supports (32, 64, ...).
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(vocab_size, seed)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_position,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        initializer_range=init_std,
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        torch_dtype="float32",
+    )
+    if arch == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT]
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
