@@ -50,6 +50,25 @@ def resolve_device(cfg: Config) -> str:
         return "cpu"
 
 
+def engine_gpu(i: int, ranks: int, engines: int, visible: list[str]) -> str | None:
+    """The GPU engine ``i`` is pinned to on this machine (its CUDA_VISIBLE_DEVICES), or None.
+
+    Trainer rank r uses visible GPU r (cuda:LOCAL_RANK); engine i gets visible GPU ``ranks + i`` when
+    there are at least ``ranks + engines`` of them. With fewer, nothing is pinned (vLLM's own default,
+    the first visible GPU): processes then share GPUs, and ``gpu_memory_utilization`` must leave room.
+    """
+    return visible[ranks + i] if len(visible) >= ranks + engines else None
+
+
+def _visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(k) for k in range(torch.cuda.device_count())]
+
+
 class MemorySampler:
     """Peak resident memory of the whole run: this process plus every descendant (engines, trainer, vLLM cores)."""
 
@@ -291,6 +310,10 @@ async def local_cluster(
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     engines: list[Any] = []
     trainer: Any = None
+    visible = _visible_gpus() if device == "cuda" else []
+    if device == "cuda" and len(visible) < cfg.trainer.ranks + cfg.engine.count:
+        log.warning("%d GPU(s) visible for %d trainer rank(s) + %d engine(s): engines are not pinned and share GPUs "
+                    "with the trainer", len(visible), cfg.trainer.ranks, cfg.engine.count)
     try:
         status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
         for i in range(cfg.engine.count):
@@ -308,7 +331,11 @@ async def local_cluster(
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
                 log_level=cfg.run.log_level,
             )
-            engines.append(spawn_engine(opts, logs / f"engine{i}.log", heartbeat_s=cfg.engine.heartbeat_s))
+            gpu_env = None
+            if device == "cuda":
+                gpu = engine_gpu(i, cfg.trainer.ranks, cfg.engine.count, visible)
+                gpu_env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
+            engines.append(spawn_engine(opts, logs / f"engine{i}.log", gpu_env, heartbeat_s=cfg.engine.heartbeat_s))
         trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume)
         await asyncio.gather(
             *(e.wait_ready(cfg.engine.startup_timeout_s) for e in engines),

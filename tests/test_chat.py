@@ -72,6 +72,14 @@ def test_folder_loads_as_a_qwen3_chat_model(model_dir: Path) -> None:
     assert (again / "tokenizer.json").read_text() == (model_dir / "tokenizer.json").read_text()
 
 
+def test_llama_variant_loads(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = build_chat_model(tmp_path / "llama", arch="llama", layers=1)
+    assert type(AutoModelForCausalLM.from_pretrained(str(p))).__name__ == "LlamaForCausalLM"
+    assert AutoTokenizer.from_pretrained(str(p)).chat_template
+
+
 def test_prompt_is_the_templates_rendering_with_the_system_prompt(model_dir: Path) -> None:
     tok = load_tokenizer(model_dir, "auto", SYSTEM)
     assert tok.chat is not None

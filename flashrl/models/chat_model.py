@@ -150,3 +150,20 @@ def build_chat_model(
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashrl.models.chat_model OUT [--arch llama] [--seed N]``: write the folder to OUT."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write a small random-weight chat model folder (Qwen3 or Llama)")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(build_chat_model(a.out, arch=a.arch, seed=a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
