@@ -509,7 +509,7 @@ class Trainer:
         sd = self.full_state_dict()
         err: Exception | None = None
         if self.rank == 0:
-            from flashrl.models.export import save_hf_folder
+            from flashrl.trainer.hf import save_hf_folder
 
             try:
                 save_hf_folder(sd, self.model_path, path, dtype=self.cfg.model.dtype, replace=replace)
