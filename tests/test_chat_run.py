@@ -111,6 +111,13 @@ def test_cli_run_with_a_chat_model_trains_syncs_and_exports(tmp_path: Path, chat
     tok = AutoTokenizer.from_pretrained(str(exported))
     assert tok.chat_template and tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
+    # the run's last checkpoint (trainer DCP, step 3) converts to the same weights as final/
+    res = subprocess.run([sys.executable, "-m", "flashrl.cli", "export", str(run), "--step", "3", "--out",
+                          str(tmp_path / "step3")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "checkpoint step 3" in res.stdout, res.stdout + res.stderr
+    step3 = _weights(tmp_path / "step3")
+    assert set(step3) == set(after) and all(torch.equal(step3[k], after[k]) for k in after)
+
 
 @pytest.mark.timeout(900)
 def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_engine(
