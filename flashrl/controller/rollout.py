@@ -215,19 +215,6 @@ def _correct(res: StepResult, reward: float) -> bool:
 
 
 # --------------------------------------------------------------------------- one trajectory
-def _env_now(ctx: RolloutContext, call: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
-    """Run an env call up to its first suspension (``aio.first_step``): (True, its result) or
-    (False, what it yielded, for ``_env_rest``).
-
-    A call that completes here takes no loop time, so it cannot miss its deadline: the timer of
-    turn_timeout_s is armed (``_env_rest``) only for a call that suspends.
-    """
-    try:
-        return first_step(call)
-    except TimeoutError:
-        raise _env_timeout(ctx) from None
-
-
 async def _env_rest(ctx: RolloutContext, traj: Trajectory, call: Coroutine[Any, Any, Any], first: Any) -> Any:
     """The rest of an env call that suspended, bounded by rollout.turn_timeout_s."""
     loop = asyncio.get_running_loop()
@@ -357,8 +344,14 @@ async def _turn_loop(
     rule = ctx.staleness if spec.group >= 0 else None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
+    # Each env call runs inline to its first suspension (aio.first_step): one that completes there
+    # takes no loop time, so it cannot miss its deadline; only one that suspends gets the timer of
+    # turn_timeout_s (``_env_rest``).
     call = as_coroutine(env.reset(spec.task))
-    done, obs = _env_now(ctx, call)
+    try:
+        done, obs = first_step(call)
+    except TimeoutError:
+        raise _env_timeout(ctx) from None
     if not done:
         obs = await _env_rest(ctx, traj, call, obs)
     # The only tokenization of the prompt: chat-rendered when the tokenizer has a chat template.
@@ -399,7 +392,10 @@ async def _turn_loop(
         traj.turns += 1
         ids = out.token_ids
         call = as_coroutine(env.step(tok.decode(ids if type(ids) is list else list(ids))))
-        done, res = _env_now(ctx, call)
+        try:
+            done, res = first_step(call)
+        except TimeoutError:
+            raise _env_timeout(ctx) from None
         if not done:
             res = await _env_rest(ctx, traj, call, res)
         traj.reward += res.reward
