@@ -216,6 +216,7 @@ class Deadlines:
         if not seconds > 0:
             raise ValueError(f"Deadlines: seconds must be > 0, got {seconds!r}")
         self.seconds = seconds
+        self._never = math.isinf(seconds)
         self._q: collections.deque[Deadline] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -225,7 +226,7 @@ class Deadlines:
         return len(self._q)
 
     def scope(self, task: asyncio.Task[Any]) -> Deadline | _NoDeadline:
-        if math.isinf(self.seconds):
+        if self._never:
             return _NO_DEADLINE
         loop = task.get_loop()
         if loop is not self._loop:
