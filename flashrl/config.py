@@ -86,6 +86,8 @@ class EngineConfig(Section):
     threads: Annotated[int, Meta(ge=1, description="CPU threads per engine (cpu)")] = 1
     startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for an engine to come up")] = 600.0
     heartbeat_s: Annotated[float, Meta(ge=0, description="heartbeat interval (0 = off)")] = 5.0
+    max_restarts: Annotated[int, Meta(ge=0, description="restarts of one engine within restart_window_s after it dies; past that it stays down and the run goes on with the others (0 = never restart)")] = 3
+    restart_window_s: Annotated[float, Meta(gt=0, description="window over which engine.max_restarts counts an engine's restarts")] = 600.0
 
 
 class TrainerConfig(Section):

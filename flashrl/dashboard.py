@@ -85,7 +85,7 @@ def _latest(history: Sequence[tuple[int, float]]) -> float | None:
     return history[-1][1] if history else None
 
 
-_PROBLEM_WORDS = ("fail", "retr", "drop", "dead", "abort", "skip", "late", "stale", "error", "timeout")
+_PROBLEM_WORDS = ("fail", "retr", "drop", "dead", "death", "restart", "abort", "skip", "late", "stale", "error", "timeout")
 
 
 def is_problem_counter(name: str) -> bool:

@@ -67,8 +67,22 @@ class TrainerClient(Protocol):
         """Gather the full weights for ``version``; return the manifest (buckets, checksums)."""
         ...
 
-    async def send_weights(self, version: int) -> None:
-        """Broadcast the prepared weights; engines receive concurrently (their update_weights)."""
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        """Broadcast ``version`` (just prepared, or the last one sent: a catch-up) to ``peers``, the engine
+        names (None: every engine). Engines receive concurrently (their update_weights); a peer that
+        fails does not fail the call (its own update_weights reply says so)."""
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineRestarter(Protocol):
+    """Restarts engine processes (the launcher's side; launch.EnginePool for a local run)."""
+
+    async def restart(self, i: int) -> EngineClient:
+        """Replace dead engine ``i``: kill what is left of it, back off, start a new process, wait until it
+        answers and has joined its weight-sync group. Returns its client (still holding the model's
+        initial weights: the controller sends it the current ones). Raises when it gives up
+        (``engine.max_restarts``)."""
+        ...

@@ -2,9 +2,11 @@
 
     flashrl run config.toml
       -> ensure_model (built-in model built once, cached)
-      -> spawn E engine processes + R trainer ranks (each in its own process group, logs in runs/<name>/logs/)
-      -> wait until all answer Ping; join the weight-sync group (trainer rank 0 = rank 0, engine i = rank 1+i)
+      -> spawn E engine processes + R trainer ranks (procs.Child each: own process group, logs in
+         runs/<name>/logs/, dies with this process)
+      -> wait until all answer Ping; each engine joins its own weight-sync group with trainer rank 0
       -> Controller.run()  (rollouts, training loop, weight sync, eval)   +  dashboard refresh  +  memory sampler
+         an engine that dies is restarted by EnginePool.restart (the controller asks; engine.max_restarts)
       -> the final policy as a Hugging Face folder: runs/<name>/final/ (trainer rank 0, atomic)
       -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL
 
@@ -23,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ import msgspec
 
 from flashrl.checkpoint import Resume
 from flashrl.config import Config, to_toml
+from flashrl.engine.client import EngineOptions, EngineProcess, spawn_engine
+from flashrl.procs import exit_text
+from flashrl.trainer.client import TrainerGroup
+from flashrl.transport import PeerDead, free_port, local_address
 
 log = logging.getLogger("flashrl.launch")
 
@@ -240,7 +246,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
 
             checkpoints = CheckpointWriter(run_dir / "checkpoints", trainer, to_toml(cfg), cfg.run.keep_checkpoints,
                                            last_step=resume.step if resume else None)
+            restarter = engines if cfg.engine.max_restarts > 0 else None
             controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write,
+                                    restarter=restarter,
                                     checkpoints=checkpoints,
                                     resume=resume.state if resume else None)
             if hooks is not None:
@@ -289,76 +297,173 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         await asyncio.gather(mem_task, return_exceptions=True)
 
 
+class EnginePool:
+    """The engine processes of a local run (a list of ``EngineProcess`` to its users), restartable.
+
+    Every engine joins its own weight-sync group with trainer rank 0 (a fresh port per start, see
+    trainer/weights.py). A watcher per engine awaits its process's exit: the group is reaped (vLLM's
+    EngineCore must not outlive it) and its client is failed at once, so every request waiting on it
+    raises PeerDead now (retried elsewhere) instead of at the next missed heartbeat. ``restart(i)``
+    (the controller's ``EngineRestarter``) replaces a dead engine, with backoff, at most
+    ``engine.max_restarts`` times per ``engine.restart_window_s``.
+    """
+
+    def __init__(self, cfg: Config, model_path: Path, logs: Path, trainer: TrainerGroup, device: str, backend: str,
+                 visible_gpus: list[str] | None = None) -> None:
+        self.cfg = cfg
+        self.visible_gpus = visible_gpus or []
+        self.model_path = model_path
+        self.logs = logs
+        self.trainer = trainer
+        self.device = device
+        self.backend = backend
+        self.procs: list[EngineProcess] = []  # index = engine number
+        self._starts: list[list[float]] = [[] for _ in range(cfg.engine.count)]  # restart times per engine
+        self._watchers: dict[int, asyncio.Task[None]] = {}
+        self._closing = False
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def __iter__(self) -> Iterator[EngineProcess]:
+        return iter(list(self.procs))
+
+    def __getitem__(self, i: int) -> EngineProcess:
+        return self.procs[i]
+
+    def _spawn(self, i: int) -> EngineProcess:
+        cfg = self.cfg
+        opts = EngineOptions(
+            address=local_address(f"engine{i}"),  # a new socket per start: no stale replies
+            model=str(self.model_path),
+            name=f"engine{i}",
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.model.max_model_len,
+            kv_cache_gib=cfg.engine.kv_cache_gib,
+            max_num_seqs=cfg.engine.max_num_seqs,
+            device=self.device,  # type: ignore[arg-type]
+            threads=cfg.engine.threads,
+            seed=cfg.run.seed + i,
+            gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+            log_level=cfg.run.log_level,
+        )
+        gpu_env = None
+        if self.device == "cuda":
+            gpu = engine_gpu(i, cfg.trainer.ranks, cfg.engine.count, self.visible_gpus)
+            gpu_env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
+        return spawn_engine(opts, self.logs / f"engine{i}.log", gpu_env, heartbeat_s=cfg.engine.heartbeat_s)
+
+    def spawn_all(self) -> None:
+        for i in range(self.cfg.engine.count):
+            self.procs.append(self._spawn(i))
+
+    async def wait_ready(self, i: int) -> None:
+        await self.procs[i].wait_ready(self.cfg.engine.startup_timeout_s)
+
+    async def join(self, i: int) -> None:
+        """Engine i and trainer rank 0 form engine i's weight-sync group; then watch engine i's process."""
+        ep = self.procs[i]
+        port = free_port()
+        t = self.cfg.weight_sync.timeout_s
+        await asyncio.gather(
+            self.trainer.init_weight_sync("127.0.0.1", port, 2, self.backend, t, peer=ep.name),
+            ep.client.init_weight_sync("127.0.0.1", port, 1, 2, self.backend, t),
+        )
+        self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(ep), name=f"watch {ep.name}")
+
+    async def _watch(self, ep: EngineProcess) -> None:
+        code = await ep.child.exited()
+        await ep.child.reap_group()
+        if not self._closing:
+            log.error("engine %s %s; log %s", ep.name, exit_text(code), ep.log_path)
+            ep.client.fail(PeerDead(f"engine {ep.name} {exit_text(code)} (log {ep.log_path})"))
+
+    async def restart(self, i: int) -> Any:
+        """Replace dead engine i; returns its client once it is ready and joined (see EngineRestarter)."""
+        cfg = self.cfg.engine
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            starts = [t for t in self._starts[i] if now - t < cfg.restart_window_s]
+            if len(starts) >= cfg.max_restarts:
+                raise RuntimeError(
+                    f"engine{i} needed {len(starts)} restarts within {cfg.restart_window_s:.0f} s "
+                    f"(engine.max_restarts = {cfg.max_restarts}); it stays down. Log: {self.logs / f'engine{i}.log'}"
+                )
+            starts.append(now)
+            self._starts[i] = starts
+            await self._discard(i)
+            delay = min(2.0 ** (len(starts) - 1), 30.0)  # 1, 2, 4 ... s: a crash loop does not spin
+            log.warning("engine%d: restart %d in %.0f s", i, len(starts), delay)
+            await asyncio.sleep(delay)
+            ep = self._spawn(i)
+            self.procs[i] = ep
+            try:
+                await self.wait_ready(i)
+                await self.join(i)
+            except Exception as e:  # noqa: BLE001 - counted against max_restarts, tried again
+                log.error("engine%d: restart failed: %s", i, e)
+                continue
+            return ep.client
+
+    async def _discard(self, i: int) -> None:
+        """Kill what is left of engine i (its whole process group) and forget its watcher."""
+        w = self._watchers.pop(i, None)
+        if w is not None:
+            w.cancel()
+        ep = self.procs[i]
+        ep.kill()
+        await ep.terminate(0.0)
+
+    async def stop_all(self, grace_s: float) -> None:
+        self._closing = True
+        for w in self._watchers.values():
+            w.cancel()
+        await asyncio.gather(*(e.terminate(grace_s) for e in self.procs), return_exceptions=True)
+
+
 @contextlib.asynccontextmanager
 async def local_cluster(
     cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None,
     *, resume: Path | None = None,
-) -> AsyncIterator[tuple[list[Any], Any]]:
-    """Spawn the engines and the trainer group, wait until they answer, join the weight-sync group.
+) -> AsyncIterator[tuple[EnginePool, Any]]:
+    """Spawn the engines and the trainer group, wait until they answer, join each engine's weight-sync group.
 
     ``resume``: the trainer's part of a checkpoint (``step-N/trainer``); every rank loads it at start.
 
-    Yields (engine processes, trainer group); on exit, however it happens, stops every child.
+    Yields (engine pool, trainer group); on exit, however it happens, stops every child.
     """
-    from flashrl.engine.client import EngineOptions, spawn_engine
-    from flashrl.trainer.client import TrainerGroup
-    from flashrl.transport import free_port, local_address
-
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
-    engines: list[Any] = []
     trainer: Any = None
     visible = _visible_gpus() if device == "cuda" else []
     if device == "cuda" and len(visible) < cfg.trainer.ranks + cfg.engine.count:
         log.warning("%d GPU(s) visible for %d trainer rank(s) + %d engine(s): engines are not pinned and share GPUs "
                     "with the trainer", len(visible), cfg.trainer.ranks, cfg.engine.count)
+    engines: EnginePool | None = None
     try:
         status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
-        for i in range(cfg.engine.count):
-            opts = EngineOptions(
-                address=local_address(f"engine{i}"),
-                model=str(model_path),
-                name=f"engine{i}",
-                dtype=cfg.model.dtype,
-                max_model_len=cfg.model.max_model_len,
-                kv_cache_gib=cfg.engine.kv_cache_gib,
-                max_num_seqs=cfg.engine.max_num_seqs,
-                device=device,
-                threads=cfg.engine.threads,
-                seed=cfg.run.seed + i,
-                gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
-                log_level=cfg.run.log_level,
-            )
-            gpu_env = None
-            if device == "cuda":
-                gpu = engine_gpu(i, cfg.trainer.ranks, cfg.engine.count, visible)
-                gpu_env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
-            engines.append(spawn_engine(opts, logs / f"engine{i}.log", gpu_env, heartbeat_s=cfg.engine.heartbeat_s))
         trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume)
+        engines = EnginePool(cfg, model_path, logs, trainer, device, backend, visible)
+        engines.spawn_all()
         await asyncio.gather(
-            *(e.wait_ready(cfg.engine.startup_timeout_s) for e in engines),
+            *(engines.wait_ready(i) for i in range(len(engines))),
             trainer.wait_ready(cfg.engine.startup_timeout_s),
         )
-        port = free_port()
-        world = 1 + len(engines)
-        status("joining the weight-sync group")
-        await asyncio.gather(
-            trainer.init_weight_sync("127.0.0.1", port, world, backend, cfg.weight_sync.timeout_s),
-            *(
-                e.client.init_weight_sync("127.0.0.1", port, 1 + i, world, backend, cfg.weight_sync.timeout_s)
-                for i, e in enumerate(engines)
-            ),
-        )
+        status("joining the weight-sync groups")
+        await asyncio.gather(*(engines.join(i) for i in range(len(engines))))
         yield engines, trainer
     finally:
         await _stop_all(engines, trainer)
 
 
-async def _stop_all(engines: list[Any], trainer: Any) -> None:
+async def _stop_all(engines: EnginePool | None, trainer: Any) -> None:
     """Stop every child: Shutdown message, SIGTERM, SIGKILL — shielded so a second Ctrl-C cannot orphan them."""
-    jobs = [e.terminate(SHUTDOWN_DEADLINE_S) for e in engines]
+    jobs = []
+    if engines is not None:
+        jobs.append(engines.stop_all(SHUTDOWN_DEADLINE_S))
     if trainer is not None:
         jobs.append(trainer.close(SHUTDOWN_DEADLINE_S))
     if jobs:

@@ -56,7 +56,9 @@ class Resume(Msg):
 
 
 class InitWeightSync(Msg):
-    """Join the weight-sync group: trainer rank 0 is group rank 0, engine i is rank 1 + i."""
+    """Join one engine's weight-sync group of two: trainer rank 0 is group rank 0, the engine rank 1.
+
+    ``peer`` names the engine (the trainer keeps one group per peer; an engine ignores it)."""
 
     master_addr: str = "127.0.0.1"
     master_port: int = 0
@@ -64,6 +66,7 @@ class InitWeightSync(Msg):
     world_size: int = 2
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 120.0
+    peer: str = ""
 
 
 class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -201,9 +204,13 @@ class PrepareWeights(Msg):
 
 
 class SendWeights(Msg):
-    """Broadcast the prepared weights on the weight-sync group (engines receive concurrently)."""
+    """Broadcast the weights of ``version`` to ``peers`` (None: every joined engine), concurrently.
+
+    ``version`` is the one just prepared, or the last one sent (a catch-up of a restarted engine).
+    The reply is Ok; its ``info`` names the peers that failed (they never block the others)."""
 
     version: int = 0
+    peers: list[str] | None = None
 
 
 class ComputeLogprobs(Msg):

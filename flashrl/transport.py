@@ -210,6 +210,10 @@ class RpcClient:
             except PeerDead:
                 return
 
+    def fail(self, err: PeerDead) -> None:
+        """Declare the peer dead (e.g. its process exited): every pending and later request raises ``err``."""
+        self._kill(err)
+
     def _kill(self, err: PeerDead) -> None:
         if self._dead is None:
             self._dead = err

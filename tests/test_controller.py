@@ -326,8 +326,8 @@ def test_dead_engine_mid_run_is_survived_and_skipped_at_sync() -> None:
     c = Controller(cfg, TOK, ScriptedSuite(), [dying, healthy], FakeTrainer())
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
-    assert summary.counters["engines/dead"] == 1
-    assert summary.counters["rollout/retry_engine_dead"] >= 1
+    assert summary.counters["engine/deaths"] == 1
+    assert summary.counters["engine/retried_requests"] >= 1
     assert summary.counters["weight_sync/skipped_dead_engines"] >= 1
     assert healthy.updates == [1, 2, 3, 4, 5, 6]
     assert c.snapshot().engines[0].alive is False
@@ -473,11 +473,11 @@ def test_engine_dead_before_the_sync_is_skipped_not_fatal() -> None:
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
     assert summary.counters["weight_sync/found_dead_engines"] == 1
-    assert summary.counters["engines/dead"] == 1  # found at the sync; its rollouts did not count it again
+    assert summary.counters["engine/deaths"] == 1  # found at the sync; its rollouts did not count it again
     assert summary.counters["weight_sync/skipped_dead_engines"] == 5  # versions 2..6
     assert victim.updates == [1] and healthy.updates == [1, 2, 3, 4, 5, 6]
     assert c.router.alive == [False, True] and c.snapshot().engines[0].alive is False
-    assert summary.counters["rollout/retry_engine_dead"] >= 1  # its in-flight rollouts moved to e1
+    assert summary.counters["engine/retried_requests"] >= 1  # its in-flight rollouts moved to e1
 
 
 def test_all_engines_dead_at_the_sync_is_a_loud_error() -> None:
@@ -525,3 +525,94 @@ def test_single_turn_stale_sample_is_left_to_the_buffer() -> None:
     summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer()))
     assert "rollout/aborted_stale" not in summary.counters
     assert summary.counters["stale/dropped_samples"] == 1
+
+
+# --------------------------------------------------------------------------- engine restarts
+class FakeRestarter:
+    """An EngineRestarter: after ``delay`` s of loop time a fresh FakeEngine of the same name (or give up)."""
+
+    def __init__(self, delay: float = 3.0, give_up: bool = False) -> None:
+        self.delay, self.give_up = delay, give_up
+        self.calls: list[int] = []
+        self.made: list[FakeEngine] = []
+
+    async def restart(self, i: int) -> FakeEngine:
+        self.calls.append(i)
+        await asyncio.sleep(self.delay)
+        if self.give_up:
+            raise RuntimeError("engine.max_restarts reached (fake)")
+        e = FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 1.0))
+        self.made.append(e)
+        return e
+
+
+class DiesInSync(FakeEngine):
+    """Dies in the middle of the weight sync to ``at_version`` (its process gone mid-broadcast)."""
+
+    def __init__(self, name: str, at_version: int) -> None:
+        super().__init__(name, lambda r, v: ([ord("1")], 1.0))
+        self.at_version = at_version
+
+    async def update_weights(self, manifest: Any) -> Any:
+        if manifest.version == self.at_version:
+            await asyncio.sleep(0.05)
+            self.kill()
+        return await super().update_weights(manifest)
+
+
+def _check_caught_up(new: FakeEngine, c: Controller) -> None:
+    """The restarted engine loaded the published weights before its first request, and then every version."""
+    assert new.updates, "the restarted engine never got weights"
+    first_load = new._history[1][0]
+    assert new.request_times and first_load <= min(new.request_times)
+    assert new.updates == list(range(new.updates[0], c.version + 1)) and new.updates[0] >= 1
+
+
+@pytest.mark.parametrize("how", ["during generation", "during the weight sync"])
+def test_dead_engine_is_restarted_caught_up_and_used_again(how: str) -> None:
+    cfg = config(run={"steps": 10}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    script = lambda r, v: ([ord("1")], 1.0)  # noqa: E731
+    victim = FakeEngine("e0", script, die_at=2.5) if how == "during generation" else DiesInSync("e0", at_version=2)
+    healthy = FakeEngine("e1", script)
+    restarter = FakeRestarter(delay=3.0)
+    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], FakeTrainer(train_s=0.5), restarter=restarter)
+    summary, left = run(c)
+    assert summary.steps == 10 and left == set()
+    assert summary.counters["engine/deaths"] == 1 and summary.counters["engine/restarts"] == 1
+    assert restarter.calls == [0] and c.engines[0] is restarter.made[0] and c.router.alive == [True, True]
+    _check_caught_up(restarter.made[0], c)
+    assert healthy.updates == list(range(1, 11))  # the live engine never waited on the dead one
+    if how == "during generation":
+        assert summary.counters["engine/retried_requests"] >= 1  # its in-flight requests moved to e1
+    else:
+        assert summary.counters["weight_sync/engine_died"] == 1
+
+
+def test_only_engine_dies_rollouts_wait_for_its_restart() -> None:
+    cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    only = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
+    restarter = FakeRestarter(delay=5.0)
+    c = Controller(cfg, TOK, ScriptedSuite(), [only], FakeTrainer(train_s=0.5), restarter=restarter)
+    summary, left = run(c)
+    assert summary.steps == 6 and left == set()
+    assert summary.counters["engine/restarts"] == 1 and summary.counters.get("rollout/failed_engine_dead", 0) == 0
+    _check_caught_up(restarter.made[0], c)
+
+
+def test_engine_given_up_stays_down_and_the_run_goes_on() -> None:
+    cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    script = lambda r, v: ([ord("1")], 1.0)  # noqa: E731
+    victim, healthy = FakeEngine("e0", script, die_at=2.5), FakeEngine("e1", script)
+    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], FakeTrainer(train_s=1.0), restarter=FakeRestarter(give_up=True))
+    summary, left = run(c)
+    assert summary.steps == 6 and left == set()
+    assert summary.counters["engine/gave_up"] == 1 and summary.counters.get("engine/restarts", 0) == 0
+    assert c.router.alive == [False, True]
+
+
+def test_all_engines_given_up_is_a_loud_error() -> None:
+    cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    only = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
+    c = Controller(cfg, TOK, ScriptedSuite(), [only], FakeTrainer(), restarter=FakeRestarter(give_up=True))
+    with pytest.raises(RuntimeError, match="no live engine"):
+        run(c)

@@ -37,7 +37,7 @@ def make_snapshot(**overrides: object) -> Snapshot:
         eval_history=[(0, 0.125), (10, 0.375)],
         counters={"rollout/aborted_redundant": 3, "rollout/retry_env_timeout": 1,
                   "rollout/failed_env_error": 2, "dropped/groups_stale": 1, "admitted/groups": 40,
-                  "engines/dead": 0},
+                  "engine/deaths": 0},
         status="training",
     )
     base.update(overrides)
@@ -107,7 +107,7 @@ def test_render_counters_and_status() -> None:
     assert [ln.split() for ln in lines[first:first + 4]] == [
         ["counters", "admitted:", "groups=40"],
         ["dropped:", "groups_stale=1"],
-        ["engines:", "dead=0"],
+        ["engine:", "deaths=0"],
         ["rollout:", "aborted_redundant=3", "failed_env_error=2", "retry_env_timeout=1"],
     ]
     assert line_with(text, "status").split() == ["status", "training"]

@@ -246,7 +246,7 @@ def sender(engine: EngineProcess):
     """The test process as trainer rank 0 of a weight-sync group with the engine as rank 1."""
     port = free_port()
     sender = WeightSender()
-    th = threading.Thread(target=sender.init, args=("127.0.0.1", port, 2, "gloo", 60), daemon=True)
+    th = threading.Thread(target=sender.join, args=("engine", "127.0.0.1", port, "gloo", 60), daemon=True)
     th.start()
 
     async def join() -> None:
@@ -263,7 +263,8 @@ def sender(engine: EngineProcess):
 
 
 async def _sync(client: EngineProcessClient, sender: WeightSender, manifest, flats):
-    reply, send_s = await asyncio.gather(client.update_weights(manifest), asyncio.to_thread(sender.send, flats))
+    reply, (send_s, failed) = await asyncio.gather(client.update_weights(manifest), asyncio.to_thread(sender.send, flats))
+    assert failed == {}
     return reply, send_s
 
 

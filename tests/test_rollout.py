@@ -201,7 +201,7 @@ def test_dead_engine_rollouts_move_to_another_engine() -> None:
     ok, out, t = run_virtual(main)
     assert ok and len(out) == 4
     assert {x.engine for x in out} == {"e1"}
-    assert ctx.counters["engines/dead"] == 1 and ctx.counters["rollout/retry_engine_dead"] == 2
+    assert ctx.counters["engine/deaths"] == 1 and ctx.counters["engine/retried_requests"] == 2
     assert ctx.router.alive == [False, True] and ctx.router.inflight == [0, 0]
     assert t == 12.0  # two moved at t=2 and restarted there
 

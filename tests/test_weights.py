@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,9 +138,9 @@ def test_gloo_broadcast_delivers_and_verifies_and_stays_aligned_after_a_bad_buck
     # The receiver gets the bad manifest first, then the good one: the group must stay aligned.
     th = _run_receiver(port, [bad, good], out)
     sender = WeightSender()
-    sender.init("127.0.0.1", port, 2, "gloo", 30)
-    sender.send(flats)
-    sender.send(flats)
+    sender.join("e0", "127.0.0.1", port, "gloo", 30)
+    assert sender.send(flats)[1] == {}
+    assert sender.send(flats, ["e0"])[1] == {}
     th.join(30)
     assert not th.is_alive()
     (named_bad, errors_bad), (named_good, errors_good) = out
@@ -145,6 +150,49 @@ def test_gloo_broadcast_delivers_and_verifies_and_stays_aligned_after_a_bad_buck
     assert {n for n, _ in named_good} == set(sd) - {"lm_head.weight"}
     for name, t in named_good:
         assert torch.equal(t, sd[name])
+
+
+# An engine that joins its group, then dies (os._exit) before the broadcast: a separate process, so its
+# sockets really close as a SIGKILLed engine's do.
+_DYING_RECEIVER = """
+import os, sys
+from flashrl.engine.weights import WeightReceiver
+WeightReceiver().init("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", 30)
+print("joined", flush=True)
+os._exit(9)
+"""
+
+
+def test_one_group_per_engine_a_dead_engine_fails_alone_and_fast() -> None:
+    """Two engines, each in its own group; one dies before the sync. The live one gets every bucket
+    (verified), the dead one is reported and forgotten, well before the group timeout."""
+    sd = _state_dict()
+    manifest, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
+    sender = WeightSender()
+    live_port, dead_port = free_port(), free_port()
+    out: list = []
+    th = _run_receiver(live_port, [manifest, manifest], out)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    dying = subprocess.Popen([sys.executable, "-c", _DYING_RECEIVER, str(dead_port)], env=env, stdout=subprocess.PIPE)
+    joins = [threading.Thread(target=sender.join, args=(p, "127.0.0.1", port, "gloo", 30))
+             for p, port in (("live", live_port), ("dead", dead_port))]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(60)
+    assert sorted(sender.peers) == ["dead", "live"]
+    assert dying.wait(timeout=60) == 9
+    t0 = time.monotonic()
+    _, failed = sender.send(flats)
+    took = time.monotonic() - t0
+    assert list(failed) == ["dead"] and took < 10  # the group timeout is 30 s: nobody waited for it
+    assert sender.peers == ["live"]  # the dead engine must join again (a restart: a new group)
+    _, again = sender.send(flats, ["live", "dead"])  # a later sync: the live one again, the dead one named
+    assert list(again) == ["dead"] and "not in the weight sync" in again["dead"]
+    th.join(30)
+    assert not th.is_alive()
+    for named, errors in out:
+        assert errors == [] and {n for n, _ in named} == set(sd) - {"lm_head.weight"}
 
 
 def test_receive_before_init_says_what_to_do() -> None:

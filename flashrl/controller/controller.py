@@ -49,6 +49,7 @@ Plain asyncio rather than anyio: the per-sample path must cost tens of microseco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import sys
@@ -66,10 +67,10 @@ from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.core.staleness import Staleness, lag_stats
-from flashrl.interfaces import EngineClient, TrainerClient
+from flashrl.interfaces import EngineClient, EngineRestarter, TrainerClient
 from flashrl.metrics import EngineStat, RateMeter, Snapshot
-from flashrl.protocol import TrainBatch, WeightManifest
-from flashrl.transport import PeerDead
+from flashrl.protocol import TrainBatch, WeightManifest, WeightsUpdated
+from flashrl.transport import PeerDead, RemoteError
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -80,6 +81,11 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
 SUITE_CLOSE_TIMEOUT_S = 30.0  # bound on suite.aclose() at shutdown
+WATCH_S = 0.5  # how often the controller looks for engines reported dead and for a dead trainer rank
+
+
+class EngineCatchUpError(RuntimeError):
+    """A restarted engine did not load the published weights."""
 
 # Keys the controller writes itself; a trainer metric of the same name goes under "train/<key>".
 _OWN_KEYS = frozenset(
@@ -125,6 +131,7 @@ class Controller:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         on_samples: Callable[[list[dict[str, Any]]], None] | None = None,
         *,
+        restarter: EngineRestarter | None = None,
         checkpoints: Any | None = None,
         resume: ControllerState | None = None,
     ) -> None:
@@ -164,6 +171,15 @@ class Controller:
             staleness=self.staleness,
         )
         self.engine_versions = [0] * len(engines)
+        # Engine restarts (launch.py's EnginePool; None: a dead engine stays dead, as with the fakes).
+        self.restarter = restarter
+        self._reviving: set[int] = set()
+        self._engine_change = asyncio.Event()  # replaced after each set: an engine came back or gave up
+        self._sync_lock = asyncio.Lock()  # a regular sync and a restarted engine's catch-up never interleave
+        self._published: WeightManifest | None = None  # the manifest every live engine holds (None: version 0)
+        if restarter is not None:
+            self.ctx.on_engine_dead = self._on_engine_dead
+            self.ctx.wait_engine = self._wait_engine
         self.status = "starting"
         self.reward_history: list[tuple[int, float]] = []
         self.eval_history: list[tuple[int, float]] = []
@@ -212,6 +228,8 @@ class Controller:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._spawn(self._admission_loop(), "admission")
+                if self.restarter is not None or hasattr(self.trainer, "dead"):
+                    self._spawn(self._watch(), "watch")
                 self.status = "running"
                 stop = await self._train_loop()
                 # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
@@ -515,27 +533,31 @@ class Controller:
             return None
 
     async def _sync_weights(self, version: int) -> None:
-        manifest = await self.trainer.prepare_weights(version)
-        self._mark_reported_dead()
-        live = self.router.live
-        if not live:
-            raise RuntimeError(
-                f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
-                "check the engine logs in the run directory and restart the run"
-            )
-        try:
-            async with timeout(self.cfg.weight_sync.timeout_s), asyncio.TaskGroup() as tg:
-                tg.create_task(self.trainer.send_weights(version), name="trainer.send_weights")
-                for i in live:
-                    tg.create_task(self._update_engine(i, manifest), name=f"update {self.engines[i].name}")
-        except TimeoutError:
-            raise RuntimeError(
-                f"weight sync to version {version} took longer than weight_sync.timeout_s = "
-                f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
-            ) from None
-        skipped = len(self.engines) - len(live)
-        if skipped:
-            self.counters["weight_sync/skipped_dead_engines"] += skipped
+        async with self._sync_lock:
+            manifest = await self.trainer.prepare_weights(version)
+            self._mark_reported_dead()
+            live = self.router.live
+            if not live and not self._reviving:
+                raise RuntimeError(
+                    f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
+                    "check the engine logs in the run directory and restart the run"
+                )
+            limit = self.cfg.weight_sync.timeout_s
+            peers = [self.engines[i].name for i in live]
+            try:
+                async with timeout(limit), asyncio.TaskGroup() as tg:
+                    tg.create_task(self.trainer.send_weights(version, peers), name="trainer.send_weights")
+                    for i in live:
+                        tg.create_task(self._update_engine(i, manifest), name=f"update {self.engines[i].name}")
+            except TimeoutError:
+                raise RuntimeError(
+                    f"weight sync to version {version} took longer than weight_sync.timeout_s = "
+                    f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
+                ) from None
+            self._published = manifest
+            skipped = len(self.engines) - len(self.router.live)
+            if skipped:
+                self.counters["weight_sync/skipped_dead_engines"] += skipped
 
     def _mark_reported_dead(self) -> None:
         """Mark dead every live engine whose client already says so (``client.dead``), before a sync.
@@ -547,26 +569,122 @@ class Controller:
         for i in self.router.live:
             dead = self.engines[i].dead
             if dead:
-                self.router.mark_dead(i)
-                self.counters["engines/dead"] += 1
                 self.counters["weight_sync/found_dead_engines"] += 1
-                log.error("engine %s is dead (%s); it gets no more weights or rollouts", self.engines[i].name, dead)
+                self.ctx.engine_dead(i, dead if isinstance(dead, BaseException) else PeerDead("reported dead"))
 
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
-        name = self.engines[i].name
+        """One engine's part of a sync. An engine that dies meanwhile only drops out (its request
+        fails at once: launch.py fails a dead process's client), never fails or stalls the sync."""
+        engine = self.engines[i]
         try:
-            r = await self.engines[i].update_weights(manifest)
+            r = await engine.update_weights(manifest)
         except PeerDead as e:
-            raise RuntimeError(
-                f"engine {name} died during the weight sync to version {manifest.version} ({e}): "
-                "it may hold half-loaded weights; see its log in the run directory"
-            ) from e
+            self.counters["weight_sync/engine_died"] += 1
+            self.ctx.engine_dead(i, e)
+            return
         if not r.ok or r.version != manifest.version:
-            raise RuntimeError(
-                f"engine {name} failed to load weights version {manifest.version} "
-                f"(answered ok={r.ok}, version={r.version}): {r.error or 'no error given'}; a bad sync is never served"
-            )
+            msg = (f"engine {engine.name} failed to load weights version {manifest.version} "
+                   f"(answered ok={r.ok}, version={r.version}): {r.error or 'no error given'}; a bad sync is never served")
+            if self.restarter is None:
+                raise RuntimeError(msg)
+            self.counters["weight_sync/engine_failed"] += 1
+            self.ctx.engine_dead(i, RuntimeError(msg))  # taken out; a fresh process gets verified weights
+            return
         self.engine_versions[i] = manifest.version
+
+    # ------------------------------------------------------------------ engine restarts
+    def _on_engine_dead(self, i: int, err: BaseException) -> None:
+        """An engine died (rollout, sync or watcher found it): restart it in the background."""
+        if self._closing or i in self._reviving or self._tg is None:
+            return
+        self._reviving.add(i)
+        self._spawn(self._revive(i), f"revive {self.engines[i].name}")
+
+    async def _watch(self) -> None:
+        """Notice a dead engine that no request is waiting on (the launcher fails a dead process's client
+        at once; a hung one fails its heartbeat), so that its restart starts without delay; and a dead
+        trainer rank while no trainer call is waiting (e.g. every engine restarting): the run stops."""
+        while not self._closing:
+            trainer_dead = getattr(self.trainer, "dead", None)
+            if isinstance(trainer_dead, BaseException):
+                raise trainer_dead
+            if self.restarter is not None:
+                for i in self.router.live:
+                    dead = getattr(self.engines[i], "dead", None)
+                    if dead and not callable(dead):
+                        self.ctx.engine_dead(i, dead if isinstance(dead, BaseException) else PeerDead("reported dead"))
+            await asyncio.sleep(WATCH_S)
+
+    async def _revive(self, i: int) -> None:
+        """Restart engine i (the launcher: kill what is left, back off, spawn, join its weight-sync
+        group), give it the current weights, verified, then route to it again. Gives up when the
+        launcher does (engine.max_restarts); the run goes on with the other engines."""
+        assert self.restarter is not None
+        name = self.engines[i].name
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            while True:
+                try:
+                    client = await self.restarter.restart(i)
+                except Exception as e:  # noqa: BLE001 - the launcher gave up on this engine
+                    self.counters["engine/gave_up"] += 1
+                    log.error("engine %s stays down: %s", name, e)
+                    if self.router.all_dead and self._reviving == {i}:
+                        raise RuntimeError(
+                            f"no live engine left (all {len(self.engines)} dead; {name} could not be restarted: {e})"
+                        ) from e
+                    return
+                try:
+                    await self._catch_up(i, client)
+                except EngineCatchUpError as e:
+                    self.counters["engine/catch_up_failed"] += 1
+                    log.error("engine %s: restarted but the catch-up sync failed (%s); restarting again", name, e)
+                    continue
+                break
+            self.counters["engine/restarts"] += 1
+            self.counters["engine/down_s"] += round(loop.time() - t0)
+            log.warning("engine %s is back at version %d after %.1f s", name, self.engine_versions[i], loop.time() - t0)
+        finally:
+            self._reviving.discard(i)
+            self._engine_change.set()
+            self._engine_change = asyncio.Event()
+
+    async def _catch_up(self, i: int, client: EngineClient) -> None:
+        """Send the published weights to restarted engine ``i`` alone; route to it only once it loaded them."""
+        async with self._sync_lock:
+            m = self._published
+            if m is not None:
+                limit = self.cfg.weight_sync.timeout_s
+
+                async def engine_side() -> WeightsUpdated:
+                    try:
+                        return await client.update_weights(m)
+                    except (PeerDead, RemoteError) as e:  # the engine's failure, not the trainer's
+                        raise EngineCatchUpError(f"{type(e).__name__}: {e}") from e
+
+                update = asyncio.ensure_future(engine_side())
+                try:
+                    async with timeout(limit):
+                        await self.trainer.send_weights(m.version, [client.name])  # a trainer error ends the run
+                        r = await update
+                except TimeoutError as e:
+                    raise EngineCatchUpError(f"no catch-up within weight_sync.timeout_s = {limit}") from e
+                finally:
+                    if not update.done():
+                        update.cancel()
+                        with contextlib.suppress(BaseException):
+                            await update
+                if not r.ok or r.version != m.version:
+                    raise EngineCatchUpError(f"answered ok={r.ok}, version={r.version}: {r.error}")
+            self.engines[i] = client
+            self.engine_versions[i] = m.version if m is not None else 0
+            self.router.revive(i)
+
+    async def _wait_engine(self) -> None:
+        """Wait until some engine is live again (the last restart to give up ends the run instead)."""
+        while self.router.all_dead:
+            await self._engine_change.wait()
 
     # ------------------------------------------------------------------ eval
     def _start_eval(self, record: dict[str, Any]) -> None:

@@ -30,7 +30,8 @@ Failure tiers, each counted under its own name (nothing is lost silently):
   infrastructure, retried up to rollout.max_retries, re-routed to the least-loaded live engine:
       EnvFailure(reason)         -> rollout/retry_env_<reason>
       env call past turn_timeout -> rollout/retry_env_timeout
-      transport.PeerDead         -> rollout/retry_engine_dead (the engine is marked dead first)
+      transport.PeerDead         -> engine/retried_requests (the engine is marked dead first:
+                                    engine/deaths; the controller restarts it when it can)
   the rollout itself, not retried:
       trajectory past rollout.trajectory_timeout_s -> rollout/failed_trajectory_timeout
       transport.RemoteError (engine refused the request) -> rollout/failed_engine_error
@@ -186,11 +187,26 @@ class RolloutContext:
     watched: dict[TaskCancel, int] = field(default_factory=dict)
     # the trajectory deadline of every attempt in flight (rollout.trajectory_timeout_s): one timer
     deadlines: Deadlines = field(init=False)
+    # engine restarts (the controller sets these when a launcher can restart engines): told of each
+    # engine death; awaited when every engine is down, until one is back
+    on_engine_dead: Callable[[int, BaseException], None] | None = None
+    wait_engine: Callable[[], Coroutine[Any, Any, None]] | None = None
 
     def __post_init__(self) -> None:
         self.deadlines = Deadlines(self.cfg.rollout.trajectory_timeout_s)
         if not self.busy:
             self.busy = [BusyMeter() for _ in self.engines]
+
+    def engine_dead(self, i: int, err: BaseException) -> None:
+        """Engine ``i`` is gone (PeerDead, or found dead): no more rollouts or weights for it. Counted
+        once per death under ``engine/deaths``; the controller then restarts it when it can."""
+        if not self.router.alive[i]:
+            return
+        self.router.mark_dead(i)
+        self.counters["engine/deaths"] += 1
+        log.error("engine %s is dead (%s); its rollouts move to other engines", self.engines[i].name, err)
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(i, err)
 
     def abort_stale(self) -> int:
         """Cancel every watched trajectory that became too stale to train; return how many.
@@ -465,10 +481,7 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             log.info("rollout %s: environment failure on attempt %d: %s", spec.sample_id, attempt, e)
         except PeerDead as e:
             reason = "engine_dead"
-            if ctx.router.alive[i]:
-                ctx.router.mark_dead(i)
-                ctx.counters["engines/dead"] += 1
-                log.error("engine %s is dead (%s); its rollouts move to other engines", name, e)
+            ctx.engine_dead(i, e)
         except TimeoutError:
             ctx.counters["rollout/failed_trajectory_timeout"] += 1
             return _failed(spec, "trajectory_timeout", attempt + 1, name)
@@ -485,9 +498,11 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             ctx.counters[f"rollout/failed_{reason}"] += 1
             return _failed(spec, reason, attempt + 1, name)
         else:
-            ctx.counters[f"rollout/retry_{reason}"] += 1
+            ctx.counters["engine/retried_requests" if reason == "engine_dead" else f"rollout/retry_{reason}"] += 1
             retries += 1
         attempt += 1
+        if ctx.router.all_dead and ctx.wait_engine is not None:
+            await ctx.wait_engine()  # every engine is restarting: wait for one (raises if none can come back)
         i = ctx.router.pick()  # least-loaded live engine; a dead one is never picked again
 
 
@@ -514,6 +529,8 @@ async def run_group(
     """
     n = need + extra
     router = ctx.router
+    if router.all_dead and ctx.wait_engine is not None:
+        await ctx.wait_engine()
     if ctx.cfg.scheduler.replication:
         engines = [router.pick() for _ in range(n)]  # each sample to the least-loaded engine
     else:

@@ -204,6 +204,16 @@ class Router:
             self._dead += 1
         self.alive[i] = False
 
+    def revive(self, i: int) -> None:
+        """Engine i is back (restarted and holding the current weights): route to it again."""
+        if not self.alive[i]:
+            self._dead -= 1
+        self.alive[i] = True
+
+    @property
+    def all_dead(self) -> bool:
+        return self._dead == len(self.alive)
+
     def slot(self, i: int) -> Permits:
         """Engine i's concurrency permits (engine.max_num_seqs); held while a request generates."""
         return self._slots[i]

@@ -81,6 +81,10 @@ class EngineProcessClient:
     def dead(self) -> PeerDead | None:
         return self._rpc.dead
 
+    def fail(self, err: PeerDead) -> None:
+        """The engine process is gone: fail every pending and later request with ``err`` now."""
+        self._rpc.fail(err)
+
     async def _request(self, msg: Msg, timeout: float | None = None) -> Msg:
         if not self._started:
             self._rpc.start(*self._heartbeat)

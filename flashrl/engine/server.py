@@ -21,6 +21,9 @@ Per-token policy versions come from vLLM itself: the server labels its weights w
 that label to every step's output, and the finished output carries ``weight_versions`` spans, so a
 token is stamped with the weights that actually produced it even when an update lands mid-request.
 
+Fault injection (tests, chaos runs): ``FLASHRL_FAULT_KILL_IN_SYNC`` kills the engine mid weight sync
+(see ``_inject_sync_fault``).
+
 Failure tiers: a bad request (e.g. a prompt longer than max_model_len) answers ``Error`` for that
 request only. A dead EngineCore, or weights that failed to load after passing their checksums (a
 half-written model must never be served), end this process with exit code 1: the controller sees
@@ -324,9 +327,11 @@ class EngineServer:
             t0 = time.perf_counter()
             await self.engine.pause_generation(mode="keep")
             try:
-                results = await self.engine.collective_rpc(
+                receive = asyncio.ensure_future(self.engine.collective_rpc(
                     "flashrl_update_weights", args=(msgspec.json.encode(manifest).decode(),)
-                )
+                ))
+                await _inject_sync_fault(self.name, manifest.version)
+                results = await receive
                 res = results[0]
                 if res["ok"]:
                     self.version = manifest.version
@@ -343,6 +348,29 @@ class EngineServer:
             res["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
         )
         return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]))
+
+
+FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
+
+
+async def _inject_sync_fault(name: str, version: int) -> None:
+    """Fault injection for tests and chaos runs: ``FLASHRL_FAULT_KILL_IN_SYNC=<engine>@<version>@<marker file>``
+    SIGKILLs this engine's whole process group (server, EngineCore) while it receives the weights of
+    ``version`` (or later), once per marker file (a restarted engine is spared)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    engine, at, marker = spec.split("@", 2)
+    if engine != name or version < int(at):
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    log.critical("%s: fault injection (%s): killing the engine during the weight sync to v%d", name, FAULT_ENV, version)
+    await asyncio.sleep(0.2)  # the worker is inside the broadcast by now
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- process wrapper

@@ -219,7 +219,7 @@ class FakeTrainer:
         self.prepared.append(version)
         return WeightManifest(version=version)
 
-    async def send_weights(self, version: int) -> None:
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
 

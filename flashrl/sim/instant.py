@@ -140,7 +140,7 @@ class InstantTrainer:
     async def prepare_weights(self, version: int) -> WeightManifest:
         return WeightManifest(version=version, buckets=[])
 
-    async def send_weights(self, version: int) -> None:
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
         return None
 
     async def close(self) -> None:

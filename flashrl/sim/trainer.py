@@ -132,7 +132,7 @@ class SimTrainer:
         await asyncio.sleep(self.model.prepare_weights_s)
         return WeightManifest(version=version, buckets=[])
 
-    async def send_weights(self, version: int) -> None:
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
         await asyncio.sleep(self.model.send_weights_s + self.model.sync_extra_s(self.engines))
 
     async def close(self) -> None:

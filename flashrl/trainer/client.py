@@ -30,6 +30,7 @@ from flashrl.protocol import (
     InitWeightSync,
     Logprobs,
     Msg,
+    Ok,
     Ping,
     Pong,
     PrepareWeights,
@@ -109,6 +110,15 @@ class TrainerGroup:
             if not c.alive:
                 raise TrainerDied(c.describe())
 
+    @property
+    def dead(self) -> TrainerDied | None:
+        """The error naming the first rank that exited (how, and its log), or None while all run."""
+        try:
+            self._check_alive()
+        except TrainerDied as e:
+            return e
+        return None
+
     def _client(self) -> RpcClient:
         if self._closed:
             raise PeerDead("trainer group is closed")
@@ -157,15 +167,21 @@ class TrainerGroup:
         assert isinstance(reply, WeightManifest), type(reply)
         return reply
 
-    async def send_weights(self, version: int) -> None:
-        await self._call(SendWeights(version=version), timeout=self.cfg.weight_sync.timeout_s)
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        """Broadcast ``version`` to ``peers`` (None: every joined engine). A peer that fails is logged
+        (the trainer forgets its group) and never fails the call: each engine's own reply says whether
+        it loaded the weights."""
+        reply = await self._call(SendWeights(version=version, peers=None if peers is None else list(peers)),
+                                 timeout=self.cfg.weight_sync.timeout_s)
+        if isinstance(reply, Ok) and "failed:" in reply.info:
+            log.warning("trainer: %s", reply.info)
 
-    async def init_weight_sync(self, master_addr: str, master_port: int, world_size: int,
-                               backend: str = "gloo", timeout_s: float | None = None) -> None:
-        """Trainer rank 0 hosts the weight-sync group (group rank 0); engines join concurrently."""
+    async def init_weight_sync(self, master_addr: str, master_port: int, world_size: int = 2,
+                               backend: str = "gloo", timeout_s: float | None = None, peer: str = "engine") -> None:
+        """Host ``peer``'s weight-sync group (trainer rank 0 = group rank 0); the engine joins concurrently."""
         t = timeout_s if timeout_s is not None else self.cfg.weight_sync.timeout_s
         msg = InitWeightSync(master_addr=master_addr, master_port=master_port, rank=0, world_size=world_size,
-                             backend=backend, timeout_s=t)  # type: ignore[arg-type]
+                             backend=backend, timeout_s=t, peer=peer)  # type: ignore[arg-type]
         await self._call(msg, timeout=t + 30.0)
 
     async def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int],

@@ -196,6 +196,9 @@ class Trainer:
             self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
+        # The last version sent (its buckets kept for a restarted engine's catch-up: one host copy of
+        # the weights; on a GPU trainer that is GPU memory, see DESIGN.md "Failures and resume").
+        self._published: tuple[int, list[torch.Tensor]] | None = None
         self._sender: Any = None
         # AsyPPO: an identical replica on every rank (same seed), with its own optimizer; not FSDP-wrapped.
         self.critics: MiniCritics | None = None
@@ -209,7 +212,7 @@ class Trainer:
         if isinstance(msg, PrepareWeights):
             return self.prepare_weights(msg.version)
         if isinstance(msg, SendWeights):
-            return self.send_weights(msg.version)
+            return self.send_weights(msg.version, msg.peers)
         if isinstance(msg, InitWeightSync):
             return self.init_weight_sync(msg)
         if isinstance(msg, ComputeLogprobs):
@@ -484,23 +487,37 @@ class Trainer:
         self._prepared = (version, buckets)
         return manifest
 
-    def send_weights(self, version: int) -> Ok:
+    def send_weights(self, version: int, peers: list[str] | None = None) -> Ok:
+        """Send ``version`` to ``peers`` (None: every joined engine): the version just prepared
+        (it then becomes the published one) or the published one again (a restarted engine catching up)."""
         if self._sender is None:
             raise RuntimeError("SendWeights before InitWeightSync: initialize the weight-sync group first")
-        if self._prepared is None or self._prepared[0] != version:
-            have = None if self._prepared is None else self._prepared[0]
-            raise RuntimeError(f"SendWeights({version}): prepared version is {have}; send PrepareWeights({version}) first")
-        seconds = self._sender.send(self._prepared[1])
-        self._prepared = None
-        return Ok(info=f"sent version {version} in {seconds:.3f}s")
+        if self._prepared is not None and self._prepared[0] == version:
+            buckets = self._prepared[1]
+            self._published, self._prepared = self._prepared, None
+        elif self._published is not None and self._published[0] == version:
+            buckets = self._published[1]
+        else:
+            have = [v[0] for v in (self._prepared, self._published) if v is not None]
+            raise RuntimeError(f"SendWeights({version}): prepared/published versions are {have}; "
+                               f"send PrepareWeights({version}) first")
+        seconds, failed = self._sender.send(buckets, peers)
+        info = f"sent version {version} in {seconds:.3f}s"
+        if failed:
+            info += "; failed: " + "; ".join(f"{p}: {e}" for p, e in sorted(failed.items()))
+        return Ok(info=info)
 
     def init_weight_sync(self, msg: InitWeightSync) -> Ok:
+        """Join one engine's group (``msg.peer``); may run beside a training step (rank 0's sync thread)."""
         from flashrl.trainer.weights import WeightSender
 
-        sender = WeightSender()
-        sender.init(msg.master_addr, msg.master_port, msg.world_size, msg.backend, msg.timeout_s)
-        self._sender = sender
-        return Ok(info=f"weight sync: {msg.backend} group of {msg.world_size}")
+        if msg.world_size != 2:
+            raise ValueError(f"weight sync: one group of two per engine (trainer rank 0 + the engine); got world_size "
+                             f"{msg.world_size}")
+        if self._sender is None:
+            self._sender = WeightSender()
+        self._sender.join(msg.peer or "engine", msg.master_addr, msg.master_port, msg.backend, msg.timeout_s)
+        return Ok(info=f"weight sync: {msg.peer or 'engine'} joined ({msg.backend})")
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, path: str, replace: bool = False) -> None:
@@ -694,6 +711,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
 
     loop = asyncio.get_running_loop()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+    joins = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-join")
     lock = asyncio.Lock()
     stop = asyncio.Event()
     last_busy = [loop.time()]
@@ -709,6 +727,9 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
             return Pong(version=trainer.version)
         if stop.is_set():
             return Error(message="trainer is shutting down", kind="shutdown")
+        if isinstance(msg, InitWeightSync):
+            # A (re)started engine joins its own group while training goes on: not on the compute thread.
+            return await loop.run_in_executor(joins, trainer.init_weight_sync, msg)
         async with lock:
             try:
                 return await loop.run_in_executor(compute, run, msg)
@@ -737,6 +758,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
             await t
     busy = lock.locked()
     compute.shutdown(wait=False, cancel_futures=True)
+    joins.shutdown(wait=False, cancel_futures=True)
     if busy:
         # SIGTERM in the middle of a request: the compute thread may sit in a collective whose peers
         # are gone; waiting for it could take the whole process-group timeout.
