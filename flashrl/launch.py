@@ -34,7 +34,7 @@ import msgspec
 from flashrl.checkpoint import Resume
 from flashrl.config import Config, to_toml
 from flashrl.engine.client import EngineOptions, EngineProcess, spawn_engine
-from flashrl.procs import exit_text
+from flashrl.procs import child_init, exit_text
 from flashrl.trainer.client import TrainerGroup
 from flashrl.transport import PeerDead, free_port, local_address
 
@@ -113,6 +113,7 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
     """
     from flashrl.logging_setup import setup_logging
 
+    child_init("flashrl run")  # started by a supervisor (a test, a chaos bench) that sets FLASHRL_PARENT_PID: die with it
     run_dir = cfg.run_dir
     dropped = prepare_run_dir(cfg, resume)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -411,9 +412,7 @@ class EnginePool:
         w = self._watchers.pop(i, None)
         if w is not None:
             w.cancel()
-        ep = self.procs[i]
-        ep.kill()
-        await ep.terminate(0.0)
+        await self.procs[i].discard()
 
     async def stop_all(self, grace_s: float) -> None:
         self._closing = True

@@ -29,7 +29,13 @@ FAST = [  # the embedded default, cut down to what a fault test needs
 def _flashrl_run(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
            "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", *FAST, *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The run dies with this test process even if pytest is killed (procs.child_init in launch.main)."""
+    return dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()), **extra)
 
 
 def _wait_step(proc: subprocess.Popen[bytes], metrics: Path, step: int, timeout: float) -> None:
@@ -88,14 +94,14 @@ def test_engines_come_back_then_a_sigkilled_controller_leaves_no_process(tmp_pat
     """One run, three faults (one start-up: vLLM takes most of a minute to start on 2 busy cores).
 
     1. engine1 is SIGKILLed (with its EngineCore) in the middle of the weight sync to version 3 (fault
-       injection); 2. engine0 is SIGKILLed by the test with requests in flight. The run never stops: the sync
+       injection); 2. engine0 is frozen, then SIGKILLed by the test. The run never stops: the sync
        finishes on the live engine, in-flight requests are retried, both engines are restarted, caught up
        (verified) and used again; no step is lost or repeated. 3. `flashrl run` itself is SIGKILLed: every
        process it started (engines, vLLM EngineCores, trainer rank, env worker) exits on its own within 30 s.
     """
     marker = tmp_path / "fault-fired"
     metrics = tmp_path / "eng" / "metrics.jsonl"
-    env = dict(os.environ, FLASHRL_FAULT_KILL_IN_SYNC=f"engine1@3@{marker}")
+    env = _env(FLASHRL_FAULT_KILL_IN_SYNC=f"engine1@3@{marker}")
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
            "--set", f"run.output_dir={tmp_path}", "--set", "run.name=eng", *FAST,
            # remote env: an env worker process too
@@ -113,8 +119,10 @@ def test_engines_come_back_then_a_sigkilled_controller_leaves_no_process(tmp_pat
         assert marker.exists(), "the fault injection did not fire at the sync to version 3"
         tree = _tree(proc.pid)
         victim = _engine_pid(tree, "engine0")
-        # Generation here is short and mostly waits on training; freeze engine0 first so that requests are
-        # surely in flight on it (routed there, unanswered) when it is killed.
+        # Freeze engine0 (a hang) and kill it 4 s later: the sync in progress meanwhile waits on it only
+        # until its process is gone. (Whether requests are in flight at that moment depends on timing:
+        # generation here is short and mostly waits on training. Retries of in-flight requests are
+        # asserted in tests/test_controller.py.)
         os.kill(victim, signal.SIGSTOP)
         time.sleep(4)
         os.kill(victim, signal.SIGKILL)
@@ -153,7 +161,6 @@ def test_engines_come_back_then_a_sigkilled_controller_leaves_no_process(tmp_pat
     last = rows[-1]
     assert last["count/engine/deaths"] == 2 and last["count/engine/restarts"] == 2
     assert last["count/weight_sync/engine_died"] >= 1  # engine1, mid-sync (engine0 too if a sync was on)
-    assert last["count/engine/retried_requests"] >= 1  # in-flight requests of the dead engines, moved
     assert max(r["time/weight_sync_s"] for r in rows) < 20  # no sync waited on a dead engine (timeout 300 s)
     log = (tmp_path / "eng" / "logs" / "controller.log").read_text()
     assert "engine engine0 is back at version" in log and "engine engine1 is back at version" in log

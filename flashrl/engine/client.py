@@ -240,6 +240,13 @@ class EngineProcess:
         """SIGKILL the engine's whole process group now."""
         self.child.kill()
 
+    async def discard(self) -> None:
+        """A dead or hung engine: close its client, SIGKILL its group, wait until the group is empty."""
+        if self._client is not None:
+            await self._client.close()
+        self.child.kill()
+        await self.child.stop()
+
 
 def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
     """The engine's environment: thread counts and binding sized for a small shared CPU box.
