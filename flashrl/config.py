@@ -38,6 +38,7 @@ class RunConfig(Section):
     dashboard: Annotated[Literal["auto", "rich", "plain", "off"], Meta(description="auto: rich live view on a terminal, plain lines otherwise")] = "auto"
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level of every process")] = "INFO"
     checkpoint_every: Annotated[int, Meta(ge=0, description="checkpoint every N steps into <run dir>/checkpoints/step-<N>/ (0 = only at the end, on Ctrl-C/SIGTERM and at max_time_s); resume with `flashrl run CONFIG --resume`")] = 50
+    auto_resume: Annotated[int, Meta(ge=0, le=100, description="after a failure (e.g. a trainer rank died), restart every process from the latest checkpoint, up to N times (0 = stop)")] = 0
     keep_checkpoints: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest are deleted once a newer one is complete)")] = 3
 
 

@@ -121,15 +121,24 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
     if resume is not None:
         log.info("resuming from %s (step %d); metrics.jsonl continues after step %d (%d later line(s) dropped)",
                  resume.path, resume.step, resume.state.metrics_through, dropped)
-    try:
-        summary = asyncio.run(_main_with_signals(cfg, resume))
-    except KeyboardInterrupt:
-        print("interrupted: all processes stopped", file=sys.stderr)
-        return 130
-    except Exception as e:  # a crash is reported once, loudly, after cleanup
-        log.exception("run failed")
-        print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
-        return 1
+    resumes = 0
+    while True:
+        try:
+            summary = asyncio.run(_main_with_signals(cfg, resume))
+        except KeyboardInterrupt:
+            print("interrupted: all processes stopped", file=sys.stderr)
+            return 130
+        except Exception as e:  # a crash is reported once, loudly, after cleanup
+            log.exception("run failed")
+            print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
+            if resumes >= cfg.run.auto_resume:
+                return 1
+            resume = _auto_resume(cfg, resumes + 1)
+            if resume is None:
+                return 1
+            resumes += 1
+            continue
+        break
     if summary is None:
         print("interrupted: all processes stopped", file=sys.stderr)
         return 130
@@ -141,6 +150,24 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
         print(f"interrupted: all processes stopped; {where}", file=sys.stderr)
         return 130
     return 0
+
+
+def _auto_resume(cfg: Config, attempt: int) -> Resume | None:
+    """run.auto_resume: every child is stopped by now; find the latest checkpoint and get the run folder
+    ready to continue from it (None, said on stderr, when there is none to resume)."""
+    from flashrl.checkpoint import CheckpointError, prepare_resume
+
+    try:
+        resume = prepare_resume(cfg)
+    except CheckpointError as e:
+        print(f"run.auto_resume: cannot resume: {e}", file=sys.stderr)
+        return None
+    dropped = prepare_run_dir(cfg, resume)
+    msg = (f"run.auto_resume: restarting from {resume.path} (step {resume.step}), attempt {attempt} of "
+           f"{cfg.run.auto_resume}; {dropped} later metrics line(s) dropped")
+    log.warning(msg)
+    print(msg, file=sys.stderr)
+    return resume
 
 
 def prepare_run_dir(cfg: Config, resume: Resume | None) -> int:
