@@ -5,13 +5,13 @@ The trainer's end (trainer/weights.py: WeightSender) packs and broadcasts; the e
 other: both import this module.
 
     controller --PrepareWeights(v)--> trainer rank 0: build_manifest(state_dict, v) -> (manifest, buckets)
-    controller --UpdateWeights(manifest)--> every engine  } concurrently; the broadcast pairs them
-    controller --SendWeights(v)--> trainer rank 0: WeightSender.send(buckets)
+    controller --UpdateWeights(manifest)--> every live engine  } concurrently; the broadcasts pair them
+    controller --SendWeights(v, peers)--> trainer rank 0: WeightSender.send(buckets, peers)
                                           |
-              weight-sync group (gloo on CPU, nccl on GPU; NOT the default process group)
-              group rank 0 = trainer rank 0, group rank 1 + i = engine i
+      one group of two per engine (gloo on CPU, nccl on GPU; NOT the default process group):
+      group rank 0 = trainer rank 0, rank 1 = the engine; a fresh rendezvous port per (re)start
                                           |
-    for each bucket, in manifest order: broadcast(flat bucket, root=0)
+    for each bucket, in manifest order: broadcast(flat bucket, root=0) on every peer's group at once
     engine: receive every bucket into fresh buffers -> verify each checksum -> load -> version = v
 
 The wire format: tensors are grouped by dtype, in state-dict order, into flat 1-D buckets of at most
