@@ -240,7 +240,7 @@ class Controller:
         except BaseExceptionGroup as eg:
             self.status = "crashed"
             errors = [e for e in _leaves(eg) if not isinstance(e, asyncio.CancelledError)]
-            if len(errors) == 1:
+            if len({(type(e), str(e)) for e in errors}) == 1:  # one failure, seen by several tasks
                 raise errors[0] from None
             raise
         except BaseException:
@@ -581,6 +581,15 @@ class Controller:
         except PeerDead as e:
             self.counters["weight_sync/engine_died"] += 1
             self.ctx.engine_dead(i, e)
+            return
+        except RemoteError as e:
+            trainer_dead = getattr(self.trainer, "dead", None)
+            if isinstance(trainer_dead, BaseException):
+                return  # the sender died mid-broadcast: its own call raises TrainerDied, naming the rank
+            if self.restarter is None:
+                raise
+            self.counters["weight_sync/engine_failed"] += 1
+            self.ctx.engine_dead(i, e)  # its receive failed: taken out; a fresh process gets verified weights
             return
         if not r.ok or r.version != manifest.version:
             msg = (f"engine {engine.name} failed to load weights version {manifest.version} "
