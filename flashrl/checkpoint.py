@@ -125,7 +125,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -192,13 +192,13 @@ class CheckpointWriter:
     def _finish(self, tmp: Path, final: Path, state: ControllerState) -> None:
         _write_durable(tmp / CONTROLLER_FILE, _ENC.encode(state))
         _write_durable(tmp / CONFIG_FILE, self.cfg_toml.encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         ptr_tmp = self.root / (LATEST + ".tmp")
         _write_durable(ptr_tmp, f"{final.name}\n".encode())
         os.replace(ptr_tmp, self.root / LATEST)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune(final)
 
     def _prune(self, newest: Path) -> None:

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from flashrl import protocol
+from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config, load
 from flashrl.procs import child_init
 from flashrl.protocol import (
@@ -570,9 +571,9 @@ class Trainer:
                 if f.is_file():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -650,14 +651,6 @@ class Mismatch:
         if tokens == 0:
             return {}
         return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------- request fan-out
