@@ -126,6 +126,7 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
     from transformers import AutoModelForCausalLM
 
     from envs import make_suite
+    from flashrl import launch
     from flashrl.controller import Controller
     from flashrl.engine import client as engine_client
     from flashrl.launch import local_cluster
@@ -140,7 +141,7 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
     def spawn_other(opts, *args, **kwargs):
         return spawn(msgspec.structs.replace(opts, model=str(other)), *args, **kwargs)
 
-    monkeypatch.setattr(engine_client, "spawn_engine", spawn_other)
+    monkeypatch.setattr(launch, "spawn_engine", spawn_other)  # the name the launcher's EnginePool calls
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(CONFIG.format(out=tmp_path / "runs", model=chat_dir))
     cfg = load(cfg_path, ["run.steps=2", "run.dashboard=off", "run.name=wrong"])
