@@ -106,7 +106,11 @@ def test_exited_is_event_driven_and_describes_the_death(tmp_path: Path) -> None:
         child = Child.spawn("victim", [sys.executable, "-c", "print('hello from victim'); import time; time.sleep(600)"],
                             tmp_path / "v.log")
         waiter = asyncio.ensure_future(child.exited())
-        await asyncio.sleep(0.3)
+        log = tmp_path / "v.log"
+        for _ in range(200):  # the child has started and printed (a loaded machine starts Python slowly)
+            if log.exists() and "hello from victim" in log.read_text():
+                break
+            await asyncio.sleep(0.05)
         assert not waiter.done() and child.alive
         os.kill(child.pid, signal.SIGKILL)
         assert await asyncio.wait_for(waiter, 5.0) == -signal.SIGKILL
