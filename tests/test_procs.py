@@ -87,7 +87,13 @@ def test_stop_takes_the_whole_group_down(tmp_path: Path, mode: str) -> None:
 
 def test_shutdown_request_gets_its_grace(tmp_path: Path) -> None:
     async def main() -> None:
-        child = Child.spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "s.log")
+        child = Child.spawn("sleeper", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                            tmp_path / "s.log")
+        log = tmp_path / "s.log"
+        for _ in range(200):  # Python is up (its SIGINT handler installed): a loaded machine starts it slowly
+            if log.exists() and "up" in log.read_text():
+                break
+            await asyncio.sleep(0.05)
         asked: list[bool] = []
 
         async def shutdown() -> None:
