@@ -201,13 +201,7 @@ def instant_engine_server(address: str, tokens: int = 16) -> None:
                 stop.set()
             return Ok()
 
-        server = RpcServer(address, ENGINE_REQUESTS, handler, name="instant-engine")
-        task = asyncio.get_running_loop().create_task(server.serve())
-        await stop.wait()
-        await asyncio.sleep(0.05)  # let the Shutdown's reply go out
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _serve_until(RpcServer(address, ENGINE_REQUESTS, handler, name="instant-engine"), stop)
 
     gc.freeze()
     gc.set_threshold(*GC_TUNED_THRESHOLDS)
@@ -373,6 +367,16 @@ def _echo_reply(msg: Any) -> Any:
     return Ok()
 
 
+async def _serve_until(server: Any, stop: asyncio.Event) -> None:
+    """Serve ``server`` until ``stop`` is set (by a Shutdown), letting that Shutdown's reply go out."""
+    task = asyncio.get_running_loop().create_task(server.serve())
+    await stop.wait()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def echo_server(address: str) -> None:
     """The echo engine process: answers Generate with Generated at once until a Shutdown arrives."""
     from flashrl.protocol import ENGINE_REQUESTS, Shutdown
@@ -386,13 +390,7 @@ def echo_server(address: str) -> None:
                 stop.set()
             return _echo_reply(msg)
 
-        server = RpcServer(address, ENGINE_REQUESTS, handler, name="echo")
-        task = asyncio.get_running_loop().create_task(server.serve())
-        await stop.wait()
-        await asyncio.sleep(0.05)  # let the Shutdown's reply go out
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _serve_until(RpcServer(address, ENGINE_REQUESTS, handler, name="echo"), stop)
 
     asyncio.run(main())
 
