@@ -1,4 +1,4 @@
-"""The built-in environments: plug-ins on flashrl's environment API (envs/base.py).
+"""The built-in environments: plug-ins on flashrl's environment API (flashrl/env.py).
 
 flashrl finds them by import path, like a user's own class (flashrl/plugins.py: ``BUILTIN_ENVS``);
 nothing in flashrl imports this package statically. The names below are kept for code written

@@ -15,49 +15,18 @@ reward 0 (a policy failure, never an EnvFailure).
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-from envs.base import StepResult, Task
+from flashrl.env import StepResult, Task, states_integer
 
 Op = Literal["+", "-", "*"]
-_INT_RE = re.compile(r"[+-]?\d{1,64}")
-# Decoders that keep special tokens print them as text; the answer ends at the first one.
-_EOS_MARKS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
 
-
-def verify(action: str, answer: str) -> bool:
-    """True when ``action`` (model text, possibly ending in an EOS mark) states the integer ``answer``."""
-    for mark in _EOS_MARKS:
-        action = action.split(mark, 1)[0]
-    text = action.strip()
-    if not _INT_RE.fullmatch(text):
-        return False
-    return int(text) == int(answer)
-
-
-_ADD_RE = re.compile(r"(\d+)\+(\d+)=")
-
-
-def carry_slip_answer(prompt: str) -> str | None:
-    """The answer of a student who forgets the carry out of the units column, or None if nothing to forget.
-
-    Only for addition prompts "a+b=" whose units digits sum to 10 or more: the slipped answer is
-    a + b - 10 ("17+25=" -> "32", not 42; "57+68=" -> "115", not 125). Used to make an imperfect
-    teacher for the model warm-start (flashrl/models/tiny.py, WarmStart.teacher_carry_slip); the
-    verifier above stays exact.
-    """
-    m = _ADD_RE.fullmatch(prompt)
-    if m is None:
-        return None
-    a, b = int(m.group(1)), int(m.group(2))
-    if a % 10 + b % 10 < 10:
-        return None
-    return str(a + b - 10)
+# The verifier: the text up to the end-of-sequence mark, stripped, is the integer answer.
+verify = states_integer
 
 
 def _apply(op: str, a: int, b: int) -> int:

@@ -30,8 +30,8 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 from msgspec import Meta
 
-from envs.base import Env, EnvFailure, StepResult, Task
 from envs.sandbox import SandboxLimits, isolation, run_sandboxed, unavailable_message
+from flashrl.env import Env, EnvFailure, StepResult, Task, cut_at_eos
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -128,8 +128,7 @@ def make_task(rng: random.Random, task_id: str, tests: int) -> Task:
 
 def extract_code(action: str) -> str:
     """The code in the first ```python fence of ``action``, or all of ``action`` when there is none."""
-    for mark in ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>"):  # decoders that print special tokens
-        action = action.split(mark, 1)[0]
+    action = cut_at_eos(action)  # decoders that print special tokens
     m = _FENCE.search(action)
     return m.group(1) if m else action
 

@@ -30,7 +30,7 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-from envs.base import Env, StepResult, Task
+from flashrl.env import Env, StepResult, Task
 
 MAX_EXPR_CHARS = 64
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}

@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from envs.base import EnvFailure, StepResult, Task
+from flashrl.env import EnvFailure, StepResult, Task
 from flashrl.rewards import RewardFailed, RewardOptions, RewardRunner
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from typing import Annotated, Any, ClassVar, Union
 import msgspec
 from msgspec import Meta
 
-from envs.base import Env, EnvFailure, StepResult, Task
+from flashrl.env import Env, EnvFailure, StepResult, Task
 
 # Set by envs.remote in its worker processes: only there may the "exit" fault end the process.
 WORKER_ENV_VAR = "FLASHRL_ENV_WORKER"

@@ -32,7 +32,7 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-from envs.base import Demo, Env, StepResult, Task
+from flashrl.env import Demo, Env, StepResult, Task
 
 _DIGITS = re.compile(r"\d+")
 

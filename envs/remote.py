@@ -46,9 +46,9 @@ from typing import Annotated, Any, ClassVar, Union
 import msgspec
 from msgspec import Meta
 
-from envs import make_suite
-from envs.base import Env, EnvFailure, StepResult, Task
 from envs.faults import WORKER_ENV_VAR, validate_observation
+from flashrl.env import Env, EnvFailure, StepResult, Task
+from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
 from flashrl.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
 from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer
@@ -332,7 +332,7 @@ class RemoteSuite:
     @staticmethod
     def warm_start_overrides(params: dict[str, Any]) -> dict[str, Any]:
         """The wrapped suite's warm-start overrides (see envs.warm_start_overrides)."""
-        from envs import warm_start_overrides
+        from flashrl.plugins import warm_start_overrides
 
         return warm_start_overrides(str(params.get("inner", "")), dict(params.get("params", {})))
 

@@ -1,4 +1,4 @@
-"""What the controller depends on: ``EngineClient`` and ``TrainerClient`` (and envs.base.Env).
+"""What the controller depends on: ``EngineClient`` and ``TrainerClient`` (and flashrl.env.Env).
 
 The real implementations talk ZeroMQ to processes (engine/client.py, trainer/client.py); the
 simulated ones (sim/) run on a virtual clock. The scheduling code is the same for both, so what the

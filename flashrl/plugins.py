@@ -12,7 +12,7 @@ whose message starts with the config key (``env.name: ...``) and says what could
 and why (the module's own error, with the file and line it came from); ``flashrl validate``
 reports it with exit code 2 before anything starts.
 
-An environment class is an EnvSuite (envs/base.py): a ``Params`` msgspec Struct, ``train_tasks()``,
+An environment class is an EnvSuite (flashrl/env.py): a ``Params`` msgspec Struct, ``train_tasks()``,
 ``eval_tasks()`` and ``make_env()``; it is built as ``cls(params, seed=..., eval_size=...)``.
 """
 
@@ -166,7 +166,7 @@ def suite_class(name: str) -> type:
         missing.append("Params (a msgspec.Struct of its [env.params])")
     if missing:
         raise PluginError(f"{key}: {cls.__module__}.{cls.__qualname__} is not an EnvSuite: it lacks {', '.join(missing)} "
-                          "(see envs/base.py: EnvSuite)")
+                          "(see flashrl/env.py: EnvSuite)")
     return cls
 
 
@@ -183,7 +183,7 @@ def params_error(msg: str, env: str, params_type: type) -> str:
 
 
 def warm_start_overrides(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The WarmStart fields ``env.name`` overrides for the built-in model (envs.base.Demonstrating);
+    """The WarmStart fields ``env.name`` overrides for the built-in model (flashrl.env.Demonstrating);
     a wrapper suite (remote) answers for the suite it wraps."""
     cls = suite_class(name)
     hook = getattr(cls, "warm_start_overrides", None)

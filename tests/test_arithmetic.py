@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from envs import make_suite
-from envs.arithmetic import ArithmeticSuite, carry_slip_answer, verify
-from envs.base import Env
+from envs.arithmetic import ArithmeticSuite, verify
+from flashrl.env import Env
+from flashrl.models.tiny import carry_slip_answer
 
 
 @pytest.mark.parametrize(

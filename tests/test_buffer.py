@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.base import Task
 from flashrl.controller.buffer import GroupState, SampleBuffer
 from flashrl.controller.rollout import Trajectory
 from flashrl.core.staleness import Staleness
+from flashrl.env import Task
 from flashrl.sim.fake import run_virtual
 
 

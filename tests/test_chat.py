@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from envs import make_suite
-from envs.base import Task
 from flashrl.config import Config, ConfigError, load
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
 from flashrl.controller.scheduler import Router
+from flashrl.env import Task
 from flashrl.models.chat import ChatFormat, ChatTemplateError, stop_token_ids
 from flashrl.models.chat_model import build_chat_model
 from flashrl.models.tokenizer import load_tokenizer

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
-from envs.base import EnvFailure
 from flashrl.cli import app
 from flashrl.config import Config
 from flashrl.controller.controller import Controller
 from flashrl.controller.scheduler import DataStream
+from flashrl.env import EnvFailure
 from flashrl.plugins import PluginError, make_suite
 from flashrl.sim.fake import CharTokenizer, FakeEngine, FakeTrainer, default_script
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from envs.base import Task
 from envs.code import FAMILIES, CodeParams, CodeSuite, extract_code, grade
 from envs.sandbox import SandboxLimits
+from flashrl.env import Task
 
 PARAMS = CodeParams(tests=4, train_size=50, limits=SandboxLimits(wall_s=1.5, cpu_s=1))
 

@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from envs import make_suite
-from envs.base import EnvFailure, StepResult, Task
 from envs.faults import (
     ConstantDelay,
     FaultParams,
@@ -20,6 +19,7 @@ from envs.faults import (
     draw_delay,
     validate_observation,
 )
+from flashrl.env import EnvFailure, StepResult, Task
 
 
 class _Echo:

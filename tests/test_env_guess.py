@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from envs import make_suite
-from envs.base import Demo, Demonstrating, Task
 from envs.guess import GuessEnv, GuessParams, GuessSuite, feedback
 from flashrl import config
+from flashrl.env import Demo, Demonstrating, Task
 from flashrl.models.tokenizer import CHARSET
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,7 +157,7 @@ NOBODY_SCRIPT = r"""
 import asyncio, json, os, sys
 from envs.code import CodeSuite, CodeParams
 from envs.sandbox import SandboxLimits, isolation, run_sandboxed
-from envs.base import Task
+from flashrl.env import Task
 secret = sys.argv[1]
 LIM = SandboxLimits(wall_s=10.0, cpu_s=5)
 PROGRAMS = {

@@ -20,6 +20,7 @@ TOPS = ("flashrl", "envs")
 
 LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.core",  # pure domain rules (staleness)
+    "flashrl.env",  # the public environment API (Task, Env, EnvSuite, StepResult, EnvFailure): pure
     "flashrl.aio",  # the hot path's asyncio toolkit
     # the wire: messages, sockets, torch.distributed stores, weight-bucket format (neither end owns it)
     "flashrl.protocol",
@@ -46,17 +47,7 @@ LAYERS: list[str | tuple[str, ...]] = [
 ]
 
 # Violations of today's tree (issue 8), each edge with why it is still there. Shrink, never grow.
-_ENV_API = "the environment API (Task, EnvSuite, StepResult, EnvFailure) still lives in envs/base.py"
 KNOWN: dict[tuple[str, str], str] = {
-    ("flashrl.controller.buffer", "envs.base"): _ENV_API,
-    ("flashrl.controller.controller", "envs.base"): _ENV_API,
-    ("flashrl.controller.rollout", "envs.base"): _ENV_API,
-    ("flashrl.controller.scheduler", "envs.base"): _ENV_API,
-    ("flashrl.sim.envs", "envs.base"): _ENV_API,
-    ("flashrl.sim.fake", "envs.base"): _ENV_API,
-    ("flashrl.sim.instant", "envs.base"): _ENV_API,
-    ("flashrl.models.tiny", "envs.arithmetic"): "the built-in model's warm-start data comes from the arithmetic env",
-    ("flashrl.benchmarks.calibrate", "envs"): "calibration reads the env registry directly",
     ("flashrl.benchmarks.calibrate", "flashrl.bench"): "bench.py and benchmarks/ are two homes of the bench code",
     ("flashrl.benchmarks.real", "flashrl.bench"): "bench.py and benchmarks/ are two homes of the bench code",
 }
@@ -208,14 +199,30 @@ def test_known_exceptions_still_exist() -> None:
     assert not gone, f"fixed, so delete from KNOWN in tests/test_imports.py: {gone}"
 
 
+def _envs_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Edges from flashrl into envs/ (no exception: not even a KNOWN one)."""
+    return [f"{a} -> {b}" for a, targets in sorted(edges.items()) if a.split(".")[0] == "flashrl"
+            for b in sorted(targets) if b.split(".")[0] == "envs"]
+
+
+def test_flashrl_never_imports_envs() -> None:
+    """envs/ holds plug-ins on flashrl.env; flashrl loads them by import path (flashrl.plugins.BUILTIN_ENVS),
+    exactly like a user's environment, never with an import statement."""
+    edges, _ = _imports(_modules())
+    bad = _envs_imports(edges)
+    assert not bad, f"flashrl imports envs/ (load it by import path instead, flashrl/plugins.py): {bad}"
+
+
 def test_core_is_pure() -> None:
     mods = _modules()
     edges, external = _imports(mods)
     for m in mods:
-        if m == "flashrl.core" or m.startswith("flashrl.core."):
-            ours = [b for b in edges[m] if not b.startswith("flashrl.core")]
-            assert not ours, f"{m} imports {ours}: core imports nothing of flashrl or envs"
-            assert not (external[m] & IMPURE), f"{m} imports {sorted(external[m] & IMPURE)}: core has no sockets, torch, tasks or clocks"
+        for pure in ("flashrl.core", "flashrl.env"):
+            if m == pure or m.startswith(pure + "."):
+                ours = [b for b in edges[m] if not b.startswith(pure)]
+                assert not ours, f"{m} imports {ours}: {pure} imports nothing of flashrl or envs"
+                assert not (external[m] & IMPURE), \
+                    f"{m} imports {sorted(external[m] & IMPURE)}: {pure} has no sockets, torch, tasks or clocks"
 
 
 def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
@@ -230,7 +237,10 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
         "flashrl/engine/a.py": "def f():\n    from ..trainer import b\n",
         "flashrl/trainer/__init__.py": "",
         "flashrl/trainer/b.py": "import flashrl.engine.a\n",
+        "flashrl/sim.py": "from envs.arithmetic import verify\n",
         "envs/__init__.py": "",
+        "envs/arithmetic.py": "from flashrl.env import Task\n",
+        "flashrl/env.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -241,9 +251,12 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     assert _violations(edges) == [
         "flashrl.engine.a -> flashrl.trainer.b: siblings never import each other "
         "(flashrl.engine may use only units listed before it in LAYERS)",
+        "flashrl.sim -> envs.arithmetic: an import against the layer order "
+        "(flashrl.sim may use only units listed before it in LAYERS)",
         "flashrl.trainer.b -> flashrl.engine.a: siblings never import each other "
         "(flashrl.trainer may use only units listed before it in LAYERS)",
     ]
+    assert _envs_imports(edges) == ["flashrl.sim -> envs.arithmetic"]
     assert _violations({"flashrl.core.x": {"flashrl.aio"}, "flashrl.aio": {"flashrl.core.x"}}) == [
         "flashrl.core.x -> flashrl.aio: an import against the layer order "
         "(flashrl.core may use only units listed before it in LAYERS)"]

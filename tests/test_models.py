@@ -136,7 +136,7 @@ def test_ensure_model_other_path(tmp_path: Path, untrained: Path) -> None:
 def test_teacher_answers_slip_only_carries_and_are_seeded() -> None:
     import random
 
-    from envs.base import Task
+    from flashrl.env import Task
     from flashrl.models.tiny import teacher_answers
 
     tasks = [Task(id="c", prompt="17+25=", answer="42"), Task(id="n", prompt="14+25=", answer="39"),
@@ -153,7 +153,7 @@ def test_teacher_answers_slip_only_carries_and_are_seeded() -> None:
 
 
 def test_demo_batch_labels_actions_and_their_eos_only(untrained: Path) -> None:
-    from envs.base import Demo
+    from flashrl.env import Demo
     from flashrl.models.tiny import demo_batch
 
     tok = load_tokenizer(untrained)
@@ -191,8 +191,8 @@ class _Scripted:
 
 
 def test_play_episodes_lays_out_turns_like_the_rollout(untrained: Path) -> None:
-    from envs.base import Task
     from envs.guess import GuessParams, GuessSuite
+    from flashrl.env import Task
     from flashrl.models.tiny import play_episodes
 
     tok = load_tokenizer(untrained)

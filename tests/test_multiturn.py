@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 
 from envs import make_suite
-from envs.base import Task
 from flashrl.config import Config
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
 from flashrl.controller.scheduler import Router
+from flashrl.env import Task
 from flashrl.protocol import Generate
 from flashrl.sim.fake import CharTokenizer, FakeEngine, run_virtual
 

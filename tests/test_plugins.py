@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A complete user environment, outside flashrl and envs/: one prompt, reward 1 for "yes".
 MY_ENV = '''
 import msgspec
-from envs.base import StepResult, Task
+from flashrl.env import StepResult, Task
 
 class Env:
     async def reset(self, task):

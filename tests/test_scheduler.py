@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.base import Task
 from flashrl.controller.scheduler import (
     Admission,
     BusyMeter,
@@ -15,6 +14,7 @@ from flashrl.controller.scheduler import (
     request_seed,
     sample_id,
 )
+from flashrl.env import Task
 
 
 def tasks(n: int) -> list[Task]:

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from envs.base import EnvFailure
+from flashrl.env import EnvFailure
 from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.protocol import Generate, TrainBatch, TrainSample, WeightManifest
 from flashrl.sim.clock import run_virtual

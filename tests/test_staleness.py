@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from envs.base import Task
 from flashrl.controller.buffer import SampleBuffer
 from flashrl.controller.rollout import Trajectory
 from flashrl.core.staleness import Staleness, lag_stats
+from flashrl.env import Task
 
 ints = st.integers(min_value=-5, max_value=50)
 

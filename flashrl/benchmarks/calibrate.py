@@ -285,7 +285,7 @@ def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prompt_chars(cfg: Any) -> int:
-    from envs import make_suite
+    from flashrl.plugins import make_suite
 
     suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]

@@ -41,9 +41,9 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from envs.base import Task
 from flashrl.controller.rollout import Trajectory
 from flashrl.core.staleness import Staleness
+from flashrl.env import Task
 
 __all__ = ["Group", "GroupState", "SampleBuffer"]
 

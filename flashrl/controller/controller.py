@@ -59,7 +59,6 @@ from typing import Any
 
 import msgspec
 
-from envs.base import EnvSuite
 from flashrl.aio import shielded, timeout
 from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
@@ -67,6 +66,7 @@ from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.core.staleness import Staleness, lag_stats
+from flashrl.env import EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, TrainerClient
 from flashrl.metrics import EngineStat, RateMeter, Snapshot
 from flashrl.protocol import TrainBatch, WeightManifest, WeightsUpdated

@@ -73,7 +73,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from envs.base import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.aio import (
     Deadlines,
     Resumed,
@@ -87,6 +86,7 @@ from flashrl.aio import (
 from flashrl.config import Config
 from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
 from flashrl.core.staleness import Staleness
+from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.interfaces import EngineClient
 from flashrl.metrics import RateMeter
 from flashrl.protocol import Generate, Generated, TrainSample

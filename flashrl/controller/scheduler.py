@@ -31,8 +31,8 @@ import math
 import random
 from collections.abc import Sequence
 
-from envs.base import Task
 from flashrl.aio import Permits
+from flashrl.env import Task
 
 __all__ = ["Admission", "BusyMeter", "DataStream", "Router", "request_seed", "sample_id"]
 

@@ -105,7 +105,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
         return p
 
     spec = spec or TinySpec()
-    if warm is None:  # the defaults, with the environment's own overrides (envs.base.Demonstrating)
+    if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
         from flashrl.plugins import warm_start_overrides
 
         warm = msgspec.structs.replace(WarmStart(), **warm_start_overrides(cfg.env.name, _task_params(cfg)))

@@ -19,12 +19,14 @@ supports (32, 64, 80, ...), which ``TinySpec`` checks.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
+from flashrl.env import states_integer
 from flashrl.models.tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
 # vLLM CPU attention head sizes (vllm/v1/attention/backends/cpu_attn.py).
@@ -169,16 +171,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
 
 
 def greedy_accuracy(model, tok, tasks, max_new_tokens: int, batch: int = 256) -> float:
-    """Fraction of ``tasks`` whose greedy answer the arithmetic-style verifier accepts."""
-    from envs.arithmetic import verify
-
+    """Fraction of ``tasks`` whose greedy answer states the task's integer answer (flashrl.env.states_integer,
+    the arithmetic env's verifier)."""
     if not tasks:
         return 0.0
     correct = 0
     for start in range(0, len(tasks), batch):
         chunk = tasks[start:start + batch]
         outs = generate(model, [tok.encode(t.prompt) for t in chunk], max_new_tokens, tok.eos_token_id, tok.pad_token_id)
-        correct += sum(verify(tok.decode(o), t.answer) for o, t in zip(outs, chunk))
+        correct += sum(states_integer(tok.decode(o), t.answer) for o, t in zip(outs, chunk))
     return correct / len(tasks)
 
 
@@ -207,14 +208,31 @@ def sft_batch(tok, tasks):  # -> (input_ids, attention_mask, labels)
     return ids, mask, lab
 
 
+_ADD_RE = re.compile(r"(\d+)\+(\d+)=")
+
+
+def carry_slip_answer(prompt: str) -> str | None:
+    """The answer of a student who forgets the carry out of the units column, or None if nothing to forget.
+
+    Only for addition prompts "a+b=" whose units digits sum to 10 or more: the slipped answer is
+    a + b - 10 ("17+25=" -> "32", not 42; "57+68=" -> "115", not 125). The imperfect teacher of the
+    warm-start (``WarmStart.teacher_carry_slip``); the environment's verifier stays exact.
+    """
+    m = _ADD_RE.fullmatch(prompt)
+    if m is None:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    if a % 10 + b % 10 < 10:
+        return None
+    return str(a + b - 10)
+
+
 def teacher_answers(tasks, slip: float, rng) -> list:
     """``tasks`` as an imperfect teacher answers them: each addition with a units carry gets the
-    carry-forgotten answer (``envs.arithmetic.carry_slip_answer``) with probability ``slip``.
+    carry-forgotten answer (``carry_slip_answer``) with probability ``slip``.
 
     One ``rng.random()`` per task that has a carry, so the result is deterministic for the rng's state.
     """
-    from envs.arithmetic import carry_slip_answer
-
     out = []
     for t in tasks:
         wrong = carry_slip_answer(t.prompt)
@@ -225,7 +243,7 @@ def teacher_answers(tasks, slip: float, rng) -> list:
 
 
 def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
-    """Right-padded multi-turn teacher episodes (envs.base.Demo): labels on every action and the EOS
+    """Right-padded multi-turn teacher episodes (flashrl.env.Demo): labels on every action and the EOS
     closing its turn; the prompt and the observations get none (the rollout's loss mask, exactly)."""
     import torch
 
@@ -327,7 +345,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
 
     Deterministic for a seed on one thread (the caller sets torch threads). Report keys: eval_accuracy
     (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds; for a ``suite`` that demonstrates
-    (envs.base.Demonstrating: multi-turn teacher episodes) also eval_success_sampled and eval_reward_sampled
+    (flashrl.env.Demonstrating: multi-turn teacher episodes) also eval_success_sampled and eval_reward_sampled
     (temperature 1, what the RL rollouts start from).
     """
     import random

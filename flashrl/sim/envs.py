@@ -23,7 +23,7 @@ from typing import Annotated, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from envs.base import EnvFailure, StepResult, Task
+from flashrl.env import EnvFailure, StepResult, Task
 from flashrl.sim.engine import FIRST_TEXT_ID, uniform
 
 # --------------------------------------------------------------------------- tokenizer
@@ -104,7 +104,7 @@ class SimEnvParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class SimEnv:
-    """One episode of the simulated environment (envs.base.Env)."""
+    """One episode of the simulated environment (flashrl.env.Env)."""
 
     def __init__(self, suite: SimSuite) -> None:
         self._suite = suite

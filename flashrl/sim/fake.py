@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import anyio
 import msgspec
 
-from envs.base import EnvFailure, StepResult, Task
+from flashrl.env import EnvFailure, StepResult, Task
 from flashrl.protocol import (
     Generate,
     Generated,

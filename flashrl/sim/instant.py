@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import msgspec
 
-from envs.base import StepResult, Task
+from flashrl.env import StepResult, Task
 from flashrl.protocol import (
     Generate,
     Generated,

@@ -1,4 +1,8 @@
-"""The environment protocol. Single-turn RLVR tasks are the one-step case of the same protocol.
+"""flashrl's public environment API: what an environment is built on (the built-ins of ``envs/`` and yours).
+
+    from flashrl.env import Env, EnvFailure, EnvSuite, StepResult, Task
+
+Single-turn RLVR tasks are the one-step case of the same protocol.
 
     controller rollout coroutine                      environment
       obs = await env.reset(task)   --------------->  builds the first observation (the prompt text)
@@ -16,10 +20,16 @@ policy failures (a wrong answer is reward 0, not an exception).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
+
+__all__ = [
+    "EOS_MARKS", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "StepResult", "Task", "cut_at_eos",
+    "states_integer",
+]
 
 
 class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -106,3 +116,24 @@ class Demonstrating(Protocol):
     def demonstration(self, task: Task, rng: Any) -> Demo:
         """One teacher episode on ``task``; ``rng`` (random.Random) makes it deterministic."""
         ...
+
+
+# Decoders that keep special tokens print them as text; a model's answer ends at the first one.
+EOS_MARKS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
+_INT_RE = re.compile(r"[+-]?\d{1,64}")
+
+
+def cut_at_eos(action: str) -> str:
+    """``action`` up to its first end-of-sequence mark (``EOS_MARKS``), the whole of it when there is none."""
+    for mark in EOS_MARKS:
+        action = action.split(mark, 1)[0]
+    return action
+
+
+def states_integer(action: str, answer: str) -> bool:
+    """True when ``action`` (model text, possibly ending in an EOS mark) states exactly the integer ``answer``:
+    the text up to the mark, stripped, is an integer equal to it (anything else, words or two numbers, is not)."""
+    text = cut_at_eos(action).strip()
+    if not _INT_RE.fullmatch(text):
+        return False
+    return int(text) == int(answer)
