@@ -701,7 +701,8 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
 # --------------------------------------------------------------------------- CLI
 def main(argv: list[str]) -> int:
     """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]``, ``flashrl bench calibrate RUN_DIR`` and
-    ``flashrl bench algorithms [--losses ...] [--ratios ...]`` (learning, not speed: flashrl/benchmarks/algorithms.py)."""
+    ``flashrl bench algorithms [--losses ...] [--ratios ...]`` (learning, not speed: flashrl/benchmarks/algorithms.py),
+    ``flashrl bench chaos [CONFIG]`` (engines and the controller SIGKILLed during a run: flashrl/benchmarks/chaos.py)."""
     if argv and argv[0] == "calibrate":
         from flashrl.benchmarks.calibrate import main as calibrate_main
 
@@ -710,6 +711,10 @@ def main(argv: list[str]) -> int:
         from flashrl.benchmarks.algorithms import main as algorithms_main
 
         return algorithms_main(argv[1:])
+    if argv and argv[0] == "chaos":
+        from flashrl.benchmarks.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     ap = argparse.ArgumentParser(prog="flashrl bench", description=__doc__.split("\n")[0])
     ap.add_argument("scenario", help="a bench/*.toml name (e.g. queue_scheduling), a path, or 'all'")
     ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")

@@ -81,6 +81,7 @@ class ControllerState(msgspec.Struct, kw_only=True):
     train_size: int = 0  # length of the train split (the data order is a function of seed and this)
     next_uid: int = 0  # the uid the next new prompt gets
     readmit: list[int] = []  # uids outstanding at the checkpoint: re-admitted first on resume
+    dropped_uids: list[int] = []  # uids given up (dropped/groups_*): with the trained and readmitted ones, every uid < next_uid
     counters: dict[str, int] = {}
     reward_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []

@@ -171,7 +171,7 @@ def trainer(ctx: typer.Context) -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`; `flashrl bench algorithms`."""
+    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`; `flashrl bench algorithms`; `flashrl bench chaos [CONFIG]`."""
     from flashrl import bench as bench_mod
 
     sys.exit(bench_mod.main(ctx.args))

@@ -99,6 +99,7 @@ class SampleBuffer:
         self.filter_ties = filter_ties
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.groups: dict[int, Group] = {}  # outstanding groups only (not TRAINED / DROPPED)
+        self.dropped_uids: list[int] = []  # every group given up, in order (checkpointed: no prompt unaccounted for)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
         self._generating = 0  # groups ADMITTED or RUNNING (kept, not counted, on every change)
         # Staleness is re-checked in full only when the step changes; otherwise only the groups
@@ -185,6 +186,7 @@ class SampleBuffer:
         g.state = GroupState.DROPPED
         g.drop_reason = reason
         del self.groups[g.uid]
+        self.dropped_uids.append(g.uid)
         self.counters[f"dropped/groups_{reason}"] += 1
         self.counters["dropped/samples"] += len(g.samples)
         self._notify()

@@ -463,6 +463,7 @@ class Controller:
             train_size=self.stream.size,
             next_uid=self.stream.uid,
             readmit=readmit,
+            dropped_uids=list(self.buffer.dropped_uids),
             counters=dict(self.counters),
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
@@ -488,6 +489,7 @@ class Controller:
         self._emitted_through = st.metrics_through
         self.staleness.next_step = st.step  # the next batch is step ``st.step``
         self.stream.restore(st.next_uid, st.readmit)
+        self.buffer.dropped_uids = list(st.dropped_uids)
         self.resumed_from = st.step
         self._pending = (st.pending_record, st.pending_eval) if st.pending_record is not None else None
 
