@@ -83,6 +83,7 @@ class ControllerState(msgspec.Struct, kw_only=True):
     readmit: list[int] = []  # uids outstanding at the checkpoint: re-admitted first on resume
     dropped_uids: list[int] = []  # uids given up (dropped/groups_*): with the trained and readmitted ones, every uid < next_uid
     counters: dict[str, int] = {}
+    env_counters: dict[str, float] = {}  # the environment suite's own counters (env/<name>), continued on resume
     reward_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []
     metrics_through: int = 0  # last step whose line is in metrics.jsonl

@@ -136,6 +136,23 @@ def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: 
     assert lines[-1]["time/elapsed_s"] == pytest.approx(ref.records[-1]["time/elapsed_s"], rel=0.2)
 
 
+def test_env_suite_counters_continue_across_a_resume(tmp_path: Path) -> None:
+    """The suite's own counters (env/<name> in metrics.jsonl) are in the checkpoint: a resumed run's
+    records continue them (here env/steps: one per rollout) instead of starting again from 0."""
+    suite = lambda: ScriptedSuite(n_train=5, n_eval=0)  # noqa: E731
+    ref = Run(sync_cfg(tmp_path / "a", eval_every=0), suite())
+    ref.go()
+    cfg = sync_cfg(tmp_path / "b", steps=3, eval_every=0)
+    first = Run(cfg, suite())
+    first.go()
+    r = prepare_resume(with_run(cfg, steps=6))
+    assert r.state.env_counters["env/steps"] == first.records[-1]["env/steps"] > 0
+    second = Run(with_run(cfg, steps=6), suite(), resume=r)
+    second.go()
+    assert second.controller.suite.counters["steps"] < second.records[-1]["env/steps"]  # this process's share only
+    assert second.records[-1]["env/steps"] == ref.records[-1]["env/steps"] == 6 * 2 * 3
+
+
 def epoch_check(stream: DataStream, uids: list[int], epochs: int) -> None:
     """Every prompt of each of the first ``epochs`` epochs trained exactly once."""
     assert len(uids) == len(set(uids)), "a prompt uid was trained twice"

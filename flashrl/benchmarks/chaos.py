@@ -232,7 +232,7 @@ COUNTERS = ("engine/deaths", "engine/restarts", "engine/retried_requests", "weig
 def analyze(*, rows: Sequence[dict[str, Any]], seg1_rows: Sequence[dict[str, Any]], final_state: dict[str, Any],
             events: Sequence[dict[str, Any]], step_times: Sequence[tuple[float, int, int]],
             segments: Sequence[dict[str, Any]], logs: Sequence[str], summary: dict[str, Any],
-            resumed_from: int | None, exit_code: int | None) -> dict[str, Any]:
+            resumed_from: int | None, exit_code: int | None, min_gain: float = MIN_GAIN_POINTS) -> dict[str, Any]:
     """The chaos report from the run's records (see the module docstring); ``pass`` = every promise held."""
     acc = accuracy(rows)
     prompts = verify_prompts(rows, final_state)
@@ -248,7 +248,7 @@ def analyze(*, rows: Sequence[dict[str, Any]], seg1_rows: Sequence[dict[str, Any
     in_sync = [e for e in kills if e["kind"] == "engine_kill_in_sync"]
     checks = {
         "exit_code_0": exit_code == 0,
-        f"gain_ge_{MIN_GAIN_POINTS:g}_points": acc["gain_points"] is not None and acc["gain_points"] >= MIN_GAIN_POINTS,
+        f"gain_ge_{min_gain:g}_points": acc["gain_points"] is not None and acc["gain_points"] >= min_gain,
         "metrics_steps_once_each": steps_contiguous(rows),
         "no_prompt_lost_or_repeated": prompts["ok"],
         "every_killed_engine_back": not engines["not_back"],
@@ -388,7 +388,8 @@ def _engine_pid(run_pid: int, name: str) -> int | None:
 
 class Chaos:
     def __init__(self, config: str, out: Path, *, kill_every: float, controller_kill_after: float,
-                 sync_kill: int, sets: Sequence[str], timeout_s: float, engine_kills: int = -1) -> None:
+                 sync_kill: int, sets: Sequence[str], timeout_s: float, engine_kills: int = -1,
+                 min_gain: float = MIN_GAIN_POINTS) -> None:
         from flashrl.config import load
 
         self.config = config
@@ -397,6 +398,7 @@ class Chaos:
         self.controller_kill_after = controller_kill_after
         self.sync_kill = sync_kill
         self.engine_kills = engine_kills
+        self.min_gain = min_gain
         self.timeout_s = timeout_s
         self.sets = ["--set", f"run.output_dir={out}", "--set", "run.name=run", "--set", "run.dashboard=plain"]
         for s in sets:
@@ -595,7 +597,7 @@ class Chaos:
         rep = analyze(rows=rows(rd / "metrics.jsonl"), seg1_rows=rows(rd / "metrics.segment1.jsonl"),
                       final_state=final_state, events=self.events, step_times=self.step_times,
                       segments=self.segments, logs=[log_text], summary=summary, resumed_from=resumed_from,
-                      exit_code=exit_code)
+                      exit_code=exit_code, min_gain=self.min_gain)
         rep["segments"] = self.segments
         rep["wall_s"] = self.now()
         rep["config"] = self.config
@@ -617,12 +619,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="seconds after the first step when `flashrl run` is SIGKILLed (once a checkpoint exists)")
     ap.add_argument("--sync-kill", type=int, default=1, help="which engine kill (0-based) lands inside a weight sync; -1: none")
     ap.add_argument("--engine-kills", type=int, default=-1, help="stop after this many engine kills (-1: until the end)")
+    ap.add_argument("--min-gain", type=float, default=MIN_GAIN_POINTS, help="held-out accuracy points the run must gain")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override for both segments")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     chaos = Chaos(a.config, out, kill_every=a.kill_every, controller_kill_after=a.controller_kill_after,
-                  sync_kill=a.sync_kill, sets=a.sets, timeout_s=a.timeout_s, engine_kills=a.engine_kills)
+                  sync_kill=a.sync_kill, sets=a.sets, timeout_s=a.timeout_s, engine_kills=a.engine_kills,
+                  min_gain=a.min_gain)
     rep = chaos.run()
     command = "flashrl bench chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     rep["command"] = command.strip()

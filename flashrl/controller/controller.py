@@ -203,6 +203,7 @@ class Controller:
         self._emitted_through = -1  # last step whose record went to on_step (records go out in step order)
         self._checkpoint_s = 0.0  # the last checkpoint's duration, reported in the next step's record
         self._elapsed_before = 0.0  # training time of the run before the checkpoint it resumed from
+        self._env_before: dict[str, float] = {}  # the suite's counters at the checkpoint resumed from (they continue)
         self.resumed_from: int | None = None
         self._pending: tuple[dict[str, Any], bool] | None = None
         if resume is not None:
@@ -465,6 +466,7 @@ class Controller:
             readmit=readmit,
             dropped_uids=list(self.buffer.dropped_uids),
             counters=dict(self.counters),
+            env_counters=self._env_counters(),
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
             metrics_through=min(self._emitted_through, self.version),
@@ -490,6 +492,7 @@ class Controller:
         self.staleness.next_step = st.step  # the next batch is step ``st.step``
         self.stream.restore(st.next_uid, st.readmit)
         self.buffer.dropped_uids = list(st.dropped_uids)
+        self._env_before = dict(st.env_counters)
         self.resumed_from = st.step
         self._pending = (st.pending_record, st.pending_eval) if st.pending_record is not None else None
 
@@ -811,10 +814,12 @@ class Controller:
     def _env_counters(self) -> dict[str, float]:
         """The suite's own counters (envs/faults.py, envs/remote.py: ``suite.counters``) as ``env/<name>``."""
         c = getattr(self.suite, "counters", None)
-        if not isinstance(c, Mapping):
-            return {}
-        return {f"env/{k}": v for k, v in sorted(c.items())
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out = dict(self._env_before)  # a resumed run's counters continue from the checkpoint's
+        if isinstance(c, Mapping):
+            for k, v in c.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"env/{k}"] = out.get(f"env/{k}", 0) + v
+        return dict(sorted(out.items()))
 
     def _all_counters(self) -> dict[str, int]:
         out = dict(self.counters)
