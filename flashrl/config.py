@@ -154,6 +154,11 @@ class LogConfig(Section):
     wandb_mode: Annotated[Literal["offline", "online"], Meta(description="offline: no network, sync later with `wandb sync`")] = "offline"
 
 
+class ClusterConfig(Section):
+    launcher: Annotated[Literal["local", "ray", "slurm"], Meta(description="where the run's processes start: local (this machine), ray (placement groups on a Ray cluster), slurm (an sbatch script, srun per node)")] = "local"
+    interface: Annotated[str, Meta(min_length=1, description='where engine and trainer sockets bind: "loopback" (ipc:// on this machine), an IP address of the node, or "auto" (the node\'s primary address); any socket off loopback is TCP secured with ZeroMQ CURVE (per-run keys)')] = "loopback"
+
+
 class Config(Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -165,6 +170,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -263,6 +269,15 @@ def _check(cfg: Config, source: str) -> None:
         if getattr(cfg.log, key) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{source}: log.{key}: the {package} package is not installed; "
                               f"pip install 'flashrl[log]' or set log.{key} = false")
+    iface = cfg.cluster.interface
+    if iface not in ("loopback", "auto"):
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(iface)
+        except ValueError:
+            raise ConfigError(f"{source}: cluster.interface: {iface!r} is not an IP address; use \"loopback\", "
+                              "\"auto\" or one of the node's addresses (e.g. from `hostname -I`)") from None
     from flashrl.plugins import env_name_problem  # imports no environment: names and entry points only
 
     problem = env_name_problem(cfg.env.name)

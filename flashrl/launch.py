@@ -2,17 +2,19 @@
 
     flashrl run config.toml
       -> ensure_model (built-in model built once, cached)
-      -> spawn E engine processes + R trainer ranks (procs.Child each: own process group, logs in
-         runs/<name>/logs/, dies with this process)
+      -> launcher = cluster.make_launcher(cfg) (cluster.launcher: local | ray | slurm); preflight, start
+      -> spawn E engine processes + R trainer ranks through it (locally procs.Child each: own process
+         group, logs in runs/<name>/logs/, dies with this process)
       -> wait until all answer Ping; each engine joins its own weight-sync group with trainer rank 0
       -> Controller.run()  (rollouts, training loop, weight sync, eval)   +  dashboard refresh  +  memory sampler
          an engine that dies is restarted by EnginePool.restart (the controller asks; engine.max_restarts)
       -> the final policy as a Hugging Face folder: runs/<name>/final/ (trainer rank 0, atomic)
-      -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL
+      -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL;
+         launcher.close() (whatever it started is gone, on every node)
 
 Ctrl-C / SIGTERM cancel the main task; the ``finally`` blocks stop every child within the deadline.
-On a cluster the same entry points (`flashrl engine`, `flashrl trainer` under torchrun) are started by
-the cluster's launcher instead; this module is only the single-machine convenience.
+Every process starts through the launcher (flashrl/cluster/): the local one by default, Ray or SLURM
+on a cluster; this module and the controller are the same for all of them.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import Any
 import msgspec
 
 from flashrl.checkpoint import Resume
+from flashrl.cluster import Launcher, make_launcher
 from flashrl.config import Config, to_toml
-from flashrl.engine.client import EngineOptions, EngineProcess, spawn_engine
+from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
 from flashrl.procs import child_init, exit_text
 from flashrl.trainer.client import TrainerGroup
-from flashrl.transport import PeerDead, free_port, local_address
+from flashrl.transport import PeerDead
 
 log = logging.getLogger("flashrl.launch")
 
@@ -325,11 +328,30 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         await asyncio.gather(mem_task, return_exceptions=True)
 
 
-class EnginePool:
-    """The engine processes of a local run (a list of ``EngineProcess`` to its users), restartable.
+def engine_options(cfg: Config, model_path: Path, i: int, device: str, address: str) -> EngineOptions:
+    """Engine i's options (``address``: what it binds)."""
+    return EngineOptions(
+        address=address,
+        model=str(model_path),
+        name=f"engine{i}",
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        kv_cache_gib=cfg.engine.kv_cache_gib,
+        max_num_seqs=cfg.engine.max_num_seqs,
+        device=device,  # type: ignore[arg-type]
+        threads=cfg.engine.threads,
+        seed=cfg.run.seed + i,
+        gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+        log_level=cfg.run.log_level,
+    )
 
-    Every engine joins its own weight-sync group with trainer rank 0 (a fresh port per start, see
-    trainer/weights.py). A watcher per engine awaits its process's exit: the group is reaped (vLLM's
+
+class EnginePool:
+    """The engine processes of a run (a list of ``EngineProcess`` to its users), restartable; every one
+    started through the launcher.
+
+    Every engine joins its own weight-sync group with trainer rank 0 (master: launcher.trainer_master(),
+    a fresh port from launcher.trainer_port() per start, see trainer/weights.py). A watcher per engine awaits its process's exit: the group is reaped (vLLM's
     EngineCore must not outlive it) and its client is failed at once, so every request waiting on it
     raises PeerDead now (retried elsewhere) instead of at the next missed heartbeat. ``restart(i)``
     (the controller's ``EngineRestarter``) replaces a dead engine, with backoff, at most
@@ -337,8 +359,9 @@ class EnginePool:
     """
 
     def __init__(self, cfg: Config, model_path: Path, logs: Path, trainer: TrainerGroup, device: str, backend: str,
-                 visible_gpus: list[str] | None = None) -> None:
+                 visible_gpus: list[str] | None = None, *, launcher: Launcher) -> None:
         self.cfg = cfg
+        self.launcher = launcher
         self.visible_gpus = visible_gpus or []
         self.model_path = model_path
         self.logs = logs
@@ -359,31 +382,23 @@ class EnginePool:
     def __getitem__(self, i: int) -> EngineProcess:
         return self.procs[i]
 
-    def _spawn(self, i: int) -> EngineProcess:
+    async def _spawn(self, i: int) -> EngineProcess:
         cfg = self.cfg
-        opts = EngineOptions(
-            address=local_address(f"engine{i}"),  # a new socket per start: no stale replies
-            model=str(self.model_path),
-            name=f"engine{i}",
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.model.max_model_len,
-            kv_cache_gib=cfg.engine.kv_cache_gib,
-            max_num_seqs=cfg.engine.max_num_seqs,
-            device=self.device,  # type: ignore[arg-type]
-            threads=cfg.engine.threads,
-            seed=cfg.run.seed + i,
-            gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
-            log_level=cfg.run.log_level,
-        )
+        ep = await self.launcher.endpoint("engine", i)  # a new socket per start: no stale replies
+        opts = engine_options(cfg, self.model_path, i, self.device, ep.bind)
         gpu_env = None
-        if self.device == "cuda":
+        if self.device == "cuda" and self.launcher.name == "local":  # remote launchers give each its own GPU
             gpu = engine_gpu(i, cfg.trainer.ranks, cfg.engine.count, self.visible_gpus)
             gpu_env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
-        return spawn_engine(opts, self.logs / f"engine{i}.log", gpu_env, heartbeat_s=cfg.engine.heartbeat_s)
+        proc = await self.launcher.spawn("engine", i, engine_argv(opts), engine_extra_env(opts, gpu_env),
+                                         self.logs / f"engine{i}.log")
+        log.info("engine %s on %s", opts.name, ep.connect)
+        curve = self.launcher.curve.client() if self.launcher.curve is not None else None
+        return EngineProcess(opts, proc, cfg.engine.heartbeat_s, connect=ep.connect, curve=curve)
 
-    def spawn_all(self) -> None:
+    async def spawn_all(self) -> None:
         for i in range(self.cfg.engine.count):
-            self.procs.append(self._spawn(i))
+            self.procs.append(await self._spawn(i))
 
     async def wait_ready(self, i: int) -> None:
         await self.procs[i].wait_ready(self.cfg.engine.startup_timeout_s)
@@ -391,11 +406,12 @@ class EnginePool:
     async def join(self, i: int) -> None:
         """Engine i and trainer rank 0 form engine i's weight-sync group; then watch engine i's process."""
         ep = self.procs[i]
-        port = free_port()
+        master, port = self.launcher.trainer_master(), await self.launcher.trainer_port()
         t = self.cfg.weight_sync.timeout_s
+        log.info("weight sync group %s: master %s:%d (%s)", ep.name, master, port, self.backend)
         await asyncio.gather(
-            self.trainer.init_weight_sync("127.0.0.1", port, 2, self.backend, t, peer=ep.name),
-            ep.client.init_weight_sync("127.0.0.1", port, 1, 2, self.backend, t),
+            self.trainer.init_weight_sync(master, port, 2, self.backend, t, peer=ep.name),
+            ep.client.init_weight_sync(master, port, 1, 2, self.backend, t),
         )
         self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(ep), name=f"watch {ep.name}")
 
@@ -424,7 +440,7 @@ class EnginePool:
             delay = min(2.0 ** (len(starts) - 1), 30.0)  # 1, 2, 4 ... s: a crash loop does not spin
             log.warning("engine%d: restart %d in %.0f s", i, len(starts), delay)
             await asyncio.sleep(delay)
-            ep = self._spawn(i)
+            ep = await self._spawn(i)
             self.procs[i] = ep
             try:
                 await self.wait_ready(i)
@@ -451,11 +467,14 @@ class EnginePool:
 @contextlib.asynccontextmanager
 async def local_cluster(
     cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None,
-    *, resume: Path | None = None,
+    *, resume: Path | None = None, launcher: Launcher | None = None,
 ) -> AsyncIterator[tuple[EnginePool, Any]]:
-    """Spawn the engines and the trainer group, wait until they answer, join each engine's weight-sync group.
+    """Spawn the engines and the trainer group through the launcher, wait until they answer, join each
+    engine's weight-sync group.
 
     ``resume``: the trainer's part of a checkpoint (``step-N/trainer``); every rank loads it at start.
+    ``launcher``: None -> ``make_launcher(cfg, run_dir)`` (cluster.launcher); either way this context
+    preflights it (LaunchError before anything starts), starts it, and closes it on exit.
 
     Yields (engine pool, trainer group); on exit, however it happens, stops every child.
     """
@@ -469,11 +488,16 @@ async def local_cluster(
         log.warning("%d GPU(s) visible for %d trainer rank(s) + %d engine(s): engines are not pinned and share GPUs "
                     "with the trainer", len(visible), cfg.trainer.ranks, cfg.engine.count)
     engines: EnginePool | None = None
+    if launcher is None:
+        launcher = make_launcher(cfg, run_dir)
+    launcher.preflight()
     try:
-        status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s)")
-        trainer = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume)
-        engines = EnginePool(cfg, model_path, logs, trainer, device, backend, visible)
-        engines.spawn_all()
+        await launcher.start()
+        status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s) ({launcher.name} launcher)")
+        trainer = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume,
+                                           launcher=launcher)
+        engines = EnginePool(cfg, model_path, logs, trainer, device, backend, visible, launcher=launcher)
+        await engines.spawn_all()
         await asyncio.gather(
             *(engines.wait_ready(i) for i in range(len(engines))),
             trainer.wait_ready(cfg.engine.startup_timeout_s),
@@ -482,18 +506,27 @@ async def local_cluster(
         await asyncio.gather(*(engines.join(i) for i in range(len(engines))))
         yield engines, trainer
     finally:
-        await _stop_all(engines, trainer)
+        await _stop_all(engines, trainer, launcher)
 
 
-async def _stop_all(engines: EnginePool | None, trainer: Any) -> None:
-    """Stop every child: Shutdown message, SIGTERM, SIGKILL — shielded so a second Ctrl-C cannot orphan them."""
-    jobs = []
-    if engines is not None:
-        jobs.append(engines.stop_all(SHUTDOWN_DEADLINE_S))
-    if trainer is not None:
-        jobs.append(trainer.close(SHUTDOWN_DEADLINE_S))
-    if jobs:
-        await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
+async def _stop_all(engines: EnginePool | None, trainer: Any, launcher: Launcher | None = None) -> None:
+    """Stop every child: Shutdown message, SIGTERM, SIGKILL, then the launcher's own teardown — shielded so a
+    second Ctrl-C cannot orphan them."""
+
+    async def stop() -> None:
+        jobs = []
+        if engines is not None:
+            jobs.append(engines.stop_all(SHUTDOWN_DEADLINE_S))
+        if trainer is not None:
+            jobs.append(trainer.close(SHUTDOWN_DEADLINE_S))
+        await asyncio.gather(*jobs, return_exceptions=True)
+        if launcher is not None:
+            try:
+                await launcher.close()
+            except Exception:  # noqa: BLE001 - logged; the run's own error (if any) is the one raised
+                log.exception("%s launcher: close failed", launcher.name)
+
+    await asyncio.shield(stop())
 
 
 def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: float, peak: int,

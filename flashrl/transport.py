@@ -9,7 +9,11 @@ Two error tiers (as in vLLM's engine client): a per-request ``Error`` reply beco
 for that request only; a dead or untrusted peer becomes ``PeerDead`` for every pending and later
 request. A malformed frame is logged and its sender is not trusted further.
 
-Sockets bind to loopback unless the address names another host; then CURVE keys are required.
+Sockets bind to loopback unless the address names another host; then CURVE keys are required
+(``check_address``: refused before binding or connecting). A CURVE server (``curve`` with
+"client_public", as cluster.keys.CurveKeys.server() gives) runs a ZAP handler in its context that accepts
+only that client key; a socket monitor counts every refused handshake (no keys, wrong server key,
+unknown client key): ``RpcServer.refused``, ``refused_total()``, and a ``transport/refused`` log line.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
@@ -96,6 +101,8 @@ def check_address(address: str, curve_keys: bool) -> None:
 def _apply_curve(sock: zmq.Socket, curve: dict[str, bytes] | None, server: bool) -> None:
     if not curve:
         return
+    if server and "client_public" in curve:  # before bind: no connection is ever let in unchecked
+        _allow_client(sock.context, curve["client_public"])
     if server:
         sock.curve_secretkey = curve["secret"]
         sock.curve_publickey = curve["public"]
@@ -104,6 +111,54 @@ def _apply_curve(sock: zmq.Socket, curve: dict[str, bytes] | None, server: bool)
         sock.curve_secretkey = curve["secret"]
         sock.curve_publickey = curve["public"]
         sock.curve_serverkey = curve["server_public"]
+
+
+# --------------------------------------------------------------------------- CURVE gate (ZAP)
+class _AllowedKeys:
+    """zmq.auth credentials provider: only the run's client public key(s) (Z85) get in."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+# one ZAP handler per (context, event loop): ZeroMQ routes every CURVE handshake of a context to it
+_GATES: dict[int, tuple[zmq.Context, asyncio.AbstractEventLoop, object, _AllowedKeys]] = {}
+
+
+def _allow_client(ctx: zmq.Context, client_public: bytes) -> None:
+    """Install (once per context and loop) the ZAP handler that accepts only ``client_public`` keys."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    loop = asyncio.get_running_loop()  # the handler is a task of this loop (servers are built inside it)
+    entry = _GATES.get(id(ctx))
+    if entry is not None and (entry[0] is not ctx or entry[1] is not loop or loop.is_closed()):
+        with contextlib.suppress(Exception):  # a previous asyncio.run()'s handler: its loop is gone
+            entry[2].stop()  # type: ignore[attr-defined]
+        entry = None
+    if entry is None:
+        allowed = _AllowedKeys()
+        auth = AsyncioAuthenticator(ctx, log=logging.getLogger("flashrl.transport.zap"))
+        auth.start()
+        auth.configure_curve_callback("*", allowed)
+        entry = (ctx, loop, auth, allowed)
+        _GATES[id(ctx)] = entry
+    entry[3].keys.add(client_public)
+
+
+_REFUSED = 0
+_REFUSAL_EVENTS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (no CURVE keys, or not this run's server key)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not this run's (ZAP denied)",
+}
+
+
+def refused_total() -> int:
+    """Handshakes refused by every CURVE server of this process (the ``transport/refused`` counter)."""
+    return _REFUSED
 
 
 class RpcClient:
@@ -263,14 +318,43 @@ class RpcServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         _apply_curve(self._sock, curve, server=True)
+        self._monitor: zmq.asyncio.Socket | None = None
+        if curve:  # count refused handshakes (the monitor exists before the first connection)
+            self._monitor = self._sock.get_monitor_socket(sum(_REFUSAL_EVENTS))
         self._sock.bind(address)
+        self.address = address
         self._untrusted: set[bytes] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
         self.rejected = 0
+        self.refused = 0  # CURVE handshakes refused (no keys, wrong keys)
+        self._refusal_logged = (0.0, 0)  # (when, count) of the last log line
+
+    async def _watch_handshakes(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        global _REFUSED
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            what = _REFUSAL_EVENTS.get(int(event["event"]))
+            if what is None:
+                continue
+            self.refused += 1
+            _REFUSED += 1
+            now = time.monotonic()
+            last_at, last_count = self._refusal_logged
+            if now - last_at >= 5.0:  # a peer retrying every 100 ms: one line per 5 s, with the count
+                log.warning("%s: refused %d unauthenticated connection attempt(s) on %s (transport/refused = %d; "
+                            "last: %s)", self.name, self.refused - last_count, self.address, self.refused, what)
+                self._refusal_logged = (now, self.refused)
 
     async def serve(self) -> None:
         """Run until cancelled."""
+        if self._monitor is not None:
+            watch = asyncio.get_running_loop().create_task(self._watch_handshakes(), name=f"{self.name}-handshakes")
+            self._tasks.add(watch)
+            watch.add_done_callback(self._tasks.discard)
         try:
             while True:
                 parts = await self._sock.recv_multipart()
@@ -294,6 +378,13 @@ class RpcServer:
         finally:
             for t in list(self._tasks):
                 t.cancel()
+            if self.refused > self._refusal_logged[1]:
+                log.warning("%s: refused %d unauthenticated connection attempt(s) on %s in all (transport/refused)",
+                            self.name, self.refused, self.address)
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._monitor.close(linger=0)
             self._sock.close(linger=0)
 
     async def _run(self, ident: bytes, msg: Msg) -> None:

@@ -128,7 +128,6 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
     from envs import make_suite
     from flashrl import launch
     from flashrl.controller import Controller
-    from flashrl.engine import client as engine_client
     from flashrl.launch import local_cluster
     from flashrl.models.export import export_run
     from flashrl.models.tokenizer import load_tokenizer
@@ -136,12 +135,12 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
     # The engine starts from other weights (another seed) than the trainer: what a weight that never
     # synced, or synced under a wrong name, looks like to the metric.
     other = build_chat_model(tmp_path / "other", seed=1)
-    spawn = engine_client.spawn_engine
+    options = launch.engine_options
 
-    def spawn_other(opts, *args, **kwargs):
-        return spawn(msgspec.structs.replace(opts, model=str(other)), *args, **kwargs)
+    def options_other(*args, **kwargs):
+        return msgspec.structs.replace(options(*args, **kwargs), model=str(other))
 
-    monkeypatch.setattr(launch, "spawn_engine", spawn_other)  # the name the launcher's EnginePool calls
+    monkeypatch.setattr(launch, "engine_options", options_other)  # the name the launcher's EnginePool calls
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(CONFIG.format(out=tmp_path / "runs", model=chat_dir))
     cfg = load(cfg_path, ["run.steps=2", "run.dashboard=off", "run.name=wrong"])

@@ -36,6 +36,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.metrics",
     "flashrl.interfaces",
     "flashrl.checkpoint",  # the run's checkpoint folders and the controller's state in them
+    "flashrl.cluster",  # launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),

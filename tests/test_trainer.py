@@ -239,12 +239,12 @@ def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path:
 
 
 # ---------------------------------------------------------------------- real rank processes
-def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
+async def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
     run_dir = tmp / name
     run_dir.mkdir()
     cfg_path = run_dir / "config.toml"
     cfg_path.write_text(to_toml(cfg))
-    return TrainerGroup.spawn(cfg, model_path, run_dir, cfg_path)
+    return await TrainerGroup.spawn(cfg, model_path, run_dir, cfg_path)
 
 
 def _load_dcp(path: Path, model_path: Path) -> dict[str, torch.Tensor]:
@@ -265,7 +265,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
     results = {}
     for ranks in (2, 1):
         cfg = _cfg(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
-        g = _group(cfg, model_path, tmp_path, f"r{ranks}")
+        g = await _group(cfg, model_path, tmp_path, f"r{ranks}")
         groups[ranks] = g
         try:
             await g.wait_ready(120)
@@ -324,7 +324,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
 @pytest.mark.timeout(120)
 async def test_a_rank_that_dies_fails_wait_ready_with_its_log(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, ranks=1)
-    g = _group(cfg, tmp_path / "no-such-model", tmp_path, "bad")
+    g = await _group(cfg, tmp_path / "no-such-model", tmp_path, "bad")
     try:
         with pytest.raises(TrainerDied, match=r"rank 0 exited with code 1[\s\S]*no-such-model"):
             await g.wait_ready(100)

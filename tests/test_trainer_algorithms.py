@@ -221,7 +221,7 @@ async def test_two_ranks_with_critics_and_credit_match_one_rank(model_path: Path
         run_dir = tmp_path / f"r{ranks}"
         run_dir.mkdir()
         (run_dir / "config.toml").write_text(to_toml(cfg))
-        g = TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
+        g = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
         try:
             await g.wait_ready(120)
             metrics = [(await g.train_step(_batch(s, extra=True))).metrics for s in range(2)]

@@ -129,3 +129,91 @@ def test_non_loopback_needs_curve() -> None:
     with pytest.raises(TransportError, match="not loopback: set transport CURVE keys"):
         check_address("tcp://10.1.2.3:5555", curve_keys=False)
     check_address("tcp://10.1.2.3:5555", curve_keys=True)
+
+
+# --------------------------------------------------------------------------- CURVE off loopback
+def _non_loopback_ip() -> str:
+    from flashrl.cluster.base import LaunchError, primary_address
+
+    try:
+        return primary_address()
+    except LaunchError as e:
+        pytest.skip(f"this machine has no non-loopback address: {e}")
+
+
+async def _refused_after(server: RpcServer, before: int, timeout: float = 5.0) -> int:
+    for _ in range(int(timeout / 0.02)):  # the monitor reports a refusal a moment after the handshake
+        if server.refused > before:
+            break
+        await asyncio.sleep(0.02)
+    return server.refused
+
+
+async def test_curve_server_off_loopback_takes_only_the_run_client(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    from flashrl.cluster.keys import CurveKeys
+    from flashrl.transport import refused_total
+
+    ip = _non_loopback_ip()
+    port = free_port(ip)
+    addr = f"tcp://{ip}:{port}"
+    # plain TCP off loopback: refused before anything binds (the port stays free)
+    with pytest.raises(TransportError, match="not loopback"):
+        RpcServer(addr, P.ENGINE_REQUESTS, _handler, name="plain")
+    with pytest.raises(TransportError, match="not loopback"):
+        RpcClient(addr, P.ENGINE_REPLIES, name="plain")
+    with socket.socket() as s:
+        s.bind((ip, port))
+
+    keys = CurveKeys.generate(tmp_path / "keys.json")
+    other = CurveKeys.new()  # another run's keys
+    caplog.set_level("WARNING", logger="flashrl.transport")
+    server = RpcServer(addr, P.ENGINE_REQUESTS, _handler, name="srv", curve=keys.server())
+    task = asyncio.create_task(server.serve())
+    good = RpcClient(addr, P.ENGINE_REPLIES, name="good", curve=keys.client())
+    intruders: list[RpcClient] = []
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    try:
+        reply = await good.request(P.Ping(), timeout=10.0)
+        assert isinstance(reply, P.Pong) and reply.version == 7
+        assert server.refused == 0
+
+        # 1. no keys at all (a plain ZeroMQ peer): no reply, refused and counted
+        total = refused_total()
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(addr)
+        await raw.send(P.encode(P.Ping(rid=1)))
+        assert await raw.poll(1000) == 0
+        assert await _refused_after(server, 0) >= 1
+        assert refused_total() > total
+        raw.close(linger=0)
+
+        # 2. keys of another run (client key unknown to the server's ZAP handler)
+        # 3. this run's client key pair but another server key (talking to the wrong server)
+        for name, curve in (
+            ("other-client", other.client()),
+            ("wrong-server", dict(keys.client(), server_public=other.server_public)),
+        ):
+            before = server.refused
+            c = RpcClient(addr, P.ENGINE_REPLIES, name=name, curve=curve)
+            intruders.append(c)
+            with pytest.raises(TimeoutError):
+                await c.request(P.Ping(), timeout=1.0)
+            assert await _refused_after(server, before) > before, name
+            await c.close()
+
+        # the run's own client is unaffected
+        reply = await good.request(P.Ping(), timeout=10.0)
+        assert isinstance(reply, P.Pong)
+        text = caplog.text
+        assert "refused" in text and "transport/refused" in text and addr in text
+        for secret in (keys.server_secret, keys.client_secret):
+            assert secret.decode() not in text
+    finally:
+        raw.close(linger=0)
+        for c in intruders:
+            await c.close()
+        await good.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,6 +1,8 @@
 """Controller side of an engine process: spawn it, wait for it, talk to it, stop it.
 
-    spawn_engine(opts) -> EngineProcess ------ procs.Child (python -m flashrl.engine.server, own process group)
+    launch.EnginePool: launcher.spawn("engine", i, engine_argv(opts), engine_extra_env(opts)) -> EngineProcess
+    spawn_engine(opts) -> EngineProcess ------ procs.Child (python -m flashrl.engine.server, own process group;
+                                               the standalone local helper of tests and benches)
         wait_ready(): one Ping in flight, raced against the process's exit, until Pong, exit, or deadline
         terminate():  procs.Child.stop: Shutdown -> wait -> SIGTERM to the group -> wait -> SIGKILL
 
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashrl.cluster.base import Proc
 from flashrl.engine.server import EngineOptions, options_to_argv
 from flashrl.procs import Child
 from flashrl.protocol import (
@@ -147,12 +150,17 @@ class EngineProcessClient:
 
 
 class EngineProcess:
-    """A spawned engine process (a ``procs.Child``: its own process group, so vLLM's children go with it)."""
+    """A spawned engine process: a launcher's ``Proc`` (locally a ``procs.Child``: its own process group, so
+    vLLM's children go with it). ``connect``: the address the controller dials (default: ``opts.address``,
+    the one the engine binds); ``curve``: the controller's CURVE keys (cluster.keys.CurveKeys.client())."""
 
-    def __init__(self, opts: EngineOptions, child: Child, heartbeat_s: float = 5.0) -> None:
+    def __init__(self, opts: EngineOptions, child: Proc, heartbeat_s: float = 5.0, *, connect: str | None = None,
+                 curve: dict[str, bytes] | None = None) -> None:
         self.opts = opts
         self.child = child
         self.heartbeat_s = heartbeat_s
+        self.connect = connect or opts.address
+        self.curve = curve
         self.ready_s: float | None = None
         self._client: EngineProcessClient | None = None
 
@@ -162,10 +170,14 @@ class EngineProcess:
 
     @property
     def address(self) -> str:
-        return self.opts.address
+        """Where the controller reaches this engine."""
+        return self.connect
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
+        """The local process (local launcher only: tests signal it)."""
+        if not isinstance(self.child, Child):
+            raise AttributeError(f"{self.name} runs under a remote launcher: no local process")
         return self.child.proc
 
     @property
@@ -189,7 +201,8 @@ class EngineProcess:
 
     def new_client(self, heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 30.0) -> EngineProcessClient:
         """A separate client (its own socket); the caller closes it."""
-        return EngineProcessClient(self.name, self.address, heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        return EngineProcessClient(self.name, self.address, heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                   curve=self.curve)
 
     async def wait_ready(self, timeout: float = 600.0) -> float:
         """Wait until the engine answers Ping; return the seconds since spawn.
@@ -249,6 +262,14 @@ class EngineProcess:
 
 
 def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This machine's environment with ``engine_extra_env`` over it (see there)."""
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(engine_extra_env(opts, env_extra))
+    return env
+
+
+def engine_extra_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
     """The engine's environment: thread counts and binding sized for a small shared CPU box.
 
     - ``OMP_NUM_THREADS`` = opts.threads: torch's intra-op pool for the model.
@@ -257,10 +278,12 @@ def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> 
       engine would pin to the same single core while the trainer and the other engines compete for
       it. Unpinned threads let the OS spread engines and trainer. Override through ``env_extra``
       (e.g. "0|1" style lists) on a machine with cores to spare.
-    - ``VLLM_CPU_KVCACHE_SPACE`` is removed: it is whole GiB and would override kv_cache_gib.
+    - ``VLLM_CPU_KVCACHE_SPACE`` is dropped by the engine process itself (server.serve): it is whole GiB
+      and would override kv_cache_gib.
+
+    The variables only (a launcher merges them over the node's environment).
     """
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env: dict[str, str] = {}
     if opts.device == "cpu":
         env["OMP_NUM_THREADS"] = str(opts.threads)
         env["MKL_NUM_THREADS"] = str(opts.threads)
@@ -270,6 +293,11 @@ def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> 
     return env
 
 
+def engine_argv(opts: EngineOptions) -> list[str]:
+    """The engine's command line for ``Launcher.spawn`` ("python" = the node's flashrl python)."""
+    return ["python", "-m", "flashrl.engine.server", *options_to_argv(opts)]
+
+
 def spawn_engine(
     opts: EngineOptions, log_path: str | Path, env_extra: dict[str, str] | None = None, *, heartbeat_s: float = 5.0
 ) -> EngineProcess:
@@ -277,7 +305,7 @@ def spawn_engine(
 
     ``heartbeat_s`` is the Ping interval of ``EngineProcess.client`` (0 = off).
     """
-    cmd = [sys.executable, "-m", "flashrl.engine.server", *options_to_argv(opts)]
+    cmd = [sys.executable, *engine_argv(opts)[1:]]
     child = Child.spawn(f"engine {opts.name}", cmd, log_path, env=engine_env(opts, env_extra))
     log.info("engine %s on %s", opts.name, opts.address)
     return EngineProcess(opts, child, heartbeat_s)

@@ -411,15 +411,18 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
 
 
 async def _serve(opts: EngineOptions) -> int:
+    from flashrl.cluster.keys import CurveKeys
     from flashrl.transport import RpcServer
 
     t0 = time.perf_counter()
+    keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
     meter = LoadMeter(time.monotonic())
     engine = build_engine(opts, meter)
     server = EngineServer(engine, opts.name, meter)
     try:
         await server.start()
-        rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name)
+        rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name,
+                        curve=keys.server() if keys is not None else None)
         log.info("%s: serving %s on %s (ready in %.1fs)", opts.name, opts.model, opts.address, time.perf_counter() - t0)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,13 +1,14 @@
 """The controller's handle on the trainer group: R rank processes, one ZeroMQ channel to rank 0.
 
-    TrainerGroup.spawn --procs.Child x R (own process group each; env as torchrun sets it)--> worker.py ranks
+    TrainerGroup.spawn --launcher.spawn("trainer", rank) x R (env as torchrun sets it: MASTER_ADDR =
+                        launcher.trainer_master())--> worker.py ranks (locally procs.Child: own process group)
                         stdout+stderr -> <run_dir>/logs/trainer<rank>.log
     train_step / prepare_weights / ... --RpcClient--> rank 0 (fans out to the others)
          each call races its reply against the rank processes: a rank that exits fails the call at
          once with TrainerDied (and the tail of its log) instead of leaving it waiting forever
     close(): Shutdown request -> wait -> SIGTERM each rank's process group -> wait -> SIGKILL
 
-``TrainerGroup`` implements ``flashrl.interfaces.TrainerClient``. Each rank's ``procs.Child`` SIGKILLs
+``TrainerGroup`` implements ``flashrl.interfaces.TrainerClient``. Each rank's ``procs.Child`` (local) SIGKILLs
 its process group if dropped without ``close()`` (a half-built group leaves no orphans), and each rank
 dies on its own when the controller does (``procs.child_init``).
 """
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 from flashrl import protocol
+from flashrl.cluster.base import Launcher, Proc
 from flashrl.config import Config
 from flashrl.procs import Child, tail
 from flashrl.protocol import (
@@ -43,7 +44,7 @@ from flashrl.protocol import (
     TrainStep,
     WeightManifest,
 )
-from flashrl.transport import PeerDead, RpcClient, free_port, local_address
+from flashrl.transport import PeerDead, RpcClient
 
 log = logging.getLogger(__name__)
 
@@ -57,52 +58,69 @@ class TrainerDied(PeerDead):
 class TrainerGroup:
     """R trainer ranks as one ``TrainerClient``. Build with ``spawn``; then ``await wait_ready()``."""
 
-    def __init__(self, children: list[Child], address: str, cfg: Config) -> None:
+    def __init__(self, children: list[Proc], address: str, cfg: Config, *, curve: dict[str, bytes] | None = None,
+                 owned_launcher: Any = None) -> None:
         self.children = children
-        self.address = address
+        self.address = address  # where the controller reaches rank 0
         self.cfg = cfg
+        self.curve = curve
         self.version = 0
         self._rpc: RpcClient | None = None
         self._closed = False
+        self._owned_launcher = owned_launcher  # spawn() without a launcher made its own: closed with the group
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
-        return [c.proc for c in self.children]
+        """The local rank processes (local launcher only: tests signal them)."""
+        return [c.proc for c in self.children if isinstance(c, Child)]
 
     @property
     def logs(self) -> list[Path]:
         return [c.log_path for c in self.children if c.log_path is not None]
 
     @classmethod
-    def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path, config_path: str | Path,
-              *, resume: str | Path | None = None, python: str = sys.executable) -> TrainerGroup:
-        """Start ``cfg.trainer.ranks`` worker processes on this machine (what torchrun would do)."""
+    async def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path, config_path: str | Path,
+                    *, resume: str | Path | None = None, launcher: Launcher | None = None) -> TrainerGroup:
+        """Start ``cfg.trainer.ranks`` worker processes through ``launcher`` (what torchrun would do).
+
+        ``launcher`` None: a local launcher of this group's own (cfg.cluster.interface), closed with it.
+        """
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        owned = None
+        if launcher is None:
+            from flashrl.cluster.local import LocalLauncher
+
+            launcher = owned = LocalLauncher(run_dir, cfg.cluster.interface)
+            launcher.preflight()
+            await launcher.start()
         world = cfg.trainer.ranks
-        address = local_address("trainer")
-        master_port = free_port()
-        cmd = [python, "-m", "flashrl.trainer.worker", "--config", str(config_path), "--address", address,
+        ep = await launcher.endpoint("trainer", 0)
+        master, master_port = launcher.trainer_master(), await launcher.trainer_port()
+        cmd = ["python", "-m", "flashrl.trainer.worker", "--config", str(config_path), "--address", ep.bind,
                "--model", str(model_path)]
         if resume is not None:
             cmd += ["--resume", str(resume)]
-        children: list[Child] = []
+        children: list[Proc] = []
         try:
             for rank in range(world):
-                env = dict(os.environ)
-                env.update({
+                env = {
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                     "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                    "MASTER_ADDR": master, "MASTER_PORT": str(master_port),
                     "OMP_NUM_THREADS": str(cfg.trainer.threads),
-                })
-                children.append(Child.spawn(f"trainer rank {rank}", cmd, run_dir / "logs" / f"trainer{rank}.log", env=env))
+                }
+                children.append(await launcher.spawn("trainer", rank, cmd, env, run_dir / "logs" / f"trainer{rank}.log"))
         except BaseException:
             for c in children:
                 c.kill()
+            if owned is not None:
+                await owned.close()
             raise
-        log.info("trainer group: %d rank(s), rank 0 at %s, logs %s", world, address, run_dir / "logs")
-        return cls(children, address, cfg)
+        log.info("trainer group: %d rank(s), rank 0 at %s, torch.distributed master %s:%d, logs %s",
+                 world, ep.connect, master, master_port, run_dir / "logs")
+        curve = launcher.curve.client() if launcher.curve is not None else None
+        return cls(children, ep.connect, cfg, curve=curve, owned_launcher=owned)
 
     # ------------------------------------------------------------------ liveness
     def _check_alive(self) -> None:
@@ -123,7 +141,7 @@ class TrainerGroup:
         if self._closed:
             raise PeerDead("trainer group is closed")
         if self._rpc is None:
-            self._rpc = RpcClient(self.address, protocol.TRAINER_REPLIES, name="trainer")
+            self._rpc = RpcClient(self.address, protocol.TRAINER_REPLIES, name="trainer", curve=self.curve)
         return self._rpc
 
     async def _call(self, msg: Msg, timeout: float | None = None) -> Msg:
@@ -216,8 +234,20 @@ class TrainerGroup:
                 asked = True
         self._closed = True
         if asked:  # rank 0 fans Shutdown out to the others: every rank gets the grace to exit
-            await asyncio.gather(*(c.wait(grace_s) for c in self.children))
+            await asyncio.gather(*(_exit_within(c, grace_s) for c in self.children))
         await asyncio.gather(*(c.stop() for c in self.children))  # then SIGTERM, SIGKILL, group reaped
         if self._rpc is not None:
             await self._rpc.close()
             self._rpc = None
+        if self._owned_launcher is not None:
+            await self._owned_launcher.close()
+
+
+async def _exit_within(proc: Proc, timeout: float) -> bool:
+    """True if ``proc`` exited within ``timeout`` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            await proc.exited()
+    except TimeoutError:
+        return False
+    return True

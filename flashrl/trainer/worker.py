@@ -739,7 +739,11 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
                     await loop.run_in_executor(compute, fanout.send, Ping())
                     last_busy[0] = loop.time()
 
-    server = RpcServer(address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}")
+    from flashrl.cluster.keys import CurveKeys
+
+    keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
+    server = RpcServer(address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}",
+                       curve=keys.server() if keys is not None else None)
     tasks = [loop.create_task(server.serve(), name="trainer-rpc"), loop.create_task(keepalive(), name="keepalive")]
     log.info("rank 0 serving %s (world %d)", address, trainer.world)
     await stop.wait()

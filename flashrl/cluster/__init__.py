@@ -1,0 +1,44 @@
+"""Launchers: where a run's processes start (this machine, a Ray cluster, a SLURM allocation).
+
+``make_launcher(cfg, run_dir)`` picks one by ``cfg.cluster.launcher``; base.py holds the interface
+(``Launcher``, ``Proc``, ``Endpoint``, ``LaunchError``), local.py the default, keys.py the per-run CURVE
+keys. ray.py and slurm.py are imported only when chosen (their packages are optional extras).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flashrl.cluster.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
+from flashrl.cluster.keys import CurveKeys
+
+if TYPE_CHECKING:
+    from flashrl.config import Config
+
+__all__ = ["CurveKeys", "Endpoint", "LaunchError", "Launcher", "Proc", "Role", "make_launcher", "proc_name"]
+
+_REMOTE = {"ray": ("flashrl.cluster.ray", "RayLauncher", "ray"), "slurm": ("flashrl.cluster.slurm", "SlurmLauncher", "")}
+
+
+def make_launcher(cfg: Config, run_dir: str | Path) -> Launcher:
+    """The launcher ``cfg.cluster.launcher`` names, built for ``run_dir`` (nothing starts yet)."""
+    kind = cfg.cluster.launcher
+    if kind == "local":
+        from flashrl.cluster.local import LocalLauncher
+
+        return LocalLauncher(run_dir, cfg.cluster.interface)
+    if kind not in _REMOTE:
+        raise LaunchError(f"cluster.launcher = {kind!r}: expected one of 'local', 'ray', 'slurm'")
+    module, cls, extra = _REMOTE[kind]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            raise LaunchError(f"cluster.launcher = {kind!r}: this flashrl has no {kind} launcher yet "
+                              f"({module} is missing); use cluster.launcher = \"local\"") from None
+        hint = f"pip install 'flashrl[{extra}]'" if extra else f"install {e.name}"
+        raise LaunchError(f"cluster.launcher = {kind!r} needs the {e.name} package: {hint}") from None
+    launcher: Launcher = getattr(mod, cls)(cfg, Path(run_dir))
+    return launcher

@@ -1,0 +1,200 @@
+"""flashrl/cluster: per-run CURVE keys and the local launcher, with real files and real processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flashrl import cluster
+from flashrl.cluster import LaunchError, Proc, make_launcher
+from flashrl.cluster.base import interface_host, primary_address
+from flashrl.cluster.keys import KEYS_ENV, CurveKeys, KeyFileError
+from flashrl.cluster.local import LocalLauncher
+from flashrl.config import ConfigError, load
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPATH = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+# A supervised child that starts a grandchild (like vLLM's EngineCore) and reports what it was given.
+CHILD = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    from flashrl.procs import child_init
+    child_init("test child")
+    grand = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(json.dumps({"child": os.getpid(), "grand": grand.pid, "extra": os.environ.get("EXTRA"),
+                      "keys": os.environ.get("FLASHRL_CURVE_KEYS"), "argv": sys.argv[1:]}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def non_loopback_ip() -> str:
+    try:
+        return primary_address()
+    except LaunchError as e:
+        pytest.skip(f"this machine has no non-loopback address: {e}")
+
+
+def _report(path: Path, timeout: float = 30.0) -> dict:
+    import json
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if line.startswith("{"):
+                return json.loads(line)
+        time.sleep(0.05)
+    raise AssertionError(f"no report in {path}: {path.read_text() if path.exists() else '(missing)'}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# ---------------------------------------------------------------------------- keys
+def test_keys_file_is_private_round_trips_and_never_shows_secrets(tmp_path: Path) -> None:
+    keys = CurveKeys.generate(tmp_path / "run" / "secrets" / "k.json")
+    assert keys.path is not None
+    assert stat.S_IMODE(keys.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(keys.path.parent.stat().st_mode) == 0o700
+    back = CurveKeys.load(keys.path)
+    assert back == keys and back.server() == keys.server() and back.client() == keys.client()
+    assert keys.server_public != keys.client_public and len(keys.server_secret) == 40
+    text = repr(keys)
+    assert keys.server_secret.decode() not in text and keys.client_secret.decode() not in text
+    assert keys.server_public.decode() in text
+    # the child's side: only the path travels, in the environment
+    assert keys.env() == {KEYS_ENV: str(keys.path)}
+    # a second run gets other keys in the same place
+    again = CurveKeys.generate(keys.path)
+    assert again.server_secret != keys.server_secret and CurveKeys.load(keys.path) == again
+
+
+def test_keys_file_readable_by_others_or_malformed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = CurveKeys.generate(tmp_path / "k.json")
+    assert keys.path is not None
+    os.chmod(keys.path, 0o644)
+    with pytest.raises(KeyFileError, match="mode 644.*0600"):
+        CurveKeys.load(keys.path)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    os.chmod(bad, 0o600)
+    with pytest.raises(KeyFileError, match="malformed"):
+        CurveKeys.load(bad)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        CurveKeys.load(tmp_path / "missing.json")
+    monkeypatch.delenv(KEYS_ENV, raising=False)
+    assert CurveKeys.from_env() is None
+    os.chmod(keys.path, 0o600)
+    monkeypatch.setenv(KEYS_ENV, str(keys.path))
+    assert CurveKeys.from_env() == keys
+
+
+# ---------------------------------------------------------------------------- local launcher
+async def test_local_launcher_spawns_stops_and_leaves_nothing(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path)
+    launcher.preflight()
+    await launcher.start()
+    assert launcher.curve is None and launcher.trainer_master() == "127.0.0.1"
+    ep = await launcher.endpoint("engine", 0)
+    assert ep.bind == ep.connect and ep.bind.startswith("ipc://") and ep.host == "127.0.0.1"
+    assert (await launcher.endpoint("engine", 0)).bind != ep.bind  # a fresh socket per start
+    port = await launcher.trainer_port()
+    assert 0 < port < 65536
+
+    procs: list[Proc] = []
+    for i in range(2):
+        procs.append(await launcher.spawn("engine", i, ["python", "-c", CHILD, "a", str(i)], dict(PYPATH, EXTRA=f"x{i}"),
+                                          tmp_path / "logs" / f"e{i}.log"))
+    assert all(isinstance(p, Proc) for p in procs)
+    assert [p.name for p in procs] == ["engine engine0", "engine engine1"]
+    reports = [_report(tmp_path / "logs" / f"e{i}.log") for i in range(2)]
+    assert [r["extra"] for r in reports] == ["x0", "x1"] and reports[1]["argv"] == ["a", "1"]
+    assert reports[0]["keys"] is None  # loopback: no keys handed out
+    assert launcher.leftovers() == {"processes": 2}
+
+    # stop one the orderly way (its owner does this); the launcher forgets it
+    code = await procs[0].stop(2.0)
+    assert code is not None and not procs[0].alive and _gone(reports[0]["grand"])
+    assert launcher.leftovers() == {"processes": 1}
+    # restart = spawn again with the same (role, index)
+    again = await launcher.spawn("engine", 0, ["python", "-c", CHILD, "b"], PYPATH, tmp_path / "logs" / "e0b.log")
+    r_again = _report(tmp_path / "logs" / "e0b.log")
+    assert again.alive and launcher.leftovers() == {"processes": 2}
+
+    # close: everything it started is gone, grandchildren included
+    await launcher.close()
+    assert launcher.leftovers() == {"processes": 0}
+    for pid in (reports[1]["child"], reports[1]["grand"], r_again["child"], r_again["grand"]):
+        assert _gone(pid), pid
+    with pytest.raises(LaunchError, match="closed"):
+        await launcher.spawn("engine", 3, ["python", "-c", "pass"], {}, tmp_path / "x.log")
+
+
+async def test_local_launcher_off_loopback_hands_keys_by_file_path_only(tmp_path: Path) -> None:
+    ip = non_loopback_ip()
+    launcher = LocalLauncher(tmp_path, ip)
+    launcher.preflight()
+    await launcher.start()
+    try:
+        keys = launcher.curve
+        assert keys is not None and keys.path is not None and keys.path.is_relative_to(tmp_path)
+        assert stat.S_IMODE(keys.path.stat().st_mode) == 0o600
+        ep = await launcher.endpoint("trainer", 0)
+        assert ep.bind.startswith(f"tcp://{ip}:") and ep.connect == ep.bind and ep.host == ip
+        assert launcher.trainer_master() == ip
+        p = await launcher.spawn("trainer", 0, ["python", "-c", CHILD], PYPATH, tmp_path / "t.log")
+        r = _report(tmp_path / "t.log")
+        assert p.name == "trainer rank 0"
+        assert r["keys"] == str(keys.path)
+        # the secret is in no argv and no log
+        for secret in (keys.server_secret, keys.client_secret):
+            assert secret.decode() not in " ".join(psutil.Process(r["child"]).cmdline())
+            assert secret.decode() not in (tmp_path / "t.log").read_text()
+    finally:
+        await launcher.close()
+    assert not keys.path.exists()  # per run: gone with the launcher
+    assert launcher.leftovers() == {"processes": 0}
+
+
+def test_interface_that_is_not_this_node_fails_before_anything_starts(tmp_path: Path) -> None:
+    for iface, what in (("0.0.0.0", "every interface"), ("203.0.113.77", "cannot bind 203.0.113.77")):
+        launcher = LocalLauncher(tmp_path, iface)
+        with pytest.raises(LaunchError, match=f"cluster.interface = '{iface}'.*{what}"):
+            launcher.preflight()
+    assert interface_host("loopback") == "127.0.0.1"
+    assert not (tmp_path / "secrets").exists()
+
+
+def test_cluster_config_and_make_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load(None)
+    assert (cfg.cluster.launcher, cfg.cluster.interface) == ("local", "loopback")
+    assert isinstance(make_launcher(cfg, tmp_path), LocalLauncher)
+    with pytest.raises(ConfigError, match=r"cluster.interface: 'eth0' is not an IP address"):
+        load(None, ["cluster.interface=eth0"])
+    with pytest.raises(ConfigError, match=r"cluster.launcher: invalid value 'k8s'.*'local', 'ray', 'slurm'"):
+        load(None, ["cluster.launcher=k8s"])
+    # a launcher whose module is not there (yet): a LaunchError naming it, nothing started
+    monkeypatch.setitem(cluster._REMOTE, "slurm", ("flashrl.cluster.no_such_launcher", "X", ""))
+    with pytest.raises(LaunchError, match="no slurm launcher yet.*no_such_launcher"):
+        make_launcher(load(None, ["cluster.launcher=slurm"]), tmp_path)
+    # a launcher whose optional package is missing: the extra to install
+    fake = tmp_path / "fakepkg"
+    fake.mkdir()
+    (fake / "fake_launcher_mod.py").write_text("import no_such_package_for_flashrl\n")
+    monkeypatch.syspath_prepend(str(fake))
+    monkeypatch.setitem(cluster._REMOTE, "ray", ("fake_launcher_mod", "X", "ray"))
+    with pytest.raises(LaunchError, match=r"needs the no_such_package_for_flashrl package: pip install 'flashrl\[ray\]'"):
+        make_launcher(load(None, ["cluster.launcher=ray"]), tmp_path)
+    sys.modules.pop("fake_launcher_mod", None)
