@@ -22,9 +22,11 @@ Failure rules (per call; each raises ``EnvFailure`` so the controller retries th
 Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", workers = 2,
 params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
 inside the workers). Tasks come from a copy of the inner suite built in the controller (data only).
-Messages are msgspec structs (below); nothing is pickled. Workers are ``flashrl.procs`` children: each leads its own process
-group and dies with the controller (parent-death signal plus a watchdog); call
-``RemoteSuite.aclose()`` on shutdown.
+Messages are msgspec structs (below); nothing is pickled. Inside a run, workers start through the run's
+launcher (``flashrl.cluster.active()``: role "env", index = slot; logs in runs/<name>/logs/env<slot>.log;
+CURVE keys when cluster.interface is off loopback); used on its own (no run), the pool starts them here
+as ``flashrl.procs`` children. Either way each leads its own process group and dies with the controller
+(parent-death signal plus a watchdog); call ``RemoteSuite.aclose()`` on shutdown.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import msgspec
 from msgspec import Meta
 
 from envs.faults import WORKER_ENV_VAR, validate_observation
+from flashrl import cluster
+from flashrl.cluster.keys import CurveKeys
 from flashrl.env import Env, EnvFailure, StepResult, Task
 from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
@@ -106,11 +110,11 @@ class RemoteParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class _Worker:
     """One slot's current process. ``generation`` increases with every replacement."""
 
-    def __init__(self, slot: int, generation: int, child: Child, client: RpcClient) -> None:
+    def __init__(self, slot: int, generation: int, child: cluster.Proc, client: RpcClient) -> None:
         self.slot = slot
         self.generation = generation
         self.child = child
-        self.proc = child.proc
+        self.proc = child.proc if isinstance(child, Child) else None  # local processes only (tests signal them)
         self.client = client
         self.sessions = 0
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -134,13 +138,13 @@ class RemotePool:
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
         self._background: set[asyncio.Task[Any]] = set()
         # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
-        self._children: set[Child] = set()
+        self._children: set[cluster.Proc] = set()
         self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the current workers (slot order; tests kill them on purpose)."""
-        return [w.proc.pid for w in self._slots if w is not None and w.alive]
+        return [w.proc.pid for w in self._slots if w is not None and w.alive and w.proc is not None]
 
     async def start(self) -> None:
         if self._start_lock is None:
@@ -152,15 +156,27 @@ class RemotePool:
 
     async def _spawn(self, slot: int) -> _Worker:
         gen = next(self._generations)
-        address = f"ipc://{self._dir}/w{slot}-{gen}.sock"
-        args = ["--address", address, "--inner", self.params.inner, "--params", msgspec.json.encode(self.params.params).decode(),
+        run = cluster.active()
+        if run is None:  # no run around this pool: ipc:// in its own folder
+            bind = connect = f"ipc://{self._dir}/w{slot}-{gen}.sock"
+        else:
+            ep = await run.launcher.endpoint("env", slot)
+            bind, connect = ep.bind, ep.connect
+        args = ["--address", bind, "--inner", self.params.inner, "--params", msgspec.json.encode(self.params.params).decode(),
                 "--seed", str(self.seed), "--eval-size", str(self.eval_size)]  # fmt: skip
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env[WORKER_ENV_VAR] = "1"
-        child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, "-m", "envs.remote", *args], None, env=env)
+        extra = {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), WORKER_ENV_VAR: "1"}
+        child: cluster.Proc
+        curve = None
+        if run is None:
+            child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, "-m", "envs.remote", *args], None,
+                                env=dict(os.environ, **extra))
+        else:
+            child = await run.launcher.spawn("env", slot, ["python", "-m", "envs.remote", *args], extra,
+                                             run.logs / f"env{slot}.log")
+            curve = run.launcher.curve.client() if run.launcher.curve is not None else None
         self._children.add(child)
-        client = RpcClient(address, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}")
+        client = RpcClient(connect, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}", curve=curve)
         w = _Worker(slot, gen, child, client)
         w.supervisor = asyncio.get_running_loop().create_task(self._supervise(w), name=f"env-worker-{slot}.{gen}-supervisor")
         self.counters["spawned"] += 1
@@ -239,7 +255,7 @@ class RemotePool:
         self._finalizer()
 
 
-def _kill_all(children: set[Child], path: str) -> None:
+def _kill_all(children: set[cluster.Proc], path: str) -> None:
     for child in list(children):
         child.kill()
     shutil.rmtree(path, ignore_errors=True)
@@ -415,7 +431,9 @@ async def _worker_main(ns: argparse.Namespace) -> None:
     params = msgspec.json.decode(ns.params)
     suite = make_suite(ns.inner, params, ns.seed, ns.eval_size)
     state = _WorkerState(suite)
-    server = RpcServer(ns.address, WORKER_REQUESTS, state.handle, name=f"env-worker({ns.inner})")
+    keys = CurveKeys.from_env()  # set by the run's launcher when sockets are off loopback
+    server = RpcServer(ns.address, WORKER_REQUESTS, state.handle, name=f"env-worker({ns.inner})",
+                       curve=keys.server() if keys is not None else None)
     serve = asyncio.get_running_loop().create_task(server.serve())
     await state.stop.wait()
     serve.cancel()

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from flashrl.checkpoint import Resume
-from flashrl.cluster import Launcher, make_launcher
+from flashrl.cluster import Launcher, activate, deactivate, make_launcher
 from flashrl.config import Config, to_toml
 from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
 from flashrl.procs import child_init, exit_text
@@ -491,6 +491,7 @@ async def local_cluster(
     if launcher is None:
         launcher = make_launcher(cfg, run_dir)
     launcher.preflight()
+    token = activate(launcher, logs)  # remote env workers, started later by the env suite, use it too
     try:
         await launcher.start()
         status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s) ({launcher.name} launcher)")
@@ -507,6 +508,7 @@ async def local_cluster(
         yield engines, trainer
     finally:
         await _stop_all(engines, trainer, launcher)
+        deactivate(token)
 
 
 async def _stop_all(engines: EnginePool | None, trainer: Any, launcher: Launcher | None = None) -> None:

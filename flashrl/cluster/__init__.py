@@ -7,7 +7,9 @@ keys. ray.py and slurm.py are imported only when chosen (their packages are opti
 
 from __future__ import annotations
 
+import contextvars
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +19,8 @@ from flashrl.cluster.keys import CurveKeys
 if TYPE_CHECKING:
     from flashrl.config import Config
 
-__all__ = ["CurveKeys", "Endpoint", "LaunchError", "Launcher", "Proc", "Role", "make_launcher", "proc_name"]
+__all__ = ["Active", "CurveKeys", "Endpoint", "LaunchError", "Launcher", "Proc", "Role", "activate", "active",
+           "make_launcher", "proc_name"]
 
 _REMOTE = {"ray": ("flashrl.cluster.ray", "RayLauncher", "ray"), "slurm": ("flashrl.cluster.slurm", "SlurmLauncher", "")}
 
@@ -42,3 +45,28 @@ def make_launcher(cfg: Config, run_dir: str | Path) -> Launcher:
         raise LaunchError(f"cluster.launcher = {kind!r} needs the {e.name} package: {hint}") from None
     launcher: Launcher = getattr(mod, cls)(cfg, Path(run_dir))
     return launcher
+
+
+@dataclass(frozen=True)
+class Active:
+    """The launcher of the run in progress, for code that starts processes later (remote env workers)."""
+
+    launcher: Launcher
+    logs: Path  # the run's log folder
+
+
+_ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("flashrl_cluster", default=None)
+
+
+def activate(launcher: Launcher, logs: Path) -> contextvars.Token[Active | None]:
+    """Make ``launcher`` the one ``active()`` returns in this task and the tasks it starts (launch.local_cluster)."""
+    return _ACTIVE.set(Active(launcher, logs))
+
+
+def deactivate(token: contextvars.Token[Active | None]) -> None:
+    _ACTIVE.reset(token)
+
+
+def active() -> Active | None:
+    """The run's launcher and log folder, or None outside a run (e.g. an env suite used on its own)."""
+    return _ACTIVE.get()
