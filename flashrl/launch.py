@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from flashrl.checkpoint import Resume
-from flashrl.cluster import Launcher, activate, deactivate, make_launcher
+from flashrl.cluster import Launcher, LaunchError, activate, deactivate, make_launcher
 from flashrl.config import Config, to_toml
 from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
 from flashrl.procs import child_init, exit_text
@@ -109,7 +109,8 @@ class MemorySampler:
 
 
 def main(cfg: Config, resume: Resume | None = None) -> int:
-    """Run ``cfg`` locally; returns the process exit code (0 ok, 1 failure, 130 interrupted).
+    """Run ``cfg``; returns the process exit code (0 ok, 1 failure, 2 the launcher cannot do what cfg asks,
+    130 interrupted).
 
     ``resume``: a checkpoint from ``checkpoint.prepare_resume(cfg, path)`` (verified, config checked):
     the run continues from it (trainer state, data position, metrics.jsonl up to its step).
@@ -131,6 +132,10 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
         except KeyboardInterrupt:
             print("interrupted: all processes stopped", file=sys.stderr)
             return 130
+        except LaunchError as e:  # the launcher cannot do what the config asks: nothing was started
+            log.error("launch error: %s", e)
+            print(f"launch error: {e}", file=sys.stderr)
+            return 2
         except Exception as e:  # a crash is reported once, loudly, after cleanup
             log.exception("run failed")
             print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
