@@ -6,6 +6,8 @@
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
     flashrl bench SCENARIO                   throughput sweeps (bench/*.toml)
+    flashrl run CONFIG --launcher slurm [--dry-run]  render runs/<name>/slurm/job.sbatch and submit it
+    flashrl node CONFIG --node N             one node of a SLURM job (the job script runs it)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
 
 Config problems exit with code 2 and one message naming the key path, before any process starts.
@@ -14,6 +16,7 @@ Heavy imports (torch, vLLM) happen inside the commands, so `validate` answers at
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -84,13 +87,27 @@ def run(
     path: Annotated[Optional[Path], typer.Argument(help="with --resume: a checkpoint (runs/<name>/checkpoints/step-<N>) or a run folder", show_default=False)] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="continue from the latest checkpoint of runs/<name> (or of PATH: `--resume PATH`)")] = False,
+    launcher: Annotated[Optional[str], typer.Option("--launcher", help="where the processes start: local, ray or slurm (= --set cluster.launcher=...)", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="with --launcher slurm: write and print the sbatch script, submit nothing")] = False,
 ) -> None:
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
-    cfg = _load_or_exit(config, set_)
+    overrides = list(set_ or []) + ([f"cluster.launcher={launcher}"] if launcher is not None else [])
+    cfg = _load_or_exit(config, overrides)
     if path is not None and not resume:
         typer.echo(f"error: unexpected argument {path}; to resume from it write `flashrl run {config} --resume {path}`", err=True)
         raise typer.Exit(code=2)
     _check_env_or_exit(cfg, config)
+    if cfg.cluster.launcher == "slurm" and not os.environ.get("FLASHRL_SLURM_HEAD"):
+        if path is not None:
+            typer.echo("error: with --launcher slurm, --resume continues from the latest checkpoint of "
+                       f"{cfg.run_dir}; a PATH is not supported", err=True)
+            raise typer.Exit(code=2)
+        _submit_slurm(cfg, config, dry_run, resume)
+        return
+    if dry_run:
+        typer.echo(f"error: --dry-run renders a SLURM job script; use it with --launcher slurm "
+                   f"(cluster.launcher is {cfg.cluster.launcher!r})", err=True)
+        raise typer.Exit(code=2)
     _check_model_or_exit(cfg, config)
     from flashrl.launch import main as launch_main
 
@@ -107,6 +124,23 @@ def run(
             typer.echo(f"warning: skipped a corrupt checkpoint: {why}", err=True)
     code = launch_main(cfg, resume=r)
     raise typer.Exit(code=code)
+
+
+def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> None:
+    """cluster.launcher = "slurm" outside an allocation: the sbatch script (printed, in runs/<name>/slurm/), then sbatch."""
+    from flashrl.cluster import LaunchError, slurm
+
+    try:
+        script, text = slurm.write_job(cfg, resume=resume)
+        typer.echo(text)
+        if dry_run:
+            typer.echo(f"# written to {script} (not submitted: --dry-run)", err=True)
+            return
+        job = slurm.submit(cfg, script)
+    except LaunchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"submitted job {job}: {script}; output {script.parent}/{job}.out; cancel with `scancel {job}`", err=True)
 
 
 @app.command("init-model")
@@ -151,6 +185,27 @@ def export(
         typer.echo(f"export error: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(f"exported {what} to {path}")
+
+
+@app.command()
+def node(
+    config: ConfigArg,
+    node_id: Annotated[Optional[int], typer.Option("--node", help="this node's number (checked against SLURM_NODEID)", show_default=False)] = None,
+    prepare: Annotated[bool, typer.Option("--prepare", help="the job's batch step: build/cache the model, write the keys if missing")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="node 0: the controller continues from the run's latest checkpoint")] = False,
+) -> None:
+    """One node of a SLURM job (job.sbatch runs it): this node's agent; on node 0 also the controller."""
+    cfg = _load_or_exit(config, [])
+    from flashrl.cluster import slurm
+
+    if prepare:
+        from flashrl.models import ensure_model
+
+        slurm.prepare_keys(cfg)
+        typer.echo(f"flashrl: model {ensure_model(cfg)}")
+        raise typer.Exit(code=0)
+    code = slurm.node_main(cfg, config, node_id, resume)
+    raise typer.Exit(code=code)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -154,9 +154,32 @@ class LogConfig(Section):
     wandb_mode: Annotated[Literal["offline", "online"], Meta(description="offline: no network, sync later with `wandb sync`")] = "offline"
 
 
+class SlurmNodeConfig(Section):
+    engines: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="engine indices this node runs (one GPU each when gpus_per_node > 0)")] = []
+    trainer_ranks: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="trainer ranks this node runs (one GPU each when gpus_per_node > 0)")] = []
+
+
+class SlurmConfig(Section):
+    nodes: Annotated[int, Meta(ge=1, le=4096, description="nodes of the allocation (#SBATCH --nodes); node 0, the first, runs the controller and is the rendezvous")] = 1
+    gpus_per_node: Annotated[int, Meta(ge=0, le=64, description="GPUs per node (#SBATCH --gpus-per-node); every engine and trainer rank takes one; 0 = CPU nodes")] = 0
+    cpus_per_node: Annotated[int, Meta(ge=0, le=4096, description="CPUs per node for flashrl's one task per node (#SBATCH --cpus-per-task); 0 = whole nodes (#SBATCH --exclusive --mem=0)")] = 0
+    partition: Annotated[str, Meta(description="#SBATCH --partition (empty = the cluster's default)")] = ""
+    account: Annotated[str, Meta(description="#SBATCH --account (empty = your default)")] = ""
+    time: Annotated[str, Meta(pattern=r"^$|^(\d+-)?\d+(:\d+){0,2}$", description='#SBATCH --time, e.g. "04:00:00" or "1-00:00:00" (empty = the partition\'s default)')] = "01:00:00"
+    job_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]*$", description="#SBATCH --job-name (empty = flashrl-<run.name>)")] = ""
+    sbatch: Annotated[list[Annotated[str, Meta(pattern=r"^--?[A-Za-z]")]], Meta(description='extra #SBATCH lines, e.g. ["--qos=high", "--exclusive"]')] = []
+    setup: Annotated[list[str], Meta(description='shell lines run on every node before flashrl, e.g. ["module load cuda/12.4"]')] = []
+    python: Annotated[str, Meta(description="the flashrl python on the nodes (empty = the one rendering the script)")] = ""
+    port: Annotated[int, Meta(ge=1024, le=65000, description="the node agent of node N listens on port + N (TCP, CURVE)")] = 29400
+    layout: Annotated[list[SlurmNodeConfig], Meta(description="which node runs what: one [[cluster.slurm.layout]] table per node (empty = auto: trainer ranks from node 0 on, then engines)")] = []
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0, description="a node agent that hears nothing from node 0 this long stops its processes and exits")] = 30.0
+    connect_timeout_s: Annotated[float, Meta(gt=0, description="how long node 0 waits for every node agent to answer at start")] = 600.0
+
+
 class ClusterConfig(Section):
     launcher: Annotated[Literal["local", "ray", "slurm"], Meta(description="where the run's processes start: local (this machine), ray (placement groups on a Ray cluster), slurm (an sbatch script, srun per node)")] = "local"
     interface: Annotated[str, Meta(min_length=1, description='where engine and trainer sockets bind: "loopback" (ipc:// on this machine), an IP address of the node, or "auto" (the node\'s primary address); any socket off loopback is TCP secured with ZeroMQ CURVE (per-run keys)')] = "loopback"
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
 
 
 class Config(Section):

@@ -243,6 +243,88 @@ TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, C
 TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error]
 
 
+# --------------------------------------------------------------------------- node agent (SLURM launcher)
+# controller's SlurmLauncher (and node 0's head) --NodeRequest--> `flashrl node` on each node --NodeReply-->
+class NodeHello(Msg):
+    """Who are you (also the head's heartbeat: an agent that hears nothing stops its processes)."""
+
+
+class NodeInfo(Msg):
+    node: int = 0  # SLURM_NODEID
+    hostname: str = ""
+    host: str = ""  # the address this node's sockets bind to (cluster.interface on this node)
+    gpus: int = 0  # GPUs visible to the agent
+    pid: int = 0
+
+
+class FreePort(Msg):
+    """A TCP port free now on the node's address (the caller's process binds it a moment later)."""
+
+
+class PortReply(Msg):
+    port: int = 0
+
+
+class Spawn(Msg):
+    """Start ``argv`` on the node (argv[0] "python" = the node's flashrl python) as a procs.Child."""
+
+    key: str = ""  # the launcher's name for this start (a restart gets a new key)
+    name: str = ""  # "engine engine0", "trainer rank 1"
+    argv: list[str] = []
+    env: dict[str, str] = {}  # extra variables, merged over the agent's environment
+    gpus: list[int] = []  # indices into the node's visible GPUs -> CUDA_VISIBLE_DEVICES
+    log_path: str = ""
+    cwd: str = ""
+
+
+class Spawned(Msg):
+    pid: int = 0
+
+
+class PollProcs(Msg):
+    """Which of the agent's processes have exited (also a heartbeat)."""
+
+
+class ProcStates(Msg):
+    exited: dict[str, int] = {}  # key -> return code
+    running: list[str] = []
+
+
+class StopProc(Msg):
+    """SIGTERM the process group, SIGKILL after ``term_s``; reply once the group is empty."""
+
+    key: str = ""
+    term_s: float = 5.0
+
+
+class KillProc(Msg):
+    key: str = ""
+
+
+class ReapProc(Msg):
+    key: str = ""
+    timeout: float = 5.0
+
+
+class Reaped(Msg):
+    ok: bool = True  # the process group is empty
+    code: int | None = None
+
+
+class StopAll(Msg):
+    """Stop every process this agent started (the launcher closes); the agent stays up."""
+
+    term_s: float = 5.0
+
+
+class NodeShutdown(Msg):
+    """Stop every process and exit (the run is over)."""
+
+
+NodeRequest = Union[NodeHello, FreePort, Spawn, PollProcs, StopProc, KillProc, ReapProc, StopAll, NodeShutdown]
+NodeReply = Union[NodeInfo, PortReply, Spawned, ProcStates, Reaped, Ok, Error]
+
+
 class ProtocolError(Exception):
     """A frame that is not a valid message of the expected union."""
 
@@ -272,3 +354,5 @@ ENGINE_REQUESTS = Codec(EngineRequest, "engine request")
 ENGINE_REPLIES = Codec(EngineReply, "engine reply")
 TRAINER_REQUESTS = Codec(TrainerRequest, "trainer request")
 TRAINER_REPLIES = Codec(TrainerReply, "trainer reply")
+NODE_REQUESTS = Codec(NodeRequest, "node agent request")
+NODE_REPLIES = Codec(NodeReply, "node agent reply")

@@ -1,0 +1,406 @@
+"""The SLURM launcher (issue 11, item 3): host lists, the layout and its errors, the rendered script
+(snapshot), `flashrl run --launcher slurm` (dry run, no sbatch), and the node agent with the controller's
+SlurmLauncher over real CURVE sockets and real processes. The 2-node run of the embedded default from
+the script's own per-node commands is in test_slurm_run.py (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashrl.cluster import LaunchError, slurm
+from flashrl.cluster.keys import CurveKeys
+from flashrl.config import Config, load
+from flashrl.transport import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = ROOT / "tests" / "snapshots" / "slurm_4node_gpu.sbatch"
+
+GPU_4NODE = """
+[run]
+name = "qwen-4node"
+[model]
+path = "/models/Qwen2.5-7B-Instruct"
+dtype = "bfloat16"
+[engine]
+count = 16
+device = "cuda"
+[trainer]
+ranks = 16
+backend = "nccl"
+[cluster]
+launcher = "slurm"
+interface = "auto"
+[cluster.slurm]
+nodes = 4
+gpus_per_node = 8
+partition = "gpu"
+account = "rl-team"
+time = "12:00:00"
+sbatch = ["--qos=high", "--constraint=h100"]
+setup = ["module load cuda/12.4"]
+"""
+
+
+def cfg_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> Config:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return load(p, overrides or [])
+
+
+# ---------------------------------------------------------------------------- (c) host lists
+@pytest.mark.parametrize(("spec", "hosts"), [
+    ("node01", ["node01"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),
+    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
+    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+    ("gpu-[1,3]-ib,login", ["gpu-1-ib", "gpu-3-ib", "login"]),
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+    ("", []),
+])
+def test_hostlist_expands(spec: str, hosts: list[str]) -> None:
+    assert slurm.expand_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize(("spec", "why"), [
+    ("node[01-03", "'[' without ']'"),
+    ("node01]", "']' without '['"),
+    ("node[3-1]", "runs backwards"),
+    ("node[a-b]", "is not a number"),
+    ("node[[1]]", "nested"),
+    ("a,,b", "stray comma"),
+])
+def test_hostlist_errors_name_the_problem(spec: str, why: str) -> None:
+    with pytest.raises(ValueError, match=r"host list .*" + why.replace("[", r"\[").replace("]", r"\]")):
+        slurm.expand_hostlist(spec)
+
+
+def test_node_hosts_from_env_without_scontrol() -> None:
+    assert slurm.node_hosts({"SLURM_JOB_NODELIST": "n[1-2]"}, scontrol=False) == ["n1", "n2"]
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST is not set"):
+        slurm.node_hosts({}, scontrol=False)
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST: host list"):
+        slurm.node_hosts({"SLURM_JOB_NODELIST": "n[1-"}, scontrol=False)
+
+
+# ---------------------------------------------------------------------------- layout
+def test_auto_gpu_layout_packs_trainer_ranks_then_engines(tmp_path: Path) -> None:
+    p = slurm.plan(cfg_of(tmp_path, GPU_4NODE))
+    assert p.ranks == [list(range(8)), list(range(8, 16)), [], []]
+    assert p.engines == [[], [], list(range(8)), list(range(8, 16))]
+    r9 = p.place("trainer", 9)
+    assert (r9.node, r9.gpus, r9.local_rank, r9.local_world, r9.group_rank) == (1, tuple(range(8)), 1, 8, 1)
+    assert p.place("engine", 10).node == 3 and p.place("engine", 10).gpus == (2,)
+    assert p.describe(0) == "controller (rendezvous); trainer ranks 0-7 on GPUs 0-7"
+
+
+def test_explicit_layout_shares_a_node(tmp_path: Path) -> None:
+    text = GPU_4NODE.replace("nodes = 4", "nodes = 2").replace("count = 16", "count = 4").replace("ranks = 16", "ranks = 4")
+    text += """
+[[cluster.slurm.layout]]
+trainer_ranks = [0, 1, 2, 3]
+engines = [3]
+[[cluster.slurm.layout]]
+engines = [0, 1, 2]
+"""
+    p = slurm.plan(cfg_of(tmp_path, text))
+    assert p.place("engine", 3).node == 0 and p.place("engine", 3).gpus == (4,)  # after the 4 trainer GPUs
+    assert p.place("trainer", 2).gpus == (0, 1, 2, 3) and p.place("trainer", 2).local_rank == 2
+    assert p.place("engine", 1).node == 1 and p.place("engine", 1).gpus == (1,)
+    assert p.describe(1) == "engines 0-2 on GPUs 0-2"
+
+
+def test_cpu_layout_puts_engines_off_node_0(tmp_path: Path) -> None:
+    cfg = load(ROOT / "configs" / "tiny.toml", ["cluster.launcher=slurm", "cluster.slurm.nodes=2", "cluster.interface=auto"])
+    p = slurm.plan(cfg)
+    assert p.ranks == [[0], []] and p.engines == [[], [0, 1]]
+    assert p.describe(0) == "controller (rendezvous); trainer rank 0"
+
+
+# ---------------------------------------------------------------------------- (d) errors before anything starts
+@pytest.mark.parametrize(("overrides", "extra", "message"), [
+    (["cluster.slurm.nodes=1"], "",
+     "trainer.ranks = 16 + engine.count = 16 need 32 GPUs (one each), but cluster.slurm.nodes = 1 x "
+     "cluster.slurm.gpus_per_node = 8 gives 8: set cluster.slurm.nodes = 4"),
+    (["cluster.slurm.gpus_per_node=4"], "",
+     "need 32 GPUs (one each), but cluster.slurm.nodes = 4 x cluster.slurm.gpus_per_node = 4 gives 16"),
+    (["cluster.slurm.nodes=6"], "", "cluster.slurm.nodes = 6, but trainer.ranks = 16 + engine.count = 16 fill only 4 node(s)"),
+    (["cluster.slurm.gpus_per_node=0"], "", 'engine.device = "cuda" but cluster.slurm.gpus_per_node = 0'),
+    (["cluster.interface=loopback"], "", 'cluster.interface = \'loopback\' cannot be reached from other nodes'),
+    ([], "[[cluster.slurm.layout]]\ntrainer_ranks = [0]\n",
+     "cluster.slurm.layout has 1 node table(s) but cluster.slurm.nodes = 4"),
+    (["cluster.slurm.nodes=2", "engine.count=2", "trainer.ranks=2"],
+     "[[cluster.slurm.layout]]\ntrainer_ranks = [0, 1]\n[[cluster.slurm.layout]]\nengines = [0, 5]\n",
+     "cluster.slurm.layout[1].engines: engine 5 does not exist (engine.count = 2: engines 0-1)"),
+    (["cluster.slurm.nodes=2", "engine.count=3", "trainer.ranks=2"],
+     "[[cluster.slurm.layout]]\ntrainer_ranks = [0, 1]\n[[cluster.slurm.layout]]\nengines = [0]\n",
+     "cluster.slurm.layout places no node for engines 1-2 (engine.count = 3)"),
+    (["cluster.slurm.nodes=2", "engine.count=2", "trainer.ranks=2"],
+     "[[cluster.slurm.layout]]\ntrainer_ranks = [0, 1]\nengines = [0]\n[[cluster.slurm.layout]]\nengines = [0, 1]\n",
+     "engine 0 is placed twice (nodes 0 and 1)"),
+    (["cluster.slurm.nodes=2", "engine.count=8", "trainer.ranks=2", "cluster.slurm.gpus_per_node=8"],
+     "[[cluster.slurm.layout]]\ntrainer_ranks = [0, 1]\nengines = [0, 1, 2, 3, 4, 5, 6]\n[[cluster.slurm.layout]]\nengines = [7]\n",
+     "cluster.slurm.layout[0]: 7 engine(s) + 2 trainer rank(s) need 9 GPUs (one each), but cluster.slurm.gpus_per_node = 8"),
+])
+def test_layout_errors_name_keys_and_numbers(tmp_path: Path, overrides: list[str], extra: str, message: str) -> None:
+    with pytest.raises(LaunchError) as e:
+        slurm.plan(cfg_of(tmp_path, GPU_4NODE + extra, overrides))
+    assert message in str(e.value)
+
+
+def test_cli_refuses_a_layout_that_does_not_fit_and_writes_nothing(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(GPU_4NODE)
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(p), "--dry-run", "--set", "cluster.slurm.nodes=2",
+                        "--set", f"run.output_dir={tmp_path}/runs"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "need 32 GPUs (one each), but cluster.slurm.nodes = 2 x cluster.slurm.gpus_per_node = 8 gives 16" in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_without_sbatch_on_path_says_so(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(GPU_4NODE)
+    env = dict(os.environ, PATH=str(Path(sys.executable).parent))  # no sbatch there
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(p), "--set", f"run.output_dir={tmp_path}/runs"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "`sbatch` is not on PATH" in r.stderr and "--dry-run" in r.stderr
+    assert (tmp_path / "runs" / "qwen-4node" / "slurm" / "job.sbatch").exists()
+    assert not (tmp_path / "runs" / "qwen-4node" / "secrets").exists()  # keys only when submitting
+
+
+def test_dry_run_needs_the_slurm_launcher(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--dry-run renders a SLURM job script" in r.stderr
+
+
+# ---------------------------------------------------------------------------- (a) the script: reviewed snapshot
+def render_4node(tmp_path: Path) -> str:
+    cfg = cfg_of(tmp_path, GPU_4NODE)
+    return slurm.render_script(cfg, slurm.plan(cfg), config_path="/shared/flashrl/runs/qwen-4node/slurm/config.toml",
+                               run_dir="/shared/flashrl/runs/qwen-4node", workdir="/shared/flashrl",
+                               python="/shared/flashrl/.venv/bin/python")
+
+
+def test_rendered_4node_script_matches_the_reviewed_snapshot(tmp_path: Path) -> None:
+    text = render_4node(tmp_path)
+    if os.environ.get("FLASHRL_UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(text)
+    want = SNAPSHOT.read_text()
+    if text != want:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), str(SNAPSHOT), "rendered"))
+        pytest.fail(f"the rendered sbatch script differs from the reviewed snapshot (review it, then rerun with "
+                    f"FLASHRL_UPDATE_SNAPSHOTS=1):\n{diff}")
+
+
+def test_script_is_valid_bash_and_holds_no_secret(tmp_path: Path) -> None:
+    text = render_4node(tmp_path)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True, timeout=30)
+    keys = CurveKeys.generate(tmp_path / "k.json")
+    for k in (keys.server_secret, keys.client_secret, keys.server_public, keys.client_public):
+        assert k.decode() not in text
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    first_cmd = next(i for i, line in enumerate(text.splitlines()) if line and not line.startswith("#"))
+    assert all(text.splitlines().index(s) < first_cmd for s in sbatch)  # sbatch stops reading at the first command
+
+
+def test_cli_dry_run_prints_and_writes_the_script(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "slurm-gpu-2node.toml"),
+                        "--dry-run", "--set", f"run.output_dir={tmp_path}/runs"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "runs" / "qwen-2node" / "slurm" / "job.sbatch"
+    assert script.read_text() == r.stdout.rstrip("\n") + "\n"
+    assert "#SBATCH --nodes=2" in r.stdout and "#SBATCH --gpus-per-node=8" in r.stdout
+    assert f"cd {tmp_path}" in r.stdout
+    assert load(script.parent / "config.toml") == load(ROOT / "configs" / "slurm-gpu-2node.toml",
+                                                        [f"run.output_dir={tmp_path}/runs"])
+    assert not (tmp_path / "runs" / "qwen-2node" / "secrets").exists()
+
+
+def test_cli_launcher_flag_is_the_set_shorthand(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "slurm",
+                        "--dry-run", "--set", f"run.output_dir={tmp_path}", "--set", "cluster.slurm.nodes=2",
+                        "--set", "cluster.interface=auto"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '1) exec "$PY" -m flashrl.cli node "$CONFIG" --node 1 ;;  # engines 0-1' in r.stdout
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "pbs",
+                        "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cluster.launcher" in r.stderr
+
+
+# ---------------------------------------------------------------------------- the node agent + SlurmLauncher
+SLEEPER = ["python", "-c", "import os, sys, time; print('up', os.environ.get('LOCAL_RANK'), os.environ.get('FLASHRL_CURVE_KEYS'), flush=True); time.sleep(60)"]
+
+
+def _agent_cfg(tmp_path: Path, port: int, nodes: int = 2, extra: list[str] | None = None) -> Config:
+    return load(ROOT / "configs" / "tiny.toml", [
+        f"run.output_dir={tmp_path}", "run.name=agents", "cluster.launcher=slurm", "cluster.interface=auto",
+        f"cluster.slurm.nodes={nodes}", f"cluster.slurm.port={port}", "cluster.slurm.heartbeat_timeout_s=4",
+        "trainer.ranks=2", *(extra or []),
+    ])
+
+
+def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two node agents (in this process's loop, real CURVE sockets) and the controller's launcher: a process
+    placed on node 1 starts there with the run's key file and torchrun's per-node variables; a killed one is
+    seen exited; a restart is a new spawn; a client without the run's keys is not answered; close() leaves nothing."""
+    port = free_port()
+    cfg = _agent_cfg(tmp_path, port)
+    keys = slurm.write_keys(cfg)
+    monkeypatch.setenv(slurm.HEAD_ENV, "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.[1-2]")
+    monkeypatch.delenv("FLASHRL_CURVE_KEYS", raising=False)
+
+    async def main() -> None:
+        from flashrl.protocol import NODE_REQUESTS
+        from flashrl.transport import RpcServer
+
+        agents = [slurm.NodeAgent(cfg, n, keys) for n in range(2)]
+        servers = [RpcServer(f"tcp://0.0.0.0:{a.port}", NODE_REQUESTS, a.handle, name=f"a{n}", curve=keys.server())
+                   for n, a in enumerate(agents)]
+        serving = [asyncio.create_task(s.serve()) for s in servers]
+        launcher = slurm.SlurmLauncher(cfg, cfg.run_dir)
+        launcher.preflight()
+        await launcher.start()
+        try:
+            ep = await launcher.endpoint("engine", 1)
+            assert ep.host == agents[1].host and ep.bind.startswith(f"tcp://{ep.host}:")
+            assert launcher.trainer_master() == agents[0].host
+            e1 = await launcher.spawn("engine", 1, SLEEPER, {"X": "1"}, cfg.run_dir / "logs" / "engine1.log")
+            t1 = await launcher.spawn("trainer", 1, SLEEPER, {"LOCAL_RANK": "7"}, cfg.run_dir / "logs" / "trainer1.log")
+            assert [k for k in agents[1].children] == [e1.key] and [k for k in agents[0].children] == [t1.key]  # type: ignore[attr-defined]
+            await asyncio.sleep(1.5)
+            assert e1.alive and t1.alive
+            assert f"up 1 {keys.path}" in t1.log_tail()  # LOCAL_RANK from the layout (ranks 0-1 on node 0); keys by path
+            # a client without the run's keys gets no answer
+            from flashrl.protocol import NODE_REPLIES, NodeHello
+            from flashrl.transport import RpcClient
+
+            stranger = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="stranger",
+                                 curve=CurveKeys.new().client() | {"server_public": keys.server_public})
+            with pytest.raises(TimeoutError):
+                await stranger.request(NodeHello(), timeout=1.5)
+            await stranger.close()
+            # killed on its node -> seen exited by the poll, described with its node
+            os.kill(agents[1].children[e1.key].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            async with asyncio.timeout(5):
+                assert await e1.exited() == -9
+            assert "engine engine1 was killed by SIGKILL (node 1 127.0.0.2" in e1.describe()
+            assert await e1.reap_group()
+            e1b = await launcher.spawn("engine", 1, SLEEPER, {}, cfg.run_dir / "logs" / "engine1.log")  # the restart
+            assert e1b.key != e1.key and e1b.alive  # type: ignore[attr-defined]
+            assert await e1b.stop(1.0) == -15
+            assert launcher.leftovers() == {"processes": 1}
+        finally:
+            await launcher.close()
+        assert launcher.leftovers() == {"processes": 0}
+        assert all(c.returncode is not None for a in agents for c in a.children.values())
+        for t in serving:
+            t.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_launcher_outside_a_job_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(slurm.HEAD_ENV, raising=False)
+    with pytest.raises(LaunchError, match="not the controller of a flashrl SLURM job"):
+        slurm.SlurmLauncher(_agent_cfg(tmp_path, 29400), tmp_path).preflight()
+
+
+def _node_proc(cfg_path: Path, node: int, nodelist: str, out: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, SLURM_JOB_ID="1", SLURM_JOB_NODELIST=nodelist, SLURM_NODEID=str(node), SLURM_PROCID=str(node))
+    env.pop("FLASHRL_CURVE_KEYS", None)
+    with open(out, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "flashrl.cli", "node", str(cfg_path), "--node", str(node)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path) -> None:
+    """Node 0 gone (never came, or stopped heartbeating): a node's agent stops what it started and exits 1."""
+    port = free_port()
+    cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=2"])
+    keys = slurm.write_keys(cfg)
+    cfg_path = tmp_path / "c.toml"
+    from flashrl.config import to_toml
+
+    cfg_path.write_text(to_toml(cfg))
+    p = _node_proc(cfg_path, 1, "127.0.0.[1-2]", tmp_path / "n1.out")  # nobody ever calls
+    t0 = time.monotonic()
+    assert p.wait(timeout=60) == 1
+    assert "nothing heard from node 0" in (tmp_path / "n1.out").read_text()
+    assert "cluster.slurm.connect_timeout_s = 2" in (tmp_path / "n1.out").read_text()
+    assert time.monotonic() - t0 < 30
+
+    # heartbeats stop after a process was started: the process goes with the agent
+    p = _node_proc(cfg_path, 1, "127.0.0.[1-2]", tmp_path / "n1b.out")
+
+    async def start_one() -> int:
+        from flashrl.protocol import NODE_REPLIES, Spawn, Spawned
+        from flashrl.transport import RpcClient
+
+        c = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="n1", curve=keys.client())
+        try:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        r = await c.request(Spawn(key="s", name="sleeper", argv=SLEEPER, log_path=str(tmp_path / "s.log")), timeout=1.0)
+                        break
+                    except TimeoutError:
+                        continue
+        finally:
+            await c.close()
+        assert isinstance(r, Spawned)
+        return r.pid
+
+    pid = asyncio.run(start_one())
+    assert p.wait(timeout=60) == 1  # heartbeat_timeout_s = 4 after the last request
+    out = (tmp_path / "n1b.out").read_text()
+    assert "started sleeper" in out and "cluster.slurm.heartbeat_timeout_s = 4" in out
+    assert _gone(pid, 10)
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    import psutil
+
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_prepare_writes_missing_keys_and_keeps_present_ones(tmp_path: Path) -> None:
+    """`flashrl node CONFIG --prepare` (the job's batch step): keys 0600 when missing (a script submitted by
+    hand), kept when `flashrl run --launcher slurm` wrote them; no key material in its output."""
+    cfg = _agent_cfg(tmp_path, 29400)
+    from flashrl.config import to_toml
+
+    (tmp_path / "c.toml").write_text(to_toml(cfg))
+    cmd = [sys.executable, "-m", "flashrl.cli", "node", str(tmp_path / "c.toml"), "--prepare"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    path = cfg.run_dir / "secrets" / "curve-keys.json"
+    assert "(written, 0600)" in r.stdout and (path.stat().st_mode & 0o777) == 0o600
+    keys = CurveKeys.load(path)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "(kept)" in r.stdout
+    assert CurveKeys.load(path) == keys
+    for k in (keys.server_secret, keys.client_secret):
+        assert k.decode() not in r.stdout + r.stderr
