@@ -404,3 +404,28 @@ def test_prepare_writes_missing_keys_and_keeps_present_ones(tmp_path: Path) -> N
     assert CurveKeys.load(path) == keys
     for k in (keys.server_secret, keys.client_secret):
         assert k.decode() not in r.stdout + r.stderr
+
+
+def test_submit_writes_keys_then_calls_sbatch(tmp_path: Path) -> None:
+    """Without --dry-run: the keys (0600) exist before `sbatch --parsable job.sbatch` runs; its job id is
+    reported; a refusal is an error with sbatch's message. (SLURM is not installed here: a stand-in `sbatch`
+    on PATH records what it was given; the script itself is what the 2-node test runs.)"""
+    p = tmp_path / "c.toml"
+    p.write_text(GPU_4NODE)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "sbatch"
+    fake.write_text('#!/bin/bash\necho "$@" > "$SBATCH_ARGS"\nstat -c %a "$KEYS" >> "$SBATCH_ARGS"\n'
+                    'if [ -n "$SBATCH_REFUSE" ]; then echo "sbatch: error: invalid partition" >&2; exit 1; fi\necho "4242;cluster"\n')
+    fake.chmod(0o755)
+    run_dir = tmp_path / "runs" / "qwen-4node"
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
+               KEYS=str(run_dir / "secrets" / "curve-keys.json"))
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(p), "--set", f"run.output_dir={tmp_path}/runs"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "submitted job 4242" in r.stderr and "scancel 4242" in r.stderr
+    args, mode = (tmp_path / "args").read_text().splitlines()
+    assert args == f"--parsable {run_dir}/slurm/job.sbatch" and mode == "600"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(env, SBATCH_REFUSE="1"))
+    assert r.returncode == 2 and "failed (exit 1): sbatch: error: invalid partition" in r.stderr
