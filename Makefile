@@ -40,7 +40,7 @@ test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
 
 bench: setup
-	$(BIN)/flashrl bench bench/queue_scheduling.toml
+	$(BIN)/flashrl bench queue_scheduling
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -5,7 +5,7 @@
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
-    flashrl bench SCENARIO                   throughput sweeps (bench/*.toml)
+    flashrl bench SCENARIO                   throughput sweeps (shipped scenarios: flashrl/benchmarks/scenarios/)
     flashrl run CONFIG --launcher slurm [--dry-run]  render runs/<name>/slurm/job.sbatch and submit it
     flashrl node CONFIG --node N             one node of a SLURM job (the job script runs it)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)

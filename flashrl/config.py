@@ -323,14 +323,20 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
     for item in overrides:
         keys, value = _parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            nxt = node.setdefault(k, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {item!r}: {k!r} is a value, not a table")
-            node = nxt
-        node[keys[-1]] = value
+        set_dotted(data, keys, value, f"--set {item!r}")
     return from_dict(data, source)
+
+
+def set_dotted(tree: dict[str, Any], keys: list[str], value: Any, what: str) -> None:
+    """``tree[k0][k1]...[kn] = value``, creating the tables on the way (a dotted override: ``--set``, a bench
+    scenario's ``set``); ConfigError ``"<what>: 'k' is a value, not a table"`` when a prefix holds a value."""
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{what}: {k!r} is a value, not a table")
+        node = nxt
+    node[keys[-1]] = value
 
 
 def to_toml(cfg: Config) -> str:

@@ -7,17 +7,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from flashrl.bench import (
-    BENCH_DIR,
+from flashrl.bench import run_scenario
+from flashrl.benchmarks.scenario import (
     BenchError,
     PointSpec,
     Scenario,
     SimModel,
     load_scenario,
-    run_scenario,
-    run_variant,
+    scenario_dir,
     variant_config,
 )
+from flashrl.benchmarks.simulate import run_variant
 from flashrl.controller.scheduler import request_seed
 from flashrl.sim.engine import LatencyModel, LengthModel, uniform
 from flashrl.sim.trainer import TrainerModel
@@ -91,7 +91,7 @@ def test_virtual_time_is_deterministic_for_a_seed_and_flash_beats_sync(tmp_path:
 
 
 def test_every_shipped_scenario_loads() -> None:
-    files = sorted(BENCH_DIR.glob("*.toml"))
+    files = sorted(scenario_dir().glob("*.toml"))
     names = {f.stem for f in files}
     assert {"queue_scheduling", "prompt_replication", "agentic_env", "whole_system", "async_ratio", "scaling", "controller_overhead"} <= names
     for f in files:
@@ -171,3 +171,54 @@ def test_calibrate_recovers_a_linear_trainer(tmp_path: Path) -> None:
     assert main([str(tmp_path), "--out", str(tmp_path / "p.toml")]) == 0
     assert "per_token_s = 0.0002" in (tmp_path / "p.toml").read_text()
     assert main([str(tmp_path / "nope")]) == 2
+
+
+def test_shipped_scenarios_are_package_data(tmp_path: Path) -> None:
+    """A non-editable install finds the shipped scenarios and profiles: they are found with importlib.resources
+    and the wheel built from this tree carries them (declared package data in pyproject.toml)."""
+    import importlib.resources
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    shipped = scenario_dir()
+    assert shipped == importlib.resources.files("flashrl.benchmarks") / "scenarios"
+    names = {p.relative_to(shipped).as_posix() for p in shipped.rglob("*.toml")}
+    assert "queue_scheduling.toml" in names and "profiles/h100_qwen3_8b.toml" in names
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # build from a copy: the checkout gets no build/ or egg-info
+    for part in ("flashrl", "envs"):
+        shutil.copytree(root / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(root / part, src / part)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    assert {n.removeprefix("flashrl/benchmarks/scenarios/") for n in z.namelist() if "/scenarios/" in n} == names
+    # The installed copy, run from elsewhere (no checkout on the path), finds a scenario by name and its profile.
+    code = ("import flashrl, sys; from flashrl.benchmarks.scenario import find_scenario, load_scenario; "
+            "p = find_scenario('queue_scheduling'); s = load_scenario(find_scenario('whole_system')); "
+            "print(flashrl.__file__, p, s.profile)")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    mod, path, profile = out.stdout.split()
+    assert mod.startswith(str(site)) and path.startswith(str(site)) and profile
+
+
+def test_a_scenario_by_path_takes_its_profile_from_beside_it_else_the_shipped_one(tmp_path: Path) -> None:
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "mine.toml").write_text("[config.rollout]\ngroup_size = 3\n")
+    (tmp_path / "a.toml").write_text('name = "a"\nprofile = "mine"\n[[points]]\nlabel = "p"\n')
+    assert load_scenario(tmp_path / "a.toml").config["rollout"]["group_size"] == 3
+    (tmp_path / "b.toml").write_text('name = "b"\nprofile = "h100_qwen3_8b"\n[[points]]\nlabel = "p"\n')
+    assert load_scenario(tmp_path / "b.toml").profile == "h100_qwen3_8b"
+    (tmp_path / "c.toml").write_text('name = "c"\nprofile = "nope"\n[[points]]\nlabel = "p"\n')
+    with pytest.raises(BenchError, match="profile: nope.toml not found"):
+        load_scenario(tmp_path / "c.toml")

@@ -8,16 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.bench import (
-    PointSpec,
-    Scenario,
-    SimModel,
-    length_matched,
-    run_point,
-    run_variant,
-    token_ledger,
-    variant_config,
-)
+from flashrl.benchmarks.scenario import PointSpec, Scenario, SimModel, variant_config
+from flashrl.benchmarks.simulate import length_matched, run_point, run_variant, token_ledger
 from flashrl.protocol import Generate, WeightManifest
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LedgerEntry, LengthModel, SimEngine
@@ -174,7 +166,6 @@ def test_engine_ledger_records_cancelled_requests() -> None:
 
 def test_cross_calibration_recovers_a_known_engine_scale() -> None:
     """Fit on one variant of a committed real result, whose step time we made with a known engine scale."""
-    from flashrl.bench import BENCH_DIR
     from flashrl.benchmarks.calibrate import (
         _prompt_chars,
         cross_validate,
@@ -183,7 +174,7 @@ def test_cross_calibration_recovers_a_known_engine_scale() -> None:
         simulate_cross,
     )
 
-    runs = load_cross_runs(BENCH_DIR / "results" / "real_agentic" / "results.json")
+    runs = load_cross_runs(Path(__file__).resolve().parents[1] / "bench" / "results" / "real_agentic" / "results.json")
     assert [r.name for r in runs] == ["real_agentic/base", "real_agentic/flash"]
     fit = runs[1]
     prompt = _prompt_chars(fit.cfg)

@@ -9,24 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.bench import (
-    BENCH_DIR,
+from flashrl.bench import run_scenario
+from flashrl.benchmarks.real import BusyProbe, TrainOnlySuite, process_key
+from flashrl.benchmarks.scenario import (
     BenchError,
     check_mode,
+    find_scenario,
     load_scenario,
-    run_scenario,
-    scenarios_for,
+    shipped_scenarios,
     variant_config,
 )
-from flashrl.benchmarks.real import BusyProbe, TrainOnlySuite, process_key
 from flashrl.protocol import Generate, Generated
 from flashrl.sim.clock import run_virtual
 
 
 def test_real_scenarios_are_sync_vs_flash_on_one_process_config() -> None:
-    real = scenarios_for("real")
+    real = shipped_scenarios("real")
     assert {p.stem for p in real} == {"real_rlvr", "real_agentic"}
-    assert not {p.stem for p in scenarios_for("sim")} & {"real_rlvr", "real_agentic"}
+    assert not {p.stem for p in shipped_scenarios("sim")} & {"real_rlvr", "real_agentic"}
     for path in real:
         scn = load_scenario(path)
         assert scn.mode == "real" and scn.warmup < scn.steps
@@ -42,10 +42,10 @@ def test_real_scenarios_are_sync_vs_flash_on_one_process_config() -> None:
 
 
 def test_mode_mismatch_names_the_fix() -> None:
-    sim = load_scenario(BENCH_DIR / "queue_scheduling.toml")
+    sim = load_scenario(find_scenario("queue_scheduling"))
     with pytest.raises(BenchError, match=r"real_\*\.toml"):
         check_mode(sim, "real", "queue_scheduling.toml")
-    real = load_scenario(BENCH_DIR / "real_rlvr.toml")
+    real = load_scenario(find_scenario("real_rlvr"))
     with pytest.raises(BenchError, match="drop --mode sim"):
         check_mode(real, "sim", "real_rlvr.toml")
     assert check_mode(real, None, "x") == "real" and check_mode(sim, None, "x") == "sim"

@@ -5,9 +5,10 @@ itself); the units of one tuple are siblings that never import each other (engin
 above all). No import cycle. ``flashrl.core`` is pure: nothing of flashrl, no sockets, torch,
 tasks, threads or clocks. DESIGN.md ("Layout") and README's layout section document this order.
 
-``KNOWN`` lists today's violations, each with its reason (issue 8): the test fails on any other
-edge against the order, on any cycle that does not go through a known edge, and on a known edge
-that no longer exists (then delete it from the list: the list only shrinks).
+``KNOWN`` lists known violations, each with its reason (none today, issue 8): the test fails on any
+other edge against the order, on any cycle that does not go through a known edge, and on a known
+edge that no longer exists (then delete it from the list: the list only shrinks). flashrl never
+imports ``envs`` at all, with or without a KNOWN entry.
 """
 
 from __future__ import annotations
@@ -47,11 +48,8 @@ LAYERS: list[str | tuple[str, ...]] = [
     "envs",  # plug-ins on flashrl's public environment API; flashrl never imports them
 ]
 
-# Violations of today's tree (issue 8), each edge with why it is still there. Shrink, never grow.
-KNOWN: dict[tuple[str, str], str] = {
-    ("flashrl.benchmarks.calibrate", "flashrl.bench"): "bench.py and benchmarks/ are two homes of the bench code",
-    ("flashrl.benchmarks.real", "flashrl.bench"): "bench.py and benchmarks/ are two homes of the bench code",
-}
+# Known violations, each edge with why it is still there: none left (issue 8). Shrink, never grow.
+KNOWN: dict[tuple[str, str], str] = {}
 
 IMPURE = {"asyncio", "socket", "selectors", "zmq", "torch", "threading", "multiprocessing", "subprocess",
           "concurrent", "time"}

@@ -1,1 +1,1 @@
-"""Benchmarks beside the speed-up sweeps of flashrl.bench: controller overhead, calibration."""
+"""The bench code of `flashrl bench` (the command: flashrl/bench.py); shipped scenario files under scenarios/ (package data)."""

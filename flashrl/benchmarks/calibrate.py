@@ -9,7 +9,7 @@
       lengths:  response_len/mean -> lognormal median for the given sigma (mean = median e^(sigma^2/2))
     runs/<name>/config.toml + the fitted profile --simulate--> predicted seconds per step
       the REAL controller with the run's engine count, batch, scheduler and rollout settings on
-      simulated engines/trainer/env (bench.run_variant), compared with the measured time/step_s over
+      simulated engines/trainer/env (simulate.run_variant), compared with the measured time/step_s over
       the same steps -> "error" (predicted / measured - 1), printed and written as comments
 
 Limits, stated: the engine's decode-step model (base, per sequence, per KV token) needs per-step
@@ -35,7 +35,11 @@ from typing import Any
 import msgspec
 import tomllib
 
+from flashrl.benchmarks.scenario import SimModel
+from flashrl.benchmarks.simulate import run_variant
+from flashrl.config import Config, from_dict, load
 from flashrl.metrics import read_jsonl
+from flashrl.plugins import make_suite
 
 # The built-in tiny model on one vLLM CPU engine (threads = 1). PLATFORM.md measured 256 prompts x 32
 # tokens in 0.8 s after warm-up: ~25 ms per decode step at 256 sequences = 5 ms + 256 x 80 us.
@@ -94,8 +98,6 @@ def compared_steps(records: list[dict[str, Any]]) -> list[int]:
 
 def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's environment as the simulator's: prompt length, turns per sample, injected delay."""
-    from flashrl.plugins import make_suite
-
     suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]
     turns = [r["turns/mean"] for r in records if "turns/mean" in r]
@@ -116,9 +118,6 @@ def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[str, float] | None = None) -> Prediction:
     """Simulate the run in ``run_dir`` with ``profile`` and compare its step time with the measured one."""
-    from flashrl.bench import SimModel, run_variant
-    from flashrl.config import load
-
     cfg = load(run_dir / "config.toml")
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = compared_steps(records)
@@ -249,8 +248,6 @@ class CrossRun(msgspec.Struct, kw_only=True):
 
 
 def load_cross_runs(path: Path) -> list[CrossRun]:
-    from flashrl.config import from_dict
-
     doc = msgspec.json.decode(Path(path).read_bytes())
     if doc.get("mode") != "real":
         raise ValueError(f"{path}: not a real-mode result (mode = {doc.get('mode')!r}); give bench/results/real_*/results.json")
@@ -269,8 +266,6 @@ def load_cross_runs(path: Path) -> list[CrossRun]:
 
 def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` without the keys today's Config no longer has (a result written by an older flashrl)."""
-    from flashrl.config import Config
-
     out: dict[str, Any] = {}
     sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
     for sec, body in tree.items():
@@ -285,8 +280,6 @@ def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prompt_chars(cfg: Any) -> int:
-    from flashrl.plugins import make_suite
-
     suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]
     return max(1, round(statistics.fmean(len(p) for p in prompts)))
@@ -299,8 +292,6 @@ def _tokens_per_step(run: CrossRun, prompt_chars: int) -> float:
 
 def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> float:
     """Predicted steady s/step of ``run`` with the timing fitted on ``fit`` (engine scale ``k``)."""
-    from flashrl.bench import SimModel, run_variant
-
     cfg = run.cfg
     prompt = _prompt_chars(cfg)
     turns = max(1, round(run.turns))

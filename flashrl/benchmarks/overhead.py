@@ -488,7 +488,7 @@ def zmq_rate(n: int, concurrency: int = 64, server: Literal["process", "inline"]
 
 # --------------------------------------------------------------------------- the scenario
 def run_overhead(scn: Any, out: Path, quiet: bool = False) -> list[OverheadResult]:
-    """Every point of an overhead scenario (bench/controller_overhead.toml); writes json, csv, png."""
+    """Every point of an overhead scenario (scenarios/controller_overhead.toml); writes json, csv, png."""
     results: list[OverheadResult] = []
     for pt in scn.points:
         p = {k.split(".")[-1]: v for k, v in pt.set.items()}

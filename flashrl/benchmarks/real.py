@@ -1,6 +1,6 @@
 """Real mode of ``flashrl bench``: every point's sync baseline and flash variant on real processes.
 
-    bench/real_*.toml (mode = "real") --bench.load_scenario--> points; each: baseline cfg, flash cfg
+    real_*.toml scenarios (mode = "real") --scenario.load_scenario--> points; each: baseline cfg, flash cfg
     ClusterPool.get(cfg): the cluster it holds when the process config matches (process_key), else
         stop it and start one: launch.local_cluster -> engine.count vLLM engines + the trainer group
         (logs under <run.output_dir>/bench_real/cluster<k>/logs); a fresh cluster first runs one
@@ -48,6 +48,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from flashrl.benchmarks.scenario import gain_versus, variant_config
 from flashrl.config import Config, to_toml
 from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
@@ -336,8 +337,6 @@ class RealPointResult(msgspec.Struct, kw_only=True):
 
 
 async def run_real_point(pool: ClusterPool, scn: Any, pt: Any, index: int) -> RealPointResult:
-    from flashrl.bench import variant_config
-
     t0 = time.perf_counter()
     base_cfg, _ = variant_config(scn, pt, "baseline")
     flash_cfg, _ = variant_config(scn, pt, "flash")
@@ -386,20 +385,13 @@ def run_real_scenarios(scenarios: Sequence[tuple[str | Path, Any]], out_dir: str
 
 async def _run_all(scenarios: Sequence[tuple[str | Path, Any]], out_dir: Path, quiet: bool,
                    root: Path | None) -> list[list[RealPointResult]]:
-    from flashrl.bench import BenchError
-
     everything: list[list[RealPointResult]] = []
     async with ClusterPool(root, say=(lambda m: None) if quiet else (lambda m: print(m, flush=True))) as pool:
         for path, scn in scenarios:
             results: list[RealPointResult] = []
             for i, pt in enumerate(scn.points):
                 res = await run_real_point(pool, scn, pt, i)
-                if pt.versus:
-                    ref = next((r for r in results if r.label == pt.versus), None)
-                    if ref is None:
-                        raise BenchError(f"{path}: point {pt.label!r}: versus = {pt.versus!r} names no earlier point")
-                    res.gain = res.speedup / ref.speedup
-                    res.passed = None if pt.target is None else res.gain >= pt.target
+                gain_versus(results, res, pt, path)
                 results.append(res)
                 if not quiet:
                     print(f"  {scn.name} {pt.label}: {res.speedup:.2f}x samples/s, {res.token_speedup:.2f}x tokens/s "

@@ -88,7 +88,7 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
 
 
 # --------------------------------------------------------------------------- torch helpers
-# Shared by the warm-start below and bench/feasibility_grpo.py. Sequences here are a few dozen tokens,
+# Used by the warm-start below. Sequences here are a few dozen tokens,
 # so generation recomputes the whole (left-padded) prefix each step instead of keeping a KV cache:
 # simpler, and on this model size not slower.
 
@@ -102,8 +102,8 @@ class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen
     that slips on 65% of carries, stop at 50% probe accuracy (2-digit addition, seeds 0/1: 2100/1450
     steps, held-out 50%/53%; 200-280 s on a loaded 2-core machine with two builds at once). With an
     exact teacher and a 25% stop, RL gained only ~10 points in 200 steps (the model lacked the skill);
-    with this teacher bench/feasibility_grpo.py gained +31 (seed 0) and +16 (seed 1) in 200 steps
-    (lr 1e-4, 8x16, T 0.7, 2 mini-batches). An lr decayed to 0 gives a more settled policy, but GRPO then degraded it in bench/feasibility_grpo.py, so it is off. The probe
+    with this teacher a one-process GRPO experiment (bench/feasibility_grpo.py, retired; in git at 4889669) gained +31 (seed 0) and +16 (seed 1) in 200 steps
+    (lr 1e-4, 8x16, T 0.7, 2 mini-batches). An lr decayed to 0 gives a more settled policy, but GRPO then degraded it in that experiment, so it is off. The probe
     is 512 problems: with 128 the stop point was noisy enough that two seeds started RL at 20% and 40%
     held-out accuracy.
 
