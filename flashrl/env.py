@@ -21,14 +21,14 @@ policy failures (a wrong answer is reward 0, not an exception).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
 __all__ = [
-    "EOS_MARKS", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "StepResult", "Task", "cut_at_eos",
-    "states_integer",
+    "EOS_MARKS", "Closable", "Counting", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "StepResult", "Task",
+    "Wrapping", "cut_at_eos", "states_integer",
 ]
 
 
@@ -80,7 +80,9 @@ class Env(Protocol):
 class EnvSuite(Protocol):
     """An environment family as the controller uses it: data splits plus a factory of episodes.
 
-    ``Params`` is a msgspec Struct (forbid_unknown_fields) of the ``[env.params]`` options.
+    ``Params`` is a msgspec Struct (forbid_unknown_fields) of the ``[env.params]`` options. Optional
+    parts, each its own protocol below: ``aclose()`` (Closable), ``counters`` (Counting),
+    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating).
     """
 
     Params: ClassVar[type]
@@ -90,6 +92,32 @@ class EnvSuite(Protocol):
     def eval_tasks(self) -> Sequence[Task]: ...
 
     def make_env(self) -> Env: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """An EnvSuite that holds resources beyond its environments (worker processes, sandboxes): the
+    controller awaits ``aclose()`` once when the run ends (bounded; a failure is logged and counted)."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Counting(Protocol):
+    """An EnvSuite with counters of its own (faults injected, workers restarted): the controller logs
+    each numeric entry as ``env/<name>`` in every step record and in the run's summary."""
+
+    @property
+    def counters(self) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class Wrapping(Protocol):
+    """An EnvSuite that serves another one's tasks in another way (``remote``: in worker processes): the
+    built-in model warm-starts on ``task_suite``, the wrapped suite in this process."""
+
+    @property
+    def task_suite(self) -> EnvSuite: ...
 
 
 class Demo(msgspec.Struct, kw_only=True, frozen=True):
@@ -108,10 +136,9 @@ class Demo(msgspec.Struct, kw_only=True, frozen=True):
 class Demonstrating(Protocol):
     """An EnvSuite whose warm-start imitates a multi-turn teacher instead of ``prompt -> answer``.
 
-    ``WARM_START`` overrides fields of flashrl.models.WarmStart for this suite (e.g. more steps).
+    Any suite may also set ``WARM_START: ClassVar[dict]``, fields of flashrl.models.WarmStart it
+    overrides for the built-in model (e.g. more steps; flashrl.plugins.warm_start_overrides).
     """
-
-    WARM_START: ClassVar[dict[str, Any]]
 
     def demonstration(self, task: Task, rng: Any) -> Demo:
         """One teacher episode on ``task``; ``rng`` (random.Random) makes it deterministic."""

@@ -1,4 +1,4 @@
-"""What the controller depends on: ``EngineClient`` and ``TrainerClient`` (and flashrl.env.Env).
+"""What the controller depends on: ``EngineClient`` and ``TrainerClient`` (and flashrl.env: EnvSuite, Env).
 
 The real implementations talk ZeroMQ to processes (engine/client.py, trainer/client.py); the
 simulated ones (sim/) run on a virtual clock. The scheduling code is the same for both, so what the
@@ -19,6 +19,32 @@ from flashrl.protocol import (
     WeightManifest,
     WeightsUpdated,
 )
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the controller needs from a tokenizer (the built-in one, a Hugging Face one, the simulator's)."""
+
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """A tokenizer that renders turns itself (models/tokenizer.py HFTokenizer: a chat template, or none):
+    rollouts encode the prompt and each observation with it, and send its stop tokens with every request.
+    A plain ``Tokenizer`` gets ``encode(text)`` for both and no stop tokens beyond the engine's EOS."""
+
+    stop_token_ids: list[int]  # the model's stop tokens (generation_config.json's eos list)
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def encode_observation(self, text: str, generated: list[int]) -> list[int]:
+        """Ids appended after the generated turn ``generated`` for the env's next observation ``text``."""
+        ...
 
 
 @runtime_checkable
@@ -60,6 +86,13 @@ class EngineClient(Protocol):
 @runtime_checkable
 class TrainerClient(Protocol):
     """The trainer group (R ranks) as the controller sees it: rank 0 answers for all."""
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the trainer group is known to be gone (trainer.client.TrainerDied: a rank exited, naming it),
+        else None (always None for a trainer that cannot die on its own, the simulated ones). The
+        controller's watcher stops the run with it while no trainer call is waiting."""
+        ...
 
     async def train_step(self, batch: TrainBatch) -> TrainResult: ...
 

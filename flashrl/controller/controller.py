@@ -54,7 +54,7 @@ import logging
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -66,8 +66,8 @@ from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
 from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
 from flashrl.core.staleness import Staleness, lag_stats
-from flashrl.env import EnvSuite
-from flashrl.interfaces import EngineClient, EngineRestarter, TrainerClient
+from flashrl.env import Closable, Counting, EnvSuite
+from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
 from flashrl.metrics import EngineStat, RateMeter, Snapshot
 from flashrl.protocol import TrainBatch, WeightManifest, WeightsUpdated
 from flashrl.transport import PeerDead, RemoteError
@@ -117,14 +117,13 @@ class RunSummary(msgspec.Struct, kw_only=True):
 class Controller:
     """Drives one run: admission, rollouts, batches, training steps, weight syncs, evals.
 
-    ``tokenizer`` is any object with ``encode(text) -> list[int]``, ``decode(ids) -> str`` and
-    ``eos_token_id``. ``on_step`` receives one dict per record (see ``_step_record``).
+    ``tokenizer``: an interfaces.Tokenizer (a ChatTokenizer renders turns itself). ``on_step`` receives one dict per record (see ``_step_record``).
     """
 
     def __init__(
         self,
         cfg: Config,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         suite: EnvSuite,
         engines: Sequence[EngineClient],
         trainer: TrainerClient,
@@ -229,8 +228,7 @@ class Controller:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._spawn(self._admission_loop(), "admission")
-                if self.restarter is not None or hasattr(self.trainer, "dead"):
-                    self._spawn(self._watch(), "watch")
+                self._spawn(self._watch(), "watch")
                 self.status = "running"
                 stop = await self._train_loop()
                 # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
@@ -270,12 +268,12 @@ class Controller:
         )
 
     async def _close_suite(self) -> None:
-        """``await suite.aclose()`` when the suite has one: shielded and bounded, never masking a crash."""
-        aclose = getattr(self.suite, "aclose", None)
-        if aclose is None:
+        """``await suite.aclose()`` when the suite has one (flashrl.env.Closable): shielded and bounded, never
+        masking a crash."""
+        if not isinstance(self.suite, Closable):
             return
         try:
-            finished = await shielded(aclose(), SUITE_CLOSE_TIMEOUT_S)
+            finished = await shielded(self.suite.aclose(), SUITE_CLOSE_TIMEOUT_S)
         except asyncio.CancelledError:
             # Cancelled while closing: the close still ran (bounded). Re-deliver the cancel at the
             # caller's next await rather than raise it here, over a crash that may be propagating.
@@ -588,8 +586,7 @@ class Controller:
             self.ctx.engine_dead(i, e)
             return
         except RemoteError as e:
-            trainer_dead = getattr(self.trainer, "dead", None)
-            if isinstance(trainer_dead, BaseException):
+            if self.trainer.dead is not None:
                 return  # the sender died mid-broadcast: its own call raises TrainerDied, naming the rank
             if self.restarter is None:
                 raise
@@ -619,13 +616,13 @@ class Controller:
         at once; a hung one fails its heartbeat), so that its restart starts without delay; and a dead
         trainer rank while no trainer call is waiting (e.g. every engine restarting): the run stops."""
         while not self._closing:
-            trainer_dead = getattr(self.trainer, "dead", None)
-            if isinstance(trainer_dead, BaseException):
+            trainer_dead = self.trainer.dead
+            if trainer_dead is not None:
                 raise trainer_dead
             if self.restarter is not None:
                 for i in self.router.live:
-                    dead = getattr(self.engines[i], "dead", None)
-                    if dead and not callable(dead):
+                    dead = self.engines[i].dead
+                    if dead:
                         self.ctx.engine_dead(i, dead if isinstance(dead, BaseException) else PeerDead("reported dead"))
             await asyncio.sleep(WATCH_S)
 
@@ -812,11 +809,10 @@ class Controller:
             self.on_step(record)
 
     def _env_counters(self) -> dict[str, float]:
-        """The suite's own counters (envs/faults.py, envs/remote.py: ``suite.counters``) as ``env/<name>``."""
-        c = getattr(self.suite, "counters", None)
+        """The suite's own counters (flashrl.env.Counting: envs/faults.py, envs/remote.py) as ``env/<name>``."""
         out = dict(self._env_before)  # a resumed run's counters continue from the checkpoint's
-        if isinstance(c, Mapping):
-            for k, v in c.items():
+        if isinstance(self.suite, Counting):
+            for k, v in self.suite.counters.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[f"env/{k}"] = out.get(f"env/{k}", 0) + v
         return dict(sorted(out.items()))

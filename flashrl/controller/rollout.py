@@ -87,7 +87,7 @@ from flashrl.config import Config
 from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
 from flashrl.core.staleness import Staleness
 from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
-from flashrl.interfaces import EngineClient
+from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
 from flashrl.metrics import RateMeter
 from flashrl.protocol import Generate, Generated, TrainSample
 from flashrl.transport import PeerDead, RemoteError
@@ -169,7 +169,7 @@ class RolloutContext:
     """Everything a rollout needs, shared by all of them (single event loop: no locks)."""
 
     cfg: Config
-    tokenizer: Any  # encode(text) -> list[int], decode(ids) -> str, eos_token_id
+    tokenizer: Tokenizer
     suite: EnvSuite
     engines: Sequence[EngineClient]
     router: Router
@@ -187,6 +187,8 @@ class RolloutContext:
     watched: dict[TaskCancel, int] = field(default_factory=dict)
     # the trajectory deadline of every attempt in flight (rollout.trajectory_timeout_s): one timer
     deadlines: Deadlines = field(init=False)
+    # the tokenizer when it renders turns itself (interfaces.ChatTokenizer), else None: decided once
+    chat: ChatTokenizer | None = field(init=False)
     # engine restarts (the controller sets these when a launcher can restart engines): told of each
     # engine death; awaited when every engine is down, until one is back
     on_engine_dead: Callable[[int, BaseException], None] | None = None
@@ -194,6 +196,7 @@ class RolloutContext:
 
     def __post_init__(self) -> None:
         self.deadlines = Deadlines(self.cfg.rollout.trajectory_timeout_s)
+        self.chat = self.tokenizer if isinstance(self.tokenizer, ChatTokenizer) else None
         if not self.busy:
             self.busy = [BusyMeter() for _ in self.engines]
 
@@ -371,15 +374,15 @@ async def _turn_loop(
     if not done:
         obs = await _env_rest(ctx, traj, call, obs)
     # The only tokenization of the prompt: chat-rendered when the tokenizer has a chat template.
-    encode_obs = getattr(tok, "encode_observation", None)
-    prompt = tok.encode_prompt(obs) if encode_obs is not None else tok.encode(obs)
+    chat = ctx.chat
+    prompt = chat.encode_prompt(obs) if chat is not None else tok.encode(obs)
     traj.prompt_ids = list(prompt)
     if len(traj.prompt_ids) >= max_len:
         traj.status, traj.failure = "failed", "prompt_too_long"
         return
     uid, idx = spec.seed_key
     top_p = cfg.rollout.top_p if spec.group >= 0 else 1.0
-    stop_ids = getattr(tok, "stop_token_ids", None) or []  # the model's generation_config.json eos list
+    stop_ids = chat.stop_token_ids if chat is not None else []  # the model's generation_config.json eos list
     while True:
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         if room <= 0:
@@ -426,7 +429,7 @@ async def _turn_loop(
             return
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         # The observation turn as the chat template renders it after this generated turn (or raw text).
-        obs_ids = encode_obs(res.observation, ids) if encode_obs is not None else tok.encode(res.observation)
+        obs_ids = chat.encode_observation(res.observation, ids) if chat is not None else tok.encode(res.observation)
         obs_ids = list(obs_ids)[: max(room, 0)]
         traj.response_ids += obs_ids
         traj.loss_mask += [0] * len(obs_ids)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 
+from flashrl.env import Wrapping
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
@@ -121,7 +122,8 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
         from flashrl.plugins import make_suite
 
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
-        suite = getattr(suite, "task_suite", suite)  # a wrapper (remote) warm-starts on what it wraps
+        if isinstance(suite, Wrapping):  # a wrapper (remote) warm-starts on what it wraps
+            suite = suite.task_suite
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
         try:
             log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)

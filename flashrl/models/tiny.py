@@ -26,7 +26,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from flashrl.env import states_integer
+from flashrl.env import Demonstrating, states_integer
 from flashrl.models.tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
 # vLLM CPU attention head sizes (vllm/v1/attention/backends/cpu_attn.py).
@@ -362,7 +362,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    if suite is not None and hasattr(suite, "demonstration"):
+    if isinstance(suite, Demonstrating):
         steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log)
         model.eval()
         eval_tasks = list(suite.eval_tasks())

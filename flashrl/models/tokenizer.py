@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flashrl.models.chat import ChatFormat
@@ -25,21 +25,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 # Every character the built-in environments print or expect back. Appending is safe; reordering
 # changes the ids of saved models.
 CHARSET: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n" + "+-*/=()<>[],.:;?!'\"_#%&"
-
-
-class TextTokenizer(Protocol):
-    """What flashrl needs from a tokenizer (the built-in one or a Hugging Face one).
-
-    Rollouts also use ``encode_prompt`` / ``encode_observation`` when a tokenizer has them (chat
-    templates, ``HFTokenizer``); without them a prompt or observation is ``encode(text)``.
-    """
-
-    eos_token_id: int
-    pad_token_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def build_char_tokenizer(charset: str = CHARSET):  # -> transformers.PreTrainedTokenizerFast
@@ -68,7 +53,7 @@ def build_char_tokenizer(charset: str = CHARSET):  # -> transformers.PreTrainedT
 
 
 class HFTokenizer:
-    """A thin wrapper giving any Hugging Face tokenizer the ``TextTokenizer`` shape.
+    """A thin wrapper giving any Hugging Face tokenizer the ``flashrl.interfaces.ChatTokenizer`` shape.
 
     ``chat`` (a ``ChatFormat``, or None): prompts and observation turns rendered by the model's chat
     template. ``stop_token_ids``: the model's stop tokens (generation_config.json's eos_token_id list).

@@ -200,6 +200,7 @@ class FakeTrainer:
         self.sync_s = sync_s
         self.fail_at_step = fail_at_step
         self.batches: list[TrainBatch] = []
+        self.dead: BaseException | None = None  # never dies (TrainerClient.dead)
         self.train_times: list[float] = []  # loop time when each train_step began
         self.prepared: list[int] = []
         self.sent: list[int] = []

@@ -122,6 +122,7 @@ class InstantTrainer:
     def __init__(self) -> None:
         self.version = 0
         self.steps = 0
+        self.dead: BaseException | None = None  # never dies (TrainerClient.dead)
         self.samples = 0
         self.tokens = 0
         self.batch_sizes: list[int] = []

@@ -78,6 +78,7 @@ class SimTrainer:
         self.busy_s = 0.0
         self.closed = False
         self.on_step_end: Callable[[BatchRecord], None] | None = None  # the bench samples engine state here
+        self.dead: BaseException | None = None  # never dies (TrainerClient.dead)
 
     async def train_step(self, batch: TrainBatch) -> TrainResult:
         loop = asyncio.get_running_loop()
