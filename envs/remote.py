@@ -342,7 +342,7 @@ class RemoteSuite:
         try:  # data + early param errors, named by their full path under the remote wrapper
             self.local = make_suite(params.inner, dict(params.params), seed, eval_size)
         except ValueError as e:
-            raise ValueError(str(e).replace("env.params", "env.params.params", 1)) from None
+            raise ValueError(str(e).replace("env.params", "env.params.params")) from None
         self.pool = RemotePool(params, seed, eval_size)
 
     @staticmethod

@@ -8,16 +8,16 @@ key path and what is expected; the CLI prints it and exits with code 2 before an
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import tomllib
 from msgspec import Meta
+
+from flashrl.validation import describe
 
 
 class ConfigError(ValueError):
@@ -201,57 +201,6 @@ class Config(Section):
 
 
 # --------------------------------------------------------------------------- loading
-_PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[[^\]]*\])*)`")
-
-
-def _key_path(msg: str) -> tuple[str, str]:
-    """Split a msgspec error into (dotted key path, what is wrong)."""
-    m = _PATH_RE.search(msg)
-    path = m.group(1).lstrip(".") if m else ""
-    what = _PATH_RE.sub("", msg)
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
-    if unknown:
-        name = unknown.group(1)
-        key = f"{path}.{name}" if path else name
-        fields = _fields_at(path)
-        close = difflib.get_close_matches(name, fields, n=1)
-        hint = f"did you mean `{close[0]}`? " if close else ""
-        return key, f"unknown key; {hint}[{path or 'top level'}] accepts: {', '.join(fields)}"
-    enum = re.match(r"Invalid enum value (.*)", what)
-    if enum:
-        allowed = _literal_values(path)
-        if allowed:
-            return path, f"invalid value {enum.group(1)}; expected one of: {', '.join(map(repr, allowed))}"
-    return path, what
-
-
-def _struct_at(path: str) -> Any:
-    t: Any = Config
-    for part in [p for p in path.split(".") if p]:
-        t = msgspec.structs.fields(t)
-        t = next((f.type for f in t if f.name == part), None)
-        if t is None:
-            return None
-    return t
-
-
-def _fields_at(path: str) -> list[str]:
-    t = _struct_at(path)
-    return [f.name for f in msgspec.structs.fields(t)] if isinstance(t, type) and issubclass(t, msgspec.Struct) else []
-
-
-def _literal_values(path: str) -> list[Any]:
-    parent, _, leaf = path.rpartition(".")
-    t = _struct_at(parent)
-    if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
-        return []
-    for f in msgspec.structs.fields(t):
-        if f.name == leaf:
-            inner = typing.get_args(f.type)[0] if typing.get_origin(f.type) is Annotated else f.type
-            return list(typing.get_args(inner)) if typing.get_origin(inner) is Literal else []
-    return []
-
-
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set rollout.group_size=4")
@@ -271,7 +220,7 @@ def from_dict(data: dict[str, Any], source: str = "config") -> Config:
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
-        key, what = _key_path(str(e))
+        key, what = describe(str(e), Config)
         raise ConfigError(f"{source}: {key or '(top level)'}: {what}") from None
     _check(cfg, source)
     return cfg

@@ -3,23 +3,20 @@
     controller ---snapshot()---> Snapshot ---> dashboard.py (rich live view, or plain lines)
     controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ TensorBoard, W&B: [log] keys)
     controller ---on_samples---> SamplesWriter ---> runs/<name>/samples.jsonl   (`flashrl samples RUN_DIR` shows it)
-    rollouts   ---add(n)------> RateMeter (on the event-loop clock) ---rate()---> Snapshot.*_per_s
+    rollouts   ---add(n)------> core.meters.RateMeter (on the event-loop clock) ---rate()---> Snapshot.*_per_s
 
 Every step line has at least: step, reward/mean, time/step_s, staleness/mean; and eval/accuracy
 whenever the held-out split was evaluated at that step.
 
-Nothing here owns a task or a thread: the controller calls these from its loop. ``RateMeter`` takes
-the clock as an argument so the controller passes the event loop's clock (virtual time in the
-simulator); it never reads wall time itself.
+Nothing here owns a task or a thread: the controller calls these from its loop.
 """
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,45 +69,6 @@ class Snapshot(msgspec.Struct, kw_only=True):
 
 # ----------------------------------------------------------------------------------------------
 # rates and summaries
-
-
-class RateMeter:
-    """Amount per second over a sliding window (samples/s with ``add()``, tokens/s with ``add(n)``).
-
-    ``clock`` returns seconds (e.g. ``asyncio.get_running_loop().time`` or ``anyio.current_time``);
-    the meter never reads wall time, so it reads right on the simulator's virtual clock.
-    Until ``window_s`` has passed since the meter was made, the rate is over the time since then,
-    so the first seconds of a run do not read low. Events exactly ``window_s`` old have left.
-    """
-
-    def __init__(self, *, clock: Callable[[], float], window_s: float = 10.0) -> None:
-        if not (window_s > 0 and math.isfinite(window_s)):
-            raise ValueError(f"RateMeter window_s must be a finite number > 0 seconds, got {window_s!r}")
-        self.window_s = float(window_s)
-        self._clock = clock
-        self._start = clock()
-        self._events: collections.deque[tuple[float, float]] = collections.deque()
-        self._in_window = 0.0
-        self.total = 0.0  # everything ever added, for counters and the final summary
-
-    def add(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError(f"RateMeter.add amount must be >= 0, got {amount!r}")
-        self._events.append((self._clock(), float(amount)))
-        self._in_window += amount
-        self.total += amount
-
-    def rate(self) -> float:
-        now = self._clock()
-        horizon = now - self.window_s
-        while self._events and self._events[0][0] <= horizon:
-            self._in_window -= self._events.popleft()[1]
-        if not self._events:
-            self._in_window = 0.0  # drop float drift from the running sum
-        span = min(self.window_s, now - self._start)
-        if span <= 0:
-            return 0.0
-        return max(self._in_window, 0.0) / span
 
 
 class Summary(msgspec.Struct, kw_only=True, frozen=True):

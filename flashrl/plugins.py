@@ -30,6 +30,8 @@ from typing import Any
 
 import msgspec
 
+from flashrl.validation import describe
+
 __all__ = [
     "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "PluginError", "entry_point_names", "env_name_problem", "load_object",
     "make_suite", "suite_class", "warm_start_overrides",
@@ -170,18 +172,6 @@ def suite_class(name: str) -> type:
     return cls
 
 
-def params_error(msg: str, env: str, params_type: type) -> str:
-    """msgspec's message as `env.params.<key>: what is wrong`, listing the accepted keys for a typo."""
-    at = re.search(r" - at `\$((?:\.[A-Za-z0-9_]+|\[[^\]]*\])*)`", msg)
-    path = "env.params" + (at.group(1) if at else "")
-    what = msg[: at.start()] if at else msg
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
-    if unknown:
-        fields = [f.name for f in msgspec.structs.fields(params_type)]
-        return f"{path}.{unknown.group(1)}: unknown key for env {env!r}; accepted: {', '.join(fields)} (and faults)"
-    return f"{path}: {what} (env {env!r})"
-
-
 def warm_start_overrides(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The WarmStart fields ``env.name`` overrides for the built-in model (flashrl.env.Demonstrating);
     a wrapper suite (remote) answers for the suite it wraps."""
@@ -199,7 +189,8 @@ def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> 
     try:
         p = msgspec.convert(params, cls.Params, strict=True)
     except msgspec.ValidationError as e:
-        raise PluginError(params_error(str(e), name, cls.Params)) from None
+        key, what = describe(str(e), cls.Params, prefix="env.params", owner=f"env {name!r}", extra_keys=("faults",))
+        raise PluginError(f"{key}: {what}" if what.startswith("unknown key") else f"{key}: {what} (env {name!r})") from None
     suite = cls(p, seed=seed, eval_size=eval_size)
     if faults is not None:
         with_faults = load_object("envs.faults:with_faults", "env.params.faults")

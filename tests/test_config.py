@@ -121,7 +121,7 @@ def test_cli_run_bad_config_exits_2_before_starting(tmp_path: Path) -> None:
 def test_env_params_errors_name_the_key() -> None:
     from envs import make_suite
 
-    with pytest.raises(ValueError, match=r"env\.params\.bogus: unknown key for env 'guess'; accepted: max_number"):
+    with pytest.raises(ValueError, match=r"env\.params\.bogus: unknown key for env 'guess'; \[env\.params\] accepts: max_number"):
         make_suite("guess", {"bogus": 1}, 0, 10)
     with pytest.raises(ValueError, match=r"env\.params\.digits: Expected `int`, got `str`"):
         make_suite("arithmetic", {"digits": "x"}, 0, 10)
@@ -135,3 +135,17 @@ def test_cli_validate_rejects_bad_env_params() -> None:
     )
     assert bad.returncode == 2
     assert "env.params.digitz: unknown key for env 'arithmetic'" in bad.stderr
+
+
+def test_config_and_env_params_errors_come_from_one_formatter() -> None:
+    """flashrl.validation.describe words both: the key path, the closest key, what the table accepts."""
+    from flashrl.config import from_dict
+    from flashrl.plugins import make_suite
+
+    with pytest.raises(ConfigError, match=r"rollout\.group_sise: unknown key; did you mean `group_size`\? \[rollout\] accepts: "):
+        from_dict({"rollout": {"group_sise": 3}})
+    with pytest.raises(ValueError, match=r"^env\.params\.digitz: unknown key for env 'arithmetic'; did you mean `digits`\? "
+                                         r"\[env\.params\] accepts: digits, ops, train_size, faults$"):
+        make_suite("arithmetic", {"digitz": 2}, 0, 4)
+    with pytest.raises(ConfigError, match=r"run\.dashboard: invalid value .nope.; expected one of: .auto., .rich."):
+        from_dict({"run": {"dashboard": "nope"}})

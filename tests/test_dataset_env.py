@@ -135,7 +135,7 @@ def test_datasets_folder(tmp_path: Path) -> None:
 
 def test_params_are_validated_like_every_env(tmp_path: Path) -> None:
     p = jsonl(tmp_path / "d.jsonl", ROWS)
-    with pytest.raises(PluginError, match=r"env\.params\.promt: unknown key for env 'dataset'; accepted: path, eval_path"):
+    with pytest.raises(PluginError, match=r"env\.params\.promt: unknown key for env 'dataset'; did you mean `prompt`\? \[env\.params\] accepts: path, eval_path"):
         make_suite("dataset", {"path": str(p), "promt": "q"}, 0, 10)
     with pytest.raises(PluginError, match=r"env\.params\.eval_fraction: Expected `float` <= 1.0|env\.params\.eval_fraction: Expected `float` < 1.0"):
         make_suite("dataset", {"path": str(p), "eval_fraction": 1.5}, 0, 10)

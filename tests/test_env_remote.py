@@ -36,7 +36,7 @@ def test_messages_round_trip_without_pickle() -> None:
         WORKER_REPLIES.decode(encode(msg))  # a request is not a valid reply
     with pytest.raises(ValueError, match=r"^env\.params: Object missing required field `inner` \(env 'remote'\)"):
         make_suite("remote", {"workers": 2}, 0, 4)
-    with pytest.raises(ValueError, match=r"^env\.params\.params\.max_numbr: unknown key for env 'guess'; accepted: max_number, "):
+    with pytest.raises(ValueError, match=r"^env\.params\.params\.max_numbr: unknown key for env 'guess'; did you mean `max_number`\? \[env\.params\.params\] accepts: max_number, "):
         make_suite("remote", {"inner": "guess", "params": {"max_numbr": 3}}, 0, 4)
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from flashrl.core.meters import RateMeter
 from flashrl.logging_setup import setup_logging
-from flashrl.metrics import MetricsWriter, RateMeter, Snapshot, Summary, _scalars, read_jsonl, summarize
+from flashrl.metrics import MetricsWriter, Snapshot, Summary, _scalars, read_jsonl, summarize
 
 
 class FakeClock:

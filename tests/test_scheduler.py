@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from flashrl.controller.scheduler import (
     Admission,
-    BusyMeter,
     DataStream,
     Router,
     request_seed,
     sample_id,
 )
+from flashrl.core.meters import BusyMeter
 from flashrl.env import Task
 
 
@@ -111,6 +111,10 @@ def test_busy_meter_is_a_sliding_window_of_overlapping_requests() -> None:
     m.exit(14.0)
     assert m.fraction(25.0) == 0.0  # everything has left the window
     assert len(m._closed) == 0
+    assert m.busy_s(25.0) == pytest.approx(4.0 + 2.0)  # busy seconds ever: [1, 5] and [12, 14], pruned or not
+    m.enter(30.0)
+    assert m.busy_s(31.5) == pytest.approx(7.5)  # the open period counts up to now
+    m.exit(31.5)
     with pytest.raises(RuntimeError, match="without a matching enter"):
         m.exit(26.0)
     with pytest.raises(ValueError, match="window_s"):

@@ -50,6 +50,7 @@ import msgspec
 
 from flashrl.benchmarks.scenario import gain_versus, variant_config
 from flashrl.config import Config, to_toml
+from flashrl.core.meters import BusyMeter
 from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 log = logging.getLogger("flashrl.bench.real")
@@ -73,33 +74,27 @@ class BusyProbe:
         self.inner = inner
         self.name: str = inner.name
         self.requests = 0
-        self._active = 0
-        self._since = 0.0
-        self._busy = 0.0
+        self._busy = BusyMeter()
 
     @property
     def inflight(self) -> int:
         return int(self.inner.inflight)
 
     @property
-    def dead(self) -> Any:  # the controller skips engines whose client reports dead (PeerDead | None)
-        return getattr(self.inner, "dead", None)
+    def dead(self) -> object:  # the controller skips engines whose client reports dead (PeerDead | None)
+        return self.inner.dead
 
     def busy_s(self, now: float) -> float:
         """Seconds with >= 1 generate in flight, up to ``now``."""
-        return self._busy + (now - self._since if self._active else 0.0)
+        return self._busy.busy_s(now)
 
     async def generate(self, req: Generate) -> Generated:
-        if self._active == 0:
-            self._since = anyio.current_time()
-        self._active += 1
+        self._busy.enter(anyio.current_time())
         self.requests += 1
         try:
             return await self.inner.generate(req)
         finally:
-            self._active -= 1
-            if self._active == 0:
-                self._busy += anyio.current_time() - self._since
+            self._busy.exit(anyio.current_time())
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.inner.abort(request_ids)

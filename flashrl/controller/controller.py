@@ -31,9 +31,9 @@ run.max_time_s set, a step's record that carries no eval is held until the next 
 if the deadline comes first, the final eval is merged into that record instead of a second line.
 
 Dashboard numbers are the controller's own, on the loop clock: per engine, the busy fraction
-(share of the last 10 s with >= 1 generate in flight, scheduler.BusyMeter) and generated tokens/s;
+(share of the last 10 s with >= 1 generate in flight, core.meters.BusyMeter) and generated tokens/s;
 overall, samples/s (training samples delivered to the buffer) and tokens/s, all over a 10 s window
-(metrics.RateMeter). Step records also carry the run averages (run/samples_per_s, run/tokens_per_s).
+(core.meters.RateMeter). Step records also carry the run averages (run/samples_per_s, run/tokens_per_s).
 
 All tasks live in one asyncio.TaskGroup (each group task runs its rollouts as its own tasks and
 never returns before they have ended). Shutdown is close -> cancel -> wait: admission stops, every
@@ -64,11 +64,12 @@ from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
-from flashrl.controller.scheduler import Admission, BusyMeter, DataStream, Router
+from flashrl.controller.scheduler import Admission, DataStream, Router
+from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.env import Closable, Counting, EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
-from flashrl.metrics import EngineStat, RateMeter, Snapshot
+from flashrl.metrics import EngineStat, Snapshot
 from flashrl.protocol import TrainBatch, WeightManifest, WeightsUpdated
 from flashrl.transport import PeerDead, RemoteError
 

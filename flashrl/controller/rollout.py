@@ -84,11 +84,11 @@ from flashrl.aio import (
     timeout,
 )
 from flashrl.config import Config
-from flashrl.controller.scheduler import BusyMeter, Router, request_seed, sample_id
+from flashrl.controller.scheduler import Router, request_seed, sample_id
+from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.staleness import Staleness
 from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
-from flashrl.metrics import RateMeter
 from flashrl.protocol import Generate, Generated, TrainSample
 from flashrl.transport import PeerDead, RemoteError
 

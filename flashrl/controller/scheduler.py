@@ -17,9 +17,6 @@ The synchronous baseline (``async_ratio = 0``, ``queue_scheduling = false``) is 
 ``request_seed(run seed, prompt uid, sample index, turn)``, never from which engine serves a
 request or when, so the samples are the same whatever the engine count and the timing.
 
-``BusyMeter`` keeps the controller's own account of how busy each engine was (fraction of a
-sliding window with at least one generate request in flight); the caller passes the time in.
-
 Nothing here waits or reads a clock: these are pure decisions the controller calls from its loops.
 """
 
@@ -27,14 +24,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import math
 import random
 from collections.abc import Sequence
 
 from flashrl.aio import Permits
 from flashrl.env import Task
 
-__all__ = ["Admission", "BusyMeter", "DataStream", "Router", "request_seed", "sample_id"]
+__all__ = ["Admission", "DataStream", "Router", "request_seed", "sample_id"]
 
 _SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
 
@@ -221,52 +217,3 @@ class Router:
     @property
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.alive) if a]
-
-
-class BusyMeter:
-    """Fraction of the last ``window_s`` seconds during which at least one request was in flight.
-
-    ``enter(now)`` / ``exit(now)`` bracket every request; ``fraction(now)`` reads the window. Busy
-    periods are kept as closed intervals plus the open one, pruned once they leave the window, so
-    memory stays bounded by the busy periods of one window even when nobody reads the meter. Until
-    ``window_s`` has passed since ``start``, the fraction is over the time since ``start`` (as
-    metrics.RateMeter does), so a run's first seconds do not read low. Time only ever comes in as
-    an argument: it is the event loop's clock, virtual in the simulator.
-    """
-
-    def __init__(self, window_s: float = 10.0, start: float = 0.0) -> None:
-        if not (window_s > 0 and math.isfinite(window_s)):
-            raise ValueError(f"BusyMeter window_s must be a finite number > 0 seconds, got {window_s!r}")
-        self.window_s = float(window_s)
-        self.start = start
-        self.active = 0
-        self._since = start  # start of the open busy period (meaningful while active > 0)
-        self._closed: collections.deque[tuple[float, float]] = collections.deque()
-
-    def enter(self, now: float) -> None:
-        if self.active == 0:
-            self._since = now
-        self.active += 1
-
-    def exit(self, now: float) -> None:
-        if self.active <= 0:
-            raise RuntimeError("BusyMeter.exit() without a matching enter()")
-        self.active -= 1
-        if self.active == 0:
-            self._closed.append((self._since, now))
-            self._prune(now - self.window_s)
-
-    def _prune(self, horizon: float) -> None:
-        while self._closed and self._closed[0][1] <= horizon:
-            self._closed.popleft()
-
-    def fraction(self, now: float) -> float:
-        horizon = now - self.window_s
-        self._prune(horizon)
-        busy = sum(end - max(begin, horizon) for begin, end in self._closed)
-        if self.active:
-            busy += now - max(self._since, horizon)
-        span = min(self.window_s, now - self.start)
-        if span <= 0:
-            return 1.0 if self.active else 0.0
-        return min(1.0, max(0.0, busy / span))

@@ -47,6 +47,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from flashrl.core.meters import BusyMeter
 from flashrl.procs import child_init
 from flashrl.protocol import (
     ENGINE_REQUESTS,
@@ -131,21 +132,18 @@ class LoadMeter:
         self.sched_running = 0
         self.sched_waiting = 0
         self.kv_usage = 0.0
-        self._busy_since: float | None = None
-        self._busy_s = 0.0
+        self._busy = BusyMeter(start=now)
+        self._busy_at_start = 0.0  # busy seconds when the window started
         self._window_start = now
         self._window_tokens = 0
 
     def request_started(self, now: float) -> None:
-        if self.inflight == 0:
-            self._busy_since = now
+        self._busy.enter(now)
         self.inflight += 1
 
     def request_finished(self, now: float) -> None:
+        self._busy.exit(now)
         self.inflight -= 1
-        if self.inflight == 0 and self._busy_since is not None:
-            self._busy_s += now - self._busy_since
-            self._busy_since = None
 
     def tokens(self, n: int) -> None:
         self.generated_tokens += n
@@ -155,10 +153,8 @@ class LoadMeter:
         self.sched_running, self.sched_waiting, self.kv_usage = running, waiting, kv_usage
 
     def report(self, now: float, engine: str, version: int) -> LoadReport:
-        busy = self._busy_s
-        if self._busy_since is not None:
-            busy += now - self._busy_since
-            self._busy_since = now
+        busy_s = self._busy.busy_s(now)
+        busy = busy_s - self._busy_at_start
         span = max(now - self._window_start, 1e-9)
         # The scheduler's numbers are from its last step; with nothing in flight they are stale.
         running = min(self.sched_running, self.inflight) if self.inflight else 0
@@ -173,7 +169,7 @@ class LoadMeter:
             busy_fraction=min(1.0, busy / span),
             generated_tokens=self.generated_tokens,
         )
-        self._busy_s = 0.0
+        self._busy_at_start = busy_s
         self._window_start = now
         self._window_tokens = 0
         return rep
