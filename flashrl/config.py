@@ -103,41 +103,95 @@ class TrainerConfig(Section):
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
 
 
+class DecoupledPPOOptions(Section):
+    """``[algorithm.decoupled_ppo]``: options of loss = "decoupled_ppo"."""
+
+    w_max: Annotated[float, Meta(gt=0, description="cap on the behaviour importance weight")] = 5.0
+
+
+class TISOptions(Section):
+    """``[algorithm.tis]``: options of loss = "tis"."""
+
+    cap: Annotated[float, Meta(gt=0, description="truncation C of the importance ratio")] = 2.0
+
+
+class CISPOOptions(Section):
+    """``[algorithm.cispo]``: options of loss = "cispo"."""
+
+    eps_low: Annotated[float, Meta(ge=0, description="lower clip of the IS weight (1 = none)")] = 1.0
+    eps_high: Annotated[float, Meta(ge=0, description="upper clip of the IS weight")] = 0.2
+
+
+class GSPOOptions(Section):
+    """``[algorithm.gspo]``: options of loss = "gspo"."""
+
+    eps_low: Annotated[float, Meta(ge=0, description="sequence-ratio clip below 1")] = 3e-4
+    eps_high: Annotated[float, Meta(ge=0, description="sequence-ratio clip above 1")] = 4e-4
+
+
+class AsyPPOOptions(Section):
+    """``[algorithm.asyppo]``: the mini-critics of loss = "asyppo" (arXiv 2510.01656). Critic size/lr are
+    ours (not published for tiny models)."""
+
+    num_critics: Annotated[int, Meta(ge=2, le=16, description="number of mini-critics M (paper: 2)")] = 2
+    k_adv: Annotated[float, Meta(ge=0, le=1, description="fraction of valid tokens with the lowest critic std whose advantage is masked (paper: 0.2)")] = 0.2
+    k_ent: Annotated[float, Meta(ge=0, le=1, description="fraction of valid tokens with the highest critic std left out of the entropy bonus (paper: 0.2)")] = 0.2
+    lr: Annotated[float, Meta(gt=0, le=1, description="AdamW learning rate of the critics")] = 1e-3
+    layers: Annotated[int, Meta(ge=1, le=64, description="transformer layers per mini-critic")] = 1
+    hidden: Annotated[int, Meta(ge=8, le=8192, description="hidden size per mini-critic (multiple of 4 heads)")] = 64
+    updates: Annotated[int, Meta(ge=1, le=64, description="critic regression steps per training step")] = 1
+    gamma: Annotated[float, Meta(ge=0, le=1, description="GAE discount")] = 1.0
+    gae_lambda: Annotated[float, Meta(ge=0, le=1, description="GAE lambda")] = 0.95
+
+
+class RhythmOptions(Section):
+    """``[algorithm.rhythm]``: attention-rhythm credit (credit != "none"; arXiv 2510.13554)."""
+
+    top_frac: Annotated[float, Meta(ge=0, le=1, description="fraction of response tokens amplified (paper: 0.4)")] = 0.4
+    amplify: Annotated[float, Meta(ge=1, le=10, description="advantage scale of selected tokens (paper: 1.5)")] = 1.5
+    window: Annotated[int, Meta(ge=1, le=4096, description="WAAD distance clip W (paper: 10)")] = 10
+    coupling: Annotated[float, Meta(ge=0, le=1, description="share a of the bonus moved from a dominated anchor to its introducing WAAD peak (not published)")] = 0.5
+    tau_waad: Annotated[float, Meta(ge=0, description="WAAD at or below this marks an anchor as locally dominated (not published)")] = 2.0
+    tau_delta: Annotated[float, Meta(ge=0, description="a WAAD jump at least this large in the previous 3 tokens marks an introducing peak (not published)")] = 1.0
+    positive_only: Annotated[bool, Meta(description="amplify only tokens with advantage >= 0")] = False
+
+
 class AlgorithmConfig(Section):
+    """``[algorithm]``: the loss and what every loss shares; each loss's own options in its table
+    (``[algorithm.cispo]`` ...), which may only be set for the chosen loss (``_check``)."""
+
     loss: Annotated[Literal["ppo", "grpo", "decoupled_ppo", "tis", "topr", "cispo", "gspo", "asyppo"], Meta(description="policy loss (ALGORITHMS.md)")] = "ppo"
     scale_std: Annotated[bool, Meta(description="GRPO: divide by the group std (false = Dr. GRPO)")] = True
     filter_ties: Annotated[bool, Meta(description="drop groups whose rewards all tie (DAPO dynamic sampling)")] = False
     loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"], Meta(description="loss aggregation")] = "token-mean"
-    eps_low: Annotated[float, Meta(ge=0, le=1, description="PPO clip below 1")] = 0.2
-    eps_high: Annotated[float, Meta(ge=0, description="PPO clip above 1")] = 0.2
+    eps_low: Annotated[float, Meta(ge=0, le=1, description="PPO clip below 1 (ppo, grpo, decoupled_ppo, asyppo)")] = 0.2
+    eps_high: Annotated[float, Meta(ge=0, description="PPO clip above 1 (ppo, grpo, decoupled_ppo, asyppo)")] = 0.2
     dual_clip: Annotated[float, Meta(ge=0, description="dual-clip constant c for A < 0 (0 = off; paper value 3)")] = 0.0
-    w_max: Annotated[float, Meta(gt=0, description="decoupled PPO: cap on the behaviour importance weight")] = 5.0
-    tis_cap: Annotated[float, Meta(gt=0, description="TIS: truncation C of the importance ratio")] = 2.0
-    cispo_eps_low: Annotated[float, Meta(ge=0, description="CISPO: lower clip of the IS weight (1 = none)")] = 1.0
-    cispo_eps_high: Annotated[float, Meta(ge=0, description="CISPO: upper clip of the IS weight")] = 0.2
-    gspo_eps_low: Annotated[float, Meta(ge=0, description="GSPO: sequence-ratio clip below 1")] = 3e-4
-    gspo_eps_high: Annotated[float, Meta(ge=0, description="GSPO: sequence-ratio clip above 1")] = 4e-4
     entropy_coef: Annotated[float, Meta(ge=0, description="entropy bonus beta")] = 0.0
     kl_coef: Annotated[float, Meta(ge=0, description="k3 KL to the initial (reference) policy")] = 0.0
     credit: Annotated[Literal["none", "waad", "fai", "rhythm"], Meta(description="attention-rhythm credit assignment")] = "none"
-    # AsyPPO mini-critics (loss = "asyppo"; arXiv 2510.01656). Critic size/lr are ours (not published for tiny models).
-    num_critics: Annotated[int, Meta(ge=2, le=16, description="AsyPPO: number of mini-critics M (paper: 2)")] = 2
-    critic_k_adv: Annotated[float, Meta(ge=0, le=1, description="AsyPPO: fraction of valid tokens with the lowest critic std whose advantage is masked (paper: 0.2)")] = 0.2
-    critic_k_ent: Annotated[float, Meta(ge=0, le=1, description="AsyPPO: fraction of valid tokens with the highest critic std left out of the entropy bonus (paper: 0.2)")] = 0.2
-    critic_lr: Annotated[float, Meta(gt=0, le=1, description="AsyPPO: AdamW learning rate of the critics")] = 1e-3
-    critic_layers: Annotated[int, Meta(ge=1, le=64, description="AsyPPO: transformer layers per mini-critic")] = 1
-    critic_hidden: Annotated[int, Meta(ge=8, le=8192, description="AsyPPO: hidden size per mini-critic (multiple of 4 heads)")] = 64
-    critic_updates: Annotated[int, Meta(ge=1, le=64, description="AsyPPO: critic regression steps per training step")] = 1
-    gamma: Annotated[float, Meta(ge=0, le=1, description="GAE discount (critics)")] = 1.0
-    gae_lambda: Annotated[float, Meta(ge=0, le=1, description="GAE lambda (critics)")] = 0.95
-    # Attention-rhythm credit (credit != "none"; arXiv 2510.13554).
-    rhythm_top_frac: Annotated[float, Meta(ge=0, le=1, description="rhythm: fraction of response tokens amplified (paper: 0.4)")] = 0.4
-    rhythm_amplify: Annotated[float, Meta(ge=1, le=10, description="rhythm: advantage scale of selected tokens (paper: 1.5)")] = 1.5
-    rhythm_window: Annotated[int, Meta(ge=1, le=4096, description="rhythm: WAAD distance clip W (paper: 10)")] = 10
-    rhythm_coupling: Annotated[float, Meta(ge=0, le=1, description="rhythm: share a of the bonus moved from a dominated anchor to its introducing WAAD peak (not published)")] = 0.5
-    tau_waad: Annotated[float, Meta(ge=0, description="rhythm: WAAD at or below this marks an anchor as locally dominated (not published)")] = 2.0
-    tau_delta: Annotated[float, Meta(ge=0, description="rhythm: a WAAD jump at least this large in the previous 3 tokens marks an introducing peak (not published)")] = 1.0
-    rhythm_positive_only: Annotated[bool, Meta(description="rhythm: amplify only tokens with advantage >= 0")] = False
+    decoupled_ppo: DecoupledPPOOptions = msgspec.field(default_factory=DecoupledPPOOptions)
+    tis: TISOptions = msgspec.field(default_factory=TISOptions)
+    cispo: CISPOOptions = msgspec.field(default_factory=CISPOOptions)
+    gspo: GSPOOptions = msgspec.field(default_factory=GSPOOptions)
+    asyppo: AsyPPOOptions = msgspec.field(default_factory=AsyPPOOptions)
+    rhythm: RhythmOptions = msgspec.field(default_factory=RhythmOptions)
+
+
+# Per-loss option groups: the loss (or credit mode) each table belongs to.
+LOSS_OPTIONS = ("decoupled_ppo", "tis", "cispo", "gspo", "asyppo")
+# Keys that lived flat in [algorithm] before the per-loss groups -> where they are now.
+MOVED_ALGORITHM_KEYS = {
+    "w_max": "decoupled_ppo.w_max", "tis_cap": "tis.cap",
+    "cispo_eps_low": "cispo.eps_low", "cispo_eps_high": "cispo.eps_high",
+    "gspo_eps_low": "gspo.eps_low", "gspo_eps_high": "gspo.eps_high",
+    "num_critics": "asyppo.num_critics", "critic_k_adv": "asyppo.k_adv", "critic_k_ent": "asyppo.k_ent",
+    "critic_lr": "asyppo.lr", "critic_layers": "asyppo.layers", "critic_hidden": "asyppo.hidden",
+    "critic_updates": "asyppo.updates", "gamma": "asyppo.gamma", "gae_lambda": "asyppo.gae_lambda",
+    "rhythm_top_frac": "rhythm.top_frac", "rhythm_amplify": "rhythm.amplify", "rhythm_window": "rhythm.window",
+    "rhythm_coupling": "rhythm.coupling", "tau_waad": "rhythm.tau_waad", "tau_delta": "rhythm.tau_delta",
+    "rhythm_positive_only": "rhythm.positive_only",
+}
 
 
 class WeightSyncConfig(Section):
@@ -215,8 +269,21 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _moved_keys(data: dict[str, Any], source: str) -> None:
+    """An old-shape key (flat in [algorithm]) is an error naming its new place."""
+    alg = data.get("algorithm")
+    if not isinstance(alg, dict):
+        return
+    for key in alg:
+        if key in MOVED_ALGORITHM_KEYS:
+            group, _, name = MOVED_ALGORITHM_KEYS[key].partition(".")
+            raise ConfigError(f"{source}: algorithm.{key}: moved to [algorithm.{group}] {name} (each loss's options "
+                              f"are in its own table); write it as algorithm.{group}.{name}")
+
+
 def from_dict(data: dict[str, Any], source: str = "config") -> Config:
     """Validate a plain dict (parsed TOML) into a Config, or raise ConfigError naming the key."""
+    _moved_keys(data, source)
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
@@ -228,6 +295,14 @@ def from_dict(data: dict[str, Any], source: str = "config") -> Config:
 
 def _check(cfg: Config, source: str) -> None:
     """Cross-field rules msgspec bounds cannot express."""
+    alg = cfg.algorithm
+    for group in LOSS_OPTIONS:
+        if group != alg.loss and getattr(alg, group) != type(getattr(alg, group))():
+            raise ConfigError(f"{source}: algorithm.{group}: options of loss {group!r}, but algorithm.loss = {alg.loss!r}; "
+                              f"set algorithm.loss = {group!r} or remove [algorithm.{group}]")
+    if alg.credit == "none" and alg.rhythm != RhythmOptions():
+        raise ConfigError(f"{source}: algorithm.rhythm: options of the attention-rhythm credit, but algorithm.credit = "
+                          "\"none\"; set algorithm.credit (waad, fai or rhythm) or remove [algorithm.rhythm]")
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
     if cfg.model.path == "builtin:tiny" and (cfg.model.chat_template == "on" or cfg.model.system_prompt):

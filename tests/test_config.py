@@ -149,3 +149,27 @@ def test_config_and_env_params_errors_come_from_one_formatter() -> None:
         make_suite("arithmetic", {"digitz": 2}, 0, 4)
     with pytest.raises(ConfigError, match=r"run\.dashboard: invalid value .nope.; expected one of: .auto., .rich."):
         from_dict({"run": {"dashboard": "nope"}})
+
+
+def test_per_loss_options_live_in_their_table_and_belong_to_the_chosen_loss(tmp_path: Path) -> None:
+    from flashrl.config import from_dict
+
+    cfg = from_dict({"algorithm": {"loss": "cispo", "cispo": {"eps_high": 0.3}}})
+    assert cfg.algorithm.cispo.eps_high == 0.3 and cfg.algorithm.cispo.eps_low == 1.0
+    # an old-shape (flat) key names its new place
+    with pytest.raises(ConfigError, match=r"algorithm\.cispo_eps_high: moved to \[algorithm\.cispo\] eps_high"):
+        from_dict({"algorithm": {"loss": "cispo", "cispo_eps_high": 0.3}})
+    with pytest.raises(ConfigError, match=r"algorithm\.critic_lr: moved to \[algorithm\.asyppo\] lr"):
+        load(None, ["algorithm.critic_lr=0.01"])
+    # options of another loss than the chosen one
+    with pytest.raises(ConfigError, match=r"algorithm\.gspo: options of loss 'gspo', but algorithm\.loss = 'ppo'; "
+                                          r"set algorithm\.loss = 'gspo' or remove \[algorithm\.gspo\]"):
+        from_dict({"algorithm": {"loss": "ppo", "gspo": {"eps_low": 0.1}}})
+    with pytest.raises(ConfigError, match=r"algorithm\.rhythm: options of the attention-rhythm credit, but algorithm\.credit"):
+        from_dict({"algorithm": {"rhythm": {"window": 3}}})
+    with pytest.raises(ConfigError, match=r"algorithm\.asyppo\.lrr: unknown key; did you mean `lr`\?"):
+        from_dict({"algorithm": {"loss": "asyppo", "asyppo": {"lrr": 0.1}}})
+    # the resolved config (every table, defaults included) reads back as itself
+    p = tmp_path / "config.toml"
+    p.write_text(to_toml(cfg))
+    assert load(p) == cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.config import AlgorithmConfig
+from flashrl.config import AlgorithmConfig, AsyPPOOptions
 from flashrl.trainer.critics import MiniCritics, critic_loss, gae, split_by_group, uncertainty_masks, whiten
 from flashrl.trainer.losses import compute_policy_loss
 
@@ -110,7 +110,7 @@ def test_minicritics_step_masks_advantages_and_critic_loss_falls(batch: dict[str
     torch.manual_seed(123)
     before = torch.rand(3)
     torch.manual_seed(123)
-    cfg = AlgorithmConfig(loss="asyppo", critic_lr=3e-3, critic_hidden=32)
+    cfg = AlgorithmConfig(loss="asyppo", asyppo=AsyPPOOptions(lr=3e-3, hidden=32))
     critics = MiniCritics(40, cfg, seed=0)
     assert torch.rand(3).tolist() == before.tolist()  # building the critics leaves the global RNG alone
     m = batch["mask"].bool()
@@ -146,5 +146,5 @@ def test_minicritics_step_masks_advantages_and_critic_loss_falls(batch: dict[str
 
 
 def test_critic_hidden_must_fit_heads() -> None:
-    with pytest.raises(ValueError, match="critic_hidden=30 must be a multiple of 4"):
-        MiniCritics(10, AlgorithmConfig(critic_hidden=30))
+    with pytest.raises(ValueError, match="asyppo.hidden=30 must be a multiple of 4"):
+        MiniCritics(10, AlgorithmConfig(asyppo=AsyPPOOptions(hidden=30)))

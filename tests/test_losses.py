@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flashrl.config import AlgorithmConfig
+from flashrl.config import AlgorithmConfig, CISPOOptions, GSPOOptions
 from flashrl.trainer.losses import LOSSES, aggregate, compute_policy_loss, sequence_ratio
 
 LN = math.log
@@ -99,7 +99,7 @@ def test_cispo_clips_weight_but_keeps_every_gradient() -> None:
     assert loss.item() == pytest.approx(-(1.2 + 0.1 + 1.0) * H / 3)
     assert met["iw/clipped_frac"] == pytest.approx(1 / 3)
     # a lower clip when configured: eps_low_is = 0.5 -> weight >= 0.5
-    _, grad2, _ = _run("cispo", logp, logp, behav, [[1.0, 1.0, 1.0]], cispo_eps_low=0.5)
+    _, grad2, _ = _run("cispo", logp, logp, behav, [[1.0, 1.0, 1.0]], cispo=CISPOOptions(eps_low=0.5))
     assert grad2[0, 1].item() == pytest.approx(-0.5 / 3)
 
 
@@ -108,7 +108,7 @@ def test_gspo_ratio_is_per_sequence_and_gradient_matches_sequence_objective() ->
     prox = torch.tensor([[H - LN(2.0), H, H], [H, H + LN(0.9), 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
     adv = torch.tensor([[1.0] * 3, [-2.0] * 3], dtype=torch.float64)
-    cfg = AlgorithmConfig(loss="gspo", gspo_eps_low=0.5, gspo_eps_high=0.5, loss_agg="seq-mean-token-mean")
+    cfg = AlgorithmConfig(loss="gspo", gspo=GSPOOptions(eps_low=0.5, eps_high=0.5), loss_agg="seq-mean-token-mean")
     s = sequence_ratio(lp, prox, mask)
     assert s.tolist() == pytest.approx([2.0 ** (1 / 3), (1 / 0.9) ** 0.5])
     loss_tok, stats = LOSSES["gspo"](logp=lp, prox_logp=prox, behav_logp=prox, advantages=adv, mask=mask.bool(),
@@ -154,7 +154,7 @@ def test_masked_tokens_get_zero_loss_and_zero_gradient(name: str) -> None:
     behav = torch.tensor([[-0.7, -1.1, float("-inf")], [-0.1, 3.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
-    cfg = AlgorithmConfig(loss=name, gspo_eps_low=0.5, gspo_eps_high=0.5)  # type: ignore[arg-type]
+    cfg = AlgorithmConfig(loss=name, gspo=GSPOOptions(eps_low=0.5, eps_high=0.5))  # type: ignore[arg-type]
     loss_tok, _ = LOSSES[name](logp=lp, prox_logp=prox, behav_logp=behav, advantages=adv, mask=mask.bool(),
                                rewards=torch.tensor([1.0, 0.0]), cfg=cfg)
     assert loss_tok[mask == 0].tolist() == [0.0, 0.0, 0.0]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashrl.config import AlgorithmConfig
+from flashrl.config import AlgorithmConfig, RhythmOptions
 from flashrl.trainer.rhythm import (
     credit_scale,
     dominated_anchors,
@@ -102,9 +102,9 @@ def test_dominated_anchors_and_their_introducers() -> None:
     # anchor 7: WAAD 4.0 > 1 -> not dominated
     assert dom.tolist()[0] == [False, False, False, True, False, True, False, False]
     assert intro.nonzero()[:, 1].tolist() == [2]
-    cfg = AlgorithmConfig(credit="rhythm", rhythm_coupling=0.5, tau_waad=1.0, tau_delta=2.0)
+    cfg = AlgorithmConfig(credit="rhythm", rhythm=RhythmOptions(coupling=0.5, tau_waad=1.0, tau_delta=2.0))
     # coupled gamma on the same quantities, through maps that produce them is covered below; here the formula:
-    bonus = cfg.rhythm_amplify - 1
+    bonus = cfg.rhythm.amplify - 1
     g = 1 + bonus * (anchors.bool() & ~dom) + 0.5 * bonus * dom + 0.5 * bonus * intro
     assert g.tolist()[0] == pytest.approx([1, 1, 1.25, 1.25, 1, 1.25, 1, 1.5])
 
@@ -141,14 +141,14 @@ def test_gamma_modes_on_hand_maps_and_alignment() -> None:
     resp_mask = torch.zeros(1, n - 1)
     resp_mask[0, 3:] = 1  # response tokens sit at input positions 4 .. 29
     # WAAD: 0 except WAAD_12 = min(12, 10) = 10 -> delta_11 = delta_12 = 10; top 2 -> positions 11, 12
-    g = credit_scale(model, ids, attn, resp_mask, AlgorithmConfig(credit="waad", rhythm_top_frac=2 / 26))
+    g = credit_scale(model, ids, attn, resp_mask, AlgorithmConfig(credit="waad", rhythm=RhythmOptions(top_frac=2 / 26)))
     assert torch.nonzero(g[0] > 1).squeeze(-1).tolist() == [10, 11]  # logits-aligned: position p -> p - 1
     assert g[0, 10].item() == pytest.approx(1.5)
     # FAI: only token 5 receives attention from >= 10 tokens ahead -> the single top token is position 5
-    g = credit_scale(model, ids, attn, resp_mask, AlgorithmConfig(credit="fai", rhythm_top_frac=1 / 26))
+    g = credit_scale(model, ids, attn, resp_mask, AlgorithmConfig(credit="fai", rhythm=RhythmOptions(top_frac=1 / 26)))
     assert torch.nonzero(g[0] > 1).squeeze(-1).tolist() == [4]
     # coupled: anchor 5 has WAAD 0 (<= tau) but no WAAD jump before it (delta 0 < tau): not dominated
-    cfg = AlgorithmConfig(credit="rhythm", rhythm_top_frac=1 / 26, tau_waad=1.0, tau_delta=1.0)
+    cfg = AlgorithmConfig(credit="rhythm", rhythm=RhythmOptions(top_frac=1 / 26, tau_waad=1.0, tau_delta=1.0))
     assert credit_scale(model, ids, attn, resp_mask, cfg)[0, 4].item() == pytest.approx(1.5)
     # make token 4 a WAAD peak right before the anchor: anchor 5 becomes dominated, credit moves to 4
     maps2 = maps.clone()
@@ -173,10 +173,10 @@ def test_amplification_only_where_configured() -> None:
     resp[:, 3:] = 1
     assert bool((credit_scale(model, ids, attn, resp, AlgorithmConfig(credit="none")) == 1).all())
     adv = torch.tensor([[1.0] * 29, [-1.0] * 29])
-    cfg = AlgorithmConfig(credit="fai", rhythm_positive_only=True)
+    cfg = AlgorithmConfig(credit="fai", rhythm=RhythmOptions(positive_only=True))
     g = credit_scale(model, ids, attn, resp, cfg, advantages=adv)
     assert int((g[0] > 1).sum()) == int(0.4 * 26) and bool((g[1] == 1).all())
-    with pytest.raises(ValueError, match="rhythm_positive_only needs advantages"):
+    with pytest.raises(ValueError, match="rhythm.positive_only needs advantages"):
         credit_scale(model, ids, attn, resp, cfg)
     with pytest.raises(ValueError, match="unknown mode 'x'"):
         rhythm_gamma(maps[:, 0], maps[:, 1], attn[:1], attn[:1], AlgorithmConfig(), mode="x")

@@ -115,7 +115,7 @@ def test_asyppo_uses_the_critics_advantages_and_masks(world1, model_path: Path, 
 
 def test_asyppo_masks_reach_the_loss(world1, model_path: Path, tmp_path: Path) -> None:
     """I^A = 0 and I^H = 0 on every token: no policy gradient and no entropy bonus, weights unchanged."""
-    alg = {"loss": "asyppo", "critic_k_adv": 1.0, "critic_k_ent": 1.0, "entropy_coef": 0.05}
+    alg = {"loss": "asyppo", "asyppo": {"k_adv": 1.0, "k_ent": 1.0}, "entropy_coef": 0.05}
     t = Trainer(_cfg(tmp_path, alg), str(model_path), CPU)
     before = _weights(t)
     m = t.train_step(_batch()).metrics  # type: ignore[union-attr]
@@ -123,14 +123,14 @@ def test_asyppo_masks_reach_the_loss(world1, model_path: Path, tmp_path: Path) -
     assert m["loss/policy"] == 0.0 and m["loss/entropy"] == 0.0 and m["entropy/mean"] > 1.0
     assert m["grad_norm"] == 0.0 and _changed(before, _weights(t)) == 0.0
     # the same with the entropy bonus kept: the bonus is there and moves the weights
-    t2 = Trainer(_cfg(tmp_path, alg | {"critic_k_ent": 0.0}), str(model_path), CPU)
+    t2 = Trainer(_cfg(tmp_path, alg | {"asyppo": {"k_adv": 1.0, "k_ent": 0.0}}), str(model_path), CPU)
     m2 = t2.train_step(_batch()).metrics  # type: ignore[union-attr]
     assert m2["loss/entropy"] == pytest.approx(m2["entropy/mean"], rel=1e-5)
     assert _changed(before, _weights(t2)) > 1e-5
 
 
 def test_asyppo_critic_loss_falls_and_critics_survive_a_checkpoint(world1, model_path: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, {"loss": "asyppo", "critic_lr": 3e-3, "critic_updates": 4})
+    cfg = _cfg(tmp_path, {"loss": "asyppo", "asyppo": {"lr": 3e-3, "updates": 4}})
     t = Trainer(cfg, str(model_path), CPU)
     losses = [t.train_step(_batch(s)).metrics["critic/loss"] for s in range(4)]  # type: ignore[union-attr]
     assert losses[-1] < 0.5 * losses[0], losses
@@ -189,7 +189,7 @@ def test_credit_amplifies_40_percent_and_reaches_the_loss(world1, model_path: Pa
 
 
 def test_credit_positive_only_leaves_negative_advantages_alone(world1, model_path: Path, tmp_path: Path) -> None:
-    t = Trainer(_cfg(tmp_path, {"credit": "waad", "rhythm_positive_only": True}), str(model_path), CPU)
+    t = Trainer(_cfg(tmp_path, {"credit": "waad", "rhythm": {"positive_only": True}}), str(model_path), CPU)
     m = t.train_step(_batch()).metrics  # type: ignore[union-attr]
     # the 20-token responses have A > 0, the 15-token ones A < 0: only 8 of every 35 tokens
     assert m["credit/amplified_frac"] == pytest.approx(8 / 35)

@@ -15,14 +15,14 @@ One training step, as the trainer drives it::
        +--> losses.compute_policy_loss(loss="asyppo", advantages=..., entropy_mask=...)   (policy step)
        |
        +--> MiniCritics.update(returns=R)   critic m regresses on its share D_m of each group only:
-                sum_m mean_{t in D_m} (V_m(s_t) - R_t)^2, own AdamW (critic_lr), not the policy's optimizer
+                sum_m mean_{t in D_m} (V_m(s_t) - R_t)^2, own AdamW (asyppo.lr), not the policy's optimizer
 
 Tensor layout is the trainer's (flashrl/trainer/batch.py): per-token tensors have length T = L - 1 and
 index j is the state after reading input_ids[..., :j+1], i.e. the state in which token j+1 is chosen.
 The critic's value head at position j therefore gives V(s) for the token the logits at j predict.
 
 Choices that are ours (the paper does not fix them for tiny models): each critic is a Qwen2 decoder of
-``critic_layers`` x ``critic_hidden`` over the policy's token ids, trained from scratch, each with its
+``asyppo.layers`` x ``asyppo.hidden`` over the policy's token ids, trained from scratch, each with its
 own seed (disagreement needs different inits); returns are GAE lambda-returns on V_bar; ties in sigma are
 broken by position. The write-up in seeds/ (002) speaks of a prompt-level partition; ALGORITHMS.md asks
 for a split of each group's responses, which is what ``split_by_group`` does.
@@ -45,7 +45,7 @@ from torch import nn
 from flashrl.config import AlgorithmConfig
 
 Tensor = torch.Tensor
-CRITIC_HEADS = 4  # attention heads per critic layer; critic_hidden must be a multiple
+CRITIC_HEADS = 4  # attention heads per critic layer; asyppo.hidden must be a multiple
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -179,7 +179,7 @@ class _ValueModel(nn.Module):
         from transformers import Qwen2Config, Qwen2Model
 
         if hidden % CRITIC_HEADS:
-            raise ValueError(f"algorithm.critic_hidden={hidden} must be a multiple of {CRITIC_HEADS} (critic heads)")
+            raise ValueError(f"algorithm.asyppo.hidden={hidden} must be a multiple of {CRITIC_HEADS} (critic heads)")
         config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
                              num_hidden_layers=layers, num_attention_heads=CRITIC_HEADS,
                              num_key_value_heads=CRITIC_HEADS, max_position_embeddings=1 << 16,
@@ -206,11 +206,11 @@ class MiniCritics(nn.Module):
         critics = []
         # fork_rng: building the critics must not shift the policy's or the sampler's random stream
         with torch.random.fork_rng(devices=[]):
-            for k in range(cfg.num_critics):
+            for k in range(cfg.asyppo.num_critics):
                 torch.manual_seed(seed * 1009 + k)
-                critics.append(_ValueModel(vocab_size, cfg.critic_layers, cfg.critic_hidden))
+                critics.append(_ValueModel(vocab_size, cfg.asyppo.layers, cfg.asyppo.hidden))
         self.critics = nn.ModuleList(critics)
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.asyppo.lr, weight_decay=0.0)
 
     def values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """V_m for every critic and sample: [M, B, L-1] (with gradient; wrap in no_grad to evaluate)."""
@@ -224,9 +224,9 @@ class MiniCritics(nn.Module):
         m = mask.bool()
         v_bar = v.mean(0)
         sigma = v.std(0, unbiased=False) if v.shape[0] > 1 else torch.zeros_like(v_bar)
-        adv, ret = gae(v_bar, rewards.float(), m, self.cfg.gamma, self.cfg.gae_lambda)
+        adv, ret = gae(v_bar, rewards.float(), m, self.cfg.asyppo.gamma, self.cfg.asyppo.gae_lambda)
         adv = whiten(adv, m)
-        adv_mask, ent_mask = uncertainty_masks(sigma, m, self.cfg.critic_k_adv, self.cfg.critic_k_ent)
+        adv_mask, ent_mask = uncertainty_masks(sigma, m, self.cfg.asyppo.k_adv, self.cfg.asyppo.k_ent)
         n = m.sum().clamp(min=1)
         metrics = {
             "critic/value_mean": float((v_bar * m).sum() / n),
@@ -239,14 +239,14 @@ class MiniCritics(nn.Module):
 
     def update(self, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, returns: Tensor,
                groups: Tensor, *, all_reduce: bool = False) -> dict[str, float]:
-        """``cfg.critic_updates`` regression steps; critic m sees only its share of each group.
+        """``cfg.asyppo.updates`` regression steps; critic m sees only its share of each group.
 
         ``all_reduce``: average the critics' gradients over the default process group (only when ranks
         feed different samples; see the module docstring).
         """
         assignment = split_by_group(groups, len(self.critics)).to(input_ids.device)
         loss = torch.zeros(())
-        for _ in range(self.cfg.critic_updates):
+        for _ in range(self.cfg.asyppo.updates):
             self.optimizer.zero_grad(set_to_none=True)
             loss = critic_loss(self.values(input_ids, attention_mask), returns, mask, assignment)
             loss.backward()

@@ -81,29 +81,29 @@ def decoupled_ppo_loss(*, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, a
     """Decoupled PPO (Hilton et al. 2022; AReaL, ROLL Flash): L = -sg(min(w, w_max)) min(r A, clip(r) A).
 
     The trust region is around the proximal policy (the trainer's weights at step start); the behaviour
-    weight w = pi_prox / pi_behav corrects for stale samples and is capped at ``cfg.w_max`` (default 5,
+    weight w = pi_prox / pi_behav corrects for stale samples and is capped at ``cfg.decoupled_ppo.w_max`` (default 5,
     ROLL Flash / AReaL). Dual clip applies to the inner PPO term when ``cfg.dual_clip`` > 0.
     """
     m = mask.bool()
     ratio = torch.exp(_diff(logp, prox_logp, m))
     w = torch.exp(_diff(prox_logp, behav_logp, m)).detach()
     inner, clipped = _ppo_term(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
-    loss = w.clamp(max=cfg.w_max) * inner
+    loss = w.clamp(max=cfg.decoupled_ppo.w_max) * inner
     return _zero(loss, m), {"ratio": ratio.detach(), "clipped": clipped.detach(), "iw": w,
-                            "iw_clipped": (w > cfg.w_max)}
+                            "iw_clipped": (w > cfg.decoupled_ppo.w_max)}
 
 
 def tis_loss(*, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
              rewards: Tensor, cfg: AlgorithmConfig) -> tuple[Tensor, Stats]:
-    """Truncated importance sampling REINFORCE: L = -sg(min(rb, C)) A logp, C = ``cfg.tis_cap`` (default 2).
+    """Truncated importance sampling REINFORCE: L = -sg(min(rb, C)) A logp, C = ``cfg.tis.cap`` (default 2).
 
     rb = pi_theta / pi_behav corrects from the sampler directly (no proximal trust region).
     """
     m = mask.bool()
     rb = torch.exp(_diff(logp, behav_logp, m)).detach()
     lp = torch.where(m, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    loss = -rb.clamp(max=cfg.tis_cap) * advantages * lp
-    return _zero(loss, m), {"ratio": rb, "clipped": rb > cfg.tis_cap, "iw": rb, "iw_clipped": rb > cfg.tis_cap}
+    loss = -rb.clamp(max=cfg.tis.cap) * advantages * lp
+    return _zero(loss, m), {"ratio": rb, "clipped": rb > cfg.tis.cap, "iw": rb, "iw_clipped": rb > cfg.tis.cap}
 
 
 def topr_loss(*, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
@@ -129,12 +129,12 @@ def cispo_loss(*, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage
     """CISPO (MiniMax-M1, 2025): L = -sg(clip(rb, 1-eps_low_is, 1+eps_high_is)) A logp.
 
     Unlike PPO no token's gradient is dropped; only the IS weight is clipped. Defaults
-    ``cfg.cispo_eps_low`` = 1.0 (lower bound 0, i.e. no lower clip, as in the paper) and
-    ``cfg.cispo_eps_high`` = 0.2 (the paper tunes it; 0.2 is our default, not a published constant).
+    ``cfg.cispo.eps_low`` = 1.0 (lower bound 0, i.e. no lower clip, as in the paper) and
+    ``cfg.cispo.eps_high`` = 0.2 (the paper tunes it; 0.2 is our default, not a published constant).
     """
     m = mask.bool()
     rb = torch.exp(_diff(logp, behav_logp, m)).detach()
-    lo, hi = max(0.0, 1.0 - cfg.cispo_eps_low), 1.0 + cfg.cispo_eps_high
+    lo, hi = max(0.0, 1.0 - cfg.cispo.eps_low), 1.0 + cfg.cispo.eps_high
     weight = rb.clamp(lo, hi)
     lp = torch.where(m, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
     loss = -weight * advantages * lp
@@ -155,14 +155,14 @@ def gspo_loss(*, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages
 
     s_i = exp(mean_t (logp - prox_logp)) is one ratio per sequence; the value of s_i,t is s_i and its
     gradient is s_i * d logp_t, so per-token advantages (e.g. rhythm-scaled) still work. L_i,t =
-    -min(s_i,t A, clip(s_i,t, 1-eps_low, 1+eps_high) A) with ``cfg.gspo_eps_low/high`` = 3e-4 / 4e-4
+    -min(s_i,t A, clip(s_i,t, 1-eps_low, 1+eps_high) A) with ``cfg.gspo.eps_low/high`` = 3e-4 / 4e-4
     (paper). The paper averages per sequence: use loss_agg = "seq-mean-token-mean" to match it exactly.
     """
     m = mask.bool()
     s = sequence_ratio(logp, prox_logp, m).detach()
     lp = torch.where(m, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
     s_tok = s.unsqueeze(-1) * torch.exp(lp - lp.detach())
-    loss, clipped = _ppo_term(s_tok, advantages, cfg.gspo_eps_low, cfg.gspo_eps_high, 0.0)
+    loss, clipped = _ppo_term(s_tok, advantages, cfg.gspo.eps_low, cfg.gspo.eps_high, 0.0)
     return _zero(loss, m), {"ratio": s_tok.detach(), "clipped": clipped.detach(), "seq_ratio": s}
 
 

@@ -8,7 +8,7 @@
        +--> waad(A_loc, W) --> WAAD_t, delta_t = |WAAD_t - WAAD_{t+1}|      [B, L]
        +--> fai(A_glob, response positions) --> FAI_s                       [B, L]
        v
-    top rhythm_top_frac of response tokens by delta (T_loc) / by FAI (T_glob)
+    top rhythm.top_frac of response tokens by delta (T_loc) / by FAI (T_glob)
        v
     gamma [B, T] (logits-aligned) --> the trainer scales A~ = gamma * A before the policy loss
 
@@ -178,25 +178,25 @@ def rhythm_gamma(a_loc: Tensor, a_glob: Tensor, valid: Tensor, response: Tensor,
     """gamma [B, N] over input positions for ``mode`` ("waad" | "fai" | "rhythm"; default cfg.credit).
 
     waad: 1 + (amp - 1) 1[T_loc]; fai: 1 + (amp - 1) 1[T_glob]; rhythm (coupled):
-    1 + (amp-1) 1[T_glob \\ D] + (1 - a)(amp-1) 1[D] + a (amp-1) 1[intro(D)], a = cfg.rhythm_coupling.
+    1 + (amp-1) 1[T_glob \\ D] + (1 - a)(amp-1) 1[D] + a (amp-1) 1[intro(D)], a = cfg.rhythm.coupling.
     gamma is 1 outside the response.
     """
     mode = mode or cfg.credit
     if mode not in ("waad", "fai", "rhythm"):
         raise ValueError(f"algorithm.credit: unknown mode {mode!r}; expected 'waad', 'fai' or 'rhythm'")
-    bonus = cfg.rhythm_amplify - 1.0
+    bonus = cfg.rhythm.amplify - 1.0
     resp = response.bool()
-    w = waad(a_loc, cfg.rhythm_window)
+    w = waad(a_loc, cfg.rhythm.window)
     gamma = torch.ones_like(w)
     if mode == "waad":
-        t_loc = top_fraction(waad_delta(w, valid), resp, cfg.rhythm_top_frac)
+        t_loc = top_fraction(waad_delta(w, valid), resp, cfg.rhythm.top_frac)
         return gamma + bonus * t_loc
     f = fai(a_glob, resp)
-    t_glob = top_fraction(f, resp, cfg.rhythm_top_frac)
+    t_glob = top_fraction(f, resp, cfg.rhythm.top_frac)
     if mode == "fai":
         return gamma + bonus * t_glob
-    dom, intro = dominated_anchors(t_glob, w, waad_delta(w, valid), resp, cfg.tau_waad, cfg.tau_delta)
-    a = cfg.rhythm_coupling
+    dom, intro = dominated_anchors(t_glob, w, waad_delta(w, valid), resp, cfg.rhythm.tau_waad, cfg.rhythm.tau_delta)
+    a = cfg.rhythm.coupling
     return gamma + bonus * (t_glob & ~dom) + (1 - a) * bonus * dom + a * bonus * intro
 
 
@@ -217,7 +217,7 @@ def credit_scale(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
 
     ``model`` is any Hugging Face causal LM (attention maps need eager attention: the model is switched to
     "eager" for this forward and back afterwards). input_ids / attention_mask [B, L], right-padded;
-    response_mask [B, L-1] is the trainer's loss mask. With ``cfg.rhythm_positive_only`` pass
+    response_mask [B, L-1] is the trainer's loss mask. With ``cfg.rhythm.positive_only`` pass
     ``advantages`` [B, T]: gamma is then 1 wherever A < 0. cfg.credit == "none" gives all ones.
     """
     b, length = input_ids.shape
@@ -226,8 +226,8 @@ def credit_scale(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
                          f"{(b, length - 1)} (logits-aligned, one shorter than input_ids)")
     if cfg.credit == "none":
         return torch.ones(b, length - 1, device=input_ids.device)
-    if cfg.rhythm_positive_only and advantages is None:
-        raise ValueError("credit_scale: algorithm.rhythm_positive_only needs advantages=...; pass the [B, T] advantages")
+    if cfg.rhythm.positive_only and advantages is None:
+        raise ValueError("credit_scale: algorithm.rhythm.positive_only needs advantages=...; pass the [B, T] advantages")
     # response token at input position p is logits index p - 1
     response_pos = torch.zeros(b, length, dtype=torch.bool, device=input_ids.device)
     response_pos[:, 1:] = response_mask.bool()
@@ -253,6 +253,6 @@ def credit_scale(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
         model.train(was_training)
     gamma = torch.cat(out)[:, 1:]
     gamma = torch.where(response_mask.bool(), gamma, torch.ones_like(gamma))
-    if cfg.rhythm_positive_only and advantages is not None:
+    if cfg.rhythm.positive_only and advantages is not None:
         gamma = torch.where(advantages >= 0, gamma, torch.ones_like(gamma))
     return gamma
