@@ -59,9 +59,11 @@ def run_scenario(path: str | Path, out_dir: str | Path, mode: Literal["sim", "re
 
 # --------------------------------------------------------------------------- CLI
 def main(argv: list[str]) -> int:
-    """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]``, ``flashrl bench calibrate RUN_DIR`` and
+    """``flashrl bench SCENARIO|all [--out DIR] [--mode sim|real]``, ``flashrl bench calibrate RUN_DIR``,
     ``flashrl bench algorithms [--losses ...] [--ratios ...]`` (learning, not speed: flashrl/benchmarks/algorithms.py),
-    ``flashrl bench chaos [CONFIG]`` (engines and the controller SIGKILLed during a run: flashrl/benchmarks/chaos.py)."""
+    ``flashrl bench chaos [CONFIG]`` (engines and the controller SIGKILLed during a run: flashrl/benchmarks/chaos.py),
+    ``flashrl bench peers`` (flashrl async and sync against TRL's GRPOTrainer) and ``flashrl bench seeds``
+    (the default over seeds 0, 1, 2): flashrl/benchmarks/peers.py."""
     if argv and argv[0] == "calibrate":
         from flashrl.benchmarks.calibrate import main as calibrate_main
 
@@ -74,6 +76,10 @@ def main(argv: list[str]) -> int:
         from flashrl.benchmarks.chaos import main as chaos_main
 
         return chaos_main(argv[1:])
+    if argv and argv[0] in ("peers", "seeds"):
+        from flashrl.benchmarks.peers import main as peers_main
+
+        return peers_main(argv[1:], seeds_mode=argv[0] == "seeds")
     ap = argparse.ArgumentParser(prog="flashrl bench", description=__doc__.split("\n")[0])
     ap.add_argument("scenario", help="a shipped scenario's name (e.g. queue_scheduling), a .toml path, or 'all'")
     ap.add_argument("--out", default="bench/results", help="output folder (one subfolder per scenario)")

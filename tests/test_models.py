@@ -237,7 +237,7 @@ def test_remote_wrapped_env_warm_starts_on_the_env_it_wraps(tmp_path: Path, monk
     monkeypatch.setattr(GuessSuite, "WARM_START", quick)
     inner = {"max_number": 9, "train_size": 50}
     assert warm_start_overrides("remote", {"inner": "guess", "params": inner}) == quick
-    assert warm_start_overrides("arithmetic", {}) == {}
+    assert warm_start_overrides("arithmetic", {}) == {"min_steps": 1500}  # issue 12: no mid-rise stop
     cfg = Config(model=ModelConfig(cache_dir=str(tmp_path)),
                  env=EnvConfig(name="remote", params={"inner": "guess", "params": inner, "workers": 1}, eval_size=8))
     report = json.loads((ensure_model(cfg, SMALL) / "flashrl_warmstart.json").read_text())

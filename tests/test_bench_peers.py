@@ -1,0 +1,215 @@
+"""flashrl/benchmarks/peers.py (`flashrl bench peers` / `seeds`): the report from synthetic metrics, the TRL
+settings mapping, the child watcher on a real child process, and (slow) the TRL peer training the built-in
+tiny model for a few steps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashrl.benchmarks.peers import (
+    PeerConfigError,
+    Run,
+    _Watch,
+    child_command,
+    markdown_table,
+    read_metrics,
+    seeds_table,
+    startup_offset,
+    summarize,
+    trl_settings,
+    write_results,
+)
+from flashrl.config import load
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def _records(accs: dict[int, float], steps: int, step_s: float = 0.5, parts: dict[str, float] | None = None,
+             samples: int = 128) -> list[dict]:
+    """flashrl-shaped metrics: step 0's eval record, then one record per step (eval every few)."""
+    recs: list[dict] = [{"step": 0, "version": 0, "eval/accuracy": accs[0], "time/eval_s": 3.0}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "samples": samples, "time/step_s": step_s, "time/elapsed_s": s * step_s,
+             **{f"time/{k}": v for k, v in (parts or {}).items()}}
+        if s in accs:
+            r |= {"eval/accuracy": accs[s], "time/eval_s": 2.0}
+        recs.append(r)
+    return recs
+
+
+def test_summarize_time_to_thresholds_dips_and_parts() -> None:
+    accs = {0: 0.5, 10: 0.72, 20: 0.81, 30: 0.70, 40: 0.86, 50: 0.84}
+    run = Run(mode="async", seed=0, name="a", startup_s=30.0)
+    summarize(run, _records(accs, 50, step_s=0.5, parts={"train_s": 0.3, "weight_sync_s": 0.1}))
+    assert run.steps == 50 and run.samples == 50 * 128
+    assert run.train_s == pytest.approx(25.0) and run.samples_per_s == pytest.approx(50 * 128 / 25.0)
+    assert run.time_to["70%"] == {"step": 10, "train_s": pytest.approx(5.0), "process_s": pytest.approx(35.0)}
+    assert run.time_to["80%"]["step"] == 20 and run.time_to["80%"]["train_s"] == pytest.approx(10.0)
+    assert run.time_to["85%"]["step"] == 40 and run.time_to["85%"]["process_s"] == pytest.approx(50.0)
+    assert (run.first_acc, run.final_acc, run.best_acc) == (0.5, 0.84, 0.86)
+    assert run.worst_dip == pytest.approx(0.11) and run.min_after_80 == pytest.approx(0.70)  # 0.81 -> 0.70
+    assert run.step_s == pytest.approx(0.5)
+    assert run.parts["train_s"] == pytest.approx(0.3) and run.parts["weight_sync_s"] == pytest.approx(0.1)
+    assert run.parts["rest"] == pytest.approx(0.1)  # the step time the parts do not cover
+    assert [s for s, _, _ in run.evals] == [0, 10, 20, 30, 40, 50]
+
+
+def test_summarize_never_reached_and_no_startup() -> None:
+    run = Run(mode="sync", seed=1, name="s")
+    summarize(run, _records({0: 0.4, 10: 0.6, 20: 0.79}, 20))
+    assert run.time_to["80%"] == {"step": None, "train_s": None, "process_s": None}
+    assert run.time_to["70%"]["step"] == 20 and run.worst_dip is None
+    run2 = Run(mode="sync", seed=1, name="s2")  # start-up unknown: no whole-process time, training clock kept
+    summarize(run2, _records({0: 0.75, 10: 0.8}, 10))
+    assert run2.time_to["70%"]["step"] == 0 and run2.time_to["70%"]["process_s"] is None
+    table = markdown_table([run, run2])
+    assert "not reached" in table and "| sync seed 1 | sync seed 1 |" in table.splitlines()[0]
+
+
+def test_startup_offset_takes_the_tightest_record() -> None:
+    assert startup_offset([(31.0, 0.5), (30.8, 0.7), (40.0, 9.0)]) == pytest.approx(30.1)
+    assert startup_offset([]) is None
+    assert startup_offset([(1.0, 1.2)]) == 0.0  # clock skew never makes it negative
+
+
+def test_read_metrics_skips_blank_torn_and_stepless_lines(tmp_path: Path) -> None:
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 0, "eval/accuracy": 0.5}\n\n{"note": 1}\n{"step": 1, "time/elapsed_s": 1.0}\n{"step": 2, "ti')
+    assert [r["step"] for r in read_metrics(p)] == [0, 1]
+
+
+def test_write_results_and_seeds_table(tmp_path: Path) -> None:
+    runs = []
+    for seed, final in ((0, 0.86), (1, 0.82), (2, 0.9)):
+        r = Run(mode="async", seed=seed, name=f"async-seed{seed}", returncode=0, startup_s=20.0, peak_mem_gib=5.0)
+        summarize(r, _records({0: 0.5, 10: 0.8, 20: final}, 20))
+        runs.append(r)
+    t = Run(mode="trl", seed=0, name="trl-seed0", returncode=0, startup_s=4.0)
+    summarize(t, _records({0: 0.5, 10: 0.85}, 10, step_s=0.1, parts={"generate_s": 0.04, "train_s": 0.06}))
+    runs.append(t)
+    paths = write_results(runs, tmp_path / "out", "title")
+    md = paths["md"].read_text()
+    assert "| async | 0,1,2 | 86.0% (82.0%..90.0%) |" in md  # mean (min..max) over seeds
+    assert "What differs" in md  # a TRL run is in the set
+    data = json.loads(paths["json"].read_text())
+    assert [d["seed"] for d in data] == [0, 1, 2, 0] and data[3]["mode"] == "trl"
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert rows[0]["t80%_step"] == "10" and rows[3]["t85%_step"] == "10"
+    assert paths["png"].stat().st_size > 1000
+    st = seeds_table(runs[:3])
+    assert "3/3" not in st and "n/a" not in st.splitlines()[2]
+
+
+def test_trl_settings_map_the_config() -> None:
+    cfg = load(TINY)
+    s = trl_settings(cfg)
+    ro, tr = cfg.rollout, cfg.trainer
+    assert s["num_generations"] == ro.group_size
+    assert s["per_device_train_batch_size"] * s["steps_per_generation"] == ro.group_size * ro.batch_prompts
+    assert s["steps_per_generation"] == tr.mini_batches and s["gradient_accumulation_steps"] == 1
+    assert s["max_steps"] == cfg.run.steps * tr.mini_batches
+    assert (s["temperature"], s["max_completion_length"], s["learning_rate"]) == (ro.temperature, ro.max_new_tokens, tr.lr)
+    assert (s["epsilon"], s["epsilon_high"], s["beta"], s["loss_type"]) == (0.2, 0.2, 0.0, "dapo")
+    assert s["shuffle_dataset"] is False and s["scale_rewards"] == "group"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm.loss=cispo", "algorithm.loss"),
+    ("algorithm.loss_agg=seq-mean-token-mean", "algorithm.loss_agg"),
+    ("trainer.mini_batches=3", "trainer.mini_batches"),
+    ("rollout.max_turns=2", "rollout.max_turns"),
+])
+def test_trl_settings_refuse_what_trl_cannot_reproduce(override: str, key: str) -> None:
+    with pytest.raises(PeerConfigError, match=key.replace(".", r"\.")):
+        trl_settings(load(TINY, [override]))
+
+
+def test_child_commands(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "sync-seed1"
+    sync = child_command("sync", TINY, 1, 30, run_dir)
+    assert sync[-2 * 7:] == [a for s in ("run.seed=1", "run.steps=30", "run.name=sync-seed1", f"run.output_dir={run_dir.parent}",
+                                        "run.dashboard=plain", "scheduler.async_ratio=0",
+                                        "scheduler.queue_scheduling=false") for a in ("--set", s)]
+    assert "scheduler.async_ratio=0" not in child_command("async", TINY, 0, None, run_dir)
+    trl = child_command("trl", TINY, 2, None, run_dir)
+    assert trl[:4] == [sys.executable, "-m", "flashrl.benchmarks.peers", "trl"] and "run.seed=2" in trl
+    with pytest.raises(ValueError, match="mode"):
+        child_command("tr", TINY, 0, None, run_dir)
+
+
+def test_watch_times_lines_and_samples_memory(tmp_path: Path) -> None:
+    """A real child that starts up for 1 s, then writes a step record every 0.2 s (elapsed from its own 0)."""
+    import subprocess
+
+    metrics = tmp_path / "metrics.jsonl"
+    code = ("import json,time\ntime.sleep(1.0)\nt0=time.monotonic()\nb=bytearray(64<<20)\n"
+            f"f=open({str(metrics)!r},'w')\n"
+            "for s in range(1,6):\n time.sleep(0.2)\n f.write(json.dumps({'step':s,'time/elapsed_s':time.monotonic()-t0})+'\\n'); f.flush()\n")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with _Watch(proc.pid, metrics, t0, interval_s=0.05) as w:
+        assert proc.wait(timeout=60) == 0
+    assert len(w.appeared) == 5
+    est = startup_offset(w.appeared)
+    assert est is not None and 1.0 <= est < 1.0 + 1.5  # interpreter start + 1 s sleep, never below the sleep
+    assert w.peak > 64 << 20  # the child's 64 MiB buffer was seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_trl_peer_trains_the_tiny_model(tmp_path: Path) -> None:
+    """The TRL peer on the built-in model of configs/tiny.toml (make test builds it first): 4 steps, eval every 2."""
+    pytest.importorskip("trl", reason="the [peers] extra (TRL) is not installed: pip install -e '.[peers]'")
+    from flashrl.benchmarks.peers import run_trl
+
+    out = tmp_path / "trl"
+    summary = run_trl(TINY, ["run.steps=4", "run.eval_every=2", "trainer.warmup_steps=2"], out, threads=1)
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in recs if "eval/accuracy" in r] == [0, 2, 4]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in recs if "eval/accuracy" in r)
+    steps = recs[1:]
+    assert all(r["samples"] == 128 and 0.0 <= r["reward/mean"] <= 1.0 for r in steps)
+    assert [r["lr"] for r in steps] == pytest.approx([5e-5, 1e-4, 1e-4, 1e-4])  # flashrl's warm-up per training step
+    assert all(r["time/generate_s"] > 0 and r["time/train_s"] > 0 for r in steps)
+    assert steps[-1]["time/elapsed_s"] > steps[0]["time/elapsed_s"] > 0
+    assert summary["weights_changed_l2"] > 0  # it trained
+    assert summary["optimizer_steps"] == 8  # 2 mini-batches per training step
+    run = Run(mode="trl", seed=0, name="trl", startup_s=1.0)
+    summarize(run, recs)
+    assert run.steps == 4 and run.samples == 512 and run.samples_per_s and run.samples_per_s > 0
+
+
+def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import asdict
+
+    from flashrl.benchmarks import peers
+
+    out = tmp_path / "out"
+    done = Run(mode="async", seed=0, name="async-seed0", returncode=0, startup_s=9.0, peak_mem_gib=5.5)
+    summarize(done, _records({0: 0.5, 10: 0.9}, 10))
+    (out / "runs" / "async-seed0").mkdir(parents=True)
+    (out / "runs" / "async-seed0" / peers.RUN_FILE).write_text(json.dumps(asdict(done)))
+    failed = Run(mode="async", seed=1, name="async-seed1", returncode=1)
+    (out / "runs" / "async-seed1").mkdir(parents=True)
+    (out / "runs" / "async-seed1" / peers.RUN_FILE).write_text(json.dumps(asdict(failed)))
+    ran: list[tuple[str, int]] = []
+
+    def fake_run_one(mode: str, config: object, seed: int, *a: object, **k: object) -> Run:
+        ran.append((mode, seed))
+        return Run(mode=mode, seed=seed, name=f"{mode}-seed{seed}", returncode=0)
+
+    monkeypatch.setattr(peers, "run_one", fake_run_one)
+    runs = peers.run_bench(["async", "sync"], [0, 1], out, TINY, sync_seeds=[0], resume=True)
+    assert ran == [("sync", 0), ("async", 1)]  # async seed 0 kept; the failed seed 1 run again; no sync for seed 1
+    assert [(r.mode, r.seed) for r in runs] == [("async", 0), ("sync", 0), ("async", 1)]
+    assert runs[0].evals == [(0, 0.5, 0.0), (10, 0.9, 5.0)] and runs[0].peak_mem_gib == 5.5
+    assert (out / "results.md").is_file()
+    assert peers.run_bench(["async"], [0], out, TINY, resume=False) and ran[-1] == ("async", 0)  # no resume: run again
