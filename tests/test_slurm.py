@@ -429,3 +429,15 @@ def test_submit_writes_keys_then_calls_sbatch(tmp_path: Path) -> None:
     assert args == f"--parsable {run_dir}/slurm/job.sbatch" and mode == "600"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(env, SBATCH_REFUSE="1"))
     assert r.returncode == 2 and "failed (exit 1): sbatch: error: invalid partition" in r.stderr
+
+
+def test_resume_is_passed_to_node_0_only(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "slurm-gpu-2node.toml"),
+                        "--resume", "--dry-run", "--set", f"run.output_dir={tmp_path}/runs"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '0) exec "$PY" -m flashrl.cli node "$CONFIG" --node 0 --resume ;;' in r.stdout
+    assert '1) exec "$PY" -m flashrl.cli node "$CONFIG" --node 1 ;;' in r.stdout
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "slurm-gpu-2node.toml"),
+                        "--resume", "some/ckpt", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "a PATH is not supported" in r.stderr

@@ -647,7 +647,8 @@ async def _head(cfg: Config, config_path: Path, agent: NodeAgent, hosts: list[st
                     if loop.time() > deadline or agent.done.is_set():
                         print(f"node 0: node {n}'s agent ({hosts[n]}:{s.port + n}) did not answer within "
                               f"cluster.slurm.connect_timeout_s = {s.connect_timeout_s:g} s ({type(e).__name__}); "
-                              "is its srun task running (job .out file)?", file=sys.stderr, flush=True)
+                              "is its srun task running (job .out file)? does it read this run's key file (the run directory "
+                              "must be on a filesystem every node mounts)?", file=sys.stderr, flush=True)
                         return 1
                     if isinstance(e, PeerDead):  # a dead channel stays dead: dial again
                         await client.close()
