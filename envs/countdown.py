@@ -25,7 +25,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from msgspec import Meta
@@ -137,7 +137,7 @@ class CountdownEnv:
         if self.task is None:
             raise RuntimeError("countdown: step() before reset()")
         reward, v = score(action, self.task.meta["numbers"], int(self.task.answer), self.params.format_reward)
-        info = {"valid": v.valid, "correct": reward == 1.0}
+        info: dict[str, Any] = {"valid": v.valid, "correct": reward == 1.0}
         if not v.valid:
             info["reason"] = v.reason
         return StepResult(reward=reward, done=True, info=info)

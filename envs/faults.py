@@ -155,7 +155,7 @@ class FaultyEnv:
         d = draw_delay(p.delay, self.rng)
         u = self.rng.random()  # drawn even without faults so the delay sequence is rate-independent
         if d > 0:
-            self.counters["delay_s"] += d
+            self.counters["delay_s"] += d  # type: ignore[assignment]  # seconds (a float) beside the counts
             await asyncio.sleep(d)
         for name, rate in (("hang", p.hang), ("crash", p.crash), ("garbage", p.garbage), ("exit", p.exit)):
             if u < rate:

@@ -26,13 +26,14 @@ import json
 import os
 import resource
 import sys
+from typing import Any
 
 SETUP_EXIT = 88
 NET_EXIT = 86
 MEM_EXIT = 87
 
 # Linux syscall numbers per architecture, and the seccomp audit arch tag.
-ARCHES = {
+ARCHES: dict[str, dict[str, Any]] = {
     "x86_64": {"audit": 0xC000003E, "socket": 41, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435,
                "io_uring": (425, 426, 427)},
     "aarch64": {"audit": 0xC00000B7, "socket": 198, "fork": None, "vfork": None, "clone": 220, "clone3": 435,

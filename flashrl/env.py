@@ -133,7 +133,7 @@ class Demo(msgspec.Struct, kw_only=True, frozen=True):
 
 
 @runtime_checkable
-class Demonstrating(Protocol):
+class Demonstrating(EnvSuite, Protocol):
     """An EnvSuite whose warm-start imitates a multi-turn teacher instead of ``prompt -> answer``.
 
     Any suite may also set ``WARM_START: ClassVar[dict]``, fields of flashrl.models.WarmStart it

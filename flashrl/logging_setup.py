@@ -23,13 +23,13 @@ _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
 FORMAT = "%(asctime)s %(levelname)-7s {process}[%(process)d] %(name)s: %(message)s"
 
 
-class _CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _CurrentStderrHandler(logging.StreamHandler):
     """A StreamHandler writing to whatever ``sys.stderr`` is at emit time."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 

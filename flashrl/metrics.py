@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -119,7 +119,7 @@ def _open_tensorboard(log_dir: Path) -> Any | None:
     return SummaryWriter(log_dir=str(log_dir))
 
 
-def open_wandb(run_dir: Path, name: str, project: str, mode: str, config: dict[str, Any]) -> Any:
+def open_wandb(run_dir: Path, name: str, project: str, mode: Literal["offline", "online"], config: dict[str, Any]) -> Any:
     """A W&B run writing under ``run_dir/wandb`` (mode "offline": no network; `wandb sync` uploads later)."""
     import wandb
 

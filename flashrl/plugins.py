@@ -182,7 +182,7 @@ def warm_start_overrides(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
     """Build the EnvSuite ``env.name`` names; bad params raise ValueError naming ``env.params.<key>``."""
-    cls = suite_class(name)
+    cls: Any = suite_class(name)
     # ``faults`` is reserved for every env: delays and injected faults around it (envs/faults.py).
     faults = params.get("faults")
     params = {k: v for k, v in params.items() if k != "faults"}

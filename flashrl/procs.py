@@ -174,7 +174,7 @@ class Child:
         except (AttributeError, OSError):  # no pidfd (old kernel): poll
             return await asyncio.to_thread(self.proc.wait)
         done = loop.create_future()
-        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        loop.add_reader(fd, lambda: None if done.done() else done.set_result(None))
         try:
             if self.proc.poll() is None:
                 await done

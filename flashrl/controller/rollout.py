@@ -67,7 +67,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -234,6 +234,18 @@ def _correct(res: StepResult, reward: float) -> bool:
 
 
 # --------------------------------------------------------------------------- one trajectory
+async def _env_call(ctx: RolloutContext, traj: Trajectory, aw: Awaitable[Any]) -> Any:
+    """One env call (reset or step), run inline to its first suspension (aio.first_step): one that
+    completes there takes no loop time, so it cannot miss its deadline; only one that suspends gets
+    the timer of rollout.turn_timeout_s (``_env_rest``)."""
+    call = as_coroutine(aw)
+    try:
+        done, out = first_step(call)
+    except TimeoutError:
+        raise _env_timeout(ctx) from None
+    return out if done else await _env_rest(ctx, traj, call, out)
+
+
 async def _env_rest(ctx: RolloutContext, traj: Trajectory, call: Coroutine[Any, Any, Any], first: Any) -> Any:
     """The rest of an env call that suspended, bounded by rollout.turn_timeout_s."""
     loop = asyncio.get_running_loop()
@@ -363,16 +375,7 @@ async def _turn_loop(
     rule = ctx.staleness if spec.group >= 0 else None  # training rollouts only
     tok = ctx.tokenizer
     max_len = cfg.model.max_model_len
-    # Each env call runs inline to its first suspension (aio.first_step): one that completes there
-    # takes no loop time, so it cannot miss its deadline; only one that suspends gets the timer of
-    # turn_timeout_s (``_env_rest``).
-    call = as_coroutine(env.reset(spec.task))
-    try:
-        done, obs = first_step(call)
-    except TimeoutError:
-        raise _env_timeout(ctx) from None
-    if not done:
-        obs = await _env_rest(ctx, traj, call, obs)
+    obs = await _env_call(ctx, traj, env.reset(spec.task))
     # The only tokenization of the prompt: chat-rendered when the tokenizer has a chat template.
     chat = ctx.chat
     prompt = chat.encode_prompt(obs) if chat is not None else tok.encode(obs)
@@ -410,13 +413,7 @@ async def _turn_loop(
         traj.versions += out.versions
         traj.turns += 1
         ids = out.token_ids
-        call = as_coroutine(env.step(tok.decode(ids if type(ids) is list else list(ids))))
-        try:
-            done, res = first_step(call)
-        except TimeoutError:
-            raise _env_timeout(ctx) from None
-        if not done:
-            res = await _env_rest(ctx, traj, call, res)
+        res = await _env_call(ctx, traj, env.step(tok.decode(ids if type(ids) is list else list(ids))))
         traj.reward += res.reward
         traj.correct = _correct(res, traj.reward)
         if res.info and "metrics" in res.info:

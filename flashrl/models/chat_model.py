@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_chat_model", "corpus"]
 
@@ -134,6 +134,8 @@ def build_chat_model(
         pad_token_id=ids[ENDOFTEXT],
         torch_dtype="float32",
     )
+    config: Any
+    cls: Any
     if arch == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -143,7 +145,8 @@ def build_chat_model(
 
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     torch.manual_seed(seed)
-    model = cls(config).to(torch.float32)
+    model: Any = cls(config)
+    model = model.to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT]
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -62,7 +62,7 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
-    config = LlamaConfig(
+    config: Any = LlamaConfig(  # type: ignore[call-arg]  # rope_theta, torch_dtype: accepted as **kwargs
         vocab_size=len(tok),  # exactly the tokenizer: no id the tokenizer cannot decode can be sampled
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -78,7 +78,8 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -198,15 +199,20 @@ def answer_tokens(tasks) -> int:
 
 def sft_batch(tok, tasks):  # -> (input_ids, attention_mask, labels)
     """Right-padded prompt+answer+EOS with labels only on answer and EOS tokens."""
-    import torch
-
     seqs, labels = [], []
     for t in tasks:
         p, a = tok.encode(t.prompt), tok.encode(t.answer) + [tok.eos_token_id]
         seqs.append(p + a)
         labels.append([-100] * len(p) + a)
+    return right_pad(seqs, labels, tok.pad_token_id)
+
+
+def right_pad(seqs: list[list[int]], labels: list[list[int]], pad_id: int):  # -> (input_ids, attention_mask, labels)
+    """Right-pad token lists and their labels (-100 where no loss) into tensors for a supervised step."""
+    import torch
+
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, (s, lb) in enumerate(zip(seqs, labels)):
@@ -253,8 +259,6 @@ def teacher_answers(tasks, slip: float, rng) -> list:
 def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
     """Right-padded multi-turn teacher episodes (flashrl.env.Demo): labels on every action and the EOS
     closing its turn; the prompt and the observations get none (the rollout's loss mask, exactly)."""
-    import torch
-
     seqs, labels = [], []
     for d in demos:
         ids = tok.encode(d.prompt)
@@ -266,15 +270,7 @@ def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
             lab += a + [-100] * len(o)
         seqs.append(ids)
         labels.append(lab)
-    width = max(len(s) for s in seqs)
-    ids_t = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
-    lab_t = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, lb) in enumerate(zip(seqs, labels)):
-        ids_t[i, :len(s)] = torch.tensor(s)
-        lab_t[i, :len(s)] = torch.tensor(lb)
-        mask[i, :len(s)] = 1
-    return ids_t, mask, lab_t
+    return right_pad(seqs, labels, tok.pad_token_id)
 
 
 def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int, temperature: float = 0.0,

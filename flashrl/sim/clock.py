@@ -111,7 +111,7 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         self._now = target
         self.jumps += 1
 
-    def run_in_executor(self, executor: Executor | None, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def run_in_executor(self, executor: Executor | None, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:  # type: ignore[override]
         """Run ``func`` inline: zero virtual time, and the result order stays deterministic."""
         fut: asyncio.Future[T] = self.create_future()
         try:

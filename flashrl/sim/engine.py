@@ -400,7 +400,7 @@ class SimEngine:
 
     def _drop_gone(self) -> None:
         if any(s.gone for s in self._waiting):
-            kept = deque()
+            kept: deque[_Seq] = deque()
             for s in self._waiting:
                 if s.gone:
                     self._finish(s, "abort", reserved=False)
