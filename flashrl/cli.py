@@ -199,10 +199,15 @@ def node(
     from flashrl.cluster import slurm
 
     if prepare:
-        from flashrl.models import ensure_model
+        from flashrl.models import ModelPathError, ensure_model
 
+        try:
+            model = ensure_model(cfg)
+        except ModelPathError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
         slurm.prepare_keys(cfg)
-        typer.echo(f"flashrl: model {ensure_model(cfg)}")
+        typer.echo(f"flashrl: model {model}")
         raise typer.Exit(code=0)
     code = slurm.node_main(cfg, config, node_id, resume)
     raise typer.Exit(code=code)

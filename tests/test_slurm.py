@@ -389,17 +389,23 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_prepare_writes_missing_keys_and_keeps_present_ones(tmp_path: Path) -> None:
     """`flashrl node CONFIG --prepare` (the job's batch step): keys 0600 when missing (a script submitted by
     hand), kept when `flashrl run --launcher slurm` wrote them; no key material in its output."""
-    cfg = _agent_cfg(tmp_path, 29400)
+    model = tmp_path / "model"  # a model folder (builtin:tiny would be built here when not cached)
+    cfg = _agent_cfg(tmp_path, 29400, extra=[f"model.path={model}"])
     from flashrl.config import to_toml
 
     (tmp_path / "c.toml").write_text(to_toml(cfg))
     cmd = [sys.executable, "-m", "flashrl.cli", "node", str(tmp_path / "c.toml"), "--prepare"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "model.path:" in r.stderr and "does not exist" in r.stderr  # before any job step
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    assert f"flashrl: model {model}" in r.stdout
     path = cfg.run_dir / "secrets" / "curve-keys.json"
     assert "(written, 0600)" in r.stdout and (path.stat().st_mode & 0o777) == 0o600
     keys = CurveKeys.load(path)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and "(kept)" in r.stdout
     assert CurveKeys.load(path) == keys
     for k in (keys.server_secret, keys.client_secret):
