@@ -308,15 +308,13 @@ def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int,
     return asyncio.run(episodes())
 
 
-def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[int, float]:
-    """Imitate ``suite.demonstration`` episodes (multi-turn); returns (steps, greedy probe success)."""
+def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log) -> tuple[int, float]:
+    """The warm-start's supervised loop: each step trains on ``next_batch()`` (input_ids, attention_mask,
+    labels) with the lr warm-up/decay of ``ws`` and gradient clip 1.0; every ``check_every`` steps
+    ``probe()`` (greedy) is logged as ``what``, and training stops once it reaches ``target_accuracy``
+    at or past ``min_steps``. Returns (steps, last probe value)."""
     import torch
 
-    train = list(suite.train_tasks())
-    probe = train[: ws.probe_size]
-    sample = [suite.demonstration(t, rng) for t in probe]
-    max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
-    max_turns = max(len(d.turns) for d in sample)
     probe_acc, step = 0.0, 0
     while step < ws.max_steps:
         model.train()
@@ -325,8 +323,7 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[
             scale *= 1.0 - step / ws.max_steps
         for group in opt.param_groups:
             group["lr"] = ws.lr * scale
-        demos = [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))]
-        ids, mask, lab = demo_batch(tok, demos)
+        ids, mask, lab = next_batch()
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -335,12 +332,29 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[
         step += 1
         if step % ws.check_every == 0 or step == ws.max_steps:
             model.eval()
-            probe_acc = sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
+            probe_acc = probe()
             if log:
-                log(f"warm-start step {step}: loss {loss.item():.3f} probe success (greedy) {probe_acc:.3f}")
+                log(f"warm-start step {step}: loss {loss.item():.3f} {what} {probe_acc:.3f}")
             if probe_acc >= ws.target_accuracy and step >= ws.min_steps:
                 break
     return step, probe_acc
+
+
+def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[int, float]:
+    """Imitate ``suite.demonstration`` episodes (multi-turn); returns (steps, greedy probe success)."""
+    train = list(suite.train_tasks())
+    probe = train[: ws.probe_size]
+    sample = [suite.demonstration(t, rng) for t in probe]
+    max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
+    max_turns = max(len(d.turns) for d in sample)
+
+    def next_batch():
+        return demo_batch(tok, [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))])
+
+    def success() -> float:
+        return sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
+
+    return _sft_loop(model, opt, ws, next_batch, success, "probe success (greedy)", log)
 
 
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
@@ -384,31 +398,15 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
                 "seconds": round(time.perf_counter() - t0, 2)}
     probe = list(train_tasks[: ws.probe_size])
     max_new = answer_tokens(list(train_tasks) + list(eval_tasks))
-    probe_acc, step = 0.0, 0
-    while step < ws.max_steps:
-        model.train()
-        scale = min(1.0, (step + 1) / ws.warmup) if ws.warmup else 1.0
-        if ws.decay:
-            scale *= 1.0 - step / ws.max_steps
-        for group in opt.param_groups:
-            group["lr"] = ws.lr * scale
+
+    def next_batch():
         batch = rng.sample(train_tasks, min(ws.batch, len(train_tasks)))
         if ws.teacher_carry_slip > 0:
             batch = teacher_answers(batch, ws.teacher_carry_slip, rng)
-        ids, mask, lab = sft_batch(tok, batch)
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % ws.check_every == 0 or step == ws.max_steps:
-            model.eval()
-            probe_acc = greedy_accuracy(model, tok, probe, max_new)
-            if log:
-                log(f"warm-start step {step}: loss {loss.item():.3f} probe accuracy {probe_acc:.3f}")
-            if probe_acc >= ws.target_accuracy and step >= ws.min_steps:
-                break
+        return sft_batch(tok, batch)
+
+    step, probe_acc = _sft_loop(model, opt, ws, next_batch, lambda: greedy_accuracy(model, tok, probe, max_new),
+                                "probe accuracy", log)
     model.eval()
     eval_acc = greedy_accuracy(model, tok, list(eval_tasks), max_new)
     model.save_pretrained(str(model_dir), safe_serialization=True)
