@@ -447,3 +447,20 @@ def test_resume_is_passed_to_node_0_only(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "slurm-gpu-2node.toml"),
                         "--resume", "some/ckpt", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "a PATH is not supported" in r.stderr
+
+
+def test_node_0_without_the_other_agents_starts_no_controller(tmp_path: Path) -> None:
+    """Node 1's agent never answers: node 0 says which node, host and port, starts no controller, exits 1."""
+    port = free_port()
+    cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=3"])
+    slurm.write_keys(cfg)
+    from flashrl.config import to_toml
+
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(to_toml(cfg))
+    p = _node_proc(cfg_path, 0, "127.0.0.[1-2]", tmp_path / "n0.out")
+    assert p.wait(timeout=60) == 1
+    out = (tmp_path / "n0.out").read_text()
+    assert f"node 0: node 1's agent (127.0.0.2:{port + 1}) did not answer within cluster.slurm.connect_timeout_s = 3 s" in out
+    assert "starting the controller" not in out
+    assert not (cfg.run_dir / "logs" / "controller.log").exists()

@@ -636,12 +636,14 @@ async def _head(cfg: Config, config_path: Path, agent: NodeAgent, hosts: list[st
     loop = asyncio.get_running_loop()
     others = {n: _agent_client(hosts[n], s.port + n, n, keys) for n in range(1, s.nodes)}
     controller: Child | None = None
+    reached: set[int] = set()
     try:
         deadline = loop.time() + s.connect_timeout_s
         for n, client in others.items():
             while True:
                 try:
                     await client.request(NodeHello(), timeout=2.0)
+                    reached.add(n)
                     break
                 except (TimeoutError, PeerDead, RemoteError) as e:
                     if loop.time() > deadline or agent.done.is_set():
@@ -674,7 +676,8 @@ async def _head(cfg: Config, config_path: Path, agent: NodeAgent, hosts: list[st
     finally:
         if controller is not None and controller.alive:
             await controller.stop(0.0)
-        await asyncio.gather(*(_shutdown(c) for c in others.values()), return_exceptions=True)
+        await asyncio.gather(*(_shutdown(c, 30.0 if n in reached else 2.0) for n, c in others.items()),
+                             return_exceptions=True)
         with contextlib.suppress(OSError):
             (cfg.run_dir / KEYS_FILE).unlink()
 
@@ -697,9 +700,9 @@ async def _heartbeats(agents: dict[int, RpcClient], timeout_s: float) -> None:
                 log.warning("node %d's agent missed a heartbeat: %s", n, e)
 
 
-async def _shutdown(client: RpcClient) -> None:
+async def _shutdown(client: RpcClient, timeout_s: float) -> None:
     try:
-        await client.request(NodeShutdown(), timeout=30.0)
+        await client.request(NodeShutdown(), timeout=timeout_s)
     except (TimeoutError, PeerDead, RemoteError) as e:
         log.warning("%s: shutdown not confirmed: %s", client.name, e)
     finally:
