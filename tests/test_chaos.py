@@ -85,8 +85,11 @@ def test_engine_failure_cost_against_the_all_up_rate() -> None:
     k = c["kills"][0]
     assert k["down_s"] == 20.0 and k["steps_while_down"] == 10 and k["lost_s"] == 10.0
     assert c["not_back"] == []
-    ev[0]["back_t"] = None
-    assert chaos.engine_failure_costs(ev, step_times, [{"segment": 1, "first_step_t": 0.0, "end_t": 100.0}])["not_back"] == ["engine0"]
+    ev[0]["back_t"] = None  # never back: a failure, unless the run ended soon after the kill
+    c = chaos.engine_failure_costs(ev, step_times, [{"segment": 1, "first_step_t": 0.0, "end_t": 100.0}])
+    assert c["not_back"] == [] and c["run_ended_while_restarting"] == ["engine0"]
+    c = chaos.engine_failure_costs(ev, step_times, [{"segment": 1, "first_step_t": 0.0, "end_t": 20.0 + chaos.BACK_WITHIN_S}])
+    assert c["not_back"] == ["engine0"] and c["run_ended_while_restarting"] == []
 
 
 def test_controller_failure_cost() -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -81,3 +82,55 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_trains_the_same_promp
     assert rows[-1].get("count/stale/dropped_samples", 0) == 0
     summary = msgspec.json.decode((run_dir / "summary.json").read_bytes())
     assert summary["resumed_from"] == 2 and summary["checkpoints"] == 3
+
+
+@pytest.mark.timeout(900)
+def test_controller_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(tmp_path: Path) -> None:
+    """SIGKILL `flashrl run` while step-K is being written (its step-K.tmp folder exists, before the rename):
+    step-K never appears, `latest` still names the checkpoint before, and `--resume` continues from that
+    one (the half-written folder removed), with every step in metrics.jsonl once."""
+    run_dir = tmp_path / "res"
+    root = run_dir / "checkpoints"
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+           "--set", f"run.output_dir={tmp_path}", "--set", "run.name=res", "--set", "run.steps=100000",
+           "--set", "run.checkpoint_every=2", "--set", "run.keep_checkpoints=5", "--set", "run.eval_every=0",
+           "--set", "run.dashboard=plain", "--set", "env.eval_size=8", "--set", "engine.count=1",
+           "--set", "rollout.batch_prompts=4", "--set", "rollout.group_size=4"]
+    env = dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()))
+    out = tmp_path / "first.out"
+    with open(out, "wb") as fh:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 300
+        while killed_at is None:
+            assert p.poll() is None, out.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint write caught in progress within 300 s"
+            latest = read_latest(root) if (root / "latest").exists() else None
+            if latest is not None:
+                for tmp in root.glob("step-*.tmp"):
+                    k = int(tmp.name[len("step-"):-len(".tmp")])
+                    if k > int(latest.name[len("step-"):]) and not (root / f"step-{k}").exists():
+                        os.kill(p.pid, signal.SIGKILL)  # the controller only: its children die with it
+                        killed_at = k
+                        break
+            time.sleep(0.005)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    prev = killed_at - 2
+    assert (root / f"step-{killed_at}.tmp").is_dir() and not (root / f"step-{killed_at}").exists()
+    assert read_latest(root) == root / f"step-{prev}"
+    time.sleep(3)  # the killed run's children exit on their own (tests/test_faults.py counts them)
+    second = _run(tmp_path, killed_at + 2, "--resume", "--set", "scheduler.async_ratio=2", "--set", "run.checkpoint_every=2",
+                  "--set", "run.keep_checkpoints=5", "--set", "run.eval_every=0")
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert f"resumed from step {prev}" in second.stdout
+    assert not (root / f"step-{killed_at}.tmp").exists()  # the half-written folder is removed on resume
+    assert read_latest(root) == root / f"step-{killed_at + 2}"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(killed_at + 3))
+    uids = [u for r in rows for u in r.get("prompt_uids", [])]
+    assert len(uids) == len(set(uids))  # no prompt trained twice across the kill

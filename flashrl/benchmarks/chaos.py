@@ -47,6 +47,7 @@ from typing import Any
 MIN_GAIN_POINTS = 20.0
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
 SURVIVOR_WAIT_S = 30.0
+BACK_WITHIN_S = 150.0  # an engine killed this long before its segment ended must have been back by then
 _BACK_RE = re.compile(r"engine (\S+) is back at version (\d+) after ([\d.]+) s")
 _CKPT_RE = re.compile(r"checkpoint (\S+) written in ([\d.]+) s")
 _RESUME_RE = re.compile(r"resuming from (\S+) \(step (\d+)\)")
@@ -178,6 +179,7 @@ def engine_failure_costs(events: Sequence[dict[str, Any]], step_times: Sequence[
             if rate:
                 row["lost_s"] = round(down_s - during / rate, 1)
         rows.append(row)
+    seg_end = {seg["segment"]: seg.get("end_t") for seg in segments}
     lost = [r["lost_s"] for r in rows if "lost_s" in r]
     downs = [r["down_s"] for r in rows if "down_s" in r]
     return {
@@ -185,7 +187,11 @@ def engine_failure_costs(events: Sequence[dict[str, Any]], step_times: Sequence[
         "step_rate_all_up": {str(k): (round(v, 3) if v else None) for k, v in per_seg_rate.items()},
         "down_s_mean": round(sum(downs) / len(downs), 1) if downs else None,
         "lost_s_total": round(sum(lost), 1) if lost else None,
-        "not_back": [r["target"] for r in rows if r.get("back_t") is None],
+        # a kill shortly before the run's end may legitimately end with the run, still restarting
+        "not_back": [r["target"] for r in rows if r.get("back_t") is None
+                     and (seg_end.get(r["segment"]) or 0) - r["t"] >= BACK_WITHIN_S],
+        "run_ended_while_restarting": [r["target"] for r in rows if r.get("back_t") is None
+                                       and (seg_end.get(r["segment"]) or 0) - r["t"] < BACK_WITHIN_S],
     }
 
 
@@ -294,6 +300,9 @@ def markdown(rep: dict[str, Any], command: str) -> str:
         f"| engine down (kill -> back, caught up), mean | {rep['engine_failures']['down_s_mean']} s |",
         f"| time lost to engine kills, total (down time - steps made / all-up step rate) | {rep['engine_failures']['lost_s_total']} s |",
     ]
+    if rep["engine_failures"].get("run_ended_while_restarting"):
+        lines.append(f"| engines the run ended while they were restarting (killed < {BACK_WITHIN_S:.0f} s before the end) | "
+                     f"{', '.join(rep['engine_failures']['run_ended_while_restarting'])} |")
     for ctl in rep["controller_failures"]:
         lines += [
             f"| controller SIGKILL at step {ctl['step']}: processes alive 30 s later | {ctl.get('survivors_after_30s')} |",
@@ -550,9 +559,10 @@ class Chaos:
                     if seg == 1:
                         ctl_kill_at = first + self.controller_kill_after
                 now = self.now()
-                if (seg == 1 and ctl_kill_at is not None and now >= ctl_kill_at and not down
-                        and (self.run_dir / "checkpoints" / "latest").exists()):
-                    # one failure at a time (each one's cost is measured alone): every engine is back
+                # one failure at a time (each one's cost is measured alone): once the controller kill is
+                # due, no engine is killed; it happens when every engine is back and a checkpoint exists
+                ctl_due = seg == 1 and ctl_kill_at is not None and now >= ctl_kill_at
+                if ctl_due and not down and (self.run_dir / "checkpoints" / "latest").exists():
                     self.segments[-1]["end_t"] = now
                     ctl_event = self.kill_controller(seg, proc)
                     shutil.copy(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.segment1.jsonl")
@@ -563,7 +573,7 @@ class Chaos:
                     down.clear()
                     next_kill = None
                     continue
-                if now >= next_kill and kills != self.engine_kills:
+                if now >= next_kill and kills != self.engine_kills and not ctl_due:
                     name = self.engines[kills % len(self.engines)]
                     if name in down:
                         continue  # not back yet: the kill waits for it
@@ -615,8 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default="configs/tiny.toml")
     ap.add_argument("--out", default="bench/results/chaos")
     ap.add_argument("--kill-every", type=float, default=60.0, help="seconds between engine SIGKILLs")
-    ap.add_argument("--controller-kill-after", type=float, default=270.0,
-                    help="seconds after the first step when `flashrl run` is SIGKILLed (once a checkpoint exists)")
+    ap.add_argument("--controller-kill-after", type=float, default=150.0,
+                    help="seconds after the first step when `flashrl run` is SIGKILLed (engine kills pause until "
+                         "every engine is back and a checkpoint exists, then it is killed)")
     ap.add_argument("--sync-kill", type=int, default=1, help="which engine kill (0-based) lands inside a weight sync; -1: none")
     ap.add_argument("--engine-kills", type=int, default=-1, help="stop after this many engine kills (-1: until the end)")
     ap.add_argument("--min-gain", type=float, default=MIN_GAIN_POINTS, help="held-out accuracy points the run must gain")
