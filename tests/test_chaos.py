@@ -133,6 +133,9 @@ def test_analyze_pass_and_fail() -> None:
     assert not rep["pass"] and not rep["checks"]["gain_ge_20_points"]
     ev[1]["survivors_after_30s"] = 2
     assert not chaos.analyze(**kw)["checks"]["no_process_outlived_the_controller"]
+    ev[1]["survivors_after_30s"] = 0
+    assert not chaos.analyze(**{**kw, "exit_code": 130})["checks"]["exit_ok"]
+    assert chaos.analyze(**{**kw, "exit_code": 130, "stopped_by_bench": True})["checks"]["exit_ok"]
 
 
 @pytest.mark.slow
@@ -145,15 +148,17 @@ def test_chaos_run_short(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     cmd = [sys.executable, "-m", "flashrl.cli", "bench", "chaos", str(ROOT / "configs" / "tiny.toml"), "--out", str(out),
            "--kill-every", "15", "--engine-kills", "1", "--sync-kill", "0", "--controller-kill-after", "20",
-           "--min-gain", "-100", "--timeout-s", "500",
-           "--set", "run.max_time_s=110", "--set", "run.checkpoint_every=5", "--set", "run.eval_every=0",
+           "--min-gain", "-100", "--end-after", "5", "--timeout-s", "500",
+           "--set", "run.max_time_s=0", "--set", "run.steps=100000", "--set", "run.checkpoint_every=5",
+           "--set", "run.eval_every=10",
            "--set", "env.eval_size=8", "--set", "rollout.batch_prompts=4", "--set", "rollout.group_size=4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["pass"] and all(rep["checks"].values()), rep["checks"]
-    assert rep["engine_kills"] == rep["engine_kills_in_sync"] == 1
+    assert rep["engine_kills"] == rep["engine_kills_in_sync"] == rep["engines_back"] == 1
+    assert rep["stopped_by_bench"] and rep["exit_code"] == 130  # --end-after: SIGTERM, checkpoint, exit 130
     total = rep["counted"]["total"]
     assert total["engine/deaths"] == 1 and total["engine/restarts"] == 1 and total["weight_sync/engine_died"] == 1
     (ctl,) = rep["controller_failures"]

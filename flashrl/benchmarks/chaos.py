@@ -238,7 +238,8 @@ COUNTERS = ("engine/deaths", "engine/restarts", "engine/retried_requests", "weig
 def analyze(*, rows: Sequence[dict[str, Any]], seg1_rows: Sequence[dict[str, Any]], final_state: dict[str, Any],
             events: Sequence[dict[str, Any]], step_times: Sequence[tuple[float, int, int]],
             segments: Sequence[dict[str, Any]], logs: Sequence[str], summary: dict[str, Any],
-            resumed_from: int | None, exit_code: int | None, min_gain: float = MIN_GAIN_POINTS) -> dict[str, Any]:
+            resumed_from: int | None, exit_code: int | None, min_gain: float = MIN_GAIN_POINTS,
+            stopped_by_bench: bool = False) -> dict[str, Any]:
     """The chaos report from the run's records (see the module docstring); ``pass`` = every promise held."""
     acc = accuracy(rows)
     prompts = verify_prompts(rows, final_state)
@@ -253,7 +254,8 @@ def analyze(*, rows: Sequence[dict[str, Any]], seg1_rows: Sequence[dict[str, Any
     kills = [e for e in events if e["kind"] in ("engine_kill", "engine_kill_in_sync")]
     in_sync = [e for e in kills if e["kind"] == "engine_kill_in_sync"]
     checks = {
-        "exit_code_0": exit_code == 0,
+        # 0, or 130 when the bench itself ended the run with SIGTERM (--end-after)
+        "exit_ok": exit_code == 0 or (stopped_by_bench and exit_code == 130),
         f"gain_ge_{min_gain:g}_points": acc["gain_points"] is not None and acc["gain_points"] >= min_gain,
         "metrics_steps_once_each": steps_contiguous(rows),
         "no_prompt_lost_or_repeated": prompts["ok"],
@@ -268,6 +270,8 @@ def analyze(*, rows: Sequence[dict[str, Any]], seg1_rows: Sequence[dict[str, Any
         "prompts": prompts,
         "engine_kills": len(kills),
         "engine_kills_in_sync": len(in_sync),
+        "engines_back": sum(1 for k in kills if k.get("back_t") is not None),  # seen in the controller log
+        "exit_code": exit_code, "stopped_by_bench": stopped_by_bench,
         "counted": {"total": total, **seg_counts},
         "engine_failures": engines,
         "controller_failures": controller,
@@ -294,7 +298,8 @@ def markdown(rep: dict[str, Any], command: str) -> str:
         lines.append(f"| held-out accuracy, step {acc['start_step']} -> step {acc['end_step']} | "
                      f"{acc['start']:.1%} -> {acc['end']:.1%} (**{acc['gain_points']:+.1f} points**; best {acc['best']:.1%}) |")
     lines += [
-        f"| engine SIGKILLs (of which inside a weight sync) | {rep['engine_kills']} ({rep['engine_kills_in_sync']}) |",
+        f"| engine SIGKILLs (of which inside a weight sync) / back and caught up (controller log) | "
+        f"{rep['engine_kills']} ({rep['engine_kills_in_sync']}) / {rep.get('engines_back')} |",
         f"| counted by the run: engine deaths / restarts / retried requests / engine died in a sync | "
         f"{c['engine/deaths']} / {c['engine/restarts']} / {c['engine/retried_requests']} / {c['weight_sync/engine_died']} |",
         f"| engine down (kill -> back, caught up), mean | {rep['engine_failures']['down_s_mean']} s |",
@@ -398,7 +403,7 @@ def _engine_pid(run_pid: int, name: str) -> int | None:
 class Chaos:
     def __init__(self, config: str, out: Path, *, kill_every: float, controller_kill_after: float,
                  sync_kill: int, sets: Sequence[str], timeout_s: float, engine_kills: int = -1,
-                 min_gain: float = MIN_GAIN_POINTS) -> None:
+                 min_gain: float = MIN_GAIN_POINTS, end_after: float | None = None) -> None:
         from flashrl.config import load
 
         self.config = config
@@ -408,6 +413,8 @@ class Chaos:
         self.sync_kill = sync_kill
         self.engine_kills = engine_kills
         self.min_gain = min_gain
+        self.end_after = end_after
+        self.stopped_by_bench = False
         self.timeout_s = timeout_s
         self.sets = ["--set", f"run.output_dir={out}", "--set", "run.name=run", "--set", "run.dashboard=plain"]
         for s in sets:
@@ -562,6 +569,15 @@ class Chaos:
                 # one failure at a time (each one's cost is measured alone): once the controller kill is
                 # due, no engine is killed; it happens when every engine is back and a checkpoint exists
                 ctl_due = seg == 1 and ctl_kill_at is not None and now >= ctl_kill_at
+                if (self.end_after is not None and seg == 2 and kills == self.engine_kills and not down
+                        and now - max([e.get("back_t") or e["t"] for e in self.events] + [first]) >= self.end_after):
+                    # every planned failure happened and was recovered from: stop the run the orderly way
+                    # (SIGTERM: finish the step, checkpoint, exit 130)
+                    self.say(f"every planned failure done and recovered; SIGTERM to flashrl run at step {self.last_step}")
+                    self.stopped_by_bench = True
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(timeout=60)
+                    continue
                 if ctl_due and not down and (self.run_dir / "checkpoints" / "latest").exists():
                     self.segments[-1]["end_t"] = now
                     ctl_event = self.kill_controller(seg, proc)
@@ -607,11 +623,12 @@ class Chaos:
         rep = analyze(rows=rows(rd / "metrics.jsonl"), seg1_rows=rows(rd / "metrics.segment1.jsonl"),
                       final_state=final_state, events=self.events, step_times=self.step_times,
                       segments=self.segments, logs=[log_text], summary=summary, resumed_from=resumed_from,
-                      exit_code=exit_code, min_gain=self.min_gain)
+                      exit_code=exit_code, min_gain=self.min_gain, stopped_by_bench=self.stopped_by_bench)
         rep["segments"] = self.segments
         rep["wall_s"] = self.now()
         rep["config"] = self.config
         # keep the records, not the weights
+        self.marker.unlink(missing_ok=True)
         shutil.copy(rd / "logs" / "controller.log", rd / "controller.log")
         for sub in ("checkpoints", "logs", "final", "tensorboard"):
             shutil.rmtree(rd / sub, ignore_errors=True)
@@ -631,13 +648,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sync-kill", type=int, default=1, help="which engine kill (0-based) lands inside a weight sync; -1: none")
     ap.add_argument("--engine-kills", type=int, default=-1, help="stop after this many engine kills (-1: until the end)")
     ap.add_argument("--min-gain", type=float, default=MIN_GAIN_POINTS, help="held-out accuracy points the run must gain")
+    ap.add_argument("--end-after", type=float, default=None,
+                    help="once every planned failure happened (--engine-kills, the controller kill) and was recovered "
+                         "from, SIGTERM the run this many seconds later (default: it ends by itself)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override for both segments")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     chaos = Chaos(a.config, out, kill_every=a.kill_every, controller_kill_after=a.controller_kill_after,
                   sync_kill=a.sync_kill, sets=a.sets, timeout_s=a.timeout_s, engine_kills=a.engine_kills,
-                  min_gain=a.min_gain)
+                  min_gain=a.min_gain, end_after=a.end_after)
     rep = chaos.run()
     command = "flashrl bench chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     rep["command"] = command.strip()
