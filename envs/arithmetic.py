@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from flashrl.env import StepResult, Task, states_integer
+from flashrl.env import SingleTurnEnv, StepResult, Task, states_integer
 
 Op = Literal["+", "-", "*"]
 
@@ -37,24 +37,12 @@ def _apply(op: str, a: int, b: int) -> int:
     return a * b
 
 
-class ArithmeticEnv:
+class ArithmeticEnv(SingleTurnEnv):
     """One episode: the prompt is the problem, the single step is the answer."""
 
-    def __init__(self) -> None:
-        self._task: Task | None = None
-
-    async def reset(self, task: Task) -> str:
-        self._task = task
-        return task.prompt
-
-    async def step(self, action: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("ArithmeticEnv.step before reset: call reset(task) first")
-        ok = verify(action, self._task.answer)
+    async def judge(self, task: Task, action: str) -> StepResult:
+        ok = verify(action, task.answer)
         return StepResult(reward=1.0 if ok else 0.0, done=True, info={"correct": ok})
-
-    async def close(self) -> None:
-        self._task = None
 
 
 class ArithmeticSuite:

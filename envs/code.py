@@ -31,7 +31,7 @@ import msgspec
 from msgspec import Meta
 
 from envs.sandbox import SandboxLimits, isolation, run_sandboxed, unavailable_message
-from flashrl.env import Env, EnvFailure, StepResult, Task, cut_at_eos
+from flashrl.env import Env, EnvFailure, SingleTurnEnv, StepResult, Task, cut_at_eos
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -160,20 +160,14 @@ class CodeParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     limits: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
 
 
-class CodeEnv:
+class CodeEnv(SingleTurnEnv):
     def __init__(self, params: CodeParams, gate: asyncio.Semaphore) -> None:
+        super().__init__()
         self.params = params
         self.gate = gate
-        self.task: Task | None = None
 
-    async def reset(self, task: Task) -> str:
-        self.task = task
-        return task.prompt
-
-    async def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("code: step() before reset()")
-        inputs, expected = self.task.meta["inputs"], self.task.meta["expected"]
+    async def judge(self, task: Task, action: str) -> StepResult:
+        inputs, expected = task.meta["inputs"], task.meta["expected"]
         nonce = "RESULT-" + secrets.token_hex(8)
         program = HARNESS % repr(extract_code(action))
         try:
@@ -184,9 +178,6 @@ class CodeEnv:
         passed = grade(res.stdout, nonce, expected) if res.status == "ok" else 0
         info = {"status": res.status, "passed": passed, "tests": len(expected), "seconds": round(res.seconds, 3)}
         return StepResult(reward=passed / len(expected), done=True, info=info)
-
-    async def close(self) -> None:
-        self.task = None
 
 
 class CodeSuite:

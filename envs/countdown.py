@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 from msgspec import Meta
 
-from flashrl.env import Env, StepResult, Task
+from flashrl.env import Env, SingleTurnEnv, StepResult, Task
 
 MAX_EXPR_CHARS = 64
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -122,28 +122,19 @@ def make_task(rng: random.Random, p: CountdownParams, task_id: str) -> Task:
             return Task(id=task_id, prompt=prompt, answer=str(target), meta={"numbers": numbers, "solution": expr})
 
 
-class CountdownEnv:
+class CountdownEnv(SingleTurnEnv):
     """Single-turn: reset returns the prompt, one step judges the answer and ends the episode."""
 
     def __init__(self, params: CountdownParams) -> None:
+        super().__init__()
         self.params = params
-        self.task: Task | None = None
 
-    async def reset(self, task: Task) -> str:
-        self.task = task
-        return task.prompt
-
-    async def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("countdown: step() before reset()")
-        reward, v = score(action, self.task.meta["numbers"], int(self.task.answer), self.params.format_reward)
+    async def judge(self, task: Task, action: str) -> StepResult:
+        reward, v = score(action, task.meta["numbers"], int(task.answer), self.params.format_reward)
         info: dict[str, Any] = {"valid": v.valid, "correct": reward == 1.0}
         if not v.valid:
             info["reason"] = v.reason
         return StepResult(reward=reward, done=True, info=info)
-
-    async def close(self) -> None:
-        self.task = None
 
 
 class CountdownSuite:

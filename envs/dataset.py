@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from flashrl.env import EnvFailure, StepResult, Task
+from flashrl.env import EnvFailure, SingleTurnEnv, StepResult, Task
 from flashrl.rewards import RewardFailed, RewardOptions, RewardRunner
 
 log = logging.getLogger(__name__)
@@ -182,21 +182,14 @@ def _read_datasets(path: Path, columns: list[str], split: str) -> Iterator[RawRo
 
 
 # --------------------------------------------------------------------------- the suite
-class DatasetEnv:
+class DatasetEnv(SingleTurnEnv):
     """One episode: the prompt is the row's rendered template; the single step is scored by the reward."""
 
     def __init__(self, suite: DatasetSuite) -> None:
+        super().__init__()
         self._suite = suite
-        self._task: Task | None = None
 
-    async def reset(self, task: Task) -> str:
-        self._task = task
-        return task.prompt
-
-    async def step(self, action: str) -> StepResult:
-        task = self._task
-        if task is None:
-            raise RuntimeError("DatasetEnv.step before reset: call reset(task) first")
+    async def judge(self, task: Task, action: str) -> StepResult:
         suite = self._suite
         row = suite.row(task)
         try:
@@ -210,9 +203,6 @@ class DatasetEnv:
         if res.correct is not None:
             info["correct"] = res.correct
         return StepResult(reward=res.reward, done=True, info=info)
-
-    async def close(self) -> None:
-        self._task = None
 
 
 class DatasetSuite:

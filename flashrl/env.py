@@ -27,8 +27,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import msgspec
 
 __all__ = [
-    "EOS_MARKS", "Closable", "Counting", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "StepResult", "Task",
-    "Wrapping", "cut_at_eos", "states_integer",
+    "EOS_MARKS", "Closable", "Counting", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "SingleTurnEnv",
+    "StepResult", "Task", "Wrapping", "cut_at_eos", "states_integer",
 ]
 
 
@@ -75,6 +75,36 @@ class Env(Protocol):
     async def close(self) -> None:
         """Release resources (processes, temp dirs). Safe to call twice."""
         ...
+
+
+class SingleTurnEnv:
+    """The Env of single-turn RLVR, to subclass: ``reset`` keeps the task and returns its prompt as the
+    first observation; ``step`` scores the action with ``judge(task, action)``, which ends the episode.
+
+        class MathEnv(SingleTurnEnv):
+            async def judge(self, task: Task, action: str) -> StepResult:
+                ok = states_integer(action, task.answer)
+                return StepResult(reward=float(ok), done=True, info={"correct": ok})
+    """
+
+    def __init__(self) -> None:
+        self.task: Task | None = None
+
+    async def reset(self, task: Task) -> str:
+        self.task = task
+        return task.prompt
+
+    async def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError(f"{type(self).__name__}.step before reset: call reset(task) first")
+        return await self.judge(self.task, action)
+
+    async def judge(self, task: Task, action: str) -> StepResult:
+        """The reward (and info) of ``action`` on ``task``; raise EnvFailure for an infrastructure failure."""
+        raise NotImplementedError(f"{type(self).__name__}.judge: a SingleTurnEnv scores actions in judge()")
+
+    async def close(self) -> None:
+        self.task = None
 
 
 class EnvSuite(Protocol):

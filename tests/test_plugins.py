@@ -139,3 +139,23 @@ def test_entry_point_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         make_suite("broken", {}, 0, 1)
     with pytest.raises(ConfigError, match=r"installed plug-in of the entry-point group 'flashrl\.envs' \(broken, yesno\)"):
         load(write(tmp_path, "d.toml", '[env]\nname = "yesn"\n'))
+
+
+async def test_single_turn_env_base_keeps_the_task_and_judges_one_step() -> None:
+    from flashrl.env import SingleTurnEnv, StepResult, Task
+
+    class Echo(SingleTurnEnv):
+        async def judge(self, task: Task, action: str) -> StepResult:
+            return StepResult(reward=float(action == task.answer), done=True)
+
+    env = Echo()
+    with pytest.raises(RuntimeError, match=r"Echo\.step before reset: call reset\(task\) first"):
+        await env.step("x")
+    assert await env.reset(Task(id="t", prompt="say 7", answer="7")) == "say 7"
+    assert (await env.step("7")).reward == 1.0 and (await env.step("8")).reward == 0.0
+    await env.close()
+    assert env.task is None
+    bare = SingleTurnEnv()
+    await bare.reset(Task(id="t", prompt="p"))
+    with pytest.raises(NotImplementedError, match="judge"):
+        await bare.step("a")
