@@ -128,7 +128,7 @@ def test_script_per_node_commands_run_the_embedded_default_on_two_nodes(tmp_path
     nodes = start_nodes(script, tmp_path)
     procs = Descendants([p.pid for p in nodes])
     try:
-        codes = [p.wait(timeout=170) for p in nodes]
+        codes = [p.wait(timeout=240) for p in nodes]
     finally:
         _stop(nodes)
     out = [(tmp_path / f"node{n}.out").read_text(errors="replace") for n in range(2)]
@@ -166,11 +166,11 @@ def test_engine_restarts_on_its_node_and_a_killed_controller_leaves_nothing(tmp_
 
     try:
         metrics = run_dir / "metrics.jsonl"
-        wait_for("training", lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 150)
+        wait_for("training", lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240)
         engine0 = [c for c in psutil.Process(nodes[1].pid).children() if "engine0" in c.cmdline()]
         assert len(engine0) == 1
         engine0[0].kill()
-        wait_for("restart", lambda: "engine engine0 is back at version" in log.read_text(), 150)
+        wait_for("restart", lambda: "engine engine0 is back at version" in log.read_text(), 300)  # 50-130 s measured
         assert (tmp_path / "node1.out").read_text().count("node 1: started engine engine0") == 2
         controller = [c for c in psutil.Process(nodes[0].pid).children() if "run" in c.cmdline()]
         assert len(controller) == 1

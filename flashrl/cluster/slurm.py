@@ -676,8 +676,8 @@ async def _head(cfg: Config, config_path: Path, agent: NodeAgent, hosts: list[st
     finally:
         if controller is not None and controller.alive:
             await controller.stop(0.0)
-        await asyncio.gather(*(_shutdown(c, 30.0 if n in reached else 2.0) for n, c in others.items()),
-                             return_exceptions=True)
+        await asyncio.gather(agent.stop_all(5.0), *(_shutdown(c, 30.0 if n in reached else 2.0) for n, c in others.items()),
+                             return_exceptions=True)  # this node's processes and every other node's at once
         with contextlib.suppress(OSError):
             (cfg.run_dir / KEYS_FILE).unlink()
 
