@@ -34,11 +34,9 @@ import asyncio
 import contextlib
 import csv
 import logging
-import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,7 +46,15 @@ from typing import Any
 import anyio
 import msgspec
 
-from flashrl.benchmarks.scenario import gain_versus, variant_config
+from flashrl.benchmarks.scenario import (
+    bar_cell,
+    gain_versus,
+    new_figure,
+    plot_targets,
+    print_table,
+    save_figure,
+    variant_config,
+)
 from flashrl.config import Config, to_toml
 from flashrl.core.meters import BusyMeter
 from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
@@ -397,7 +403,7 @@ async def _run_all(scenarios: Sequence[tuple[str | Path, Any]], out_dir: Path, q
             out.mkdir(parents=True, exist_ok=True)
             write_results(scn, results, out)
             if not quiet:
-                print_table(scn, results)
+                print_results(scn, results)
             everything.append(results)
     return everything
 
@@ -432,35 +438,20 @@ def write_results(scn: Any, results: list[RealPointResult], out: Path) -> None:
 
 
 def plot(scn: Any, results: list[RealPointResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure()
     xs = list(range(len(results)))
     w = 0.38
     ax.bar([x - w / 2 for x in xs], [r.speedup for r in results], w, label="samples/s, flash / sync")
     ax.bar([x + w / 2 for x in xs], [r.token_speedup for r in results], w, label="tokens/s, flash / sync")
     ax.axhline(1.0, color="k", lw=0.8)
-    targets = [r.target for r in results]
-    if any(t is not None for t in targets):
-        ax.plot(xs, [t if t is not None else math.nan for t in targets], "r_", markersize=30, mew=2, label="bar")
+    plot_targets(ax, xs, results, markersize=30)
     for x, r in zip(xs, results):
         ax.annotate(f"{r.speedup:.2f}x", (x - w / 2, r.speedup), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(xs, [r.label for r in results])
-    ax.set_xlabel(scn.x_label)
-    ax.set_ylabel("throughput ratio (real, wall clock)")
-    ax.set_title(scn.title or scn.name, fontsize=10)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path, scn, "throughput ratio (real, wall clock)", title_size=10, grid_axis="y")
 
 
-def print_table(scn: Any, results: list[RealPointResult]) -> None:
-    from rich.console import Console
+def print_results(scn: Any, results: list[RealPointResult]) -> None:
     from rich.table import Table
 
     t = Table(title=f"{scn.name} (real): {scn.title}")
@@ -468,10 +459,10 @@ def print_table(scn: Any, results: list[RealPointResult]) -> None:
                 "busy sync", "busy flash", "stale max", "len sync/flash", "cluster"):
         t.add_column(col, justify="right")
     for r in results:
-        bar = "" if r.target is None else (f"[green]>={r.target:g} ok[/]" if r.passed else f"[red]>={r.target:g} MISS[/]")
         t.add_row(
             r.label, f"{r.base_step_s:.2f}", f"{r.flash_step_s:.2f}", f"{r.speedup:.2f}x", f"{r.token_speedup:.2f}x",
-            "" if r.gain is None else f"{r.gain - 1:+.1%}", bar, f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
-            str(r.flash_staleness_max), f"{r.base.response_len:.1f}/{r.flash.response_len:.1f}", r.cluster,
+            "" if r.gain is None else f"{r.gain - 1:+.1%}", bar_cell(r.target, r.passed), f"{r.base_busy:.0%}",
+            f"{r.flash_busy:.0%}", str(r.flash_staleness_max), f"{r.base.response_len:.1f}/{r.flash.response_len:.1f}",
+            r.cluster,
         )
-    Console(width=None if sys.stdout.isatty() else 160).print(t)  # a log file gets every column
+    print_table(t)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import importlib.resources
+import math
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,8 +28,9 @@ from flashrl.sim.engine import LatencyModel, LengthModel
 from flashrl.sim.trainer import TrainerModel
 
 __all__ = [
-    "BenchError", "PointSpec", "Scenario", "SimModel", "check_mode", "find_scenario", "gain_versus", "load_scenario",
-    "scenario_dir", "shipped_scenarios", "variant_config",
+    "BenchError", "PointSpec", "Scenario", "SimModel", "bar_cell", "check_mode", "find_scenario", "gain_versus",
+    "load_scenario", "new_figure", "plot_targets", "print_table", "save_figure", "scenario_dir", "shipped_scenarios",
+    "variant_config",
 ]
 
 
@@ -199,3 +202,48 @@ def gain_versus(results: list[Any], res: Any, pt: PointSpec, path: str | Path) -
         raise BenchError(f"{path}: point {pt.label!r}: versus = {pt.versus!r} names no earlier point")
     res.gain = res.speedup / ref.speedup
     res.passed = None if pt.target is None else res.gain >= pt.target
+
+
+# --------------------------------------------------------------------------- outputs every mode shares
+def new_figure() -> tuple[Any, Any]:
+    """(figure, axes) of a results plot, drawn off screen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4))
+
+
+def plot_targets(ax: Any, xs: list[int], results: list[Any], markersize: int) -> None:
+    """Each point's bar (``target``) as a red tick, when any point has one."""
+    targets = [r.target for r in results]
+    if any(t is not None for t in targets):
+        ax.plot(xs, [t if t is not None else math.nan for t in targets], "r_", markersize=markersize, mew=2, label="bar")
+
+
+def save_figure(fig: Any, ax: Any, path: Path, scn: Scenario, ylabel: str, title_size: float | None = None,
+                grid_axis: Literal["both", "x", "y"] = "both") -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(scn.x_label)
+    ax.set_ylabel(ylabel)
+    ax.set_title(scn.title or scn.name, **({} if title_size is None else {"fontsize": title_size}))
+    ax.grid(alpha=0.3, axis=grid_axis)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bar_cell(target: float | None, passed: bool | None) -> str:
+    """A results table's bar column: empty without a target, else the target marked ok or MISS."""
+    if target is None:
+        return ""
+    return f"[green]>={target:g} ok[/]" if passed else f"[red]>={target:g} MISS[/]"
+
+
+def print_table(table: Any) -> None:
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # a log file gets every column

@@ -26,14 +26,25 @@ import asyncio
 import csv
 import math
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from flashrl.benchmarks.scenario import BenchError, PointSpec, Scenario, SimModel, gain_versus, variant_config
+from flashrl.benchmarks.scenario import (
+    BenchError,
+    PointSpec,
+    Scenario,
+    SimModel,
+    bar_cell,
+    gain_versus,
+    new_figure,
+    plot_targets,
+    print_table,
+    save_figure,
+    variant_config,
+)
 from flashrl.config import Config
 from flashrl.controller.controller import Controller
 from flashrl.plugins import make_suite
@@ -417,7 +428,7 @@ def run_sim_scenario(scn: Scenario, path: str | Path, out: Path, quiet: bool = F
                       f"drift {res.drift:+.1%}, cpu {res.cpu_s:.1f}s)", flush=True)
     write_results(scn, results, out)
     if not quiet:
-        print_table(scn, results)
+        print_results(scn, results)
     return results
 
 
@@ -444,12 +455,7 @@ def write_results(scn: Scenario, results: list[PointResult], out: Path) -> None:
 
 
 def plot(scn: Scenario, results: list[PointResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure()
     xs = list(range(len(results)))
     ax.plot(xs, [r.speedup for r in results], "o-", label="samples/s ratio")
     ax.plot(xs, [r.token_speedup for r in results], "s-", label="tokens/s ratio")
@@ -459,22 +465,12 @@ def plot(scn: Scenario, results: list[PointResult], path: Path) -> None:
     ax.plot(xs, [r.bound for r in results], "k--", label="capacity bound")
     if scn.kind != "throughput":
         ax.plot(xs, [r.formula for r in results], ":", color="gray", label="paper formula")
-    targets = [r.target for r in results]
-    if any(t is not None for t in targets):
-        ax.plot(xs, [t if t is not None else math.nan for t in targets], "r_", markersize=18, mew=2, label="bar")
+    plot_targets(ax, xs, results, markersize=18)
     ax.set_xticks(xs, [r.label for r in results], rotation=30 if len(results) > 5 else 0)
-    ax.set_xlabel(scn.x_label)
-    ax.set_ylabel("throughput ratio" if scn.kind == "throughput" else "speed-up over sync")
-    ax.set_title(scn.title or scn.name)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path, scn, "throughput ratio" if scn.kind == "throughput" else "speed-up over sync")
 
 
-def print_table(scn: Scenario, results: list[PointResult]) -> None:
-    from rich.console import Console
+def print_results(scn: Scenario, results: list[PointResult]) -> None:
     from rich.table import Table
 
     t = Table(title=f"{scn.name}: {scn.title}")
@@ -482,13 +478,12 @@ def print_table(scn: Scenario, results: list[PointResult]) -> None:
                 "stale", "drift", "gain", "bar", "bound", "formula", "busy sync", "busy flash", "stale max", "cpu s"):
         t.add_column(col, justify="right")
     for r in results:
-        bar = "" if r.target is None else (f"[green]>={r.target:g} ok[/]" if r.passed else f"[red]>={r.target:g} MISS[/]")
         t.add_row(
             r.label, f"{r.base_step_s:.1f}", f"{r.flash_step_s:.1f}", f"{r.speedup:.2f}x", f"{r.token_speedup:.2f}x",
             "" if r.lm_speedup is None else f"{r.lm_speedup:.2f}x (cap {r.lm_cap})",
             f"{r.flash_waste:.1%}", f"{r.flash_stale_share:.1%}", f"{r.drift:+.1%}",
-            "" if r.gain is None else f"{r.gain - 1:+.1%}", bar, f"{r.bound:.2f}x",
+            "" if r.gain is None else f"{r.gain - 1:+.1%}", bar_cell(r.target, r.passed), f"{r.bound:.2f}x",
             f"{r.formula:.2f}x", f"{r.base_busy:.0%}", f"{r.flash_busy:.0%}",
             str(r.flash_staleness_max), f"{r.cpu_s:.1f}",
         )
-    Console(width=None if sys.stdout.isatty() else 160).print(t)  # a log file gets every column
+    print_table(t)
