@@ -74,6 +74,15 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
     cfg = _load_or_exit(config, set_)
     _check_env_or_exit(cfg, config)
+    if cfg.cluster.launcher == "slurm":  # the layout fits [cluster.slurm] (what --dry-run would refuse)
+        from flashrl.cluster import LaunchError
+        from flashrl.cluster.slurm import plan
+
+        try:
+            plan(cfg)
+        except LaunchError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config)
     typer.echo(
         f"ok: {config} (run {cfg.run.name}: {cfg.engine.count} engine(s), {cfg.trainer.ranks} trainer rank(s), "

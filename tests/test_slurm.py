@@ -464,3 +464,10 @@ def test_node_0_without_the_other_agents_starts_no_controller(tmp_path: Path) ->
     assert f"node 0: node 1's agent (127.0.0.2:{port + 1}) did not answer within cluster.slurm.connect_timeout_s = 3 s" in out
     assert "starting the controller" not in out
     assert not (cfg.run_dir / "logs" / "controller.log").exists()
+
+
+def test_validate_checks_the_slurm_layout(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "flashrl.cli", "validate", str(ROOT / "configs" / "slurm-gpu-2node.toml"),
+                        "--set", "engine.count=9"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "cluster.slurm.layout places no node for engine 8 (engine.count = 9)" in r.stderr
