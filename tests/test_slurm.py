@@ -471,3 +471,44 @@ def test_validate_checks_the_slurm_layout(tmp_path: Path) -> None:
                         "--set", "engine.count=9"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "cluster.slurm.layout places no node for engine 8 (engine.count = 9)" in r.stderr
+
+
+def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tmp_path: Path) -> None:
+    """scancel signals every node at once: a non-zero node keeps its processes (node 0's controller may be
+    checkpointing with them) until node 0's NodeShutdown, then stops them and exits 0."""
+    import psutil
+
+    port = free_port()
+    cfg = _agent_cfg(tmp_path, port)
+    keys = slurm.write_keys(cfg)
+    from flashrl.config import to_toml
+    from flashrl.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawn, Spawned
+    from flashrl.transport import RpcClient
+
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(to_toml(cfg))
+    p = _node_proc(cfg_path, 1, "127.0.0.[1-2]", tmp_path / "n1.out")
+
+    async def main() -> int:
+        c = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="n1", curve=keys.client())
+        try:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        r = await c.request(Spawn(key="s", name="sleeper", argv=SLEEPER, log_path=str(tmp_path / "s.log")), timeout=1.0)
+                        break
+                    except TimeoutError:
+                        continue
+            assert isinstance(r, Spawned)
+            p.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.5)
+            assert p.poll() is None and psutil.Process(r.pid).is_running()
+            assert isinstance(await c.request(NodeShutdown(), timeout=30), Ok)
+            return r.pid
+        finally:
+            await c.close()
+
+    pid = asyncio.run(main())
+    assert p.wait(timeout=30) == 0
+    assert "SIGTERM: waiting up to 45 s for node 0" in (tmp_path / "n1.out").read_text()
+    assert _gone(pid, 10)

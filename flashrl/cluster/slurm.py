@@ -94,6 +94,7 @@ HEAD_ENV = "FLASHRL_SLURM_HEAD"  # set by node 0's agent on the controller it st
 SCRIPT = "job.sbatch"
 CONFIG = "config.toml"
 POLL_S = 0.5  # how often the launcher asks each agent which processes exited
+SIGNAL_GRACE_S = 45.0  # another node, SIGTERM (scancel): how long it waits for node 0's NodeShutdown
 CONTROLLER_STOP_S = 60.0  # node 0, SIGTERM: the controller's grace to checkpoint and stop (launch.STOP_GRACE_S + shutdown)
 
 
@@ -453,6 +454,7 @@ class NodeAgent:
         self.children: dict[str, Child] = {}
         self.done = asyncio.Event()
         self.exit_code = 0
+        self.shutdown_requested = False
         self.contacted = False
         self.last_contact = 0.0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -486,6 +488,7 @@ class NodeAgent:
             await self.stop_all(msg.term_s)
             return self._states()
         if isinstance(msg, NodeShutdown):
+            self.shutdown_requested = True
             await self.stop_all(5.0)
             log.info("node %d: shutdown requested; exiting", self.node)
             asyncio.get_running_loop().call_later(0.2, self.done.set)  # the reply goes out first
@@ -609,7 +612,14 @@ async def _node(cfg: Config, config_path: Path, node: int, hosts: list[str], key
 
     def _signal(name: str) -> None:
         signalled.append(name)
-        agent.done.set()
+        if node == 0 or len(signalled) > 1:
+            agent.done.set()
+            return
+        # scancel signals every node at once: node 0 is asking the controller to checkpoint, which may need
+        # this node's trainer ranks; keep them until node 0's NodeShutdown, at most SIGNAL_GRACE_S
+        print(f"node {node}: {name}: waiting up to {SIGNAL_GRACE_S:.0f} s for node 0 to stop the run "
+              "(again to stop now)", file=sys.stderr, flush=True)
+        loop.call_later(SIGNAL_GRACE_S, agent.done.set)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _signal, signal.Signals(sig).name)
@@ -617,7 +627,7 @@ async def _node(cfg: Config, config_path: Path, node: int, hosts: list[str], key
         if node != 0:
             tasks.append(loop.create_task(agent.watchdog(s.heartbeat_timeout_s, s.connect_timeout_s), name="watchdog"))
             await agent.done.wait()
-            if signalled:
+            if signalled and not agent.shutdown_requested:
                 print(f"node {node}: {signalled[0]}: stopping this node's processes", file=sys.stderr, flush=True)
                 return 128 + signal.Signals[signalled[0]].value
             return agent.exit_code
