@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -110,12 +110,12 @@ class SingleTurnEnv:
 class EnvSuite(Protocol):
     """An environment family as the controller uses it: data splits plus a factory of episodes.
 
-    ``Params`` is a msgspec Struct (forbid_unknown_fields) of the ``[env.params]`` options. Optional
-    parts, each its own protocol below: ``aclose()`` (Closable), ``counters`` (Counting),
-    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating).
+    Optional parts, each its own protocol below: ``aclose()`` (Closable), ``counters`` (Counting),
+    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating). A suite *class*, as env.name names
+    it, also has ``Params: ClassVar[type]``, a msgspec Struct (forbid_unknown_fields) of its
+    ``[env.params]`` options, and is built as ``cls(params, seed=..., eval_size=...)``
+    (flashrl.plugins checks both when it loads the class; the controller never needs them).
     """
-
-    Params: ClassVar[type]
 
     def train_tasks(self) -> Sequence[Task]: ...
 
