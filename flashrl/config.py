@@ -230,10 +230,27 @@ class SlurmConfig(Section):
     connect_timeout_s: Annotated[float, Meta(gt=0, description="how long node 0 waits for every node agent to answer at start")] = 600.0
 
 
+class RayConfig(Section):
+    """[cluster.ray]: where the Ray launcher (cluster.launcher = "ray") places engines and trainer ranks."""
+
+    address: Annotated[str, Meta(description='the Ray cluster: "" = start a private Ray instance on this machine for the run; "auto" = the cluster this machine joined with `ray start`; "HOST:PORT" = its head (GCS) address; "ray://HOST:10001" = through Ray Client')] = ""
+    engine_cpus: Annotated[float, Meta(gt=0, le=4096, description="Ray CPUs each engine's placement-group bundle reserves")] = 1.0
+    engine_gpus: Annotated[Annotated[float, Meta(ge=0, le=64)] | Literal["auto"], Meta(description='Ray GPUs per engine bundle ("auto": 1 when engines run on cuda, else 0)')] = "auto"
+    engine_resources: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description='custom Ray resources each engine bundle also asks for, e.g. {engines = 1} to keep engines on nodes started with `ray start --resources \'{"engines": 8}\'`')] = {}
+    engine_strategy: Annotated[Literal["PACK", "SPREAD", "STRICT_SPREAD"], Meta(description="placement of the engines' bundles (one engine per bundle): PACK on as few nodes as fit, SPREAD over nodes, STRICT_SPREAD one engine per node")] = "PACK"
+    trainer_cpus: Annotated[float, Meta(gt=0, le=4096, description="Ray CPUs per trainer rank")] = 1.0
+    trainer_gpus: Annotated[Annotated[float, Meta(ge=0, le=64)] | Literal["auto"], Meta(description='Ray GPUs per trainer rank ("auto": 1 when the trainer runs on cuda (trainer.backend nccl, or engines on cuda), else 0)')] = "auto"
+    trainer_resources: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description="custom Ray resources per trainer rank, e.g. {trainer = 1}")] = {}
+    trainer_ranks_per_node: Annotated[int, Meta(ge=0, le=4096, description="trainer ranks packed on one node (one STRICT_PACK bundle per node, nodes STRICT_SPREAD); 0 = all ranks on one node")] = 0
+    env_cpus: Annotated[float, Meta(gt=0, le=4096, description="Ray CPUs per environment worker process (placed on any node)")] = 1.0
+    placement_timeout_s: Annotated[float, Meta(gt=0, le=86400, description="seconds to wait for the placement groups (and each process's actor) to be placed; past it, a LaunchError naming what was asked")] = 120.0
+
+
 class ClusterConfig(Section):
     launcher: Annotated[Literal["local", "ray", "slurm"], Meta(description="where the run's processes start: local (this machine), ray (placement groups on a Ray cluster), slurm (an sbatch script, srun per node)")] = "local"
     interface: Annotated[str, Meta(min_length=1, description='where engine and trainer sockets bind: "loopback" (ipc:// on this machine), an IP address of the node, or "auto" (the node\'s primary address); any socket off loopback is TCP secured with ZeroMQ CURVE (per-run keys)')] = "loopback"
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
 
 class Config(Section):
