@@ -149,6 +149,7 @@ def test_drop_unfillable_frees_slot_and_counts() -> None:
     buf.drop(g, "unfillable")
     assert g.state is GroupState.DROPPED and buf.outstanding == 0
     assert buf.counters["dropped/groups_unfillable"] == 1 and buf.counters["dropped/samples"] == 1
+    assert buf.dropped_uids == [0]  # checkpointed: the chaos report accounts for every uid
 
 
 def _recount(buf: SampleBuffer) -> int:

@@ -153,6 +153,18 @@ def test_env_suite_counters_continue_across_a_resume(tmp_path: Path) -> None:
     assert second.records[-1]["env/steps"] == ref.records[-1]["env/steps"] == 6 * 2 * 3
 
 
+def test_dropped_uids_are_checkpointed_and_kept_on_resume(tmp_path: Path) -> None:
+    """A group given up (dropped/groups_*) is named by uid in the checkpoint, and a resumed run keeps the list."""
+    cfg = sync_cfg(tmp_path, steps=3, eval_every=0)
+    first = Run(cfg, ScriptedSuite(n_train=5, n_eval=0))
+    first.go()
+    r = prepare_resume(with_run(cfg, steps=6))
+    assert r.state.dropped_uids == []
+    r.state.dropped_uids = [97]  # as if uid 97 had been dropped before the checkpoint
+    Run(with_run(cfg, steps=6), ScriptedSuite(n_train=5, n_eval=0), resume=r).go()
+    assert find_checkpoint(cfg.run_dir).state.dropped_uids == [97]
+
+
 def epoch_check(stream: DataStream, uids: list[int], epochs: int) -> None:
     """Every prompt of each of the first ``epochs`` epochs trained exactly once."""
     assert len(uids) == len(set(uids)), "a prompt uid was trained twice"
