@@ -64,7 +64,10 @@ def activate(launcher: Launcher, logs: Path) -> contextvars.Token[Active | None]
 
 
 def deactivate(token: contextvars.Token[Active | None]) -> None:
-    _ACTIVE.reset(token)
+    try:
+        _ACTIVE.reset(token)
+    except ValueError:  # closed from another task than it was opened in (an exit stack closed elsewhere)
+        _ACTIVE.set(None)
 
 
 def active() -> Active | None:
