@@ -98,6 +98,14 @@ def check_address(address: str, curve_keys: bool) -> None:
         )
 
 
+def _no_hwm(sock: zmq.Socket) -> None:
+    """No high-water mark: a ROUTER silently DROPS replies to a peer whose queue is full (1000 messages by
+    default), e.g. while the controller's loop is busy and thousands of replies arrive; the request would
+    then wait for a reply that never comes. Queues are bounded by the requests in flight instead."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
 def _apply_curve(sock: zmq.Socket, curve: dict[str, bytes] | None, server: bool) -> None:
     if not curve:
         return
@@ -180,6 +188,7 @@ class RpcClient:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        _no_hwm(self._sock)
         _apply_curve(self._sock, curve, server=False)
         self._sock.connect(address)
         self._next_rid = 1
@@ -317,6 +326,7 @@ class RpcServer:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        _no_hwm(self._sock)
         _apply_curve(self._sock, curve, server=True)
         self._monitor: zmq.asyncio.Socket | None = None
         if curve:  # count refused handshakes (the monitor exists before the first connection)

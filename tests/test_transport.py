@@ -217,3 +217,55 @@ async def test_curve_server_off_loopback_takes_only_the_run_client(tmp_path, cap
         await good.close()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_replies_are_never_dropped_while_the_client_is_busy() -> None:
+    """3000 replies pile up while the client's loop is blocked: a ROUTER at its default high-water mark drops
+    the excess silently (about 500 here before the fix) and those requests wait forever; all must arrive."""
+    import threading
+    import time
+
+    from flashrl.transport import local_address
+
+    addr = local_address("hwm")
+    ready = threading.Event()
+    stop: dict[str, asyncio.AbstractEventLoop | asyncio.Event] = {}
+
+    async def echo(msg: P.Msg) -> P.Msg | None:
+        assert isinstance(msg, P.Generate)
+        return P.Generated(request_id=msg.request_id, token_ids=msg.prompt_ids)
+
+    async def serve() -> None:  # another thread, its own loop and context: like an engine process
+        stop["loop"], stop["event"] = asyncio.get_running_loop(), asyncio.Event()
+        ctx = zmq.asyncio.Context()
+        server = RpcServer(addr, P.ENGINE_REQUESTS, echo, name="busy-peer", ctx=ctx)
+        task = asyncio.create_task(server.serve())
+        ready.set()
+        await stop["event"].wait()  # type: ignore[union-attr]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.term()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+
+    async def main() -> list[object]:
+        client = RpcClient(addr, P.ENGINE_REPLIES, name="busy")
+        try:
+            calls = [asyncio.create_task(client.request(P.Generate(request_id=str(i), prompt_ids=list(range(2000))),
+                                                        timeout=30)) for i in range(3000)]
+            await asyncio.sleep(0.5)  # every request is out
+            time.sleep(2.0)  # noqa: ASYNC251 - the loop is busy (a long step, a GC pause): replies pile up
+            return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await client.close()
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        loop, event = stop["loop"], stop["event"]
+        loop.call_soon_threadsafe(event.set)  # type: ignore[union-attr]
+        thread.join(10)
+    lost = [r for r in results if not isinstance(r, P.Generated)]
+    assert lost == [], f"{len(lost)} of 3000 replies lost: {lost[0]!r}"
