@@ -251,6 +251,8 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
 
     t0 = time.monotonic()
     run_dir = cfg.run_dir
+    launcher = make_launcher(cfg, run_dir)
+    launcher.preflight()  # what the launcher cannot do fails now, before the model is built or anything starts
     mem = MemorySampler()
     dash = Dashboard.for_config(cfg.run.dashboard)
     dash.start()
@@ -261,8 +263,8 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:
-        async with local_cluster(cfg, model_path, run_dir, dash.status,
-                                 resume=resume.trainer_dir if resume else None) as (engines, trainer):
+        async with local_cluster(cfg, model_path, run_dir, dash.status, resume=resume.trainer_dir if resume else None,
+                                 launcher=launcher, preflighted=True) as (engines, trainer):
             clients = [e.client for e in engines]
             writer = MetricsWriter(
                 run_dir / "metrics.jsonl",
@@ -472,14 +474,15 @@ class EnginePool:
 @contextlib.asynccontextmanager
 async def local_cluster(
     cfg: Config, model_path: Path, run_dir: Path, status: Callable[[str], None] = lambda s: None,
-    *, resume: Path | None = None, launcher: Launcher | None = None,
+    *, resume: Path | None = None, launcher: Launcher | None = None, preflighted: bool = False,
 ) -> AsyncIterator[tuple[EnginePool, Any]]:
     """Spawn the engines and the trainer group through the launcher, wait until they answer, join each
     engine's weight-sync group.
 
     ``resume``: the trainer's part of a checkpoint (``step-N/trainer``); every rank loads it at start.
     ``launcher``: None -> ``make_launcher(cfg, run_dir)`` (cluster.launcher); either way this context
-    preflights it (LaunchError before anything starts), starts it, and closes it on exit.
+    preflights it (LaunchError before anything starts; ``preflighted``: the caller already did), starts it,
+    and closes it on exit.
 
     Yields (engine pool, trainer group); on exit, however it happens, stops every child.
     """
@@ -495,7 +498,8 @@ async def local_cluster(
     engines: EnginePool | None = None
     if launcher is None:
         launcher = make_launcher(cfg, run_dir)
-    launcher.preflight()
+    if not preflighted:
+        launcher.preflight()
     token = activate(launcher, logs)  # remote env workers, started later by the env suite, use it too
     try:
         await launcher.start()

@@ -204,10 +204,11 @@ def test_flashrl_run_with_an_interface_not_on_this_node_exits_2_starting_nothing
     import subprocess
 
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--set",
-           f"run.output_dir={tmp_path}", "--set", "run.dashboard=off", "--set", "cluster.interface=203.0.113.77"]
+           f"run.output_dir={tmp_path}", "--set", "run.dashboard=plain", "--set", "cluster.interface=203.0.113.77"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid())))
     assert p.returncode == 2, p.stderr[-2000:]
     assert "launch error: cluster.interface = '203.0.113.77': cannot bind 203.0.113.77" in p.stderr
     logs = tmp_path / "tiny" / "logs"
     assert sorted(x.name for x in logs.iterdir()) == ["controller.log"]  # no engine, no trainer started
+    assert "preparing model" not in p.stdout  # refused before the model is prepared (built, on a first run)
