@@ -256,10 +256,15 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     mem = MemorySampler()
     dash = Dashboard.for_config(cfg.run.dashboard)
     dash.start()
-    dash.status(f"preparing model {cfg.model.path}")
-    model_path = Path(await asyncio.to_thread(ensure_model, cfg))
-    tokenizer = load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
-    suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    try:
+        dash.status(f"preparing model {cfg.model.path}")
+        model_path = Path(await asyncio.to_thread(ensure_model, cfg))
+        tokenizer = load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
+        suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
+        dash.stop()
+        await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
+        raise
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:

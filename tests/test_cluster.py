@@ -212,3 +212,27 @@ def test_flashrl_run_with_an_interface_not_on_this_node_exits_2_starting_nothing
     logs = tmp_path / "tiny" / "logs"
     assert sorted(x.name for x in logs.iterdir()) == ["controller.log"]  # no engine, no trainer started
     assert "preparing model" not in p.stdout  # refused before the model is prepared (built, on a first run)
+
+
+async def test_run_closes_the_launcher_when_the_model_cannot_be_prepared(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher is preflighted (e.g. a private Ray instance started) before the model is prepared: a failure
+    in between still closes it."""
+    from flashrl import launch, models
+
+    closed: list[bool] = []
+
+    class Recording(LocalLauncher):
+        async def close(self) -> None:
+            closed.append(True)
+            await super().close()
+
+    def no_model(cfg: object) -> str:
+        raise RuntimeError("no model here")
+
+    monkeypatch.setattr(launch, "make_launcher", lambda cfg, run_dir: Recording(run_dir))
+    monkeypatch.setattr(models, "ensure_model", no_model)
+    cfg = load(None, [f"run.output_dir={tmp_path}", "run.dashboard=off"])
+    with pytest.raises(RuntimeError, match="no model here"):
+        await launch.run_local(cfg)
+    assert closed == [True]
