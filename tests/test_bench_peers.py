@@ -213,3 +213,18 @@ def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, m
     assert runs[0].evals == [(0, 0.5, 0.0), (10, 0.9, 5.0)] and runs[0].peak_mem_gib == 5.5
     assert (out / "results.md").is_file()
     assert peers.run_bench(["async"], [0], out, TINY, resume=False) and ran[-1] == ("async", 0)  # no resume: run again
+
+
+def test_report_only_assembles_kept_and_recovered_runs(tmp_path: Path) -> None:
+    from flashrl.benchmarks import peers
+
+    out = tmp_path / "out"
+    run_dir = out / "runs" / "async-seed2"  # the bench died after this run: metrics but no bench_run.json
+    run_dir.mkdir(parents=True)
+    recs = _records({0: 0.5, 10: 0.82}, 10)
+    recs[3]["mem/total_gib"] = 5.9
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    runs = peers.run_bench(["async", "sync"], [2], out, TINY, report_only=True)
+    assert [(r.mode, r.seed) for r in runs] == [("async", 2)]  # nothing ran; the missing sync run is left out
+    assert runs[0].final_acc == 0.82 and runs[0].peak_mem_gib == 5.9 and runs[0].startup_s is None
+    assert runs[0].time_to["80%"]["step"] == 10 and (out / "results.md").is_file()

@@ -178,7 +178,8 @@ def _time_to(r: Run, thr: str, which: str) -> str:
     t = r.time_to.get(thr) or {}
     if t.get("step") is None:
         return "not reached"
-    return f"{_f(t.get(which))} s (step {t['step']})"
+    v = t.get(which)
+    return f"n/a (step {t['step']})" if v is None else f"{_f(v)} s (step {t['step']})"
 
 
 def markdown_table(runs: Sequence[Run]) -> str:
@@ -193,7 +194,7 @@ def markdown_table(runs: Sequence[Run]) -> str:
         row(f"time to {thr} held-out (training clock)", [_time_to(r, thr, "train_s") for r in runs])
     for thr in (f"{t:.0%}" for t in THRESHOLDS):
         row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
-    row("start-up (launch -> first step starts)", [_f(r.startup_s) + " s" for r in runs])
+    row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
     row("steps / training clock", [f"{r.steps} / {_f(r.train_s)} s" for r in runs])
     row("trained samples/s", [_f(r.samples_per_s, "{:.0f}") for r in runs])
     row("mean step time (after step 5)", [_f(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
@@ -441,7 +442,7 @@ def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Pa
 RUN_FILE = "bench_run.json"  # in each run's folder: what the bench measured of it (--resume reads it back)
 
 
-def _kept(out: Path, mode: str, seed: int, steps: int | None) -> Run | None:
+def _kept(out: Path, mode: str, seed: int, steps: int | None, any_exit: bool = False) -> Run | None:
     """A run of an earlier invocation with the same output folder that exited 0 (``--resume``), else None."""
     try:
         data = json.loads((out / "runs" / f"{mode}-seed{seed}" / RUN_FILE).read_text())
@@ -449,15 +450,30 @@ def _kept(out: Path, mode: str, seed: int, steps: int | None) -> Run | None:
         return None
     run = Run(**{k: v for k, v in data.items() if k in Run.__dataclass_fields__})
     run.evals = [tuple(e) for e in run.evals]  # type: ignore[misc]
-    if run.returncode != 0 or (steps is not None and run.steps < steps):
+    if not any_exit and (run.returncode != 0 or (steps is not None and run.steps < steps)):
         return None
+    return run
+
+
+def _recovered(out: Path, mode: str, seed: int) -> Run | None:
+    """A run whose bench process died after it (no bench_run.json) but whose metrics.jsonl is there: its numbers
+    from the metrics alone (``--report-only``); start-up unknown, peak memory from flashrl's own ``mem/total_gib``."""
+    name = f"{mode}-seed{seed}"
+    metrics = out / "runs" / name / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    recs = read_metrics(metrics)
+    run = Run(mode=mode, seed=seed, name=name, log=str(out / "logs" / f"{name}.log"))
+    mem = [float(r["mem/total_gib"]) for r in recs if "mem/total_gib" in r]
+    run.peak_mem_gib = max(mem) if mem else None
+    summarize(run, recs)
     return run
 
 
 def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, config: str | Path = "configs/tiny.toml",
               steps: int | None = None, extra_sets: Sequence[str] = (), timeout_s: float | None = None,
               title: str = "flashrl vs TRL GRPOTrainer", sync_seeds: Sequence[int] | None = None,
-              resume: bool = False) -> list[Run]:
+              resume: bool = False, report_only: bool = False) -> list[Run]:
     """Every (seed, mode) run in turn (sync only for ``sync_seeds``, default all); results files after each.
 
     ``resume``: a run that an earlier invocation into ``out`` completed (exit 0, ``steps`` steps) is kept,
@@ -471,13 +487,21 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
         for mode in modes:
             if mode == "sync" and sync_seeds is not None and seed not in sync_seeds:
                 continue
+            if report_only:  # assemble what is there; run nothing
+                got = _kept(out, mode, seed, None, any_exit=True) or _recovered(out, mode, seed)
+                if got is not None:
+                    runs.append(got)
+                continue
             kept = _kept(out, mode, seed, steps) if resume else None
             if kept is not None:
                 print(f"[bench] {kept.name}: kept (completed earlier)", flush=True)
                 runs.append(kept)
             else:
                 runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s))
-            write_results(runs, out, title, _notes(config, steps, extra_sets))  # partial results survive a crash
+            if not report_only:
+                write_results(runs, out, title, _notes(config, steps, extra_sets))  # partial results survive a crash
+    if report_only:
+        write_results(runs, out, title, _notes(config, steps, extra_sets))
     return runs
 
 
@@ -708,6 +732,8 @@ def main(argv: Sequence[str] | None = None, *, seeds_mode: bool = False) -> int:
                     help="the seeds of the sync mode's runs (default: the first of --seeds; 'all' = every seed)")
     ap.add_argument("--timeout-s", type=float, default=None, help="stop a run after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the runs in --out that an earlier invocation completed")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: write the results files from the runs already in --out")
     a = ap.parse_args(argv)
     title = "flashrl over seeds" if seeds_mode else "flashrl vs TRL GRPOTrainer"
     seeds = [int(s) for s in a.seeds.split(",") if s]
@@ -715,7 +741,7 @@ def main(argv: Sequence[str] | None = None, *, seeds_mode: bool = False) -> int:
         [int(s) for s in a.sync_seeds.split(",") if s] if a.sync_seeds else seeds[:1])
     try:
         runs = run_bench([m for m in a.modes.split(",") if m], seeds, a.out, a.config, a.steps, a.sets, a.timeout_s,
-                         title=title, sync_seeds=sync_seeds, resume=a.resume)
+                         title=title, sync_seeds=sync_seeds, resume=a.resume, report_only=a.report_only)
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
