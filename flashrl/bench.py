@@ -63,11 +63,16 @@ def main(argv: list[str]) -> int:
     ``flashrl bench algorithms [--losses ...] [--ratios ...]`` (learning, not speed: flashrl/benchmarks/algorithms.py),
     ``flashrl bench chaos [CONFIG]`` (engines and the controller SIGKILLed during a run: flashrl/benchmarks/chaos.py),
     ``flashrl bench peers`` (flashrl async and sync against TRL's GRPOTrainer) and ``flashrl bench seeds``
-    (the default over seeds 0, 1, 2): flashrl/benchmarks/peers.py."""
+    (the default over seeds 0, 1, 2): flashrl/benchmarks/peers.py, and ``flashrl bench steptime [--steps N]
+    [--set K=V]`` (per-phase step profile: flashrl/benchmarks/steptime.py)."""
     if argv and argv[0] == "calibrate":
         from flashrl.benchmarks.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv and argv[0] == "steptime":
+        from flashrl.benchmarks.steptime import main as steptime_main
+
+        return steptime_main(argv[1:])
     if argv and argv[0] == "algorithms":
         from flashrl.benchmarks.algorithms import main as algorithms_main
 

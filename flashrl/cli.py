@@ -240,7 +240,7 @@ def trainer(ctx: typer.Context) -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`; `flashrl bench algorithms`; `flashrl bench chaos [CONFIG]`; `flashrl bench peers` (vs TRL); `flashrl bench seeds`."""
+    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`; `flashrl bench algorithms`; `flashrl bench chaos [CONFIG]`; `flashrl bench peers` (vs TRL); `flashrl bench seeds`; `flashrl bench steptime`."""
     from flashrl import bench as bench_mod
 
     sys.exit(bench_mod.main(ctx.args))

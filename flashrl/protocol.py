@@ -89,6 +89,9 @@ class WeightManifest(Msg):
 
     version: int = 0
     buckets: list[Bucket] = []
+    # where the trainer's preparation went, seconds (gather_s: full state dict; pack_s: buckets and
+    # checksums); informational, for the step record (time/sync/*) and `flashrl bench steptime`
+    timings: dict[str, float] = {}
 
 
 class UpdateWeights(Msg):
@@ -129,6 +132,8 @@ class WeightsUpdated(Msg):
     ok: bool = True
     seconds: float = 0.0
     error: str = ""
+    # the engine's phases, seconds: pause_s, receive_s (broadcast), verify_s (checksums), load_s, resume_s
+    timings: dict[str, float] = {}
 
 
 class LoadReport(Msg):

@@ -175,6 +175,7 @@ class Controller:
         self.restarter = restarter
         self._reviving: set[int] = set()
         self._engine_change = asyncio.Event()  # replaced after each set: an engine came back or gave up
+        self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
         self._sync_lock = asyncio.Lock()  # a regular sync and a restarted engine's catch-up never interleave
         self._published: WeightManifest | None = None  # the manifest every live engine holds (None: version 0)
         if restarter is not None:
@@ -231,6 +232,7 @@ class Controller:
                 self._spawn(self._admission_loop(), "admission")
                 self._spawn(self._watch(), "watch")
                 self.status = "running"
+                log.info("controller running: first rollouts requested")  # start-up ends here (bench steptime)
                 stop = await self._train_loop()
                 # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
                 self.status = "stopping"
@@ -503,7 +505,7 @@ class Controller:
         train_s = self._clock() - t0
         await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
         t1 = self._clock()
-        await self._sync_weights(s + 1)
+        sync_phases = await self._sync_weights(s + 1)
         now = self._clock()
         self.version = s + 1
         self.buffer.mark_trained(batch)
@@ -514,6 +516,12 @@ class Controller:
             self.on_samples([self._sample_line("train", s + 1, t, task) for task, t in picked[:n]])
         record = self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
         record["prompt_uids"] = [g.uid for g in batch]  # which prompts this step trained (resume checks)
+        # where the step's time went beyond the trainer's own phases (time/trainer/*): the request's trip
+        # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
+        if "step_time_s" in result.metrics:
+            record["time/train/transport_s"] = max(0.0, train_s - float(result.metrics["step_time_s"]))
+        record["time/sync/quiesce_s"] = t1 - t0 - train_s
+        record.update(sync_phases)
         if self._checkpoint_s:
             record["time/checkpoint_s"] = self._checkpoint_s  # the checkpoint written before this step
             self._checkpoint_s = 0.0
@@ -536,9 +544,18 @@ class Controller:
         except TimeoutError:
             return None
 
-    async def _sync_weights(self, version: int) -> None:
+    async def _sync_weights(self, version: int) -> dict[str, float]:
+        """Publish ``version`` to every live engine; return where the time went (``time/sync/*`` seconds:
+        prepare = the trainer's gather + pack + checksums and the round trip; send = the broadcast until
+        every engine answered; engine/* = the slowest engine's pause, receive, verify, load, rpc, resume)."""
         async with self._sync_lock:
+            t0 = self._clock()
             manifest = await self.trainer.prepare_weights(version)
+            t1 = self._clock()
+            phases = {"time/sync/prepare_s": t1 - t0}
+            phases.update({f"time/sync/trainer/{k}": v for k, v in manifest.timings.items()})
+            manifest = msgspec.structs.replace(manifest, timings={})  # engines need no trainer timings
+            self._engine_timings = {}
             self._mark_reported_dead()
             live = self.router.live
             if not live and not self._reviving:
@@ -562,6 +579,9 @@ class Controller:
             skipped = len(self.engines) - len(self.router.live)
             if skipped:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped
+            phases["time/sync/send_s"] = self._clock() - t1
+            phases.update({f"time/sync/engine/{k}": v for k, v in self._engine_timings.items()})
+            return phases
 
     def _mark_reported_dead(self) -> None:
         """Mark dead every live engine whose client already says so (``client.dead``), before a sync.
@@ -603,6 +623,8 @@ class Controller:
             self.ctx.engine_dead(i, RuntimeError(msg))  # taken out; a fresh process gets verified weights
             return
         self.engine_versions[i] = manifest.version
+        for k, v in r.timings.items():  # the slowest engine's phases: what the sync waited for
+            self._engine_timings[k] = max(v, self._engine_timings.get(k, 0.0))
 
     # ------------------------------------------------------------------ engine restarts
     def _on_engine_dead(self, i: int, err: BaseException) -> None:

@@ -322,6 +322,8 @@ class EngineServer:
         async with self._update_lock:
             t0 = time.perf_counter()
             await self.engine.pause_generation(mode="keep")
+            t_paused = time.perf_counter()
+            t_loaded = t_paused
             try:
                 receive = asyncio.ensure_future(self.engine.collective_rpc(
                     "flashrl_update_weights", args=(msgspec.json.encode(manifest).decode(),)
@@ -334,16 +336,27 @@ class EngineServer:
                     await self.engine.update_weight_version(str(self.version))
                 elif res["touched"]:
                     raise EngineFatal(f"weights v{manifest.version} passed their checksums but failed to load: {res['error']}")
+                t_loaded = time.perf_counter()
             finally:
                 if not self.fatal.is_set():
                     await self.engine.resume_generation()
             seconds = time.perf_counter() - t0
+        timings = {
+            "pause_s": t_paused - t0,
+            "receive_s": res["receive_s"] - res.get("verify_s", 0.0),
+            "verify_s": res.get("verify_s", 0.0),
+            "load_s": res["load_s"],
+            # the collective_rpc round trip to the EngineCore and the version label, beyond the worker's own time
+            "rpc_s": max(0.0, t_loaded - t_paused - res["receive_s"] - res["load_s"]),
+            "resume_s": t0 + seconds - t_loaded,
+        }
         log.info(
             "%s: weights v%d %s in %.3fs (receive %.3fs, load %.3fs)%s",
             self.name, manifest.version, "loaded" if res["ok"] else "REJECTED", seconds,
             res["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
         )
-        return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]))
+        return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]),
+                              timings=timings)
 
 
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
@@ -387,6 +400,13 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
         # prompts exceeds the token budget). Whole prefills only, with a budget that fits any prompt.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(opts.max_model_len, 2048)
+        # The model runs inside the EngineCore process (UniProcExecutor), not in a third worker
+        # process: one process fewer to start (a torch + vLLM import, ~8 s on a loaded 2-core machine)
+        # and no shared-memory queue between EngineCore and worker polling for work every step. vLLM's
+        # CPU platform picks the multiprocess executor unless V1 multiprocessing is off; AsyncLLM runs
+        # its EngineCore in a process of its own either way, so that variable changes only the executor.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs["distributed_executor_backend"] = "uni"
     else:
         kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
     args = AsyncEngineArgs(

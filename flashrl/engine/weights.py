@@ -45,6 +45,7 @@ class WeightReceiver:
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
         self._device = torch.device("cpu")
+        self.verify_s = 0.0  # the last receive's checksum time (part of its receive_s)
 
     @property
     def joined(self) -> bool:
@@ -66,6 +67,7 @@ class WeightReceiver:
             raise RuntimeError("UpdateWeights before InitWeightSync: the engine has not joined the weight-sync group")
         named: list[tuple[str, torch.Tensor]] = []
         errors: list[str] = []
+        self.verify_s = 0.0
         for i, bucket in enumerate(manifest.buckets):
             if bucket.dtype not in DTYPES:
                 # Still take part in the broadcast (as raw bytes of the right size) to keep the group aligned.
@@ -73,7 +75,9 @@ class WeightReceiver:
             dtype = DTYPES.get(bucket.dtype, torch.float32)
             flat = torch.empty(bucket.numel, dtype=dtype, device=self._device)
             self._group.broadcast(flat, 0).wait()
+            t0 = time.perf_counter()
             got = verify_checksum(flat, bucket.checksum)
+            self.verify_s += time.perf_counter() - t0
             if got != bucket.checksum:
                 names = ", ".join(s.name for s in bucket.tensors[:3])
                 errors.append(f"bucket {i} ({names}...): checksum {got} != manifest {bucket.checksum}")
@@ -128,11 +132,13 @@ class WeightSyncExtension:
         """Receive, verify, then load. Returns ok, error, touched (False: the old weights are intact), timings."""
         manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
         t0 = time.perf_counter()
-        named, errors = self._flashrl_receiver().receive(manifest)
+        receiver = self._flashrl_receiver()
+        named, errors = receiver.receive(manifest)
         t1 = time.perf_counter()
         if errors:
             log.error("weight sync v%d rejected, keeping the previous weights: %s", manifest.version, "; ".join(errors))
-            return {"ok": False, "touched": False, "error": "; ".join(errors), "receive_s": t1 - t0, "load_s": 0.0}
+            return {"ok": False, "touched": False, "error": "; ".join(errors), "receive_s": t1 - t0, "load_s": 0.0,
+                    "verify_s": receiver.verify_s}
         try:
             # reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after
             # loading, and only the reload path redoes that processing (PLATFORM.md).
@@ -141,5 +147,6 @@ class WeightSyncExtension:
         except Exception as e:
             log.exception("weight sync v%d: loading failed after the checks passed", manifest.version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
-                    "receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
-        return {"ok": True, "touched": True, "error": "", "receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+                    "receive_s": t1 - t0, "load_s": time.perf_counter() - t1, "verify_s": receiver.verify_s}
+        return {"ok": True, "touched": True, "error": "", "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                "verify_s": receiver.verify_s}

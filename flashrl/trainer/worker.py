@@ -25,18 +25,10 @@ Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 LOCAL_RANK=0 \\
         python -m flashrl.trainer.worker --config run.toml --address tcp://127.0.0.1:5555 --model PATH
 
-One training step (``Trainer.train_step``), on every rank::
-
-    TrainBatch --pad_batch--> full batch [B, L] (tied groups masked out with filter_ties)
-       | advantages [B, T]: GRPO per sample, or (loss = asyppo) MiniCritics: I^A * GAE(V_bar), and I^H
-       | x gamma [B, T] when credit != none: one no-grad eager-attention forward of the current weights,
-       |   rows dealt round-robin over the ranks, gamma all-reduced (rhythm.credit_scale)
-       v
-    per mini-batch: proximal/reference logprobs, then per micro-batch forward + compute_policy_loss +
-       backward; clip, optimizer step
-       v
-    (asyppo) MiniCritics.update on the whole batch: every rank holds an identical critic replica, fed
-       the same batch, so no collective keeps them equal
+The training step itself (phases, metrics) is ``flashrl.trainer.step.PolicyTrainer``, a plain class
+that needs no process group; ``Trainer`` here is that class plus the process shell: the model built
+(FSDP2-sharded with more than one rank), collectives over the default group, checkpoints, the weight
+sync's sending end, and the request fan-out above.
 
 Limits: an error raised on every rank before any collective (a malformed batch) is a per-request
 Error; an error on one rank in the middle of collectives leaves the others waiting until the process
@@ -51,17 +43,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import shutil
 import signal
 import sys
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,18 +76,13 @@ from flashrl.protocol import (
     SaveModel,
     SendWeights,
     Shutdown,
-    TrainBatch,
-    TrainResult,
-    TrainSample,
     TrainStep,
     WeightManifest,
 )
 from flashrl.rendezvous import init_default_group
-from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
-from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
-from flashrl.trainer.critics import MiniCritics
-from flashrl.trainer.losses import compute_policy_loss
-from flashrl.trainer.rhythm import credit_scale
+from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
+
+__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "warmup_lr"]
 
 log = logging.getLogger("flashrl.trainer")
 
@@ -126,85 +110,69 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
-    """``trainer.warmup_steps``: training step ``step`` (from 0) uses lr * min(1, (step + 1) / warmup_steps).
+class ProcessCollectives(Collectives):
+    """The step's reductions over the default process group (every rank calls them in the same order)."""
 
-    A fresh AdamW's first updates on a warm-started model are large relative to its noisy early
-    gradients; ramping the lr keeps the first RL steps from undoing the warm-start."""
-    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
 
-
-def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int,
-                       micro_batch: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Per mini-batch: its sample indices, and ``rank``'s micro-batches (index tensors, maybe empty).
-
-    Mini-batches are contiguous slices of the batch (groups stay together); a mini-batch's samples go
-    to ranks round-robin. Every rank gets the same number of micro-batches (the busiest rank's),
-    because each forward is a collective; a rank short of samples runs a fully masked one.
-    """
-    plan = []
-    for mini in torch.tensor_split(torch.arange(n), min(mini_batches, n)):
-        mine = mini[rank::world]
-        n_micro = max(1, math.ceil(math.ceil(len(mini) / world) / micro_batch))
-        plan.append((mini, [mine[k * micro_batch : (k + 1) * micro_batch] for k in range(n_micro)]))
-    return plan
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
-class Trainer:
-    """One rank's model, optimizer and request handlers. Needs an initialized default process group.
+def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool) -> torch.nn.Module:
+    """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
 
-    ``execute`` must be called on every rank with the same message in the same order; it returns the
-    reply on rank 0 (None elsewhere, and None for requests rank 0 answers without a reply).
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if shard:
+        for layer in _decoder_layers(m):
+            fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
+    m.train(False)
+    return m
+
+
+class Trainer(PolicyTrainer):
+    """One rank: the training step (PolicyTrainer) plus what needs the process group.
+
+    Needs an initialized default process group. ``execute`` must be called on every rank with the same
+    message in the same order; it returns the reply on rank 0 (None elsewhere, and None for requests
+    rank 0 answers without a reply).
+
+    One rank alone (world 1, no mixed precision) trains a plain module: nothing to shard, so no FSDP
+    hooks, all-gathers or reduce-scatters around every layer, and state dicts are the module's own
+    tensors. Same step, same checkpoints (DCP reads and writes both), same numbers: the 2-rank test
+    compares an FSDP pair against that plain rank. With more ranks (or a GPU mixed-precision policy,
+    which FSDP2 implements) every rank holds an FSDP2-sharded model.
     """
 
     def __init__(self, cfg: Config, model_path: str, device: torch.device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        self.cfg = cfg
         self.model_path = model_path
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.device = device
-        self.version = 0
-        self.temperature = cfg.rollout.temperature  # training rollouts' sampling temperature
-        self.mesh = init_device_mesh(device.type, (self.world,))
+        comm = ProcessCollectives()
         mp = None
         if device.type == "cuda" and cfg.model.dtype != "float32":
             compute = getattr(torch, cfg.model.dtype)
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-
-        def build() -> torch.nn.Module:
-            m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            for layer in _decoder_layers(m):
-                fully_shard(layer, mesh=self.mesh, **({"mp_policy": mp} if mp else {}))
-            fully_shard(m, mesh=self.mesh, **({"mp_policy": mp} if mp else {}))
-            # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
-            m.train(False)
-            return m
-
-        self.model = build()
-        mc = self.model.config
-        self.tie_word_embeddings = bool(getattr(mc, "tie_word_embeddings", False))
-        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
-        self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
-        self.ref_model: torch.nn.Module | None = None
+        self.sharded = comm.world > 1 or mp is not None
+        mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
+        model = build_policy(model_path, mesh, mp, self.sharded).to(device)
+        ref_model = None
         if cfg.algorithm.kl_coef > 0:
-            self.ref_model = build()  # the initial weights, frozen: the KL anchor
-            self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
-        )
+            ref_model = build_policy(model_path, mesh, mp, self.sharded).to(device)  # the initial weights: the KL anchor
+            ref_model.requires_grad_(False)
+        super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
         # The last version sent (its buckets kept for a restarted engine's catch-up: one host copy of
         # the weights; on a GPU trainer that is GPU memory, see DESIGN.md "Failures and resume").
         self._published: tuple[int, list[torch.Tensor]] | None = None
         self._sender: Any = None
-        # AsyPPO: an identical replica on every rank (same seed), with its own optimizer; not FSDP-wrapped.
-        self.critics: MiniCritics | None = None
-        if cfg.algorithm.loss == "asyppo":
-            self.critics = MiniCritics(int(mc.vocab_size), cfg.algorithm, seed=cfg.run.seed).to(device)
 
     # ------------------------------------------------------------------ dispatch
     def execute(self, msg: Msg) -> Msg | None:
@@ -231,261 +199,31 @@ class Trainer:
             return Ok(info="shutdown")
         raise ValueError(f"trainer: no handler for {type(msg).__name__}")
 
-    # ------------------------------------------------------------------ forward
-    def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
-                         temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs [B, T] of ``b``'s targets under ``model`` (and entropies), at the sampling temperature.
-
-        The one recomputation behind the current, proximal and reference logprobs and ComputeLogprobs:
-        scored under softmax(logits / T) with T = ``rollout.temperature`` (what the engines sampled
-        training rollouts at, batch.sampling_temperature) unless ``temperature`` is given, so a ratio to
-        the engines' behaviour logprobs compares one distribution. An FSDP forward: every rank calls it.
-        """
-        t = self.temperature if temperature is None else temperature
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
-        return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
-
-    @staticmethod
-    def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:
-        if len(idx):
-            return full.select(idx)
-        dummy = full.select(mini[:1])  # keeps this rank in the collectives; contributes nothing
-        return dataclasses.replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask))
-
-    @staticmethod
-    def _rows(t: torch.Tensor | None, mini: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor | None:
-        """A [B, T] tensor cut like ``_micro`` cuts the batch (same rows, trimmed to ``width``)."""
-        if t is None:
-            return None
-        return t[idx if len(idx) else mini[:1], :width]
-
-    def _credit(self, full: PaddedBatch, adv_tok: torch.Tensor) -> torch.Tensor:
-        """gamma [B, T] (CPU) for ``algorithm.credit``, from the current weights.
-
-        gamma is per sample (rhythm ranks tokens within a row), so the rows are dealt round-robin over
-        the ranks, each forwards its own in chunks of ``trainer.micro_batch`` (the same number of
-        forwards on every rank: they are FSDP collectives; a rank short of rows forwards a row it then
-        discards), and a sum all-reduce assembles the whole gamma on every rank.
-        """
-        alg, chunk = self.cfg.algorithm, self.cfg.trainer.micro_batch
-        b, t = full.loss_mask.shape
-        mine = torch.arange(b)[self.rank :: self.world]
-        n_chunks = max(1, math.ceil(math.ceil(b / self.world) / chunk))
-        gamma = torch.zeros(b, t, dtype=torch.float32, device=self.device)
-        for k in range(n_chunks):
-            idx = mine[k * chunk : (k + 1) * chunk]
-            sub = full.select(idx if len(idx) else torch.arange(1)).to(self.device)
-            w = sub.loss_mask.shape[1]
-            adv = adv_tok[idx if len(idx) else torch.arange(1), :w].to(self.device)
-            g = credit_scale(self.model, sub.input_ids, sub.attention_mask, sub.loss_mask, alg, advantages=adv,
-                             chunk=chunk)
-            if len(idx):
-                gamma[idx.to(self.device)] = torch.nn.functional.pad(g.float(), (0, t - w), value=1.0)
-        if self.world > 1:
-            dist.all_reduce(gamma)  # each row is non-zero on exactly one rank
-        return gamma.cpu()
-
-    def _norm(self, full: PaddedBatch, mini: torch.Tensor) -> float:
-        """The mini-batch's loss divisor across all ranks (tokens, sequences or B*T; losses.aggregate)."""
-        m = full.loss_mask[mini]
-        agg = self.cfg.algorithm.loss_agg
-        if agg == "token-mean":
-            n = float(m.sum())
-        elif agg == "seq-mean-token-mean":
-            n = float((m.sum(-1) > 0).sum())
-        else:  # seq-mean-token-sum-norm: a constant length (the batch's), so no length bias
-            n = float(len(mini) * full.loss_mask.shape[-1])
-        return max(n, 1.0)
-
-    # ------------------------------------------------------------------ train
-    def train_step(self, tb: TrainBatch) -> TrainResult | None:
-        """One training step (module docstring). Metrics beyond compute_policy_loss's: advantage/* over
-        the response tokens of the advantages the loss used (GRPO or critic, after credit scaling);
-        critic/* (asyppo: value_mean, sigma_mean, adv_masked_frac, ent_masked_frac, loss); credit/*
-        (credit != none: amplified_frac = share of response tokens with gamma > 1, gamma_mean)."""
-        t0 = time.perf_counter()
-        alg = self.cfg.algorithm
-        full = pad_batch(tb.samples, self.pad_id)
-        tied = tied_groups(full.rewards, full.groups)
-        if alg.filter_ties:
-            full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))
-        extra: dict[str, float] = {}  # critic and credit metrics: computed on the whole batch, same on every rank
-        ent_mask: torch.Tensor | None = None  # AsyPPO's I^H [B, T]
-        returns: torch.Tensor | None = None  # AsyPPO's critic regression targets [B, T]
-        if self.critics is not None:
-            dev = full.to(self.device)
-            targets = self.critics.advantages_and_masks(dev.input_ids, dev.attention_mask, dev.loss_mask, dev.rewards)
-            adv_tok, ent_mask, returns = targets.advantages.cpu(), targets.entropy_mask.cpu(), targets.returns
-            extra.update(targets.metrics)
-        else:
-            adv_tok = token_advantages(grpo_advantages(full.rewards, full.groups, scale_std=alg.scale_std),
-                                       full.loss_mask)
-        if alg.credit != "none":
-            gamma = self._credit(full, adv_tok)
-            adv_tok = adv_tok * gamma
-            resp = full.loss_mask > 0
-            n_resp = max(int(resp.sum()), 1)
-            extra["credit/amplified_frac"] = float(((gamma > 1) & resp).sum()) / n_resp
-            extra["credit/gamma_mean"] = float(gamma[resp].sum()) / n_resp
-        full = dataclasses.replace(full, advantages=adv_tok)
-        current = tb.step
-        plan = plan_micro_batches(full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
-                                  self.cfg.trainer.micro_batch)
-        lr = warmup_lr(self.cfg.trainer.lr, self.cfg.trainer.warmup_steps, current)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr  # a function of the step, not scheduler state, so a resumed run continues it
-        entropy_grad = alg.entropy_coef > 0
-
-        # Proximal (and reference) logprobs: the weights at the start of the step, no gradient. With one
-        # mini-batch every forward below still sees those weights, so its own detached logp serves.
-        prox: dict[tuple[int, int], torch.Tensor] = {}
-        ref: dict[tuple[int, int], torch.Tensor] = {}
-        if len(plan) > 1 or self.ref_model is not None:
-            with torch.no_grad():
-                for i, (mini, micros) in enumerate(plan):
-                    for k, idx in enumerate(micros):
-                        b = self._micro(full, mini, idx).to(self.device)
-                        if len(plan) > 1:
-                            prox[i, k] = self.forward_logprobs(self.model, b, False)[0]
-                        if self.ref_model is not None:
-                            ref[i, k] = self.forward_logprobs(self.ref_model, b, False)[0]
-
-        sums: dict[str, float] = {}  # loss/*: summed over micro-batches and ranks (each carries norm / R)
-        weighted: dict[str, float] = {}  # token-weighted means
-        maxes: dict[str, float] = {}
-        tokens = 0.0
-        grad_norms: list[float] = []
-        mismatch = Mismatch()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for i, (mini, micros) in enumerate(plan):
-            # FSDP2 averages gradients over ranks, so each rank divides by norm / R: the sum is the batch mean.
-            norm = self._norm(full, mini) / self.world
-            for k, idx in enumerate(micros):
-                b = self._micro(full, mini, idx).to(self.device)
-                em = self._rows(ent_mask, mini, idx, b.loss_mask.shape[1])
-                logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
-                prox_logp = prox[i, k] if prox else logp.detach()  # the weights at the start of the step
-                mismatch.add(prox_logp, b.behav_logp, b.loss_mask, b.versions, current)
-                loss, met = compute_policy_loss(
-                    alg,
-                    logp=logp,
-                    prox_logp=prox_logp,
-                    behav_logp=b.behav_logp,
-                    advantages=b.advantages,
-                    mask=b.loss_mask,
-                    rewards=b.rewards,
-                    entropy=entropy,
-                    ref_logp=ref.get((i, k)),
-                    entropy_mask=em.to(self.device) if em is not None else None,
-                    norm=norm,
-                )
-                loss.backward()
-                n_tok = float(b.loss_mask.sum())
-                tokens += n_tok
-                for key, v in met.items():
-                    if key.startswith("loss/"):
-                        sums[key] = sums.get(key, 0.0) + v / len(plan)
-                    elif key.endswith("/max"):
-                        maxes[key] = max(maxes.get(key, -math.inf), v) if n_tok else maxes.get(key, -math.inf)
-                    else:
-                        weighted[key] = weighted.get(key, 0.0) + v * n_tok
-            grad_norms.append(self._clip(params))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-        metrics = self._reduce(sums, weighted, maxes, tokens)
-        metrics.update(mismatch.reduce(self.device, self.world))
-        if self.critics is not None and returns is not None:
-            # after the policy step, as AsyPPO orders it; every rank updates its replica identically
-            dev = full.to(self.device)
-            extra.update(self.critics.update(dev.input_ids, dev.attention_mask, dev.loss_mask, returns, dev.groups))
-        self.version = current + 1
-        if self.rank != 0:
-            return None
-        m = full.loss_mask > 0
-        used = full.advantages[m].to(torch.float64)  # what the loss saw: GRPO or critic, x gamma
-        metrics.update(extra)
-        metrics.update({
-            "loss": metrics.get("loss/total", 0.0),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "reward/mean": float(full.rewards.mean()),
-            "reward/std": float(full.rewards.std(correction=0)),
-            "advantage/mean": float(used.mean()) if used.numel() else 0.0,
-            "advantage/std": float(used.std(correction=0)) if used.numel() else 0.0,
-            "advantage/min": float(used.min()) if used.numel() else 0.0,
-            "advantage/max": float(used.max()) if used.numel() else 0.0,
-            "samples": float(full.size),
-            "tokens": float(m.sum()),
-            "groups": float(count_groups(full.groups)),
-            "groups/tied": float(count_groups(full.groups, tied)),
-            "groups/filtered": float(count_groups(full.groups, tied)) if alg.filter_ties else 0.0,
-            "optimizer_steps": float(len(plan)),
-            "lr": lr,
-            "step_time_s": time.perf_counter() - t0,
-        })
-        return TrainResult(step=tb.step, metrics=metrics)
-
-    def _clip(self, params: list[torch.nn.Parameter]) -> float:
-        """Clip to ``trainer.grad_clip`` (0: only measure); the global norm over every rank's shard."""
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads)
-        if hasattr(total, "full_tensor"):  # a DTensor: the norm of the sharded gradients, made whole
-            total = total.full_tensor()
-        if self.cfg.trainer.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.grad_clip, total)
-        return float(total)
-
-    def _reduce(self, sums: dict[str, float], weighted: dict[str, float], maxes: dict[str, float],
-                tokens: float) -> dict[str, float]:
-        """Combine per-rank metrics: loss sums / R, token-weighted means, maxima. Keys match on every
-        rank because every rank ran the same loss with the same optional inputs."""
-        ks, kw, km = sorted(sums), sorted(weighted), sorted(maxes)
-        flat = torch.tensor([sums[k] for k in ks] + [weighted[k] for k in kw] + [tokens], dtype=torch.float64)
-        crc = float(zlib.crc32(" ".join(ks + kw + km).encode()))
-        mx = torch.tensor([maxes[k] for k in km] + [crc, -crc], dtype=torch.float64)
-        flat, mx = flat.to(self.device), mx.to(self.device)
-        dist.all_reduce(flat)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        if float(mx[-1]) != -float(mx[-2]):  # max(crc) != min(crc): seen identically on every rank
-            raise RuntimeError("trainer ranks returned different metric keys; the loss must not branch on data")
-        flat, mx = flat.cpu(), mx.cpu()
-        out = {k: float(flat[j]) / self.world for j, k in enumerate(ks)}
-        total_tok = float(flat[-1])
-        out.update({k: float(flat[len(ks) + j]) / max(total_tok, 1.0) for j, k in enumerate(kw)})
-        out.update({k: float(mx[j]) if math.isfinite(float(mx[j])) else 0.0 for j, k in enumerate(km)})
-        return out
-
-    # ------------------------------------------------------------------ logprobs
-    def compute_logprobs(self, prompt_ids: list[int], response_ids: list[int],
-                         temperature: float | None = None) -> list[float]:
-        """Logprob of each response token given the prompt, current weights (every rank forwards), at
-        ``temperature`` (None: rollout.temperature), as ``forward_logprobs`` scores it in a train step."""
-        r = len(response_ids)
-        sample = TrainSample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * r,
-                             behav_logp=[0.0] * r, versions=[0] * r, reward=0.0, group=0)
-        b = pad_batch([sample], self.pad_id).to(self.device)
-        with torch.no_grad():
-            logp, _ = self.forward_logprobs(self.model, b, False, temperature)
-        p = len(prompt_ids)
-        return [float(x) for x in logp[0, p - 1 : p - 1 + r].cpu()]
-
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every rank must call this; rank 0 gets the full CPU state dict, the others an empty one."""
+        """Every rank must call this; rank 0 gets the full CPU state dict, the others an empty one.
+
+        A plain (unsharded) CPU model's state dict is its own tensors, detached: no gather, no copy
+        (callers copy what they keep: build_manifest packs into new buckets, save_hf_folder writes)."""
+        if not self.sharded and self.device.type == "cpu":
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def prepare_weights(self, version: int) -> WeightManifest | None:
+        t0 = time.perf_counter()
         sd = self.full_state_dict()
         if self.rank != 0:
             return None
         from flashrl.weightsync import build_manifest
 
+        t1 = time.perf_counter()
         self._prepared = None  # free the previous version's buckets before building new ones
         manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb,
                                            tie_word_embeddings=self.tie_word_embeddings)
         self._prepared = (version, buckets)
+        manifest.timings = {"gather_s": t1 - t0, "pack_s": time.perf_counter() - t1}
         return manifest
 
     def send_weights(self, version: int, peers: list[str] | None = None) -> Ok:
@@ -607,50 +345,6 @@ class Trainer:
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
-
-
-class Mismatch:
-    """Train/inference mismatch of one step: the engines' behaviour logprobs against the trainer's own.
-
-    Over the step's on-policy response tokens (sampled by the weights the step starts from: version ==
-    step), compared with the trainer's first-pass (proximal) logprobs of the same tokens before the
-    update. ``mismatch/kl``: mean k3 estimate of KL(engine || trainer), exp(d) - 1 - d with d = trainer -
-    engine logprob (tokens were drawn from the engine); ``mismatch/max_abs``: largest |d|;
-    ``mismatch/tokens``: how many tokens were compared (no keys when none: a step of only stale samples).
-    Near 0 when engines and trainer hold the same weights and score the same distribution; a weight
-    that did not sync, a wrong weight name or a different temperature shows up here at once. With
-    rollout.top_p < 1 it also holds the mass top-p cut off (engine logprobs are renormalized).
-    """
-
-    def __init__(self) -> None:
-        self.kl_sum = 0.0
-        self.tokens = 0
-        self.max_abs = 0.0
-
-    def add(self, trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor,
-            version: int) -> None:
-        with torch.no_grad():
-            on = (mask > 0) & (versions == version)
-            n = int(on.sum())
-            if n == 0:
-                return
-            d = (trainer_logp.detach() - behav_logp)[on].to(torch.float64).clamp(-30.0, 30.0)
-            self.kl_sum += float((torch.expm1(d) - d).sum())
-            self.tokens += n
-            self.max_abs = max(self.max_abs, float(d.abs().max()))
-
-    def reduce(self, device: torch.device, world: int) -> dict[str, float]:
-        """Sums and max over the ranks (every rank calls it); the metrics, identical on every rank."""
-        kl_sum, tokens, max_abs = self.kl_sum, float(self.tokens), self.max_abs
-        if world > 1:
-            flat = torch.tensor([kl_sum, tokens], dtype=torch.float64, device=device)
-            mx = torch.tensor([max_abs], dtype=torch.float64, device=device)
-            dist.all_reduce(flat)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            kl_sum, tokens, max_abs = float(flat[0]), float(flat[1]), float(mx[0])
-        if tokens == 0:
-            return {}
-        return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens}
 
 
 # ---------------------------------------------------------------------- request fan-out
