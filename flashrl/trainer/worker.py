@@ -405,7 +405,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
 
     def run(msg: Msg) -> Msg | None:
-        if not isinstance(msg, _RANK0_ONLY):
+        if not isinstance(msg, _RANK0_ONLY) and trainer.world > 1:  # alone: nobody to fan out to
             fanout.send(msg)
         return trainer.execute(msg)
 
