@@ -92,17 +92,24 @@ def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
     loss_mask = torch.zeros((b, t), dtype=torch.float32)
     behav_logp = torch.zeros((b, t), dtype=torch.float32)
     versions = torch.full((b, t), -1, dtype=torch.long)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        attention_mask[i, : p + r] = 1
-        if r:
-            span = slice(p - 1, p - 1 + r)  # logits position predicting response token k is p - 1 + k
-            m = torch.tensor(s.loss_mask, dtype=torch.float32).clamp(0, 1)
-            loss_mask[i, span] = m
-            # Observation tokens (mask 0) carry no engine logprob/version: keep the neutral fill there.
-            behav_logp[i, span] = torch.where(m > 0, torch.tensor(s.behav_logp, dtype=torch.float32), 0.0)
-            versions[i, span] = torch.where(m > 0, torch.tensor(s.versions, dtype=torch.long), -1)
+    # Every sample's values at once (one tensor per field from flat lists, scattered by (row, column)):
+    # a Python loop of small tensor writes per sample cost more than the tiny model's forward.
+    tok_rows = [i for i, s in enumerate(samples) for _ in range(len(s.prompt_ids) + len(s.response_ids))]
+    tok_cols = [j for s in samples for j in range(len(s.prompt_ids) + len(s.response_ids))]
+    input_ids[tok_rows, tok_cols] = torch.tensor([x for s in samples for x in (*s.prompt_ids, *s.response_ids)],
+                                                 dtype=torch.long)
+    attention_mask[tok_rows, tok_cols] = 1
+    # logits position predicting response token k is p - 1 + k
+    r_rows = [i for i, s in enumerate(samples) for _ in s.response_ids]
+    r_cols = [len(s.prompt_ids) - 1 + k for s in samples for k in range(len(s.response_ids))]
+    if r_rows:
+        m = torch.tensor([x for s in samples for x in s.loss_mask], dtype=torch.float32).clamp(0, 1)
+        loss_mask[r_rows, r_cols] = m
+        # Observation tokens (mask 0) carry no engine logprob/version: keep the neutral fill there.
+        behav_logp[r_rows, r_cols] = torch.where(
+            m > 0, torch.tensor([x for s in samples for x in s.behav_logp], dtype=torch.float32), 0.0)
+        versions[r_rows, r_cols] = torch.where(
+            m > 0, torch.tensor([x for s in samples for x in s.versions], dtype=torch.long), -1)
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
