@@ -77,7 +77,7 @@ def _derived(r: dict[str, Any]) -> dict[str, float]:
     if "time/step_s" in r and "time/train_s" in r:
         out["derived/wait_s"] = max(0.0, r["time/step_s"] - r["time/train_s"] - r.get("time/weight_sync_s", 0.0)
                                     - r.get("time/sync/quiesce_s", 0.0))
-    if "step_time_s" in r:
+    if "step_time_s" in r and any(k in r for k in TRAINER_PHASES):
         out["derived/trainer_other_s"] = max(0.0, r["step_time_s"] - sum(r.get(k, 0.0) for k in TRAINER_PHASES))
     return out
 
