@@ -162,10 +162,14 @@ class Trainer(PolicyTrainer):
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         self.sharded = comm.world > 1 or mp is not None
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
-        model = build_policy(model_path, mesh, mp, self.sharded).to(device)
+        def build() -> torch.nn.Module:
+            m = build_policy(model_path, mesh, mp, self.sharded)
+            return m if self.sharded else m.to(device)  # fully_shard places a sharded model on the mesh's device
+
+        model = build()
         ref_model = None
         if cfg.algorithm.kl_coef > 0:
-            ref_model = build_policy(model_path, mesh, mp, self.sharded).to(device)  # the initial weights: the KL anchor
+            ref_model = build()  # the initial weights, frozen: the KL anchor
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
