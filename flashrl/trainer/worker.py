@@ -143,11 +143,8 @@ class Trainer(PolicyTrainer):
     message in the same order; it returns the reply on rank 0 (None elsewhere, and None for requests
     rank 0 answers without a reply).
 
-    One rank alone (world 1, no mixed precision) trains a plain module: nothing to shard, so no FSDP
-    hooks, all-gathers or reduce-scatters around every layer, and state dicts are the module's own
-    tensors. Same step, same checkpoints (DCP reads and writes both), same numbers: the 2-rank test
-    compares an FSDP pair against that plain rank. With more ranks (or a GPU mixed-precision policy,
-    which FSDP2 implements) every rank holds an FSDP2-sharded model.
+    Every rank holds an FSDP2-sharded model, one rank alone too (see ``sharded`` below); with one
+    rank the metric reductions and the request fan-out are skipped (nothing to reduce or send).
     """
 
     def __init__(self, cfg: Config, model_path: str, device: torch.device) -> None:
@@ -160,7 +157,11 @@ class Trainer(PolicyTrainer):
         if device.type == "cuda" and cfg.model.dtype != "float32":
             compute = getattr(torch, cfg.model.dtype)
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        self.sharded = comm.world > 1 or mp is not None
+        # FSDP2 even for one rank. A plain module on one rank (no hooks, no collectives) trains the same
+        # first mini-batch (same loss and gradient) but, with several mini-batches, its later
+        # mini-batches' gradient norms differ from FSDP's (tests/test_trainer.py two-ranks test: 2.10
+        # vs 1.64 on step 0): not yet understood, so the plain path stays off until it is.
+        self.sharded = True
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
         def build() -> torch.nn.Module:
             m = build_policy(model_path, mesh, mp, self.sharded)
