@@ -151,7 +151,10 @@ def run_profile(config: str, steps: int, label: str, out: Path, sets: list[str],
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if python_path:
+        # PYTHONSAFEPATH: no process of the run (engines and trainer ranks included) puts its working
+        # directory first on sys.path, so the checkout named here is what runs, not the one in the cwd
         env["PYTHONPATH"] = python_path
+        env["PYTHONSAFEPATH"] = "1"
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
     wall = time.monotonic() - t0
