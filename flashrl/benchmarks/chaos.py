@@ -578,7 +578,10 @@ class Chaos:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=60)
                     continue
-                if ctl_due and not down and (self.run_dir / "checkpoints" / "latest").exists():
+                # ... and a step record written after the last engine came back (its counters show the restart)
+                last_back = max([e.get("back_t") or 0.0 for e in self.events] + [0.0])
+                recorded = bool(self.step_times) and self.step_times[-1][0] > last_back + 1.0
+                if ctl_due and not down and recorded and (self.run_dir / "checkpoints" / "latest").exists():
                     self.segments[-1]["end_t"] = now
                     ctl_event = self.kill_controller(seg, proc)
                     shutil.copy(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.segment1.jsonl")
