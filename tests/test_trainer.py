@@ -331,3 +331,22 @@ async def test_a_rank_that_dies_fails_wait_ready_with_its_log(tmp_path: Path) ->
     finally:
         await g.close()
     assert g.procs[0].returncode == 1
+
+
+def test_fsdp_clips_every_parameter_after_a_proximal_pass(world1, model_path: Path, tmp_path: Path) -> None:
+    """Regression: with several mini-batches the no-grad proximal forward leaves FSDP2's root group
+    unsharded, and model.parameters() then named the unsharded tensors: the root group (embeddings,
+    final norm) was missing from the gradient norm and from the clip. FSDP must match a plain module."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.trainer.step import PolicyTrainer
+
+    cfg = _cfg(tmp_path, mini_batches=5, micro_batch=1)
+    fsdp = Trainer(cfg, str(model_path), torch.device("cpu"))
+    plain_model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    plain_model.train(False)
+    plain = PolicyTrainer(cfg, plain_model, torch.device("cpu"))
+    r1, r2 = fsdp.train_step(_batch(0)), plain.train_step(_batch(0))
+    assert r1 is not None and r2 is not None
+    assert r1.metrics["grad_norm"] == pytest.approx(r2.metrics["grad_norm"], rel=1e-5)
+    assert r1.metrics["loss"] == pytest.approx(r2.metrics["loss"], abs=1e-6)

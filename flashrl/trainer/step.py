@@ -372,7 +372,11 @@ class PolicyTrainer:
         alg, full = self.cfg.algorithm, prep.full
         entropy_grad = alg.entropy_coef > 0
         acc = Accumulated()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The parameters the optimizer steps, not model.parameters(): while an FSDP2 group is unsharded
+        # (the root group stays unsharded after a no-grad proximal forward) the module exposes its
+        # unsharded tensors, whose gradients FSDP moves to the sharded parameters; clipping those
+        # would miss the root group (embeddings, final norm) from both the norm and the clip.
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
         for i, (mini, micros) in enumerate(plan):
             # FSDP2 averages gradients over ranks, so each rank divides by norm / R: the sum is the batch mean.
             norm = self._norm(full, mini) / self.world
