@@ -49,7 +49,7 @@ def test_run_over_tcp_with_curve_on_a_non_loopback_address(tmp_path: Path) -> No
     cmd = [
         sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=net", "--set", "run.steps=4",
-        "--set", "run.eval_every=0", "--set", "env.eval_size=16", "--set", "run.dashboard=plain",
+        "--set", "run.eval_every=0", "--set", "run.dashboard=plain",
         "--set", "run.max_time_s=0", "--set", f"cluster.interface={ip}",
     ]
     env = dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()))  # dies with this test
