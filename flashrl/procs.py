@@ -67,6 +67,35 @@ def group_alive(pgid: int) -> bool:
     return signal_group(pgid, 0)
 
 
+def session_pids(sid: int) -> list[int]:
+    """Every live process (not zombies) of session ``sid`` (Linux /proc), also those that moved into a
+    process group of their own with setpgid (``ray start --block`` does): only setsid leaves a session."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != b"Z":
+            pids.append(int(entry))
+    return pids
+
+
+def kill_session(sid: int, sig: int = signal.SIGKILL, spare: int | None = None) -> int:
+    """Send ``sig`` to every process of session ``sid`` except ``spare``; how many were signalled."""
+    n = 0
+    for pid in session_pids(sid):
+        if pid == spare:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            n += 1
+    return n
+
+
 def tail(path: Path | None, lines: int = 40) -> str:
     """The last ``lines`` lines of a log file (a note instead when there is none)."""
     if path is None:
@@ -247,9 +276,11 @@ class Child:
 
 
 # ---------------------------------------------------------------------- child side
-def child_init(name: str) -> None:
+def child_init(name: str, whole_session: bool = False) -> None:
     """First thing in a supervised child's main: die with the parent, and take the whole group along.
 
+    ``whole_session``: take every process of this child's session along (Child.spawn makes the child a
+    session leader), for children whose own children move into process groups of their own.
     A no-op when the process was not started by ``Child.spawn`` (e.g. by hand or under torchrun).
     """
     parent = int(os.environ.pop(PARENT_ENV, "0") or 0)
@@ -257,25 +288,29 @@ def child_init(name: str) -> None:
         return
     # The parent-death signal gets a handler that kills the group: its default action would end this
     # process alone and orphan its own children.
-    signal.signal(_PDEATHSIG, lambda signum, frame: _orphaned(name, parent))
+    signal.signal(_PDEATHSIG, lambda signum, frame: _orphaned(name, parent, whole_session))
     with contextlib.suppress(Exception):  # Linux only; elsewhere the watchdog alone does it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(_PDEATHSIG), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before we got here
-        _orphaned(name, parent)
-    threading.Thread(target=_watch_parent, args=(name, parent), name="flashrl-parent-watchdog", daemon=True).start()
+        _orphaned(name, parent, whole_session)
+    threading.Thread(target=_watch_parent, args=(name, parent, whole_session), name="flashrl-parent-watchdog",
+                     daemon=True).start()
 
 
-def _watch_parent(name: str, parent: int) -> None:
+def _watch_parent(name: str, parent: int, whole_session: bool = False) -> None:
     while os.getppid() == parent:
         time.sleep(WATCHDOG_S)
-    _orphaned(name, parent)
+    _orphaned(name, parent, whole_session)
 
 
-def _orphaned(name: str, parent: int) -> None:
+def _orphaned(name: str, parent: int, whole_session: bool = False) -> None:
     """The parent is gone: nobody will read our results. SIGKILL our whole group (ourselves last)."""
     with contextlib.suppress(Exception):
         sys.stderr.write(f"{name}: parent process {parent} is gone; killing process group {os.getpgrp()}\n")
         sys.stderr.flush()
+    if whole_session and os.getsid(0) == os.getpid():  # every process of our session but us, then us
+        for _ in range(3):  # a daemon may fork while the first pass runs
+            kill_session(os.getpid(), spare=os.getpid())
     if os.getpgrp() == os.getpid():  # we lead our group (Child.spawn): everything we started goes too
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

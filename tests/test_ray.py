@@ -217,14 +217,15 @@ async def main():
     await launcher.start()
     for role, i in (("engine", 0), ("engine", 1), ("trainer", 0)):
         await launcher.spawn(role, i, json.loads(sys.argv[3]), {}, run / "logs" / f"{role}{i}.log")
-    print(json.dumps(launcher.placement()), flush=True)
+    print(json.dumps({"placement": launcher.placement(), "head": launcher._head_pid}), flush=True)
     await asyncio.sleep(600)
 asyncio.run(main())
 """
 
 
-def _start_driver(ray_opts: dict[str, Any], run_dir: Path) -> tuple[subprocess.Popen[str], list[int]]:
-    """A driver process that places 2 engines + 1 trainer rank (sleepers); returns it and the sleepers' pids."""
+def _start_driver(ray_opts: dict[str, Any], run_dir: Path) -> tuple[subprocess.Popen[str], list[int], int]:
+    """A driver process that places 2 engines + 1 trainer rank (sleepers); returns it, the sleepers' pids and
+    the pid of its private instance's head child (0: it connected to a running cluster)."""
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(ray_opts), str(run_dir), json.dumps(SLEEPER)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid())))
@@ -232,16 +233,18 @@ def _start_driver(ray_opts: dict[str, Any], run_dir: Path) -> tuple[subprocess.P
     if not line:
         driver.kill()
         pytest.fail(f"the driver exited ({driver.wait()}) before placing its processes")
-    pids = [v["pid"] for v in json.loads(line).values()]
+    out = json.loads(line)
+    pids = [v["pid"] for v in out["placement"].values()]
     assert len(pids) == 3 and all(_pid_alive(p) for p in pids)
-    return driver, pids
+    return driver, pids, int(out["head"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_killed_driver_leaves_nothing_behind(cluster: dict[str, Any], tmp_path: Path) -> None:
     opts = {"address": cluster["address"], "engine_resources": {"engines": 1}, "trainer_resources": {"trainer": 1}}
-    driver, pids = _start_driver(opts, tmp_path)
+    driver, pids, head = _start_driver(opts, tmp_path)
+    assert head == 0
     try:
         assert _alive_proc_actors() == 3 and _live_pgs() == 2
     finally:
@@ -250,6 +253,47 @@ def test_a_killed_driver_leaves_nothing_behind(cluster: dict[str, Any], tmp_path
     t0 = time.monotonic()
     assert _settled(pids, 30) == {"actors": 0, "placement_groups": 0, "processes": 0}
     assert time.monotonic() - t0 < 30
+
+
+def _instance_processes(head: int, gcs: str) -> list[str]:
+    """Processes of a private Ray instance: its head child's session (Ray's daemons and workers stay in it;
+    `ray start` only moves itself into a process group of its own) or a command line naming its GCS."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if stat[0] != b"Z" and (int(stat[3]) == head or gcs in cmdline):
+            found.append(f"{entry} {cmdline[:120]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_driver_of_a_private_instance_leaves_nothing_behind(tmp_path: Path) -> None:
+    """cluster.ray.address = "": the driver starts its own Ray (a supervised `ray start --head` child); SIGKILLed,
+    every process of that instance (Ray's daemons, its workers, the sleepers) is gone within 30 s."""
+    driver, pids, head = _start_driver({"address": ""}, tmp_path)
+    try:
+        gcs = json.loads((tmp_path / "cluster.json").read_text())["gcs_address"]
+        before = _instance_processes(head, gcs)
+        # the head child, `ray start`, gcs_server, raylet, the agents, 3 ProcActor workers at least
+        assert head > 0 and len(before) >= 7, before
+        assert any("gcs_server" in p for p in before) and any("raylet" in p for p in before), before
+    finally:
+        driver.kill()  # SIGKILL: no close(), no atexit
+        driver.wait()
+    t0 = time.monotonic()
+    left = _instance_processes(head, gcs)
+    while (left or any(_pid_alive(p) for p in pids)) and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+        left = _instance_processes(head, gcs)
+    assert left == [] and not any(_pid_alive(p) for p in pids), left
+    print(f"private instance: {len(before)} processes, all gone {time.monotonic() - t0:.1f} s after the driver's SIGKILL")
 
 
 @pytest.mark.slow

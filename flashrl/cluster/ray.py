@@ -44,9 +44,14 @@ import contextlib
 import logging
 import math
 import os
+import secrets
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +67,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
 from flashrl.cluster.keys import CurveKeys
+from flashrl.cluster.ray_head import READY
 from flashrl.cluster.ray_proc import (
     CALL_TIMEOUT_S,
     RayProc,
@@ -70,7 +76,9 @@ from flashrl.cluster.ray_proc import (
     Where,
     groups_alive,
 )
-from flashrl.procs import group_alive
+from flashrl.procs import Child, group_alive, kill_session, session_pids
+from flashrl.procs import exit_text as procs_exit_text
+from flashrl.transport import free_port
 
 if TYPE_CHECKING:
     from flashrl.config import Config
@@ -79,6 +87,8 @@ log = logging.getLogger(__name__)
 
 KEYS_FILE = "secrets/curve-keys.json"  # under the run directory (shared filesystem)
 PLACEMENT_FILE = "cluster.json"  # under the run directory: which node runs what
+HEAD_START_S = 60.0  # a private instance's head must answer within this
+HEAD_STOP_S = 15.0  # ... and stop within this on SIGTERM (ray_head gives `ray start` 10 s), then SIGKILL
 
 
 class _Slot:
@@ -111,6 +121,10 @@ class RayLauncher:
         self._groups: list[tuple[str, int]] = []  # (node id, pgid) of every process spawned
         self._actor_pids: list[int] = []
         self._private_stopped = False
+        self._head: Child | None = None  # the private instance's head (cluster.ray.address = "")
+        self._head_pid = 0
+        self._head_tmp = ""  # its Ray temp dir (sessions, sockets, logs; removed at close)
+        self._head_finalizer: weakref.finalize[Any, Any] | None = None
         self._nodes: dict[str, str] = {}  # node id -> address
         self._closed = False
         self._started = False
@@ -185,16 +199,13 @@ class RayLauncher:
             return
         addr = self.rcfg.address
         kwargs: dict[str, Any] = {"log_to_driver": False, "namespace": "flashrl"}
-        if not addr:
-            # a private instance for this run: logical CPUs enough for what the run asks (thread counts are
-            # set by engine.threads / trainer.threads, not by Ray), GPUs as detected, no dashboard
-            need = self.requested().get("CPU", 0.0)
-            kwargs.update(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False)
+        target = addr or self._start_head()
         # ray.init sets its own SIGTERM handler on the main thread (sys.exit); the run's handler stays.
         prev = signal.getsignal(signal.SIGTERM)
         try:
-            ray.init(address=addr or "local", **kwargs)
+            ray.init(address=target, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as e:
+            self._stop_head()
             hint = ("start one with `ray start --head` on this machine, or name its head with "
                     "cluster.ray.address = \"HOST:6379\"") if addr == "auto" else "check the address and that the cluster runs"
             raise LaunchError(f"cluster.ray.address = {addr!r}: cannot connect to Ray ({type(e).__name__}: "
@@ -206,11 +217,79 @@ class RayLauncher:
         log.info("cluster: Ray %s at %s (%s)", ray.__version__, addr or "a private local instance",
                  ray.get_runtime_context().gcs_address)
 
+    def _start_head(self) -> str:
+        """A private instance for this run (cluster.ray.address = ""): `ray start --head` under a supervised
+        child (flashrl.cluster.ray_head) that dies with this process and takes every Ray daemon along; logical
+        CPUs enough for what the run asks (thread counts are set by engine.threads / trainer.threads, not by
+        Ray), GPUs as detected, no dashboard. Its GCS address once it answers, or LaunchError."""
+        need = self.requested().get("CPU", 0.0)
+        ports: set[int] = set()
+        while len(ports) < 4:
+            ports.add(free_port("127.0.0.1"))
+        port, *others = sorted(ports)
+        log_path = self.run_dir / "logs" / "ray-head.log"
+        self._head_tmp = tempfile.mkdtemp(prefix="flashrl-ray-")  # short: Ray's socket paths live under it
+        address_file = Path(self._head_tmp) / "ray_current_cluster"
+        cmd = [sys.executable, "-m", "flashrl.cluster.ray_head", f"--port={port}",
+               f"--num-cpus={max(os.cpu_count() or 1, math.ceil(need))}", "--ports", *map(str, others),
+               f"--temp-dir={self._head_tmp}"]
+        start = log_path.stat().st_size if log_path.exists() else 0
+        # Ray's token authentication with a token of this instance's own (not ~/.ray/auth_token): the head gets
+        # it in its environment, this process (the only driver) too, before ray.init
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        ray._raylet.Config.initialize("")  # type: ignore[attr-defined]  # Ray's C++ config read the mode at import: re-read (as Ray does itself)
+        self._head = Child.spawn("ray-head", cmd, log_path)
+        self._head_pid = self._head.pid
+        # dropped without close() while this process lives on: the whole instance goes (not only the group)
+        self._head_finalizer = weakref.finalize(self, kill_session, self._head_pid)
+        end = time.monotonic() + HEAD_START_S
+        while True:
+            with contextlib.suppress(OSError), open(log_path, "rb") as f:
+                f.seek(start)
+                if READY.encode() in f.read() and address_file.exists():
+                    return address_file.read_text().strip()
+            if not self._head.alive or time.monotonic() > end:
+                what = (f"did not answer within {HEAD_START_S:g} s" if self._head.alive
+                        else procs_exit_text(self._head.returncode))
+                tail = self._head.log_tail(30)
+                self._stop_head()
+                raise LaunchError(f"cluster.ray.address = \"\": the private Ray instance (`ray start --head`, "
+                                  f"log {log_path}) {what}; last lines:\n{tail}\nset cluster.ray.address to a "
+                                  f"running Ray cluster (\"auto\" or \"HOST:6379\") instead")
+            time.sleep(0.2)
+
+    def _stop_head(self) -> None:
+        """Stop the private instance: SIGTERM to the head child (Ray's orderly stop of this instance), bounded,
+        then SIGKILL whatever of its session is left; returns once nothing of it runs."""
+        head, self._head = self._head, None
+        if head is None:
+            return
+        tmp = Path(self._head_tmp)
+        if head.alive:
+            head.proc.send_signal(signal.SIGTERM)
+            try:
+                head.proc.wait(HEAD_STOP_S)
+            except subprocess.TimeoutExpired:
+                log.warning("cluster: the private Ray instance did not stop within %g s; killing it", HEAD_STOP_S)
+        end = time.monotonic() + 10.0
+        while kill_session(head.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+            head.proc.poll()
+        head.kill()
+        head.proc.poll()
+        head._finalizer.detach()
+        if self._head_finalizer is not None:
+            self._head_finalizer.detach()
+        shutil.rmtree(tmp, ignore_errors=True)
+
     def _disconnect(self) -> None:
         if self._owns_connection and ray.is_initialized():
-            ray.shutdown()  # a private instance (cluster.ray.address = "") stops with it
+            ray.shutdown()
             self._private_stopped = not self.rcfg.address
         self._owns_connection = False
+        self._stop_head()  # a private instance (cluster.ray.address = "") stops with it
 
     def _alive_nodes(self) -> list[dict[str, Any]]:
         return [n for n in ray.nodes() if n.get("Alive")]
@@ -483,8 +562,10 @@ class RayLauncher:
                 raise RuntimeError("leftovers(): not connected to the Ray cluster this launcher used")
             # the private instance ran on this machine: its actors' worker processes and the process
             # groups they held are checked here directly (the placement groups went with the instance)
+            # and every process of the instance itself (its head child's session: Ray's daemons)
+            instance = len(session_pids(self._head_pid)) if self._head_pid else 0
             return {"actors": sum(1 for p in self._actor_pids if _pid_alive(p)), "placement_groups": 0,
-                    "processes": sum(1 for _, g in self._groups if group_alive(g))}
+                    "processes": sum(1 for _, g in self._groups if group_alive(g)) + instance}
         actors = 0
         for a in self._actors:
             try:
