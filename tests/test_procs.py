@@ -87,8 +87,11 @@ def test_stop_takes_the_whole_group_down(tmp_path: Path, mode: str) -> None:
 
 def test_shutdown_request_gets_its_grace(tmp_path: Path) -> None:
     async def main() -> None:
-        child = Child.spawn("sleeper", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
-                            tmp_path / "s.log")
+        # Python's own SIGINT handler even when SIGINT reaches us ignored (a shell's background job, `cmd &`):
+        # an ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt handler.
+        prog = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "print('up', flush=True); time.sleep(600)")
+        child = Child.spawn("sleeper", [sys.executable, "-c", prog], tmp_path / "s.log")
         log = tmp_path / "s.log"
         for _ in range(200):  # Python is up (its SIGINT handler installed): a loaded machine starts it slowly
             if log.exists() and "up" in log.read_text():
