@@ -20,22 +20,14 @@ agent store (TORCHELASTIC_USE_AGENT_STORE=True) the store belongs to torchrun, n
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 
 import torch.distributed as dist
 
+from flashrl.transport import is_loopback
+
 LOOPBACK_IFNAME = "lo"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def master_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

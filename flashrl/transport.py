@@ -79,19 +79,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an IP literal) stays on this machine: "localhost" or a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_address(address: str, curve_keys: bool) -> None:
     """Refuse a non-loopback TCP address without CURVE keys (DESIGN.md: boundaries)."""
     url = urllib.parse.urlparse(address)
     if url.scheme != "tcp":
         return
-    host = url.hostname or ""
-    if host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not curve_keys:
+    if not is_loopback(url.hostname or "") and not curve_keys:
         raise TransportError(
             f"address {address!r} is not loopback: set transport CURVE keys "
             "(zmq.curve_keypair()) or bind to 127.0.0.1"

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from flashrl.transport import is_loopback
+
 if TYPE_CHECKING:
     from flashrl.cluster.keys import CurveKeys
 
@@ -108,17 +110,6 @@ class Launcher(Protocol):
 
 
 # --------------------------------------------------------------------------- addresses
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def primary_address() -> str:
     """This node's primary (non-loopback) address: the source address of its default route, else the first
     non-loopback address its hostname resolves to. LaunchError when it has none."""
