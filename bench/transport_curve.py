@@ -20,10 +20,10 @@ import statistics
 import time
 from pathlib import Path
 
-from flashrl import protocol as P
 from flashrl.cluster.base import primary_address
-from flashrl.cluster.keys import CurveKeys
-from flashrl.transport import RpcClient, RpcServer, free_port, local_address
+from flashrl.wire import protocol as P
+from flashrl.wire.keys import CurveKeys
+from flashrl.wire.transport import RpcClient, RpcServer, free_port, local_address
 
 OUT = Path(__file__).resolve().parent / "results" / "transport"
 

@@ -50,12 +50,12 @@ from msgspec import Meta
 
 from envs.faults import WORKER_ENV_VAR, validate_observation
 from flashrl import cluster
-from flashrl.cluster.keys import CurveKeys
 from flashrl.env import Env, EnvFailure, StepResult, Task
 from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
-from flashrl.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
-from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer
+from flashrl.wire.keys import CurveKeys
+from flashrl.wire.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
+from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m envs.remote` from any cwd

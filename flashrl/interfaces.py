@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from flashrl.protocol import (
+from flashrl.wire.protocol import (
     Generate,
     Generated,
     LoadReport,

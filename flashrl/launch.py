@@ -39,7 +39,7 @@ from flashrl.config import Config, to_toml
 from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
 from flashrl.procs import child_init, exit_text
 from flashrl.trainer.client import TrainerGroup
-from flashrl.transport import PeerDead
+from flashrl.wire.transport import PeerDead
 
 log = logging.getLogger("flashrl.launch")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.protocol import TrainSample
 from flashrl.trainer.batch import BatchError, pad_batch, sampling_temperature, token_logprobs
+from flashrl.wire.protocol import TrainSample
 
 PAD = 0
 

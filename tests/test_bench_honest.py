@@ -10,10 +10,10 @@ import pytest
 
 from flashrl.benchmarks.scenario import PointSpec, Scenario, SimModel, variant_config
 from flashrl.benchmarks.simulate import length_matched, run_point, run_variant, token_ledger
-from flashrl.protocol import Generate, WeightManifest
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LedgerEntry, LengthModel, SimEngine
 from flashrl.sim.trainer import SimTrainer, TrainerModel
+from flashrl.wire.protocol import Generate, WeightManifest
 
 TRAINER = TrainerModel(step_fixed_s=2.0, per_token_s=0.0, prepare_weights_s=0.5, send_weights_s=0.25)
 LAT = LatencyModel(decode_base_s=0.01, decode_per_seq_s=1e-4, prefill_per_token_s=0.0, max_num_seqs=64, weight_load_s=0.2)

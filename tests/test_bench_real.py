@@ -19,8 +19,8 @@ from flashrl.benchmarks.scenario import (
     shipped_scenarios,
     variant_config,
 )
-from flashrl.protocol import Generate, Generated
 from flashrl.sim.clock import run_virtual
+from flashrl.wire.protocol import Generate, Generated
 
 
 def test_real_scenarios_are_sync_vs_flash_on_one_process_config() -> None:

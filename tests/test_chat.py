@@ -21,8 +21,8 @@ from flashrl.env import Task
 from flashrl.models.chat import ChatFormat, ChatTemplateError, stop_token_ids
 from flashrl.models.chat_model import build_chat_model
 from flashrl.models.tokenizer import load_tokenizer
-from flashrl.protocol import Generate
 from flashrl.sim.fake import FakeEngine, run_virtual
+from flashrl.wire.protocol import Generate
 
 SYSTEM = "You are a careful guesser."
 

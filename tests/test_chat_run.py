@@ -19,7 +19,7 @@ import pytest
 from flashrl.config import load, to_toml
 from flashrl.metrics import read_jsonl
 from flashrl.models.chat_model import build_chat_model
-from flashrl.protocol import Generate
+from flashrl.wire.protocol import Generate
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ import pytest
 from flashrl import cluster
 from flashrl.cluster import LaunchError, Proc, make_launcher
 from flashrl.cluster.base import interface_host, primary_address
-from flashrl.cluster.keys import KEYS_ENV, CurveKeys, KeyFileError
 from flashrl.cluster.local import LocalLauncher
 from flashrl.config import ConfigError, load
+from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPATH = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}

@@ -20,9 +20,9 @@ import psutil
 import pytest
 import zmq
 
-from flashrl import protocol as P
 from flashrl.cluster.base import LaunchError, primary_address
 from flashrl.metrics import read_jsonl
+from flashrl.wire import protocol as P
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from flashrl.config import Config
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream, request_seed
-from flashrl.protocol import Generate, TrainBatch, TrainSample
 from flashrl.sim.clock import run_virtual as run_on_virtual_time
 from flashrl.sim.fake import (
     CharTokenizer,
@@ -27,6 +26,7 @@ from flashrl.sim.fake import (
     default_script,
     run_virtual,
 )
+from flashrl.wire.protocol import Generate, TrainBatch, TrainSample
 
 TOK = CharTokenizer()
 

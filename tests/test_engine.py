@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env, spawn_engine
 from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
 from flashrl.interfaces import EngineClient
-from flashrl.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
 from flashrl.trainer.weights import WeightSender
-from flashrl.transport import PeerDead, RpcClient, RpcServer, free_port
-from flashrl.weightsync import build_manifest
+from flashrl.wire.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
+from flashrl.wire.transport import PeerDead, RpcClient, RpcServer, free_port
+from flashrl.wire.weights import build_manifest
 
 # --------------------------------------------------------------------------- unit
 

@@ -11,7 +11,7 @@ import pytest
 from envs import make_suite
 from envs.remote import WORKER_REPLIES, WORKER_REQUESTS, EnvReset, EnvStepped, RemoteSuite
 from flashrl.env import EnvFailure, Task
-from flashrl.protocol import ProtocolError, encode
+from flashrl.wire.protocol import ProtocolError, encode
 
 TASK = Task(id="g", prompt="Guess 0-9:\n", answer="6")
 

@@ -18,7 +18,7 @@ from flashrl.config import from_dict, to_toml
 from flashrl.models.chat_model import build_chat_model
 from flashrl.models.export import ExportError, export_run, save_hf_folder
 from flashrl.models.tiny import TinySpec, build_untrained
-from flashrl.transport import free_port
+from flashrl.wire.transport import free_port
 
 SMALL = TinySpec(layers=1, hidden=32, heads=1, kv_heads=1, intermediate=64, max_position=64)
 
@@ -83,8 +83,8 @@ def world1():
 
 def test_export_reads_final_or_a_dcp_checkpoint(world1, tmp_path: Path, chat_dir: Path) -> None:
     """A run folder as `flashrl run` leaves it: final/ (HF) and checkpoints/step-N/trainer (DCP)."""
-    from flashrl.protocol import TrainBatch, TrainSample
     from flashrl.trainer.worker import Trainer
+    from flashrl.wire.protocol import TrainBatch, TrainSample
 
     cfg = from_dict({"run": {"output_dir": str(tmp_path), "name": "r"}, "model": {"path": str(chat_dir)},
                      "trainer": {"backend": "gloo", "lr": 1e-2, "threads": 1}})

@@ -23,11 +23,13 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.core",  # pure domain rules (staleness)
     "flashrl.env",  # the public environment API (Task, Env, EnvSuite, StepResult, EnvFailure): pure
     "flashrl.aio",  # the hot path's asyncio toolkit
-    # the wire: messages, sockets, torch.distributed stores, weight-bucket format (neither end owns it)
-    "flashrl.protocol",
-    "flashrl.transport",
-    "flashrl.rendezvous",
-    "flashrl.weightsync",
+    # the wire: messages, sockets, CURVE keys, torch.distributed stores, weight-bucket format (no role owns it)
+    "flashrl.wire.protocol",
+    "flashrl.wire.transport",
+    "flashrl.wire.keys",
+    "flashrl.wire.rendezvous",
+    "flashrl.wire.weights",
+    "flashrl.wire",
     # services every role uses
     "flashrl.procs",
     "flashrl.logging_setup",
@@ -225,12 +227,23 @@ def test_core_is_pure() -> None:
                     f"{m} imports {sorted(external[m] & IMPURE)}: {pure} has no sockets, torch, tasks or clocks"
 
 
+def test_the_wire_belongs_to_no_role() -> None:
+    """flashrl.wire (messages, sockets, keys, stores, weight format) imports nothing of flashrl outside
+    itself: engine, trainer, controller and launchers all speak it, none owns it."""
+    edges, _ = _imports(_modules())
+    wire = [m for m in edges if m == "flashrl.wire" or m.startswith("flashrl.wire.")]
+    assert len(wire) >= 5
+    for m in wire:
+        outside = sorted(b for b in edges[m] if not (b == "flashrl.wire" or b.startswith("flashrl.wire.")))
+        assert not outside, f"{m} imports {outside}: the wire imports no role, launcher or service of flashrl"
+
+
 def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     """The walk itself: imports inside functions and relative ones count; a cycle and an edge
     against the order (engine -> trainer) are found."""
     edges, _ = _imports(_modules())
-    assert "flashrl.weightsync" in edges["flashrl.engine.weights"]  # module level
-    assert "flashrl.weightsync" in edges["flashrl.trainer.worker"]  # inside a method
+    assert "flashrl.wire.weights" in edges["flashrl.engine.weights"]  # module level
+    assert "flashrl.wire.weights" in edges["flashrl.trainer.worker"]  # inside a method
     files = {
         "flashrl/__init__.py": "",
         "flashrl/engine/__init__.py": "",

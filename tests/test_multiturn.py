@@ -15,8 +15,8 @@ from flashrl.config import Config
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.env import Task
-from flashrl.protocol import Generate
 from flashrl.sim.fake import CharTokenizer, FakeEngine, run_virtual
+from flashrl.wire.protocol import Generate
 
 TOK = CharTokenizer()
 TASK = Task(id="guess-x", prompt="Guess 0-9:\n", answer="7")

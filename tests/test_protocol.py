@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from flashrl import protocol as P
+from flashrl.wire import protocol as P
 
 
 def _engine_requests() -> list[P.Msg]:

@@ -1,4 +1,4 @@
-"""flashrl/rendezvous.py: torch.distributed stores and gloo sockets listen on the master address only.
+"""flashrl/wire/rendezvous.py: torch.distributed stores and gloo sockets listen on the master address only.
 
 torch's own TCPStore master listens on every interface; these tests look at the listening sockets
 (psutil) of a store, the weight-sync group and a real 2-process default group.
@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashrl.rendezvous import is_loopback, master_store
-from flashrl.transport import free_port
-from flashrl.weightsync import join_group
+from flashrl.wire.rendezvous import is_loopback, master_store
+from flashrl.wire.transport import free_port
+from flashrl.wire.weights import join_group
 
 ROOT = Path(__file__).resolve().parents[1]
 T = datetime.timedelta(seconds=20)
@@ -67,7 +67,7 @@ def test_weight_sync_group_listens_on_loopback() -> None:
 
 RANK_SCRIPT = """
 import datetime, json, os, psutil, torch.distributed as dist
-from flashrl.rendezvous import init_default_group
+from flashrl.wire.rendezvous import init_default_group
 init_default_group("gloo", int(os.environ["RANK"]), 2, datetime.timedelta(seconds=60))
 dist.barrier()
 ls = [[c.laddr.ip, c.laddr.port] for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]

@@ -13,8 +13,8 @@ from flashrl.config import Config
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, Trajectory, run_group, run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.core.staleness import Staleness
-from flashrl.protocol import Generate, TrainSample
 from flashrl.sim.fake import CharTokenizer, FakeEngine, ScriptedSuite, run_virtual
+from flashrl.wire.protocol import Generate, TrainSample
 
 TOK = CharTokenizer()
 
@@ -238,7 +238,7 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
     1.0 s its version 0 is already too stale: restarted at 1.0 s without an engine abort, ends at
     4.0 s. eval: eval rollouts (group < 0) are never aborted for staleness.
     """
-    from flashrl.protocol import WeightManifest
+    from flashrl.wire.protocol import WeightManifest
 
     cfg = config(rollout={"max_turns": 3, "max_retries": 0}, scheduler={"async_ratio": 1})
     eng = FakeEngine("e0", lambda req, v: ([ord("3")], 1.0))

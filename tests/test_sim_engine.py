@@ -9,11 +9,11 @@ import pytest
 
 from flashrl.env import EnvFailure
 from flashrl.interfaces import EngineClient, TrainerClient
-from flashrl.protocol import Generate, TrainBatch, TrainSample, WeightManifest
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LengthModel, SimEngine, steps_within, uniform
 from flashrl.sim.envs import DelayModel, SimEnvParams, SimSuite, SimTokenizer
 from flashrl.sim.trainer import SimTrainer, TrainerModel
+from flashrl.wire.protocol import Generate, TrainBatch, TrainSample, WeightManifest
 
 LAT = LatencyModel(decode_base_s=0.01, decode_per_seq_s=0.001, prefill_per_token_s=0.0001, max_num_seqs=2, weight_load_s=0.5)
 

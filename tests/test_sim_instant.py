@@ -15,7 +15,6 @@ from flashrl.benchmarks.overhead import (
     zmq_rate,
 )
 from flashrl.interfaces import EngineClient, TrainerClient
-from flashrl.protocol import Generate, WeightManifest
 from flashrl.sim.engine import EOS_ID
 from flashrl.sim.instant import (
     InstantEngine,
@@ -24,6 +23,7 @@ from flashrl.sim.instant import (
     InstantTokenizer,
     InstantTrainer,
 )
+from flashrl.wire.protocol import Generate, WeightManifest
 
 
 def test_engine_answers_with_fixed_tokens_and_loaded_version() -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from flashrl.cluster import LaunchError, slurm
-from flashrl.cluster.keys import CurveKeys
 from flashrl.config import Config, load
-from flashrl.transport import free_port
+from flashrl.wire.keys import CurveKeys
+from flashrl.wire.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "snapshots" / "slurm_4node_gpu.sbatch"
@@ -264,8 +264,8 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
     monkeypatch.delenv("FLASHRL_CURVE_KEYS", raising=False)
 
     async def main() -> None:
-        from flashrl.protocol import NODE_REQUESTS
-        from flashrl.transport import RpcServer
+        from flashrl.wire.protocol import NODE_REQUESTS
+        from flashrl.wire.transport import RpcServer
 
         agents = [slurm.NodeAgent(cfg, n, keys) for n in range(2)]
         servers = [RpcServer(f"tcp://0.0.0.0:{a.port}", NODE_REQUESTS, a.handle, name=f"a{n}", curve=keys.server())
@@ -285,8 +285,8 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
             assert e1.alive and t1.alive
             assert f"up 1 {keys.path}" in t1.log_tail()  # LOCAL_RANK from the layout (ranks 0-1 on node 0); keys by path
             # a client without the run's keys gets no answer
-            from flashrl.protocol import NODE_REPLIES, NodeHello
-            from flashrl.transport import RpcClient
+            from flashrl.wire.protocol import NODE_REPLIES, NodeHello
+            from flashrl.wire.transport import RpcClient
 
             stranger = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="stranger",
                                  curve=CurveKeys.new().client() | {"server_public": keys.server_public})
@@ -348,8 +348,8 @@ def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path)
     p = _node_proc(cfg_path, 1, "127.0.0.[1-2]", tmp_path / "n1b.out")
 
     async def start_one() -> int:
-        from flashrl.protocol import NODE_REPLIES, Spawn, Spawned
-        from flashrl.transport import RpcClient
+        from flashrl.wire.protocol import NODE_REPLIES, Spawn, Spawned
+        from flashrl.wire.transport import RpcClient
 
         c = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="n1", curve=keys.client())
         try:
@@ -482,8 +482,8 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
     cfg = _agent_cfg(tmp_path, port)
     keys = slurm.write_keys(cfg)
     from flashrl.config import to_toml
-    from flashrl.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawn, Spawned
-    from flashrl.transport import RpcClient
+    from flashrl.wire.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawn, Spawned
+    from flashrl.wire.transport import RpcClient
 
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(to_toml(cfg))

@@ -23,7 +23,7 @@ import pytest
 
 from flashrl.cluster import slurm
 from flashrl.config import load
-from flashrl.transport import free_port
+from flashrl.wire.transport import free_port
 
 pytestmark = pytest.mark.slow
 

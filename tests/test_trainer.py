@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from flashrl.config import Config, from_dict, to_toml
 from flashrl.models.tiny import build_untrained
-from flashrl.protocol import TrainBatch, TrainSample
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer, plan_micro_batches, warmup_lr
-from flashrl.transport import RemoteError, free_port
-from flashrl.weightsync import build_manifest
+from flashrl.wire.protocol import TrainBatch, TrainSample
+from flashrl.wire.transport import RemoteError, free_port
+from flashrl.wire.weights import build_manifest
 
 PROMPT = [1, 10, 11, 12]
 GOOD = [20, 21, 22, 2]  # reward 1

@@ -16,14 +16,14 @@ import torch.distributed as dist
 
 from flashrl.config import AlgorithmConfig, Config, from_dict, to_toml
 from flashrl.models.tiny import build_untrained
-from flashrl.protocol import TrainBatch, TrainSample
 from flashrl.trainer.advantages import grpo_advantages, token_advantages
 from flashrl.trainer.batch import pad_batch
 from flashrl.trainer.client import TrainerGroup
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.trainer.worker import Trainer
-from flashrl.transport import free_port
+from flashrl.wire.protocol import TrainBatch, TrainSample
+from flashrl.wire.transport import free_port
 
 LOSSES = typing.get_args(typing.get_args(typing.get_type_hints(AlgorithmConfig, include_extras=True)["loss"])[0])
 CPU = torch.device("cpu")

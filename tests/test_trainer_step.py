@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from flashrl.config import Config, from_dict
 from flashrl.models.tiny import build_untrained
-from flashrl.protocol import TrainBatch, TrainSample
 from flashrl.trainer.batch import pad_batch, token_logprobs
 from flashrl.trainer.step import PolicyTrainer
+from flashrl.wire.protocol import TrainBatch, TrainSample
 
 PROMPT = [1, 10, 11, 12]
 GOOD = [20, 21, 22, 2]  # reward 1

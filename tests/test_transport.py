@@ -8,8 +8,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from flashrl import protocol as P
-from flashrl.transport import (
+from flashrl.wire import protocol as P
+from flashrl.wire.transport import (
     PeerDead,
     RemoteError,
     RpcClient,
@@ -63,7 +63,7 @@ async def test_handler_error_is_per_request(pair) -> None:
 
 async def test_late_reply_to_an_abandoned_request_is_dropped_quietly(pair, caplog: pytest.LogCaptureFixture) -> None:
     client, _, _ = pair
-    caplog.set_level("DEBUG", logger="flashrl.transport")
+    caplog.set_level("DEBUG", logger="flashrl.wire.transport")
     slow = P.Generate(request_id="slow", prompt_ids=[0])  # the handler answers it after 0.2 s
     with pytest.raises(TimeoutError):
         await client.request(slow, timeout=0.05)
@@ -152,8 +152,8 @@ async def _refused_after(server: RpcServer, before: int, timeout: float = 5.0) -
 async def test_curve_server_off_loopback_takes_only_the_run_client(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     import socket
 
-    from flashrl.cluster.keys import CurveKeys
-    from flashrl.transport import refused_total
+    from flashrl.wire.keys import CurveKeys
+    from flashrl.wire.transport import refused_total
 
     ip = _non_loopback_ip()
     port = free_port(ip)
@@ -168,7 +168,7 @@ async def test_curve_server_off_loopback_takes_only_the_run_client(tmp_path, cap
 
     keys = CurveKeys.generate(tmp_path / "keys.json")
     other = CurveKeys.new()  # another run's keys
-    caplog.set_level("WARNING", logger="flashrl.transport")
+    caplog.set_level("WARNING", logger="flashrl.wire.transport")
     server = RpcServer(addr, P.ENGINE_REQUESTS, _handler, name="srv", curve=keys.server())
     task = asyncio.create_task(server.serve())
     good = RpcClient(addr, P.ENGINE_REPLIES, name="good", curve=keys.client())
@@ -225,7 +225,7 @@ def test_replies_are_never_dropped_while_the_client_is_busy() -> None:
     import threading
     import time
 
-    from flashrl.transport import local_address
+    from flashrl.wire.transport import local_address
 
     addr = local_address("hwm")
     ready = threading.Event()

@@ -1,4 +1,4 @@
-"""Weight-sync wire format (flashrl/weightsync.py) and transport, without vLLM: manifest, checksums, gloo broadcast."""
+"""Weight-sync wire format (flashrl/wire/weights.py) and transport, without vLLM: manifest, checksums, gloo broadcast."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from flashrl import weightsync as tw
 from flashrl.engine.weights import WeightReceiver
-from flashrl.protocol import ENGINE_REQUESTS, UpdateWeights, encode
 from flashrl.trainer.weights import WeightSender
-from flashrl.transport import free_port
-from flashrl.weightsync import bucket_checksum, build_manifest, unpack_bucket, verify_checksum
+from flashrl.wire import weights as tw
+from flashrl.wire.protocol import ENGINE_REQUESTS, UpdateWeights, encode
+from flashrl.wire.transport import free_port
+from flashrl.wire.weights import bucket_checksum, build_manifest, unpack_bucket, verify_checksum
 
 
 def _state_dict(tied: bool = True) -> dict[str, torch.Tensor]:

@@ -166,7 +166,8 @@ def controller_rate(batch_prompts: int, group_size: int, engines: int, steps: in
 
 def instant_engine_server(address: str, tokens: int = 16) -> None:
     """An InstantEngine behind an RpcServer: the engine protocol answered at once, until Shutdown."""
-    from flashrl.protocol import (
+    from flashrl.sim.instant import InstantEngine
+    from flashrl.wire.protocol import (
         ENGINE_REQUESTS,
         Abort,
         Generate,
@@ -177,8 +178,7 @@ def instant_engine_server(address: str, tokens: int = 16) -> None:
         Shutdown,
         UpdateWeights,
     )
-    from flashrl.sim.instant import InstantEngine
-    from flashrl.transport import RpcServer
+    from flashrl.wire.transport import RpcServer
 
     engine = InstantEngine(f"instant@{address}", tokens, yield_once=False)
 
@@ -213,7 +213,7 @@ def _controller_rate_zmq(batch_prompts: int, group_size: int, engines: int, step
     from flashrl.controller.controller import Controller
     from flashrl.engine.client import EngineProcessClient
     from flashrl.sim.instant import InstantSuite, InstantSuiteParams, InstantTokenizer, InstantTrainer
-    from flashrl.transport import free_port
+    from flashrl.wire.transport import free_port
 
     cfg = overhead_config(batch_prompts, group_size, engines, steps, tokens=tokens, turns=turns)
     suite = InstantSuite(InstantSuiteParams(turns=turns))
@@ -280,7 +280,6 @@ def fixture_cost(tokens: int = 16, turns: int = 1, n: int = 4000) -> float:
     decode, step, encode the observation), env close; the trainer's share of a batch. Run in
     ``concurrency`` tasks so the engine's one loop turn per request costs what it costs in the run.
     """
-    from flashrl.protocol import Generate, TrainBatch, TrainSample
     from flashrl.sim.instant import (
         InstantEngine,
         InstantSuite,
@@ -288,6 +287,7 @@ def fixture_cost(tokens: int = 16, turns: int = 1, n: int = 4000) -> float:
         InstantTokenizer,
         InstantTrainer,
     )
+    from flashrl.wire.protocol import Generate, TrainBatch, TrainSample
 
     suite = InstantSuite(InstantSuiteParams(turns=turns))
     eng = InstantEngine("fixture", tokens)
@@ -357,7 +357,7 @@ def profile_controller(batch_prompts: int = 128, group_size: int = 8, engines: i
 
 # --------------------------------------------------------------------------- ZeroMQ path
 def _echo_reply(msg: Any) -> Any:
-    from flashrl.protocol import Generate, Generated, Ok, Ping, Pong
+    from flashrl.wire.protocol import Generate, Generated, Ok, Ping, Pong
 
     if isinstance(msg, Generate):
         n = msg.max_tokens
@@ -379,8 +379,8 @@ async def _serve_until(server: Any, stop: asyncio.Event) -> None:
 
 def echo_server(address: str) -> None:
     """The echo engine process: answers Generate with Generated at once until a Shutdown arrives."""
-    from flashrl.protocol import ENGINE_REQUESTS, Shutdown
-    from flashrl.transport import RpcServer
+    from flashrl.wire.protocol import ENGINE_REQUESTS, Shutdown
+    from flashrl.wire.transport import RpcServer
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -413,8 +413,8 @@ def zmq_rate(n: int, concurrency: int = 64, server: Literal["process", "inline"]
     a child process, as an engine does; client CPU is this process's, server CPU the child's.
     """
     from flashrl.engine.client import EngineProcessClient
-    from flashrl.protocol import ENGINE_REQUESTS, Generate, Generated
-    from flashrl.transport import RpcServer, free_port
+    from flashrl.wire.protocol import ENGINE_REQUESTS, Generate, Generated
+    from flashrl.wire.transport import RpcServer, free_port
 
     if n < concurrency or concurrency < 1:
         raise ValueError(f"zmq_rate: need 1 <= concurrency ({concurrency}) <= n ({n})")

@@ -57,7 +57,7 @@ from flashrl.benchmarks.scenario import (
 )
 from flashrl.config import Config, to_toml
 from flashrl.core.meters import BusyMeter
-from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
+from flashrl.wire.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 log = logging.getLogger("flashrl.bench.real")
 

@@ -1,8 +1,8 @@
 """Launchers: where a run's processes start (this machine, a Ray cluster, a SLURM allocation).
 
 ``make_launcher(cfg, run_dir)`` picks one by ``cfg.cluster.launcher``; base.py holds the interface
-(``Launcher``, ``Proc``, ``Endpoint``, ``LaunchError``), local.py the default, keys.py the per-run CURVE
-keys. ray.py and slurm.py are imported only when chosen (their packages are optional extras).
+(``Launcher``, ``Proc``, ``Endpoint``, ``LaunchError``), local.py the default; the per-run CURVE
+keys they write are flashrl/wire/keys.py's. ray.py and slurm.py are imported only when chosen (their packages are optional extras).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flashrl.cluster.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
-from flashrl.cluster.keys import CurveKeys
+from flashrl.wire.keys import CurveKeys
 
 if TYPE_CHECKING:
     from flashrl.config import Config

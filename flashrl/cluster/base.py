@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from flashrl.transport import is_loopback
+from flashrl.wire.transport import is_loopback
 
 if TYPE_CHECKING:
-    from flashrl.cluster.keys import CurveKeys
+    from flashrl.wire.keys import CurveKeys
 
 
 class LaunchError(RuntimeError):
@@ -85,7 +85,7 @@ class Endpoint:
 
 class Launcher(Protocol):
     name: str  # "local" | "ray" | "slurm"
-    curve: CurveKeys | None  # per-run keys when any socket is off loopback (keys.py)
+    curve: CurveKeys | None  # per-run keys when any socket is off loopback (flashrl/wire/keys.py)
 
     def preflight(self) -> None: ...  # LaunchError before anything starts
 

@@ -3,7 +3,7 @@ the run directory, dies with the controller).
 
     cluster.interface = "loopback" (default): ipc:// sockets in a private folder, no keys needed
     cluster.interface = an IP of this machine / "auto": tcp://IP:port sockets, every one CURVE-secured with
-        this run's keys (keys.py), torch.distributed and weight-sync stores listening on that IP
+        this run's keys (flashrl/wire/keys.py), torch.distributed and weight-sync stores listening on that IP
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from flashrl.cluster.base import (
     proc_name,
     tcp_url,
 )
-from flashrl.cluster.keys import CurveKeys
 from flashrl.procs import Child, group_alive
-from flashrl.transport import free_port, local_address
+from flashrl.wire.keys import CurveKeys
+from flashrl.wire.transport import free_port, local_address
 
 log = logging.getLogger(__name__)
 

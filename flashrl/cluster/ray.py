@@ -66,7 +66,6 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
-from flashrl.cluster.keys import CurveKeys
 from flashrl.cluster.ray_head import READY
 from flashrl.cluster.ray_proc import (
     CALL_TIMEOUT_S,
@@ -78,7 +77,8 @@ from flashrl.cluster.ray_proc import (
 )
 from flashrl.procs import Child, group_alive, kill_session, session_pids
 from flashrl.procs import exit_text as procs_exit_text
-from flashrl.transport import free_port
+from flashrl.wire.keys import CurveKeys
+from flashrl.wire.transport import free_port
 
 if TYPE_CHECKING:
     from flashrl.config import Config

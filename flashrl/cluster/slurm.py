@@ -59,10 +59,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, interface_host, proc_name, tcp_url
-from flashrl.cluster.keys import KEYS_ENV, CurveKeys, KeyFileError
 from flashrl.cluster.local import KEYS_FILE
 from flashrl.procs import Child, exit_text, group_alive, tail
-from flashrl.protocol import (
+from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
+from flashrl.wire.protocol import (
     NODE_REPLIES,
     NODE_REQUESTS,
     Error,
@@ -83,7 +83,7 @@ from flashrl.protocol import (
     StopAll,
     StopProc,
 )
-from flashrl.transport import PeerDead, RemoteError, RpcClient, RpcServer, free_port
+from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer, free_port
 
 if TYPE_CHECKING:
     from flashrl.config import Config

@@ -70,8 +70,8 @@ from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.env import Closable, Counting, EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
 from flashrl.metrics import EngineStat, Snapshot
-from flashrl.protocol import TrainBatch, WeightManifest, WeightsUpdated
-from flashrl.transport import PeerDead, RemoteError
+from flashrl.wire.protocol import TrainBatch, WeightManifest, WeightsUpdated
+from flashrl.wire.transport import PeerDead, RemoteError
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

@@ -89,8 +89,8 @@ from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.staleness import Staleness
 from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
-from flashrl.protocol import Generate, Generated, TrainSample
-from flashrl.transport import PeerDead, RemoteError
+from flashrl.wire.protocol import Generate, Generated, TrainSample
+from flashrl.wire.transport import PeerDead, RemoteError
 
 __all__ = ["RolloutContext", "RolloutSpec", "Trajectory", "run_group", "run_sample", "run_trajectory"]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from flashrl.cluster.base import Proc
 from flashrl.engine.server import EngineOptions, options_to_argv
 from flashrl.procs import Child
-from flashrl.protocol import (
+from flashrl.wire.protocol import (
     ENGINE_REPLIES,
     Abort,
     Generate,
@@ -47,7 +47,7 @@ from flashrl.protocol import (
     WeightManifest,
     WeightsUpdated,
 )
-from flashrl.transport import PeerDead, RpcClient, TransportError
+from flashrl.wire.transport import PeerDead, RpcClient, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class EngineProcessClient:
 class EngineProcess:
     """A spawned engine process: a launcher's ``Proc`` (locally a ``procs.Child``: its own process group, so
     vLLM's children go with it). ``connect``: the address the controller dials (default: ``opts.address``,
-    the one the engine binds); ``curve``: the controller's CURVE keys (cluster.keys.CurveKeys.client())."""
+    the one the engine binds); ``curve``: the controller's CURVE keys (wire.keys.CurveKeys.client())."""
 
     def __init__(self, opts: EngineOptions, child: Proc, heartbeat_s: float = 5.0, *, connect: str | None = None,
                  curve: dict[str, bytes] | None = None) -> None:

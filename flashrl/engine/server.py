@@ -49,7 +49,7 @@ from msgspec import Meta
 
 from flashrl.core.meters import BusyMeter
 from flashrl.procs import child_init
-from flashrl.protocol import (
+from flashrl.wire.protocol import (
     ENGINE_REQUESTS,
     Abort,
     Error,
@@ -427,8 +427,8 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
 
 
 async def _serve(opts: EngineOptions) -> int:
-    from flashrl.cluster.keys import CurveKeys
-    from flashrl.transport import RpcServer
+    from flashrl.wire.keys import CurveKeys
+    from flashrl.wire.transport import RpcServer
 
     t0 = time.perf_counter()
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback

@@ -31,8 +31,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from flashrl.protocol import WeightManifest
-from flashrl.weightsync import DTYPES, group_device, join_group, unpack_bucket, verify_checksum
+from flashrl.wire.protocol import WeightManifest
+from flashrl.wire.weights import DTYPES, group_device, join_group, unpack_bucket, verify_checksum
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class WeightReceiver:
     """One engine's end of the weight-sync group (no vLLM here: unit-testable on its own)."""
 
     def __init__(self) -> None:
-        self._group: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None
         self._device = torch.device("cpu")
         self.verify_s = 0.0  # the last receive's checksum time (part of its receive_s)
 

@@ -41,7 +41,7 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
-from flashrl.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
+from flashrl.wire.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 EOS_ID = 2
 FIRST_TEXT_ID = 4  # ids below are special tokens (pad, bos, eos, unk) in flashrl's tokenizers

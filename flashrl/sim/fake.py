@@ -28,7 +28,7 @@ import anyio
 import msgspec
 
 from flashrl.env import EnvFailure, StepResult, Task
-from flashrl.protocol import (
+from flashrl.wire.protocol import (
     Generate,
     Generated,
     LoadReport,
@@ -37,7 +37,7 @@ from flashrl.protocol import (
     WeightManifest,
     WeightsUpdated,
 )
-from flashrl.transport import PeerDead
+from flashrl.wire.transport import PeerDead
 
 __all__ = [
     "CharTokenizer",

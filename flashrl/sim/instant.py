@@ -27,7 +27,9 @@ from typing import ClassVar
 import msgspec
 
 from flashrl.env import StepResult, Task
-from flashrl.protocol import (
+from flashrl.sim.engine import EOS_ID, FIRST_TEXT_ID
+from flashrl.sim.envs import SimTokenizer
+from flashrl.wire.protocol import (
     Generate,
     Generated,
     LoadReport,
@@ -36,8 +38,6 @@ from flashrl.protocol import (
     WeightManifest,
     WeightsUpdated,
 )
-from flashrl.sim.engine import EOS_ID, FIRST_TEXT_ID
-from flashrl.sim.envs import SimTokenizer
 
 __all__ = ["InstantEngine", "InstantEnv", "InstantSuite", "InstantSuiteParams", "InstantTokenizer", "InstantTrainer"]
 

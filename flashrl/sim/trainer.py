@@ -30,7 +30,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from flashrl.protocol import TrainBatch, TrainResult, WeightManifest
+from flashrl.wire.protocol import TrainBatch, TrainResult, WeightManifest
 
 
 class TrainerModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flashrl.protocol import TrainSample
+from flashrl.wire.protocol import TrainSample
 
 
 class BatchError(ValueError):

@@ -22,11 +22,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from flashrl import protocol
 from flashrl.cluster.base import Launcher, Proc
 from flashrl.config import Config
 from flashrl.procs import Child, tail
-from flashrl.protocol import (
+from flashrl.wire import protocol
+from flashrl.wire.protocol import (
     ComputeLogprobs,
     InitWeightSync,
     Logprobs,
@@ -44,7 +44,7 @@ from flashrl.protocol import (
     TrainStep,
     WeightManifest,
 )
-from flashrl.transport import PeerDead, RpcClient
+from flashrl.wire.transport import PeerDead, RpcClient
 
 log = logging.getLogger(__name__)
 

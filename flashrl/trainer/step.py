@@ -45,12 +45,12 @@ from collections.abc import Iterator
 import torch
 
 from flashrl.config import Config
-from flashrl.protocol import TrainBatch, TrainResult, TrainSample
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
+from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
 
 Plan = list[tuple[torch.Tensor, list[torch.Tensor]]]
 

@@ -1,7 +1,7 @@
 """Trainer rank 0's end of the weight sync: one group of two per engine, joined as rank 0; broadcasts the buckets.
 
 The format, the checksums and the group (build_manifest, bucket_checksum, join_group, ...) are
-flashrl/weightsync.py's, shared with the engine's end (engine/weights.py).
+flashrl/wire/weights.py's, shared with the engine's end (engine/weights.py).
 
 Why a group per engine and not one group of all: a collective waits for every member, so in one
 static group a dead engine would stall (then fail) every sync, and a restarted engine could never
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashrl.weightsync import group_device, join_group
+from flashrl.wire.weights import group_device, join_group
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class WeightSender:
     """
 
     def __init__(self) -> None:
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._groups: dict[str, dist.ProcessGroupGloo | dist.ProcessGroupNCCL] = {}
         self._lock = threading.Lock()
         self._device = torch.device("cpu")
         self.backend = ""

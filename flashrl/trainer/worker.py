@@ -58,11 +58,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashrl import protocol
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config, load
 from flashrl.procs import child_init
-from flashrl.protocol import (
+from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
+from flashrl.wire import protocol
+from flashrl.wire.protocol import (
     ComputeLogprobs,
     Error,
     InitWeightSync,
@@ -79,8 +80,7 @@ from flashrl.protocol import (
     TrainStep,
     WeightManifest,
 )
-from flashrl.rendezvous import init_default_group
-from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
+from flashrl.wire.rendezvous import init_default_group
 
 __all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "warmup_lr"]
 
@@ -221,7 +221,7 @@ class Trainer(PolicyTrainer):
         sd = self.full_state_dict()
         if self.rank != 0:
             return None
-        from flashrl.weightsync import build_manifest
+        from flashrl.wire.weights import build_manifest
 
         t1 = time.perf_counter()
         self._prepared = None  # free the previous version's buckets before building new ones
@@ -399,7 +399,7 @@ def follower_loop(trainer: Trainer, fanout: Fanout) -> None:
 
 async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     """Rank 0: serve the controller; fan each request out and run it on the single compute thread."""
-    from flashrl.transport import RpcServer
+    from flashrl.wire.transport import RpcServer
 
     loop = asyncio.get_running_loop()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
@@ -438,7 +438,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
                     await loop.run_in_executor(compute, fanout.send, Ping())
                     last_busy[0] = loop.time()
 
-    from flashrl.cluster.keys import CurveKeys
+    from flashrl.wire.keys import CurveKeys
 
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
     server = RpcServer(address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}",

@@ -11,7 +11,7 @@ request. A malformed frame is logged and its sender is not trusted further.
 
 Sockets bind to loopback unless the address names another host; then CURVE keys are required
 (``check_address``: refused before binding or connecting). A CURVE server (``curve`` with
-"client_public", as cluster.keys.CurveKeys.server() gives) runs a ZAP handler in its context that accepts
+"client_public", as wire.keys.CurveKeys.server() gives) runs a ZAP handler in its context that accepts
 only that client key; a socket monitor counts every refused handshake (no keys, wrong server key,
 unknown client key): ``RpcServer.refused``, ``refused_total()``, and a ``transport/refused`` log line.
 """
@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from flashrl.protocol import Codec, Error, Msg, Ping, Pong, ProtocolError, encode
+from flashrl.wire.protocol import Codec, Error, Msg, Ping, Pong, ProtocolError, encode
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _allow_client(ctx: zmq.Context, client_public: bytes) -> None:
         entry = None
     if entry is None:
         allowed = _AllowedKeys()
-        auth = AsyncioAuthenticator(ctx, log=logging.getLogger("flashrl.transport.zap"))
+        auth = AsyncioAuthenticator(ctx, log=logging.getLogger("flashrl.wire.transport.zap"))
         auth.start()
         auth.configure_curve_callback("*", allowed)
         entry = (ctx, loop, auth, allowed)

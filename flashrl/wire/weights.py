@@ -46,8 +46,8 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from flashrl.protocol import Bucket, TensorSpec, WeightManifest
-from flashrl.rendezvous import gloo_group, group_store
+from flashrl.wire.protocol import Bucket, TensorSpec, WeightManifest
+from flashrl.wire.rendezvous import gloo_group, group_store
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def bucket_checksum(flat: torch.Tensor, algo: str = "auto") -> str:
         algo = "sha256" if flat.device.type == "cpu" else "sum16"
     if algo == "sha256":
         data = flat.detach().cpu().view(torch.uint8).numpy()
-        return "sha256:" + hashlib.sha256(data).hexdigest()
+        return "sha256:" + hashlib.sha256(data.data).hexdigest()
     if algo != "sum16":
         raise ValueError(f"bucket_checksum: unknown algorithm {algo!r}; use sha256, sum16 or auto")
     if flat.element_size() < 2:
@@ -182,11 +182,14 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
 
 def join_group(
     master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
     """Join the weight-sync group without touching the default process group (vLLM has its own).
 
+    Returns the backend itself (a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``, not a ``dist.ProcessGroup``):
+    call ``group.broadcast(tensor, root)`` on it, never ``dist.broadcast(group=...)``.
+
     Group rank 0 (trainer rank 0) hosts the TCPStore, listening on ``master_addr:master_port`` only
-    (flashrl/rendezvous.py: loopback for the local launcher); the others connect to it. Every member
+    (flashrl/wire/rendezvous.py: loopback for the local launcher); the others connect to it. Every member
     must call this concurrently; it returns once all ``world_size`` joined.
     """
     if not 0 <= rank < world_size:

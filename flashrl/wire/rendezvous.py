@@ -25,7 +25,7 @@ import socket
 
 import torch.distributed as dist
 
-from flashrl.transport import is_loopback
+from flashrl.wire.transport import is_loopback
 
 LOOPBACK_IFNAME = "lo"
 
@@ -56,7 +56,7 @@ def group_store(host: str, port: int, rank: int, world_size: int, timeout: datet
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
                master_addr: str) -> dist.ProcessGroupGloo:
     """A gloo group whose own sockets bind to loopback when the master is local, else the default device."""
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit the options class
     opts._timeout = timeout
     if is_loopback(master_addr):
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]

@@ -76,7 +76,7 @@ class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class Bucket(msgspec.Struct, forbid_unknown_fields=True):
-    """Tensors sent in one flat broadcast; checksum names its algorithm (weightsync.py bucket_checksum)."""
+    """Tensors sent in one flat broadcast; checksum names its algorithm (wire/weights.py bucket_checksum)."""
 
     tensors: list[TensorSpec]
     numel: int

@@ -1,0 +1,11 @@
+"""The wire: everything that crosses a process boundary, owned by no role.
+
+    protocol.py    the msgspec messages (controller <-> engine, trainer, node agents); no pickle
+    transport.py   ZeroMQ request/reply channels carrying them (CURVE off loopback), addresses, ports
+    keys.py        the per-run CURVE keys (the file a launcher writes, the child reads)
+    rendezvous.py  torch.distributed stores listening on the master address only
+    weights.py     the weight sync's bucket format, checksums and group (trainer sends, engine receives)
+
+Engine, trainer, controller and the launchers all import this package; it imports none of them
+(tests/test_imports.py), so neither end of a channel owns its format.
+"""
