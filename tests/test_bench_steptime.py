@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.benchmarks.steptime import startup, step_stats, table
+from flashrl.benchmarks.steptime import CpuSampler, role_of, startup, step_stats, table
 
 
 def _record(step: int, step_s: float, train_s: float, sync_s: float, trainer_s: float) -> dict[str, float]:
@@ -64,3 +64,41 @@ def test_table_compares_two_profiles_with_ratios() -> None:
     assert row.split("|")[2:5] == [" 800.0 ", " 200.0 ", " 0.25 "]
     assert "| start-up: engines ready (s) | 80.0 | 20.0 | 0.25 |" in md
     json.dumps(profile("x", 1.0))  # profiles are plain JSON
+
+
+def test_roles_come_from_command_lines_and_children_inherit_them() -> None:
+    assert role_of(["python", "-m", "flashrl.engine.server", "--address", "x"], "python", "controller") == \
+        "engine (server)"
+    assert role_of(["VLLM::EngineCore"], "VLLM::EngineCore", "engine (server)") == "engine (EngineCore)"
+    assert role_of(["python", "-c", "from multiprocessing.spawn import spawn_main"], "python",
+                   "engine (server)") == "engine (EngineCore)"
+    assert role_of(["python", "-m", "flashrl.trainer.worker"], "python", "controller") == "trainer"
+    assert role_of([".venv/bin/flashrl", "run", "c.toml"], "flashrl", None) == "controller"
+    assert role_of(["python", "-m", "envs.worker"], "python", "controller") == "controller child"
+    assert role_of(["sleep", "1"], "sleep", None) == "other"
+
+
+def test_cpu_sampler_counts_a_busy_child_between_two_step_counts(tmp_path: Path) -> None:
+    """A real process tree: the child burns CPU while 'steps' are appended; its CPU per step is counted."""
+    import subprocess
+    import sys
+    import time
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.5: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    sampler = CpuSampler(child.pid, metrics, skip=1, every=0.1)
+    try:
+        for step in range(1, 9):
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": step, "time/step_s": 0.25}) + "\n")
+            time.sleep(0.25)
+    finally:
+        child.wait(timeout=30)
+    cpu = sampler.close()
+    assert cpu["steps"] >= 4
+    role = cpu["roles"]["other"]  # the busy child: not a flashrl process
+    # a busy process uses most of a core: ~250 ms of CPU per 250 ms step (loaded machines give less)
+    assert 60 < role["ms_per_step"] < 400
+    assert 0 < role["share_of_cores"] <= 1.0

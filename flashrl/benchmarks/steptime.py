@@ -15,6 +15,10 @@ Where the numbers come from (all in the run's own records; nothing is estimated)
   and pack + checksums, the round trip, the broadcast until every engine answered, and the slowest
   engine's pause, receive, verify, load, rpc, resume); ``time/sync/quiesce_s`` (waiting for an eval's
   in-flight tokens before a sync).
+- CPU per process (``cpu``): every 0.5 s this bench reads the user + system CPU time of every process
+  of the run's tree (psutil) and labels it by role (controller, engine, engine core, trainer, other);
+  between the step ``--skip`` and the last step it reports CPU ms per step for each role and the share
+  of the 2 cores it took: who competes with whom for the cores.
 - start-up: log timestamps in the run folder (engine "ready in", trainer "ready", controller
   "running", the first "weights v1 loaded") against the moment this bench started ``flashrl run``.
 
@@ -133,6 +137,93 @@ def startup(run_dir: Path, launched: float, records: list[dict[str, Any]]) -> di
     return out
 
 
+def role_of(cmdline: list[str], name: str, parent_role: str | None) -> str:
+    """A process's role in a flashrl run, from its command line (children of a role inherit it)."""
+    text = " ".join(cmdline)
+    if "flashrl.engine" in text:
+        return "engine (server)"
+    if "EngineCore" in name or "EngineCore" in text:
+        return "engine (EngineCore)"
+    if "flashrl.trainer" in text:
+        return "trainer"
+    if "flashrl.cli" in text or "bin/flashrl" in text:
+        return "controller"
+    if parent_role is not None:
+        return parent_role if parent_role.endswith("(EngineCore)") or parent_role == "trainer" else \
+            ("engine (EngineCore)" if parent_role.startswith("engine") else parent_role + " child")
+    return "other"
+
+
+class CpuSampler:
+    """CPU seconds per role of a process tree, read every ``every`` s, counted between two step counts."""
+
+    def __init__(self, pid: int, metrics: Path, skip: int, every: float = 0.5) -> None:
+        import threading
+
+        self.pid, self.metrics, self.skip, self.every = pid, metrics, skip, every
+        self.roles: dict[int, str] = {}
+        self.first: tuple[float, int, dict[int, float]] | None = None  # (time, steps, cpu per pid)
+        self.last: tuple[float, int, dict[int, float]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _steps(self) -> int:
+        try:
+            with self.metrics.open("rb") as f:
+                return sum(1 for line in f if b'"time/step_s"' in line)
+        except OSError:
+            return 0
+
+    def _sample(self) -> dict[int, float]:
+        import psutil
+
+        cpu: dict[int, float] = {}
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return cpu
+        for p in procs:
+            try:
+                if p.pid not in self.roles:
+                    parent = p.ppid()
+                    self.roles[p.pid] = role_of(p.cmdline(), p.name(), self.roles.get(parent))
+                t = p.cpu_times()
+                cpu[p.pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        return cpu
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            n = self._steps()
+            if n <= self.skip:
+                continue
+            snap = (time.monotonic(), n, self._sample())
+            if self.first is None:
+                self.first = snap
+            elif self.last is None or n > self.last[1]:
+                self.last = snap
+
+    def close(self) -> dict[str, Any]:
+        """Per role: CPU ms per step and share of the machine's cores, over the sampled steps."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self.first is None or self.last is None or self.last[1] <= self.first[1]:
+            return {}
+        (t0, n0, a), (t1, n1, b) = self.first, self.last
+        per: dict[str, float] = {}
+        for pid, v in b.items():
+            role = self.roles.get(pid, "other")
+            per[role] = per.get(role, 0.0) + v - a.get(pid, 0.0)
+        steps, wall = n1 - n0, t1 - t0
+        cores = os.cpu_count() or 1
+        return {"steps": steps, "wall_s": wall, "cores": cores,
+                "roles": {k: {"ms_per_step": 1000 * v / steps, "share_of_cores": v / (wall * cores)}
+                          for k, v in sorted(per.items())}}
+
+
 def run_profile(config: str, steps: int, label: str, out: Path, sets: list[str], skip: int,
                 timeout_s: float, python_path: str | None = None) -> dict[str, Any]:
     runs = out / "runs"
@@ -156,7 +247,16 @@ def run_profile(config: str, steps: int, label: str, out: Path, sets: list[str],
         env["PYTHONPATH"] = python_path
         env["PYTHONSAFEPATH"] = "1"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        sampler = CpuSampler(child.pid, run_dir / "metrics.jsonl", skip)
+        try:
+            rc = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(timeout=30)
+            raise
+        finally:
+            cpu = sampler.close()
     wall = time.monotonic() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
         if (run_dir / "metrics.jsonl").exists() else []
@@ -177,6 +277,7 @@ def run_profile(config: str, steps: int, label: str, out: Path, sets: list[str],
         "evals": evals,
         "startup_s": startup(run_dir, launched, records),
         "phases": step_stats(records, skip),
+        "cpu": cpu,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     (out / f"{label}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -212,6 +313,15 @@ def table(results: list[dict[str, Any]]) -> str:
         if len(results) == 2:
             a, b = vals
             row += " | " + (f"{b / a:.2f}" if a and b is not None else "")
+        lines.append(row + " |")
+    roles = sorted({k for r in results for k in r.get("cpu", {}).get("roles", {})})
+    for role in roles:
+        vals = [r.get("cpu", {}).get("roles", {}).get(role) for r in results]
+        row = f"| CPU ms per step: {role} | " + " | ".join(
+            "" if v is None else f"{v['ms_per_step']:.0f} ({v['share_of_cores']:.0%} of the cores)" for v in vals)
+        if len(results) == 2:
+            a, b = vals
+            row += " | " + (f"{b['ms_per_step'] / a['ms_per_step']:.2f}" if a and b and a["ms_per_step"] else "")
         lines.append(row + " |")
     lines.append("| steps profiled (after skip) | " + " | ".join(
         str(r["phases"].get("time/step_s", {}).get("n", 0)) for r in results) + (" | |" if len(results) == 2 else " |"))

@@ -321,7 +321,10 @@ class EngineServer:
         manifest = msg.manifest
         async with self._update_lock:
             t0 = time.perf_counter()
-            await self.engine.pause_generation(mode="keep")
+            # AsyncLLM.pause_generation = this call + a fixed 20 ms sleep that only orders the caller's
+            # view of in-flight outputs (vLLM: "not required for correctness"); tokens sampled before
+            # the pause are labelled with the old version by the EngineCore either way.
+            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
             t_paused = time.perf_counter()
             t_loaded = t_paused
             try:
