@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from rich.console import Console, Group, RenderableType
@@ -25,6 +25,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from flashrl.core.records import StepRecord
 from flashrl.metrics import Snapshot
 
 Mode = Literal["rich", "plain", "off"]
@@ -266,7 +267,7 @@ class Dashboard:
         self._last: Snapshot | None = None
         self._updated = False  # has the controller sent a snapshot (not only status() messages)?
         self._printed_step: int | None = None
-        self.last_record: dict[str, Any] | None = None
+        self.last_record: StepRecord | None = None
 
     @classmethod
     def for_config(cls, value: str, console: Console | None = None) -> Dashboard:
@@ -288,7 +289,7 @@ class Dashboard:
         elif self.mode == "plain":
             self._print(f"status {text}")
 
-    def step(self, record: dict[str, Any]) -> None:
+    def step(self, record: StepRecord) -> None:
         """A finished step's metrics record; kept for callers, the view itself reads snapshots."""
         self.last_record = record
 

@@ -36,6 +36,7 @@ import msgspec
 from flashrl.checkpoint import Resume
 from flashrl.cluster import Launcher, LaunchError, activate, deactivate, make_launcher
 from flashrl.config import Config, to_toml
+from flashrl.core.records import StepRecord
 from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
 from flashrl.procs import child_init, exit_text
 from flashrl.trainer.client import TrainerGroup
@@ -278,11 +279,10 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
                                      msgspec.to_builtins(cfg)) if cfg.log.wandb else None,
             )
             samples_out = SamplesWriter(run_dir / "samples.jsonl")
-            history: list[dict[str, Any]] = []
+            history: list[StepRecord] = []
 
-            def on_step(record: dict[str, Any]) -> None:
-                record = dict(record)
-                record["mem/total_gib"] = round(mem.last_bytes / 2**30, 3)
+            def on_step(record: StepRecord) -> None:
+                record = msgspec.structs.replace(record, memory_gib=round(mem.last_bytes / 2**30, 3))
                 writer.write(record)
                 history.append(record)
                 dash.step(record)
@@ -545,13 +545,13 @@ async def _stop_all(engines: EnginePool | None, trainer: Any, launcher: Launcher
     await asyncio.shield(stop())
 
 
-def _summary(cfg: Config, history: list[dict[str, Any]], result: Any, wall_s: float, peak: int,
+def _summary(cfg: Config, history: list[StepRecord], result: Any, wall_s: float, peak: int,
              evals_before: list[tuple[int, float]] | None = None) -> dict[str, Any]:
     # a resumed run's evals continue those in the checkpoint (its metrics.jsonl lines up to it)
-    evals = list(evals_before or []) + [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+    evals = list(evals_before or []) + [(r.step, r.eval.accuracy) for r in history if r.eval is not None]
     return {
         "run": cfg.run.name,
-        "steps": max((r.get("step", 0) for r in history), default=0),
+        "steps": max((r.step for r in history), default=0),
         "wall_s": round(wall_s, 1),
         "peak_mem_gib": round(peak / 2**30, 3),
         "eval_first": evals[0][1] if evals else None,

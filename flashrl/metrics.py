@@ -1,11 +1,12 @@
 """Run metrics: the live ``Snapshot`` the dashboard renders, and ``metrics.jsonl`` (one object per step).
 
     controller ---snapshot()---> Snapshot ---> dashboard.py (rich live view, or plain lines)
-    controller ---log_step(d)--> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ TensorBoard, W&B: [log] keys)
+    controller ---StepRecord---> MetricsWriter ---> runs/<name>/metrics.jsonl   (+ TensorBoard, W&B: [log] keys)
     controller ---on_samples---> SamplesWriter ---> runs/<name>/samples.jsonl   (`flashrl samples RUN_DIR` shows it)
     rollouts   ---add(n)------> core.meters.RateMeter (on the event-loop clock) ---rate()---> Snapshot.*_per_s
 
-Every step line has at least: step, reward/mean, time/step_s, staleness/mean; and eval/accuracy
+A step's record is a flashrl.core.records.StepRecord; its line is ``StepRecord.to_dict()``. Every
+trained step's line has at least: step, reward/mean, time/step_s, staleness/mean; and eval/accuracy
 whenever the held-out split was evaluated at that step.
 
 Nothing here owns a task or a thread: the controller calls these from its loop.
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+
+from flashrl.core.records import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +150,10 @@ class MetricsWriter:
     def tensorboard_enabled(self) -> bool:
         return self._tb is not None
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: StepRecord | dict[str, Any]) -> None:
+        """One line: a step record's ``to_dict()`` (or a plain dict, written as given)."""
+        if isinstance(record, StepRecord):
+            record = record.to_dict()
         # msgspec never emits a raw newline inside a JSON document, so one record is one line.
         self._f.write(self._enc.encode(record).decode() + "\n")
         self._f.flush()

@@ -155,7 +155,7 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
         async with local_cluster(cfg, chat_dir, cfg.run_dir) as (engines, trainer):
             client = engines[0].client
             suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
-            await Controller(cfg, tok, suite, [client], trainer, on_step=records.append).run()
+            await Controller(cfg, tok, suite, [client], trainer, on_step=lambda r: records.append(r.to_dict())).run()
             # sampled at T = 1 with the model's stop tokens: the engine's logprobs are the trainer's
             for k, p in enumerate(prompts):
                 hot = await client.generate(Generate(request_id=f"t{k}", prompt_ids=p, max_tokens=16, temperature=1.0,

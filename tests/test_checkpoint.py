@@ -34,6 +34,7 @@ from flashrl.checkpoint import (
 from flashrl.config import Config, to_toml
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream
+from flashrl.core.records import StepRecord
 from flashrl.metrics import MetricsWriter, read_jsonl
 from flashrl.sim.fake import (
     CharTokenizer,
@@ -78,8 +79,8 @@ class Run:
                                      checkpoints=self.ckpt, resume=resume.state if resume else None)
         self.stop_at_s = stop_at_s
 
-    def _on_step(self, r: dict[str, Any]) -> None:
-        self.records.append(r)
+    def _on_step(self, r: StepRecord) -> None:
+        self.records.append(r.to_dict())
         self.writer.write(r)
 
     def go(self) -> RunSummary:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from flashrl.config import Config
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream, request_seed
+from flashrl.core.records import StepRecord
 from flashrl.sim.clock import run_virtual as run_on_virtual_time
 from flashrl.sim.fake import (
     CharTokenizer,
@@ -157,7 +158,7 @@ def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group
     engines = [FakeEngine(f"e{i}", long_tail(seed + i)) for i in range(n_engines)]
     trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0))
     records: list[dict[str, Any]] = []
-    c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=records.append)
+    c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=lambda r: records.append(r.to_dict()))
     summary, left = run(c)
     assert left == set() and summary.steps == 8
     worst = check_staleness(trainer.batches, ratio)
@@ -182,7 +183,7 @@ def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
     eng = FakeEngine("e0", script)
     trainer = FakeTrainer()
     records: list[dict[str, Any]] = []
-    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer, on_step=records.append))
+    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer, on_step=lambda r: records.append(r.to_dict())))
     assert summary.counters["stale/dropped_samples"] == 1
     assert check_staleness(trainer.batches, 1) <= 1
     trained = [s.sample_id for b in trainer.batches for s in b.samples]
@@ -231,8 +232,8 @@ def test_eval_records_at_start_every_n_and_end() -> None:
     engines = [FakeEngine("e0", script), FakeEngine("e1", script)]
     records: list[dict[str, Any]] = []
     snaps = []
-    c = Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=0.5), on_step=records.append)
-    c.on_step = lambda r: (records.append(r), snaps.append(c.snapshot()))
+    c = Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=0.5), on_step=lambda r: records.append(r.to_dict()))
+    c.on_step = lambda r: (records.append(r.to_dict()), snaps.append(c.snapshot()))
     summary, _ = run(c)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
     assert {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r} == {0: 0.0, 2: 1.0, 4: 1.0, 5: 1.0}
@@ -254,7 +255,7 @@ def test_max_time_stops_the_run() -> None:
     cfg = config(run={"steps": 1000, "max_time_s": 5.5}, rollout={"group_size": 1, "batch_prompts": 1})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=records.append))
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=lambda r: records.append(r.to_dict())))
     assert summary.stop_reason == "max_time" and left == set()
     # exactly one record per step (metrics.jsonl: one line per step), in order, step 0 = first eval
     assert [r["step"] for r in records] == list(range(summary.steps + 1))
@@ -276,9 +277,10 @@ def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -
         cfg = config(run={"steps": 1000, "max_time_s": max_time, "eval_every": eval_every},
                      rollout={"group_size": 1, "batch_prompts": 1})
         eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
-        records: list[dict[str, Any]] = []
+        typed: list[StepRecord] = []
         summary, _ = run(Controller(cfg, TOK, ScriptedSuite(n_eval=1), [eng], FakeTrainer(train_s=0.25),
-                                    on_step=records.append))
+                                    on_step=typed.append))
+        records = [r.to_dict() for r in typed]
         assert [r["step"] for r in records] == list(range(summary.steps + 1)), max_time
         assert "eval/accuracy" in records[-1] and records[-1]["step"] == summary.steps
         evals = [r["step"] for r in records if "eval/accuracy" in r]
@@ -371,7 +373,7 @@ def test_held_step_record_is_emitted_when_the_run_crashes_while_waiting() -> Non
     bad = [data.next()[1].id for _ in range(4)][3]
     suite = ScriptedSuite(crash=lambda t, call: t.id == bad)
     records: list[dict[str, Any]] = []
-    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append)
+    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
     with pytest.raises(ValueError, match=f"scripted env bug on {bad}"):
         run(c)
     assert c.version == 3
@@ -398,7 +400,7 @@ def test_snapshot_rates_and_busy_fraction_are_current_not_run_averages() -> None
     c = Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer(train_s=1.0))
     before = c.snapshot()
     assert before.samples_per_s == 0.0 and before.engines[0].busy_fraction == 0.0
-    c.on_step = lambda r: snaps.__setitem__(r["step"], (c.snapshot(), r))
+    c.on_step = lambda r: snaps.__setitem__(r.step, (c.snapshot(), r.to_dict()))
     # the loop clock does not start at 0 (a real loop's never does): windows count from run()'s start
     summary = run_on_virtual_time(c.run, start=100.0)[0]
     s2, _ = snaps[2]  # t = 4: less than a window since the start, so over 4 s
@@ -423,7 +425,7 @@ def test_suite_counters_exported_and_suite_closed() -> None:
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
     suite = ScriptedSuite(fail=lambda t, call: "crash" if call == 0 else None)
     records: list[dict[str, Any]] = []
-    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append)
+    c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
     summary, _ = run(c)
     assert suite.aclosed == 1
     assert summary.counters["env/fail:crash"] == summary.counters["rollout/retry_env_crash"] == len(suite.calls)
@@ -442,7 +444,7 @@ def test_faulty_suite_counters_and_aclose_pass_through() -> None:
     inner = ScriptedSuite()
     suite = FaultySuite(inner, parse_faults({"crash": 0.3, "delay": {"kind": "constant", "seconds": 0.25}}), seed=1)
     records: list[dict[str, Any]] = []
-    summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=records.append))
+    summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict())))
     assert inner.aclosed == 1
     crashes = summary.counters["env/crash"]
     assert crashes > 0

@@ -7,6 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
+from flashrl.core.records import EvalStats, StepRecord
 from flashrl.dashboard import Dashboard, choose_mode, format_duration, format_plain, render, sparkline
 from flashrl.metrics import EngineStat, Snapshot
 
@@ -241,7 +242,8 @@ def test_rich_status_and_step_record() -> None:
     assert dash.mode == "rich"
     dash.start()
     dash.status("joining the weight-sync group")
-    dash.step({"step": 1, "reward/mean": 0.5})
-    assert dash.last_record == {"step": 1, "reward/mean": 0.5}
+    rec = StepRecord(step=1, version=1, eval=EvalStats(accuracy=0.5, reward_mean=0.5))
+    dash.step(rec)
+    assert dash.last_record is rec
     dash.stop()
     assert "status    joining the weight-sync group\n" in out.getvalue()

@@ -193,7 +193,7 @@ async def test_controller_logs_reward_metrics_and_samples(tmp_path: Path) -> Non
     records: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
     engines = [FakeEngine("e0", default_script(token_s=0.001))]
-    ctl = Controller(c, CharTokenizer(), s, engines, FakeTrainer(train_s=0.002), on_step=records.append, on_samples=samples.extend)
+    ctl = Controller(c, CharTokenizer(), s, engines, FakeTrainer(train_s=0.002), on_step=lambda r: records.append(r.to_dict()), on_samples=samples.extend)
     summary = await ctl.run()
     assert summary.steps == 3
     steps = [r for r in records if r["step"] > 0]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("flashrl", "envs")
 
 LAYERS: list[str | tuple[str, ...]] = [
-    "flashrl.core",  # pure domain rules (staleness)
+    "flashrl.core",  # pure domain rules (staleness, meters, step records)
     "flashrl.env",  # the public environment API (Task, Env, EnvSuite, StepResult, EnvFailure): pure
     "flashrl.aio",  # the hot path's asyncio toolkit
     # the wire: messages, sockets, CURVE keys, torch.distributed stores, weight-bucket format (no role owns it)

@@ -58,7 +58,7 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
         async with local_cluster(cfg, model, cfg.run_dir) as (engines, trainer):
             client = engines[0].client
             suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
-            await Controller(cfg, tok, suite, [client], trainer, on_step=records.append).run()
+            await Controller(cfg, tok, suite, [client], trainer, on_step=lambda r: records.append(r.to_dict())).run()
             # The trainer's default group and the weight-sync group listen on loopback only (rank 0 hosts
             # both stores; every rank and the engine's vLLM worker have gloo sockets), never on a
             # wildcard address.

@@ -57,6 +57,7 @@ from flashrl.benchmarks.scenario import (
 )
 from flashrl.config import Config, to_toml
 from flashrl.core.meters import BusyMeter
+from flashrl.core.records import BatchStats, StepRecord
 from flashrl.wire.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 log = logging.getLogger("flashrl.bench.real")
@@ -270,13 +271,13 @@ async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRu
     await publish_version_zero(cluster, cfg)
     suite = TrainOnlySuite(make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size))
     probes = [BusyProbe(e.client) for e in cluster.engines]
-    records: list[dict[str, Any]] = []
+    records: list[BatchStats] = []  # the trained steps' batch statistics
     marks: list[tuple[float, float]] = []  # (loop time, busy seconds summed over engines) at each step record
 
-    def on_step(rec: dict[str, Any]) -> None:
-        if rec.get("step", 0) >= 1:
+    def on_step(rec: StepRecord) -> None:
+        if rec.step >= 1 and rec.batch is not None:
             now = anyio.current_time()
-            records.append(rec)
+            records.append(rec.batch)
             marks.append((now, sum(p.busy_s(now) for p in probes)))
 
     ctrl = Controller(cfg, cluster.tokenizer, suite, probes, cluster.trainer, on_step=on_step)
@@ -290,21 +291,21 @@ async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRu
     t_a, busy_a = marks[warmup - 1] if warmup else (start, 0.0)
     t_b, busy_b = marks[-1]
     span = t_b - t_a
-    tokens = [r["tokens_per_s"] * r["time/step_s"] for r in win]
+    tokens = [r.tokens_per_s * r.step_s for r in win]
     return RealRun(
         steps=len(records),
         step_s=span / len(win),
-        samples_per_s=sum(r["samples"] for r in win) / span,
+        samples_per_s=sum(r.samples for r in win) / span,
         tokens_per_s=sum(tokens) / span,
         busy=(busy_b - busy_a) / (len(probes) * span),
-        train_s=statistics.fmean(r["time/train_s"] for r in win),
-        sync_s=statistics.fmean(r["time/weight_sync_s"] for r in win),
-        wait_s=statistics.fmean(r["time/step_s"] - r["time/train_s"] - r["time/weight_sync_s"] for r in win),
-        staleness_mean=statistics.fmean(r["staleness/mean"] for r in win),
-        staleness_max=max(int(r["staleness/max"]) for r in win),
-        response_len=statistics.fmean(r["response_len/mean"] for r in win),
-        turns=statistics.fmean(r["turns/mean"] for r in win),
-        reward=statistics.fmean(r["reward/mean"] for r in win),
+        train_s=statistics.fmean(r.train_s for r in win),
+        sync_s=statistics.fmean(r.weight_sync_s for r in win),
+        wait_s=statistics.fmean(r.step_s - r.train_s - r.weight_sync_s for r in win),
+        staleness_mean=statistics.fmean(r.staleness_mean for r in win),
+        staleness_max=max(r.staleness_max for r in win),
+        response_len=statistics.fmean(r.response_len_mean for r in win),
+        turns=statistics.fmean(r.turns_mean for r in win),
+        reward=statistics.fmean(r.reward_mean for r in win),
         wall_s=wall,
         step_ends=[t - start for t, _ in marks],
         counters=dict(summary.counters),

@@ -14,7 +14,7 @@
       3. engines whose client already reports ``dead`` are marked dead and skipped (counted);
          trainer.send_weights(v+1) || engine.update_weights(manifest) for every live engine
       4. version = v+1; buffer.mark_trained(batch)  (frees admission slots: the staleness bound)
-      5. on_step(record); start an eval task when due
+      5. on_step(record: core.records.StepRecord); start an eval task when due
     eval task (step 0, every run.eval_every, end): one greedy rollout per held-out task, through the
       same Router as training rollouts; the record of that step is emitted when it finishes, and
       the next weight sync waits for it so that every eval token comes from the evaluated weights.
@@ -66,6 +66,7 @@ from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.rollout import RolloutContext, Trajectory, run_group
 from flashrl.controller.scheduler import Admission, DataStream, Router
 from flashrl.core.meters import BusyMeter, RateMeter
+from flashrl.core.records import BatchStats, EvalStats, StepRecord
 from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.env import Closable, Counting, EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
@@ -87,14 +88,6 @@ WATCH_S = 0.5  # how often the controller looks for engines reported dead and fo
 
 class EngineCatchUpError(RuntimeError):
     """A restarted engine did not load the published weights."""
-
-# Keys the controller writes itself; a trainer metric of the same name goes under "train/<key>".
-_OWN_KEYS = frozenset(
-    {"step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s", "time/train_s",
-     "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy",
-     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "prompt_uids",
-     "time/checkpoint_s"}
-)
 
 
 class RunSummary(msgspec.Struct, kw_only=True):
@@ -118,7 +111,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
 class Controller:
     """Drives one run: admission, rollouts, batches, training steps, weight syncs, evals.
 
-    ``tokenizer``: an interfaces.Tokenizer (a ChatTokenizer renders turns itself). ``on_step`` receives one dict per record (see ``_step_record``).
+    ``tokenizer``: an interfaces.Tokenizer (a ChatTokenizer renders turns itself). ``on_step`` receives one flashrl.core.records.StepRecord per step (see ``_step_record``).
     """
 
     def __init__(
@@ -128,7 +121,7 @@ class Controller:
         suite: EnvSuite,
         engines: Sequence[EngineClient],
         trainer: TrainerClient,
-        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
         on_samples: Callable[[list[dict[str, Any]]], None] | None = None,
         *,
         restarter: EngineRestarter | None = None,
@@ -184,14 +177,14 @@ class Controller:
         self.status = "starting"
         self.reward_history: list[tuple[int, float]] = []
         self.eval_history: list[tuple[int, float]] = []
-        self.last: dict[str, Any] = {}
+        self.last: StepRecord | None = None  # the last trained step's record
         self.samples_trained = 0
         self.tokens_trained = 0
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # the group's live tasks (cancelled at shutdown)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._eval_done: asyncio.Event | None = None
-        self._eval_record: dict[str, Any] | None = None  # the record the running eval will complete
+        self._eval_record: StepRecord | None = None  # the record the running eval will complete
         self._closing = False
         self._ran = False
         self._t0 = 0.0
@@ -206,7 +199,7 @@ class Controller:
         self._elapsed_before = 0.0  # training time of the run before the checkpoint it resumed from
         self._env_before: dict[str, float] = {}  # the suite's counters at the checkpoint resumed from (they continue)
         self.resumed_from: int | None = None
-        self._pending: tuple[dict[str, Any], bool] | None = None
+        self._pending: tuple[StepRecord, bool] | None = None
         if resume is not None:
             self._restore(resume)
 
@@ -350,7 +343,7 @@ class Controller:
         cfg = self.cfg
         deadline = self._t0 + cfg.run.max_time_s if cfg.run.max_time_s > 0 else math.inf
         if self.resumed_from is None:
-            self._start_eval({"step": 0, "version": 0})
+            self._start_eval(StepRecord(step=0, version=0))
         elif self._pending is not None:
             # the checkpoint's own step record was not written yet: write it now (evaluated, if it was
             # waiting for its eval: the weights are the checkpoint's, so it is the same evaluation)
@@ -365,7 +358,7 @@ class Controller:
         every = cfg.run.checkpoint_every
         # A step record without an eval, held (only when a deadline is set) until the next batch is
         # in hand: should the deadline come first, the final eval goes into it, not into a 2nd line.
-        held: dict[str, Any] | None = None
+        held: StepRecord | None = None
         try:
             for s in range(self.version, cfg.run.steps):
                 batch = None if self._stop_requested else await self._next_batch(s, deadline)
@@ -418,7 +411,7 @@ class Controller:
         self.buffer.wake()
 
     # ------------------------------------------------------------------ checkpoints
-    async def _checkpoint(self, held: dict[str, Any] | None) -> None:
+    async def _checkpoint(self, held: StepRecord | None) -> None:
         """Write a checkpoint of the current version (flashrl/checkpoint.py); a failure is logged,
         counted (``checkpoint/failed``) and survived: the previous checkpoint stays the latest."""
         if self.checkpoints is None or self.version == 0:
@@ -439,7 +432,7 @@ class Controller:
             self._checkpoint_s = self._clock() - t0
             self.status = status
 
-    def state(self, held: dict[str, Any] | None = None) -> ControllerState:
+    def state(self, held: StepRecord | None = None) -> ControllerState:
         """The controller's part of a checkpoint at the current version (call between steps).
 
         Outstanding groups (admitted, generating, complete but untrained) are recorded by uid only:
@@ -448,11 +441,10 @@ class Controller:
         pending: dict[str, Any] | None = None
         pending_eval = False
         if self._emitted_through < self.version:
-            if held is not None and held.get("step") == self.version:
-                pending = dict(held)
-            elif self._eval_record is not None and self._eval_record.get("step") == self.version:
-                pending = {k: v for k, v in self._eval_record.items()
-                           if not k.startswith("eval/") and k != "time/eval_s"}
+            if held is not None and held.step == self.version:
+                pending = held.to_dict()
+            elif self._eval_record is not None and self._eval_record.step == self.version:
+                pending = msgspec.structs.replace(self._eval_record, eval=None).to_dict()
                 pending_eval = True
         readmit = sorted({g.uid for g in self.buffer.groups.values()} | set(self.stream.pending_readmit))
         return ControllerState(
@@ -495,9 +487,9 @@ class Controller:
         self.buffer.dropped_uids = list(st.dropped_uids)
         self._env_before = dict(st.env_counters)
         self.resumed_from = st.step
-        self._pending = (st.pending_record, st.pending_eval) if st.pending_record is not None else None
+        self._pending = (StepRecord.from_dict(st.pending_record), st.pending_eval) if st.pending_record is not None else None
 
-    async def _train_step(self, s: int, batch: list[Group], last_end: float) -> dict[str, Any]:
+    async def _train_step(self, s: int, batch: list[Group], last_end: float) -> StepRecord:
         """Train ``batch`` as step ``s``, publish version s+1 to every live engine; the step's record."""
         samples = [t for g in batch for t in g.samples]
         t0 = self._clock()
@@ -515,15 +507,16 @@ class Controller:
             picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
             self.on_samples([self._sample_line("train", s + 1, t, task) for task, t in picked[:n]])
         record = self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
-        record["prompt_uids"] = [g.uid for g in batch]  # which prompts this step trained (resume checks)
+        b = record.batch
+        assert b is not None
+        b.prompt_uids = [g.uid for g in batch]  # which prompts this step trained (resume checks)
         # where the step's time went beyond the trainer's own phases (time/trainer/*): the request's trip
         # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
         if "step_time_s" in result.metrics:
-            record["time/train/transport_s"] = max(0.0, train_s - float(result.metrics["step_time_s"]))
-        record["time/sync/quiesce_s"] = t1 - t0 - train_s
-        record.update(sync_phases)
+            b.transport_s = max(0.0, train_s - float(result.metrics["step_time_s"]))
+        b.sync = {"quiesce_s": t1 - t0 - train_s, **sync_phases}
         if self._checkpoint_s:
-            record["time/checkpoint_s"] = self._checkpoint_s  # the checkpoint written before this step
+            b.checkpoint_s = self._checkpoint_s  # the checkpoint written before this step
             self._checkpoint_s = 0.0
         return record
 
@@ -545,15 +538,15 @@ class Controller:
             return None
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
-        """Publish ``version`` to every live engine; return where the time went (``time/sync/*`` seconds:
+        """Publish ``version`` to every live engine; return where the time went (``time/sync/*`` seconds, by phase:
         prepare = the trainer's gather + pack + checksums and the round trip; send = the broadcast until
         every engine answered; engine/* = the slowest engine's pause, receive, verify, load, rpc, resume)."""
         async with self._sync_lock:
             t0 = self._clock()
             manifest = await self.trainer.prepare_weights(version)
             t1 = self._clock()
-            phases = {"time/sync/prepare_s": t1 - t0}
-            phases.update({f"time/sync/trainer/{k}": v for k, v in manifest.timings.items()})
+            phases = {"prepare_s": t1 - t0}
+            phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
             manifest = msgspec.structs.replace(manifest, timings={})  # engines need no trainer timings
             self._engine_timings = {}
             self._mark_reported_dead()
@@ -579,8 +572,8 @@ class Controller:
             skipped = len(self.engines) - len(self.router.live)
             if skipped:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped
-            phases["time/sync/send_s"] = self._clock() - t1
-            phases.update({f"time/sync/engine/{k}": v for k, v in self._engine_timings.items()})
+            phases["send_s"] = self._clock() - t1
+            phases.update({f"engine/{k}": v for k, v in self._engine_timings.items()})
             return phases
 
     def _mark_reported_dead(self) -> None:
@@ -721,9 +714,9 @@ class Controller:
             await self._engine_change.wait()
 
     # ------------------------------------------------------------------ eval
-    def _start_eval(self, record: dict[str, Any]) -> None:
+    def _start_eval(self, record: StepRecord) -> None:
         if not self.eval_tasks:
-            if record.get("step", 0) > 0:
+            if record.step > 0:
                 self._emit(record)
             return
         done = asyncio.Event()
@@ -735,7 +728,7 @@ class Controller:
         if self._eval_done is not None:
             await self._eval_done.wait()
 
-    async def _eval(self, version: int, record: dict[str, Any], done: asyncio.Event) -> None:
+    async def _eval(self, version: int, record: StepRecord, done: asyncio.Event) -> None:
         results: list[Trajectory] = []
         t0 = self._clock()
         async with asyncio.TaskGroup() as tg:
@@ -743,16 +736,15 @@ class Controller:
                 tg.create_task(self._eval_one(k, task, version, results), name=f"eval {k}")
         n = len(self.eval_tasks)
         acc = sum(t.correct for t in results) / n  # a failed eval rollout counts as wrong
-        self.eval_history.append((record["step"], acc))
+        self.eval_history.append((record.step, acc))
         self.counters["eval/failed"] += n - len(results)
-        record["eval/accuracy"] = acc
-        record["eval/reward_mean"] = sum(t.reward for t in results) / n
-        record.update(_metric_means(results, "eval/reward/"))
+        ev = EvalStats(accuracy=acc, reward_mean=sum(t.reward for t in results) / n, reward_metrics=_metric_means(results))
         m = self.cfg.log.eval_samples
         if self.on_samples is not None and m:
             firsts = sorted(results, key=lambda t: -1 - t.group)[:m]  # the same held-out tasks every time
-            self.on_samples([self._sample_line("eval", record["step"], t, self.eval_tasks[-1 - t.group]) for t in firsts])
-        record["time/eval_s"] = self._clock() - t0
+            self.on_samples([self._sample_line("eval", record.step, t, self.eval_tasks[-1 - t.group]) for t in firsts])
+        ev.eval_s = self._clock() - t0
+        record.eval = ev
         self._emit(record)
         if self._eval_record is record:
             self._eval_record = None
@@ -775,42 +767,38 @@ class Controller:
     # ------------------------------------------------------------------ records and snapshot
     def _step_record(
         self, s: int, samples: list[Trajectory], metrics: dict[str, float], step_s: float, train_s: float, sync_s: float
-    ) -> dict[str, Any]:
+    ) -> StepRecord:
         stale_mean, stale_max = lag_stats(s, (t.version_start for t in samples))
         tokens = sum(t.n_generated for t in samples)
         rewards = [t.reward for t in samples]
         self.samples_trained += len(samples)
         self.tokens_trained += tokens
-        record: dict[str, Any] = {}
-        for k, v in metrics.items():
-            record[f"train/{k}" if k in _OWN_KEYS else k] = v
         reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
         elapsed = self._clock() - self._t0
-        record.update({
-            "step": s + 1,
-            "version": self.version,
-            "reward/mean": reward_mean,
-            "staleness/mean": stale_mean,
-            "staleness/max": stale_max,
-            "time/step_s": step_s,
-            "time/train_s": train_s,
-            "time/weight_sync_s": sync_s,
-            "time/elapsed_s": elapsed,
-            "samples": len(samples),
-            "samples_per_s": len(samples) / step_s if step_s > 0 else 0.0,  # trained, over this step
-            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "run/samples_per_s": self.samples_trained / elapsed if elapsed > 0 else 0.0,  # trained, run average
-            "run/tokens_per_s": self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+        batch = BatchStats(
+            reward_mean=reward_mean,
+            staleness_mean=stale_mean,
+            staleness_max=stale_max,
+            step_s=step_s,
+            train_s=train_s,
+            weight_sync_s=sync_s,
+            elapsed_s=elapsed,
+            samples=len(samples),
+            samples_per_s=len(samples) / step_s if step_s > 0 else 0.0,  # trained, over this step
+            tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+            run_samples_per_s=self.samples_trained / elapsed if elapsed > 0 else 0.0,  # trained, run average
+            run_tokens_per_s=self.tokens_trained / elapsed if elapsed > 0 else 0.0,
             # generated, over the last RATE_WINDOW_S (reading the meters also prunes them)
-            "rate/samples_per_s": self._sample_rate.rate() if self._sample_rate else 0.0,
-            "rate/tokens_per_s": sum(m.rate() for m in self.ctx.token_rates),
-            "turns/mean": sum(t.turns for t in samples) / len(samples) if samples else 0.0,
-            "response_len/mean": sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
-        })
-        record.update(_metric_means(samples, "reward/"))
-        for k, v in sorted(self.counters.items()):
-            record[f"count/{k}"] = v
-        record.update(self._env_counters())
+            rate_samples_per_s=self._sample_rate.rate() if self._sample_rate else 0.0,
+            rate_tokens_per_s=sum(m.rate() for m in self.ctx.token_rates),
+            turns_mean=sum(t.turns for t in samples) / len(samples) if samples else 0.0,
+            response_len_mean=sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
+            trainer=dict(metrics),
+            reward_metrics=_metric_means(samples),
+            counters=dict(sorted(self.counters.items())),
+            env_counters={k.removeprefix("env/"): v for k, v in self._env_counters().items()},
+        )
+        record = StepRecord(step=s + 1, version=self.version, batch=batch)
         self.reward_history.append((s + 1, reward_mean))
         self.last = record
         return record
@@ -826,8 +814,8 @@ class Controller:
             "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": t.n_generated, "engine": t.engine,
         }
 
-    def _emit(self, record: dict[str, Any]) -> None:
-        self._emitted_through = max(self._emitted_through, int(record.get("step", 0)))
+    def _emit(self, record: StepRecord) -> None:
+        self._emitted_through = max(self._emitted_through, record.step)
         if self.on_step is not None:
             self.on_step(record)
 
@@ -866,6 +854,7 @@ class Controller:
             for i, e in enumerate(self.engines)
         ]
         groups = self.buffer.groups.values()
+        last = self.last.batch if self.last is not None else None
         return Snapshot(
             run_name=self.cfg.run.name,
             step=self.version,
@@ -878,12 +867,12 @@ class Controller:
             pending_prompts=sum(g.state is GroupState.ADMITTED for g in groups),
             running_samples=sum(self.router.inflight),
             buffered_groups=len(self.buffer.complete),
-            staleness_mean=float(self.last.get("staleness/mean", 0.0)),
-            staleness_max=int(self.last.get("staleness/max", 0)),
-            reward_mean=float(self.last.get("reward/mean", 0.0)),
-            weight_sync_s=float(self.last.get("time/weight_sync_s", 0.0)),
-            step_s=float(self.last.get("time/step_s", 0.0)),
-            mismatch_kl=self.last.get("mismatch/kl"),
+            staleness_mean=float(last.staleness_mean) if last else 0.0,
+            staleness_max=int(last.staleness_max) if last else 0,
+            reward_mean=float(last.reward_mean) if last else 0.0,
+            weight_sync_s=float(last.weight_sync_s) if last else 0.0,
+            step_s=float(last.step_s) if last else 0.0,
+            mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
             counters=self._all_counters(),
@@ -892,7 +881,7 @@ class Controller:
         )
 
 
-def _metric_means(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+def _metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Mean of each per-trajectory metric (a reward function's extras) over the trajectories that have it."""
     sums: dict[str, float] = {}
     counts: Counter[str] = Counter()
@@ -900,11 +889,7 @@ def _metric_means(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
         for k, v in t.metrics.items():
             sums[k] = sums.get(k, 0.0) + v
             counts[k] += 1
-    out = {}
-    for k, total in sums.items():
-        key = prefix + k
-        out[key if key not in _OWN_KEYS else prefix + "extra_" + k] = total / counts[k]
-    return out
+    return {k: total / counts[k] for k, total in sums.items()}
 
 
 def _leaves(e: BaseException) -> list[BaseException]:
