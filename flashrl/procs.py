@@ -13,6 +13,11 @@
         -> wait until the group is empty (grandchildren too)     the parent's stop() and the child's
       child.kill(): SIGKILL the group now                        watchdog take them down with it
 
+The ladder exists once, ``stop_ladder``: the orderly ``shutdown()`` and its grace, then ``escalate()``,
+which is how the process is reached: ``Child`` signals its group here (SIGTERM, wait, SIGKILL, wait);
+a process on a Ray node (cluster/ray_proc.py) or a SLURM node (cluster/slurm.py) asks the ``Child``
+that holds it there to do the same.
+
 Why both a parent-death signal and a watchdog: PR_SET_PDEATHSIG reaches only the child itself (not
 its own children), and a default action (SIGKILL, SIGTERM) would end the child before it can take
 its group along; so the signal is SIGUSR2 with a handler that SIGKILLs the group. A Python handler
@@ -41,7 +46,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +124,53 @@ def exit_text(code: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+class Exiting(Protocol):
+    """What the ladder needs of a process, wherever it runs: its name, whether it runs, its exit."""
+
+    name: str
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def exited(self) -> int: ...
+
+
+async def exited_within(proc: Exiting, timeout: float) -> bool:
+    """True if ``proc`` exited within ``timeout`` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            await proc.exited()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def stop_ladder(
+    proc: Exiting,
+    grace_s: float,
+    shutdown: Callable[[], Awaitable[Any]] | None,
+    escalate: Callable[[], Awaitable[Any]],
+) -> None:
+    """Shutdown -> SIGTERM -> SIGKILL: the orderly ``shutdown()`` (e.g. send a Shutdown message) within
+    ``grace_s``, then ``grace_s`` to exit; a process still running then (or never asked) gets ``escalate()``,
+    SIGTERM and SIGKILL of its group with their own deadlines, however the process is reached.
+
+    ``shutdown`` None: straight to ``escalate``. Errors of ``shutdown`` are ignored (the ladder goes on).
+    """
+    asked = False
+    if proc.alive and shutdown is not None:
+        try:
+            async with asyncio.timeout(grace_s):
+                await shutdown()
+            asked = True
+        except Exception as e:  # noqa: BLE001 - a failed orderly stop just moves down the ladder
+            log.debug("%s: shutdown request failed: %s", proc.name, e)
+    if asked and await exited_within(proc, grace_s):
+        return
+    if proc.alive:
+        await escalate()
 
 
 class Child:
@@ -214,12 +266,7 @@ class Child:
 
     async def wait(self, timeout: float) -> bool:
         """True if the process exited within ``timeout`` seconds."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self.exited()
-        except TimeoutError:
-            return False
-        return True
+        return await exited_within(self, timeout)
 
     # ------------------------------------------------------------------ stopping
     def kill(self) -> None:
@@ -233,32 +280,27 @@ class Child:
         term_s: float = 5.0,
         kill_s: float = 5.0,
     ) -> int | None:
-        """Shutdown -> SIGTERM -> SIGKILL, each with its deadline; returns once the group is empty.
+        """Shutdown -> SIGTERM -> SIGKILL (``stop_ladder``), each with its deadline; returns once the
+        group is empty.
 
         ``shutdown`` is the orderly request (e.g. send a Shutdown message); its errors are ignored
         (the ladder goes on). Idempotent; shielded by callers that must not be interrupted.
         """
-        asked = False
-        if self.alive and shutdown is not None and not self._stopped:
-            try:
-                async with asyncio.timeout(grace_s):
-                    await shutdown()
-                asked = True
-            except Exception as e:  # noqa: BLE001 - a failed orderly stop just moves down the ladder
-                log.debug("%s: shutdown request failed: %s", self.name, e)
-        self._stopped = True
-        ladder = [(signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)]
-        for sig, wait_s in ([(None, grace_s)] if asked else []) + ladder:
-            if sig is not None:
-                if not self.alive:
-                    break
-                log.warning("%s (pid %d) still running; sending %s to its group", self.name, self.pid, sig.name)
-                signal_group(self.pid, sig)
-            if await self.wait(wait_s):
-                break
+        asked_before, self._stopped = self._stopped, True
+        await stop_ladder(self, grace_s, None if asked_before else shutdown, lambda: self._signal(term_s, kill_s))
         await self.reap_group()
         self._finalizer.detach()
         return self.returncode
+
+    async def _signal(self, term_s: float, kill_s: float) -> None:
+        """SIGTERM the group, wait ``term_s``; SIGKILL it, wait ``kill_s``."""
+        for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+            if not self.alive:
+                break
+            log.warning("%s (pid %d) still running; sending %s to its group", self.name, self.pid, sig.name)
+            signal_group(self.pid, sig)
+            if await self.wait(wait_s):
+                break
 
     async def reap_group(self, timeout: float = 5.0) -> bool:
         """SIGKILL whatever is left in the group (the leader may be gone while a grandchild lingers)

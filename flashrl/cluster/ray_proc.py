@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import ray
 
-from flashrl.procs import Child, exit_text, group_alive, tail
+from flashrl.procs import Child, exit_text, exited_within, group_alive, stop_ladder, tail
 
 log = logging.getLogger(__name__)
 
@@ -181,33 +181,22 @@ class RayProc:
         return self._code
 
     async def wait(self, timeout: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                await self.exited()
-        except TimeoutError:
-            return False
-        return True
+        return await exited_within(self, timeout)
 
     async def stop(self, grace_s: float = 10.0, shutdown: Callable[[], Awaitable[Any]] | None = None,
                    term_s: float = 5.0, kill_s: float = 5.0) -> int | None:
-        """Shutdown (orderly, from the controller) -> wait ``grace_s`` -> the actor's SIGTERM -> SIGKILL."""
-        asked = False
-        if self.alive and shutdown is not None and not self._stopped:
-            try:
-                async with asyncio.timeout(grace_s):
-                    await shutdown()
-                asked = True
-            except Exception as e:  # noqa: BLE001 - a failed orderly stop just moves down the ladder
-                log.debug("%s: shutdown request failed: %s", self.name, e)
-        self._stopped = True
-        if asked and await self.wait(grace_s):
-            pass
-        elif self.alive:
+        """Shutdown (orderly, from the controller) -> wait ``grace_s`` -> the actor's SIGTERM -> SIGKILL
+        (procs.stop_ladder)."""
+
+        async def escalate() -> None:
             log.warning("%s (pid %d on %s) still running; SIGTERM, then SIGKILL, to its group", self.name,
                         self.pid, self.node_ip)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(term_s + kill_s + CALL_TIMEOUT_S):
                     await self.actor.stop.remote(term_s, kill_s)
+
+        asked_before, self._stopped = self._stopped, True
+        await stop_ladder(self, grace_s, None if asked_before else shutdown, escalate)
         await self.reap_group(kill_s)
         await self.wait(kill_s + CALL_TIMEOUT_S)
         return self.returncode

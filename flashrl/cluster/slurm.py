@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, interface_host, proc_name, tcp_url
 from flashrl.cluster.local import KEYS_FILE
-from flashrl.procs import Child, exit_text, group_alive, tail
+from flashrl.procs import Child, exit_text, group_alive, stop_ladder, tail
 from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
 from flashrl.wire.protocol import (
     NODE_REPLIES,
@@ -720,6 +720,10 @@ async def _shutdown(client: RpcClient, timeout_s: float) -> None:
 
 
 # =========================================================================== the controller's launcher
+async def _nothing() -> None:
+    """The ladder's escalation for a RemoteProc: StopProc follows it either way."""
+
+
 class RemoteProc:
     """A process a node agent started (``Proc``); state cached from the launcher's polls."""
 
@@ -757,14 +761,9 @@ class RemoteProc:
         return await self.launcher.agent(self.node).request(msg, timeout=timeout)
 
     async def stop(self, grace_s: float = 10.0, shutdown: Callable[[], Awaitable[Any]] | None = None) -> int | None:
-        if self.alive and shutdown is not None:
-            try:
-                async with asyncio.timeout(grace_s):
-                    await shutdown()
-                async with asyncio.timeout(grace_s):
-                    await self.exited()
-            except Exception as e:  # noqa: BLE001 - a failed orderly stop moves down the ladder
-                log.debug("%s: shutdown request failed: %s", self.name, e)
+        """Shutdown -> SIGTERM -> SIGKILL (procs.stop_ladder): the orderly part from here; the signals, and
+        the reaping of the group (also of a process that exited), by its node's agent."""
+        await stop_ladder(self, grace_s, shutdown, _nothing)
         try:  # SIGTERM -> SIGKILL on its node; the reply comes once its process group is empty
             r = await self._request(StopProc(key=self.key, term_s=5.0), timeout=30.0)
             if isinstance(r, Reaped) and r.code is not None:

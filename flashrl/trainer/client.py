@@ -24,7 +24,7 @@ from typing import Any
 
 from flashrl.cluster.base import Launcher, Proc
 from flashrl.config import Config
-from flashrl.procs import Child, tail
+from flashrl.procs import Child, exited_within, tail
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     ComputeLogprobs,
@@ -234,7 +234,7 @@ class TrainerGroup:
                 asked = True
         self._closed = True
         if asked:  # rank 0 fans Shutdown out to the others: every rank gets the grace to exit
-            await asyncio.gather(*(_exit_within(c, grace_s) for c in self.children))
+            await asyncio.gather(*(exited_within(c, grace_s) for c in self.children))
         await asyncio.gather(*(c.stop() for c in self.children))  # then SIGTERM, SIGKILL, group reaped
         if self._rpc is not None:
             await self._rpc.close()
@@ -242,12 +242,3 @@ class TrainerGroup:
         if self._owned_launcher is not None:
             await self._owned_launcher.close()
 
-
-async def _exit_within(proc: Proc, timeout: float) -> bool:
-    """True if ``proc`` exited within ``timeout`` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            await proc.exited()
-    except TimeoutError:
-        return False
-    return True
