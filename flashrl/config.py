@@ -85,6 +85,9 @@ class EngineConfig(Section):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory per engine (cuda)")] = 0.5
     max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 128
     threads: Annotated[int, Meta(ge=1, description="CPU threads per engine (cpu)")] = 1
+    nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority of the engine processes (Linux nice, 0 = "
+                              "normal, up to 19): where engines share the cores with the trainer (a laptop), a "
+                              "higher value leaves the trainer's step, the critical path, the cores it needs")] = 0
     startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for an engine to come up")] = 600.0
     heartbeat_s: Annotated[float, Meta(ge=0, description="heartbeat interval (0 = off)")] = 5.0
     max_restarts: Annotated[int, Meta(ge=0, description="restarts of one engine within restart_window_s after it dies; past that it stays down and the run goes on with the others (0 = never restart)")] = 3
@@ -101,6 +104,9 @@ class TrainerConfig(Section):
     mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
     warmup_steps: Annotated[int, Meta(ge=0, description="linear lr warm-up over this many training steps: step s (from 0) uses lr * min(1, (s + 1) / warmup_steps); 0 = off")] = 0
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
+    share_prefix: Annotated[bool, Meta(description="forward each distinct prompt of a micro-batch once and every "
+                                       "sample's continuation against its keys/values (a group's samples share "
+                                       "their prompt); false: every sample forwards its whole sequence")] = True
 
 
 class DecoupledPPOOptions(Section):

@@ -355,6 +355,7 @@ def engine_options(cfg: Config, model_path: Path, i: int, device: str, address: 
         seed=cfg.run.seed + i,
         gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
         log_level=cfg.run.log_level,
+        nice=cfg.engine.nice,
     )
 
 

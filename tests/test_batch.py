@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.trainer.batch import BatchError, pad_batch, sampling_temperature, token_logprobs
+from flashrl.trainer.batch import (
+    BatchError,
+    pad_batch,
+    sampling_temperature,
+    split_prefixes,
+    to_aligned,
+    token_logprobs,
+)
 from flashrl.wire.protocol import TrainSample
 
 PAD = 0
@@ -89,3 +96,39 @@ def test_errors_name_the_sample_and_field() -> None:
         pad_batch([empty], PAD)
     with pytest.raises(BatchError, match="empty batch"):
         pad_batch([], PAD)
+
+
+def _group(prompt: list[int], responses: list[list[int]], group: int) -> list[TrainSample]:
+    return [TrainSample(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-1.0] * len(r),
+                        versions=[0] * len(r), reward=0.0, group=group) for r in responses]
+
+
+def test_split_prefixes_layout_exact() -> None:
+    """Two groups (prompts of 2 and 1 tokens), rows interleaved: each prompt once, right-padded; each
+    sample's continuation, its attention over [prompt | continuation] and its positions."""
+    a = _group([11, 12], [[21, 22], [23]], group=7)
+    b = _group([31], [[41, 42, 43], []], group=3)
+    pb = pad_batch([a[0], b[0], a[1], b[1]], PAD)
+    s = split_prefixes(pb, PAD)
+    assert s is not None
+    assert s.prefix_ids.tolist() == [[31, PAD], [11, 12]]  # groups in sorted order: 3, 7
+    assert s.prefix_attention.tolist() == [[1, 0], [1, 1]]
+    assert s.prefix_last.tolist() == [0, 1]
+    assert s.row_prefix.tolist() == [1, 0, 1, 0]
+    assert s.cont_ids.tolist() == [[21, 22, PAD], [41, 42, 43], [23, PAD, PAD], [PAD, PAD, PAD]]
+    assert s.cont_attention.tolist() == [[1, 1, 1, 1, 0], [1, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert s.cont_positions.tolist() == [[2, 3, 4], [1, 2, 3], [2, 3, 4], [1, 2, 3]]
+    # continuation token k lands where pad_batch put its target: column prompt_len - 1 + k
+    vals = torch.arange(1, 13, dtype=torch.float32).reshape(4, 3)
+    aligned = to_aligned(vals, s, pb.targets.shape[1])
+    assert torch.equal(aligned != 0, pb.loss_mask > 0)
+    assert pb.targets[aligned != 0].tolist() == [21, 22, 41, 42, 43, 23]
+    assert aligned[aligned != 0].tolist() == [1, 2, 4, 5, 6, 7]
+
+
+def test_split_prefixes_declines_when_it_cannot_or_need_not_share() -> None:
+    one_each = _group([11, 12], [[21]], 0) + _group([13], [[22]], 1)
+    assert split_prefixes(pad_batch(one_each, PAD), PAD) is None  # one sample per prompt: nothing to share
+    mixed = _group([11, 12], [[21], [22]], 0) + _group([11, 13], [[23]], 0)  # one group id, two prompts
+    assert split_prefixes(pad_batch(mixed, PAD), PAD) is None
+    assert split_prefixes(pad_batch(_group([11, 12], [[21], [22]], 0), PAD), PAD) is not None

@@ -150,7 +150,7 @@ def test_chaos_run_short(tmp_path: Path) -> None:
            "--kill-every", "15", "--engine-kills", "1", "--sync-kill", "0", "--controller-kill-after", "20",
            "--min-gain", "-100", "--end-after", "5", "--timeout-s", "500",
            "--set", "run.max_time_s=0", "--set", "run.steps=100000", "--set", "run.checkpoint_every=5",
-           "--set", "run.eval_every=50",
+           "--set", "run.eval_every=50", "--set", "engine.count=2",
            # env.eval_size stays the default: it is part of the built-in model's cache key (another would build one)
            "--set", "rollout.batch_prompts=4", "--set", "rollout.group_size=4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560,

@@ -343,3 +343,20 @@ def test_spawn_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
     finally:
         asyncio.run(ep.terminate(timeout=5))
 
+
+
+def test_yield_cpu_lowers_the_process_and_its_session() -> None:
+    """engine.nice: the engine process (in a session of its own, as every flashrl child) lowers its own
+    priority and, where the kernel groups by session (autogroup), its session's CPU weight."""
+    import subprocess
+    import sys
+
+    code = ("import os; from pathlib import Path; from flashrl.engine.server import yield_cpu; yield_cpu(7); "
+            "ag = Path('/proc/self/autogroup'); print(os.getpriority(os.PRIO_PROCESS, 0), "
+            "ag.read_text().split()[-1] if ag.exists() else 'none')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         start_new_session=True, check=True).stdout.split()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert int(out[0]) == min(19, base + 7)
+    if out[1] != "none":
+        assert out[1] == "7"

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 FAST = [  # the embedded default, cut down to what a fault test needs
     "--set", "run.steps=100000", "--set", "run.eval_every=0", "--set", "env.eval_size=8",
     "--set", "run.dashboard=plain", "--set", "rollout.batch_prompts=4", "--set", "rollout.group_size=4",
+    "--set", "engine.count=2",  # one engine dies while the other serves
 ]
 
 

@@ -146,7 +146,7 @@ def test_preflight_names_the_resource_and_the_numbers(cluster: dict[str, Any], t
     assert _alive_proc_actors() == 0 and _live_pgs() == 0  # nothing started
 
     # through the CLI: exit 2 with the message, before any process starts
-    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--set", "engine.count=2",
            "--set", f"run.output_dir={tmp_path}", "--set", "run.dashboard=plain", "--set", "cluster.launcher=ray",
            "--set", f"cluster.ray.address={addr}", "--set", "cluster.ray.engine_gpus=1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -300,7 +300,7 @@ def test_a_killed_driver_of_a_private_instance_leaves_nothing_behind(tmp_path: P
 @pytest.mark.timeout(600)
 def test_flashrl_run_two_engines_on_node_a_trainer_on_node_b(cluster: dict[str, Any], tmp_path: Path) -> None:
     steps = 4
-    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--set", "engine.count=2",
            "--set", f"run.output_dir={tmp_path}", "--set", "run.name=ray", "--set", f"run.steps={steps}",
            "--set", "run.eval_every=0", "--set", "env.eval_size=16", "--set", "run.dashboard=plain",
            "--set", "run.max_time_s=0", "--set", "cluster.launcher=ray", "--set", "cluster.interface=auto",

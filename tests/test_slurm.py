@@ -120,7 +120,8 @@ engines = [0, 1, 2]
 
 
 def test_cpu_layout_puts_engines_off_node_0(tmp_path: Path) -> None:
-    cfg = load(ROOT / "configs" / "tiny.toml", ["cluster.launcher=slurm", "cluster.slurm.nodes=2", "cluster.interface=auto"])
+    cfg = load(ROOT / "configs" / "tiny.toml", ["cluster.launcher=slurm", "cluster.slurm.nodes=2", "cluster.interface=auto",
+                                               "engine.count=2"])
     p = slurm.plan(cfg)
     assert p.ranks == [[0], []] and p.engines == [[], [0, 1]]
     assert p.describe(0) == "controller (rendezvous); trainer rank 0"

@@ -54,6 +54,7 @@ def render(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
     the submit path writes them before sbatch. Returns (script, run dir)."""
     sets = [f"run.output_dir={tmp_path}/runs", "run.name=two", "run.dashboard=plain", "cluster.interface=auto",
             "cluster.slurm.nodes=2", f"cluster.slurm.port={_ports()}", "cluster.slurm.heartbeat_timeout_s=10",
+            "engine.count=2",
             *overrides]
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "slurm", "--dry-run"]
     for s in sets:

@@ -318,6 +318,19 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
     local, _ = build_manifest(w2, steps, groups[2].cfg.weight_sync.bucket_mb, tie_word_embeddings=True)
     assert [b.checksum for b in man2.buckets] == [b.checksum for b in local.buckets]
     assert man2.version == steps and man1.buckets[0].tensors == man2.buckets[0].tensors
+    # checkpoints load across layouts: one rank's (a plain module) into two FSDP ranks, and back
+    for ranks, ckpt, expect_lp in ((2, ck1, lp1), (1, ck2, lp2)):
+        cfg = _cfg(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
+        run_dir = tmp_path / f"resumed{ranks}"
+        run_dir.mkdir()
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        g = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=ckpt)
+        try:
+            await g.wait_ready(120)
+            assert await g.ping() == steps
+            assert await g.compute_logprobs(PROMPT, GOOD) == pytest.approx(expect_lp, abs=1e-5)
+        finally:
+            await g.close()
 
 
 @pytest.mark.slow

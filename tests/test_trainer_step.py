@@ -122,11 +122,53 @@ def test_gradient_matches_a_hand_computed_policy_gradient(model_path: Path) -> N
 def test_first_mini_batch_needs_no_proximal_forward(model_path: Path) -> None:
     """Two mini-batches: one no-grad forward (mini-batch 2's proximal logprobs) besides the two training
     forwards; mini-batch 1 is on the step's starting weights, so its ratios are exactly 1."""
-    t = PolicyTrainer(_cfg(mini_batches=2), _model(model_path), torch.device("cpu"))
+    t = PolicyTrainer(_cfg(mini_batches=2, share_prefix=False), _model(model_path), torch.device("cpu"))
     calls: list[bool] = []
     t.model.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
     r = t.train_step(_batch(0))
     assert r is not None
     assert calls == [False, True, True]  # proximal(mini 2), train(mini 1), train(mini 2)
+    calls.clear()
+    t.cfg.trainer.share_prefix = True  # each forward: the distinct prompts, then the continuations
+    t.train_step(_batch(1))
+    assert calls == [False, False, True, True, True, True]
     assert r.metrics["optimizer_steps"] == 2
     assert r.metrics["ratio/mean"] != 1.0  # mini-batch 2 moved away from its proximal policy
+
+
+def test_shared_prefix_forward_matches_the_padded_forward(model_path: Path) -> None:
+    """trainer.share_prefix: each distinct prompt forwarded once, the continuations against its keys and
+    values. Same logprobs, entropies and gradients as forwarding every padded sequence whole, on a batch
+    with prompts of different lengths, shuffled rows, an empty response and a masked observation token."""
+    import random
+
+    rng = random.Random(0)
+    samples = []
+    for g in range(5):
+        prompt = [1] + [rng.randrange(3, 40) for _ in range(rng.randrange(2, 9))]
+        for j in range(6):
+            resp = [rng.randrange(3, 40) for _ in range(rng.randrange(0 if (g, j) == (2, 3) else 1, 7))]
+            mask = [0 if (g, j, k) == (1, 2, 1) else 1 for k in range(len(resp))]  # an observation token
+            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=mask,
+                                       behav_logp=[-1.0] * len(resp), versions=[0] * len(resp), reward=0.0,
+                                       group=g))
+    rng.shuffle(samples)
+    t = PolicyTrainer(_cfg(), _model(model_path), torch.device("cpu"))
+    b = pad_batch(samples, t.pad_id)
+    out = {}
+    for share in (False, True):
+        t.cfg.trainer.share_prefix = share
+        t.model.zero_grad()
+        logp, entropy = t.forward_logprobs(t.model, b)
+        (logp * b.loss_mask * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+        out[share] = (logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in t.model.named_parameters()})
+    m = b.loss_mask > 0
+    torch.testing.assert_close(out[True][0][m], out[False][0][m], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[True][1][m], out[False][1][m], rtol=1e-5, atol=1e-4)
+    col = torch.arange(b.targets.shape[1])[None, :]
+    response = (col >= b.prompt_lens[:, None] - 1) & (col < b.attention_mask.sum(-1)[:, None] - 1)
+    assert torch.all(out[True][0][~response] == 0)  # nothing on prompt or padding positions
+    obs = response & ~m  # the observation token: scored as in the padded forward (the loss masks it)
+    torch.testing.assert_close(out[True][0][obs], out[False][0][obs], rtol=1e-5, atol=1e-4)
+    for n, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][n], g, rtol=1e-3, atol=1e-5, msg=n)

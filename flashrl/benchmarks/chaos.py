@@ -1,6 +1,6 @@
 """``flashrl bench chaos [CONFIG]``: a training run under repeated failures, and the proof it lost nothing.
 
-    flashrl run CONFIG (segment 1, FLASHRL_PARENT_PID = this process: it dies with the bench)
+    flashrl run CONFIG --set engine.count=2 (segment 1, FLASHRL_PARENT_PID = this process: it dies with the bench)
       every --kill-every s after the first step: SIGKILL one engine process, engine0 / engine1 / ...
         in turn (only an engine that is serving: one the controller has reported back), and the
         --sync-kill-th kill lands inside a weight sync: the engine's own fault hook
@@ -659,7 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     chaos = Chaos(a.config, out, kill_every=a.kill_every, controller_kill_after=a.controller_kill_after,
-                  sync_kill=a.sync_kill, sets=a.sets, timeout_s=a.timeout_s, engine_kills=a.engine_kills,
+                  # two engines by default (the embedded default runs one): a killed engine's requests
+                  # move to the other while it restarts; a --set engine.count=N given here wins
+                  sync_kill=a.sync_kill, sets=["engine.count=2", *a.sets], timeout_s=a.timeout_s,
+                  engine_kills=a.engine_kills,
                   min_gain=a.min_gain, end_after=a.end_after)
     rep = chaos.run()
     command = "flashrl bench chaos " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -42,6 +42,7 @@ import signal
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -87,6 +88,7 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: Annotated[int, Meta(ge=0, description="vLLM's global seed (per-request seeds override it)")] = 0
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory (cuda)")] = 0.5
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
+    nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority: Linux nice of this process and its session")] = 0
 
 
 def options_to_argv(opts: EngineOptions) -> list[str]:
@@ -386,6 +388,18 @@ async def _inject_sync_fault(name: str, version: int) -> None:
 
 
 # --------------------------------------------------------------------------- process wrapper
+def yield_cpu(nice: int) -> None:
+    """Lower this engine's CPU priority by ``nice`` (engine.nice): the process (and the EngineCore it
+    starts) and, on Linux with autogroup scheduling, its session, which is what competes with the
+    trainer's and controller's sessions for the cores (every flashrl child has a session of its own,
+    so a plain nice would only order the processes inside this one)."""
+    if nice <= 0:
+        return
+    os.nice(nice)
+    with contextlib.suppress(OSError):  # no autogroup (kernel option off, not Linux): the nice alone
+        Path("/proc/self/autogroup").write_text(str(nice))
+
+
 def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
     """Create the AsyncLLM (takes ~20 s on the CPU for the tiny model)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -475,6 +489,7 @@ def serve(opts: EngineOptions) -> int:
         # override it, so it must not leak in from the parent's environment.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    yield_cpu(opts.nice)
     rc = asyncio.run(_serve(opts))
     # Collect the shut-down AsyncLLM now: its __del__ fails if it runs during interpreter teardown.
     gc.collect()

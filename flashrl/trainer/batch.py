@@ -163,3 +163,87 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+# --------------------------------------------------------------------------- shared prompt prefixes
+@dataclass(frozen=True)
+class PrefixSplit:
+    """A batch cut into each distinct prompt once and every sample's continuation (GRPO's group layout).
+
+    A group's samples share their prompt, so its tokens go through the model once (``prefix``: the G
+    distinct prompts, right-padded) and each sample forwards only what follows (``cont``: B
+    continuations, right-padded) against its prompt's keys and values::
+
+        prefix_ids [G, P]     p0 p1 p2 pad                 (one row per distinct prompt)
+        cont_ids   [B, R]     r0 r1 r2 r3                  (row i continues prefix row_prefix[i])
+        logits predicting r0: the prefix's last real position; r1..: the continuation's positions 0..R-2
+
+    The continuation attends to keys [prefix P | continuation R] under ``cont_attention`` [B, P + R]
+    (the prefix's padding masked out) at positions ``cont_positions`` = its prompt length + 0, 1, ...:
+    the same keys, queries and positions as the padded batch, so the logprobs are the same up to float
+    rounding (tests/test_batch.py) while the model sees sum(P_g) + sum(R_i) tokens instead of B x L.
+    """
+
+    prefix_ids: torch.Tensor  # [G, P] long
+    prefix_attention: torch.Tensor  # [G, P] long
+    prefix_last: torch.Tensor  # [G] long: index of each prompt's last real token
+    row_prefix: torch.Tensor  # [B] long: the prefix row of each sample
+    cont_ids: torch.Tensor  # [B, R] long (pad after each continuation)
+    cont_attention: torch.Tensor  # [B, P + R] long
+    cont_positions: torch.Tensor  # [B, R] long
+    cols: torch.Tensor  # [B, R] long: the aligned column (0 .. T-1 + R) of continuation token k
+    valid: torch.Tensor  # [B, R] bool: k < the sample's continuation length
+
+    def to(self, device: torch.device | str) -> PrefixSplit:
+        return PrefixSplit(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def split_prefixes(b: PaddedBatch, pad_id: int, min_share: float = 1.5) -> PrefixSplit | None:
+    """``b`` as a PrefixSplit, or None when sharing would not pay (fewer than ``min_share`` samples
+    per distinct prompt on average) or the batch has samples of one group with different prompts."""
+    n = b.size
+    if n < 2:
+        return None
+    groups, first = torch.unique(b.groups, return_inverse=True)
+    g = len(groups)
+    if n < min_share * g:
+        return None
+    # the representative (first) row of every group, and the check that the group shares its prompt
+    rep = torch.full((g,), n, dtype=torch.long).scatter_reduce(0, first, torch.arange(n), reduce="amin")
+    plen = b.prompt_lens
+    if not torch.equal(plen, plen[rep][first]):
+        return None
+    p = int(plen.max())
+    col = torch.arange(p)
+    in_prompt = col[None, :] < plen[:, None]  # [B, P]
+    if not torch.equal(torch.where(in_prompt, b.input_ids[:, :p], -1),
+                       torch.where(in_prompt, b.input_ids[rep][first][:, :p], -1)):
+        return None
+    total = b.attention_mask.sum(-1)  # [B] real tokens
+    cont_len = total - plen
+    r = max(int(cont_len.max()), 1)
+    k = torch.arange(r)
+    valid = k[None, :] < cont_len[:, None]
+    src = (plen[:, None] + k[None, :]).clamp(max=b.input_ids.shape[1] - 1)
+    cont_ids = torch.where(valid, b.input_ids.gather(1, src), pad_id)
+    prefix_attention = in_prompt[rep].long()
+    return PrefixSplit(
+        prefix_ids=torch.where(in_prompt[rep], b.input_ids[rep, :p], pad_id),
+        prefix_attention=prefix_attention,
+        prefix_last=plen[rep] - 1,
+        row_prefix=first,
+        cont_ids=cont_ids,
+        cont_attention=torch.cat([prefix_attention[first], valid.long()], dim=1),
+        cont_positions=plen[:, None] + k[None, :],
+        cols=plen[:, None] - 1 + k[None, :],
+        valid=valid,
+    )
+
+
+def to_aligned(values: torch.Tensor, split: PrefixSplit, width: int) -> torch.Tensor:
+    """Continuation-token values [B, R] (token k of sample i) placed in aligned columns [B, width]
+    (column prompt_len - 1 + k, as pad_batch lays out targets); 0 elsewhere. Keeps the gradient."""
+    b, r = values.shape
+    out = values.new_zeros((b, width + r))
+    out = out.scatter(1, split.cols.to(values.device), values * split.valid.to(values.device))
+    return out[:, :width]

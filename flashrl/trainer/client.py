@@ -109,6 +109,9 @@ class TrainerGroup:
                     "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                     "MASTER_ADDR": master, "MASTER_PORT": str(master_port),
                     "OMP_NUM_THREADS": str(cfg.trainer.threads),
+                    # idle OpenMP threads sleep instead of spinning: the rank shares the cores with the
+                    # engines, and a spinning pool (threads > 1) steals them from a busy engine
+                    "OMP_WAIT_POLICY": "PASSIVE",
                 }
                 children.append(await launcher.spawn("trainer", rank, cmd, env, run_dir / "logs" / f"trainer{rank}.log"))
         except BaseException:

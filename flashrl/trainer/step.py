@@ -46,7 +46,14 @@ import torch
 
 from flashrl.config import Config
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
-from flashrl.trainer.batch import PaddedBatch, pad_batch, token_logprobs
+from flashrl.trainer.batch import (
+    PaddedBatch,
+    PrefixSplit,
+    pad_batch,
+    split_prefixes,
+    to_aligned,
+    token_logprobs,
+)
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
@@ -222,8 +229,28 @@ class PolicyTrainer:
         the engines' behaviour logprobs compares one distribution. With FSDP every rank calls it.
         """
         t = self.temperature if temperature is None else temperature
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
-        return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
+        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix else None
+        if split is None:
+            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+            return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
+        return self._shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
+
+    @staticmethod
+    def _shared_prefix_logprobs(model: torch.nn.Module, b: PaddedBatch, s: PrefixSplit, entropy_grad: bool,
+                                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_logprobs`` with each distinct prompt forwarded once (batch.PrefixSplit): the prompts'
+        keys and values are gathered to their samples (index_select: the gradient of every sample
+        flows back into its prompt's one forward), then the continuations run against them."""
+        pre = model(input_ids=s.prefix_ids, attention_mask=s.prefix_attention, use_cache=True)
+        cache = pre.past_key_values
+        cache.reorder_cache(s.row_prefix)  # [G] prompts -> [B] samples
+        cont = model(input_ids=s.cont_ids, attention_mask=s.cont_attention, position_ids=s.cont_positions,
+                     past_key_values=cache, use_cache=True)
+        first = pre.logits[s.row_prefix, s.prefix_last[s.row_prefix]]  # [B, V]: predicts continuation token 0
+        logits = torch.cat([first.unsqueeze(1), cont.logits[:, :-1]], dim=1)  # [B, R, V]
+        logp, entropy = token_logprobs(logits, s.cont_ids, entropy_grad=entropy_grad, temperature=temperature)
+        width = b.targets.shape[1]
+        return to_aligned(logp, s, width), to_aligned(entropy, s, width)
 
     @staticmethod
     def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:

@@ -143,8 +143,8 @@ class Trainer(PolicyTrainer):
     message in the same order; it returns the reply on rank 0 (None elsewhere, and None for requests
     rank 0 answers without a reply).
 
-    Every rank holds an FSDP2-sharded model, one rank alone too (see ``sharded`` below); with one
-    rank the metric reductions and the request fan-out are skipped (nothing to reduce or send).
+    Every rank holds an FSDP2-sharded model; one rank alone holds the plain module (see ``sharded``
+    below), and its metric reductions and request fan-out are skipped (nothing to reduce or send).
     """
 
     def __init__(self, cfg: Config, model_path: str, device: torch.device) -> None:
@@ -157,11 +157,10 @@ class Trainer(PolicyTrainer):
         if device.type == "cuda" and cfg.model.dtype != "float32":
             compute = getattr(torch, cfg.model.dtype)
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        # FSDP2 even for one rank, for now. A plain module on one rank (no hooks, no collectives) computes
-        # the same step; the two-rank test's mismatch that kept it off was FSDP's clip missing the root
-        # group (fixed in PolicyTrainer._update: the optimizer's parameters are clipped). Turning the
-        # plain path on is `self.sharded = comm.world > 1 or mp is not None` once the slow tests pass.
-        self.sharded = True
+        # One rank alone holds a plain module (no FSDP hooks, all-gathers or DTensors: the same step, less
+        # fixed cost); FSDP2 with more ranks, or for a GPU mixed-precision policy (FSDP2 applies it).
+        # DCP checkpoints load across the two (tests/test_resume.py resumes at another world size).
+        self.sharded = comm.world > 1 or mp is not None
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
         def build() -> torch.nn.Module:
             m = build_policy(model_path, mesh, mp, self.sharded)
