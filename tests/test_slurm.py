@@ -233,7 +233,7 @@ def test_cli_dry_run_prints_and_writes_the_script(tmp_path: Path) -> None:
 def test_cli_launcher_flag_is_the_set_shorthand(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "slurm",
                         "--dry-run", "--set", f"run.output_dir={tmp_path}", "--set", "cluster.slurm.nodes=2",
-                        "--set", "cluster.interface=auto"], capture_output=True, text=True, timeout=120)
+                        "--set", "cluster.interface=auto", "--set", "engine.count=2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert '1) exec "$PY" -m flashrl.cli node "$CONFIG" --node 1 ;;  # engines 0-1' in r.stdout
     r = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "pbs",
@@ -249,7 +249,7 @@ def _agent_cfg(tmp_path: Path, port: int, nodes: int = 2, extra: list[str] | Non
     return load(ROOT / "configs" / "tiny.toml", [
         f"run.output_dir={tmp_path}", "run.name=agents", "cluster.launcher=slurm", "cluster.interface=auto",
         f"cluster.slurm.nodes={nodes}", f"cluster.slurm.port={port}", "cluster.slurm.heartbeat_timeout_s=4",
-        "trainer.ranks=2", *(extra or []),
+        "trainer.ranks=2", "engine.count=2", *(extra or []),
     ])
 
 
