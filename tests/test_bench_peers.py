@@ -120,6 +120,11 @@ def test_trl_settings_map_the_config() -> None:
     assert s["shuffle_dataset"] is False and s["scale_rewards"] == "group"
 
 
+def test_trl_settings_take_decoupled_ppo_as_the_clipped_loss() -> None:
+    """On-policy (TRL's data) decoupled_ppo's behaviour weight is 1: the same settings as ppo."""
+    assert trl_settings(load(TINY, ["algorithm.loss=decoupled_ppo"])) == trl_settings(load(TINY, ["algorithm.loss=ppo"]))
+
+
 @pytest.mark.parametrize("override, key", [
     ("algorithm.loss=cispo", "algorithm.loss"),
     ("algorithm.loss_agg=seq-mean-token-mean", "algorithm.loss_agg"),

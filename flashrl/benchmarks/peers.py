@@ -245,6 +245,10 @@ What differs:
 - Off-policy: async flashrl trains on samples up to scheduler.async_ratio versions old (the loss's
   importance ratio handles it); TRL and flashrl sync are on-policy (the second optimizer step of a
   training step is one update behind, in both, against recomputed old logprobs).
+- Loss: with `algorithm.loss = "decoupled_ppo"` flashrl multiplies the clipped loss by a behaviour
+  importance weight min(pi_prox / pi_behav, w_max); TRL's clipped loss has none. On-policy data (TRL's,
+  flashrl sync's) has weight 1, so the losses are the same there; the weight acts on async flashrl's
+  stale samples only.
 - Mini-batches: TRL shuffles the 128 samples before splitting them into its 2 optimizer steps;
   flashrl splits the batch in order (groups stay together).
 - Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
@@ -519,8 +523,12 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
     problems = []
     if ro.max_turns != 1:
         problems.append(f"rollout.max_turns = {ro.max_turns} (the TRL peer is single-turn; set 1)")
-    if alg.loss not in ("ppo", "grpo"):
-        problems.append(f"algorithm.loss = {alg.loss!r} (the TRL peer runs the clipped PPO/GRPO loss; set 'ppo')")
+    # decoupled_ppo = the clipped loss x a behaviour importance weight min(pi_prox / pi_behav, w_max). TRL
+    # samples with its training weights and recomputes old logprobs at the step's start, so on its
+    # on-policy data that weight is 1: the same loss as TRL's clipped one (it differs on stale samples only).
+    if alg.loss not in ("ppo", "grpo", "decoupled_ppo"):
+        problems.append(f"algorithm.loss = {alg.loss!r} (the TRL peer runs the clipped PPO/GRPO loss; set 'ppo' "
+                        "or 'decoupled_ppo')")
     if alg.loss_agg != "token-mean":
         problems.append(f"algorithm.loss_agg = {alg.loss_agg!r} (the TRL peer maps only 'token-mean')")
     for key, val in (("entropy_coef", alg.entropy_coef), ("dual_clip", alg.dual_clip)):
