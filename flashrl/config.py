@@ -203,6 +203,7 @@ MOVED_ALGORITHM_KEYS = {
 class WeightSyncConfig(Section):
     bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
     timeout_s: Annotated[float, Meta(gt=0, description="deadline for one weight sync")] = 300.0
+    overlap: Annotated[bool, Meta(description="broadcast version v+1 and load it on the engines while the trainer trains the next step (only the prepare, the gather + pack, stays on the step's path); false = the serial order: train, sync, next step")] = True
 
 
 class LogConfig(Section):

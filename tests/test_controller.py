@@ -148,15 +148,19 @@ def test_sync_baseline_waits_for_published_weights() -> None:
     n_engines=st.integers(1, 3),
     queue=st.booleans(),
     redundancy=st.integers(0, 1),
+    overlap=st.booleans(),
 )
-def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool, redundancy: int) -> None:
+def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool,
+                                        redundancy: int, overlap: bool) -> None:
     cfg = config(
         run={"steps": 8, "seed": seed},
         rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4},
         scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+        weight_sync={"overlap": overlap},
     )
-    engines = [FakeEngine(f"e{i}", long_tail(seed + i)) for i in range(n_engines)]
-    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0))
+    # the sync takes a while (0.5 s engines, 0.3 s trainer): with overlap it runs beside the next step
+    engines = [FakeEngine(f"e{i}", long_tail(seed + i), sync_s=0.5) for i in range(n_engines)]
+    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0), sync_s=0.3)
     records: list[dict[str, Any]] = []
     c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=lambda r: records.append(r.to_dict()))
     summary, left = run(c)
@@ -618,3 +622,140 @@ def test_all_engines_given_up_is_a_loud_error() -> None:
     c = Controller(cfg, TOK, ScriptedSuite(), [only], FakeTrainer(), restarter=FakeRestarter(give_up=True))
     with pytest.raises(RuntimeError, match="no live engine"):
         run(c)
+
+
+# --------------------------------------------------------------------------- weight sync beside training
+class TimedTrainer(FakeTrainer):
+    """Records when each send of a version ended (loop time) and which calls overlapped."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.sent_at: dict[int, float] = {}
+        self.sending = 0
+        self.prepared_while_sending: list[int] = []
+
+    async def prepare_weights(self, version: int) -> Any:
+        if self.sending:
+            self.prepared_while_sending.append(version)
+        return await super().prepare_weights(version)
+
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        self.sending += 1
+        try:
+            await super().send_weights(version, peers)
+        finally:
+            self.sending -= 1
+        self.sent_at[version] = asyncio.get_running_loop().time()
+
+
+def _overlap_run(overlap: bool, ratio: int = 2, steps: int = 6) -> tuple[RunSummary, TimedTrainer, list[FakeEngine], list[dict[str, Any]]]:
+    cfg = config(run={"steps": steps, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2},
+                 scheduler={"async_ratio": ratio}, weight_sync={"overlap": overlap})
+    engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 0.1), sync_s=1.5) for i in range(2)]
+    trainer = TimedTrainer(train_s=2.0, sync_s=1.0)
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=3), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == steps
+    return summary, trainer, engines, records
+
+
+def test_overlap_trains_the_next_step_while_the_engines_load() -> None:
+    summary, trainer, engines, records = _overlap_run(True)
+    serial, s_trainer, s_engines, s_records = _overlap_run(False)
+    # the batch of step s+1 is ready (async_ratio 2, generation takes 0.1 s): its training starts before
+    # the sync of version s+1 has reached the engines (1.5 s) -- with overlap, never without
+    for s in range(1, 6):
+        synced = max(e._history[s][0] for e in engines)  # version s loaded on every engine
+        assert trainer.train_times[s] < synced, s
+        s_synced = max(e._history[s][0] for e in s_engines)
+        assert s_trainer.train_times[s] >= s_synced, s
+    assert trainer.prepared_while_sending == [] and s_trainer.prepared_while_sending == []
+    # every engine loaded every version, in order; the records say where the time went
+    assert all(e.updates == [1, 2, 3, 4, 5, 6] for e in engines + s_engines)
+    assert [r["step"] for r in records] == [r["step"] for r in s_records] == [0, 1, 2, 3, 4, 5, 6]
+    for r, q in zip(records[1:], s_records[1:]):
+        assert r["time/weight_sync_s"] == q["time/weight_sync_s"] == pytest.approx(1.5)  # the sync's own time
+        assert q["time/sync/wait_s"] == pytest.approx(1.5)  # serial: all of it on the step's path
+    assert [r["time/sync/wait_s"] for r in records[2:]] == [0.0] * 5  # 2 s of training hid the 1.5 s sync
+    assert records[1]["time/sync/wait_s"] == 0.0  # nothing was pending before step 1
+    # same steps, same versions trained per step (generation is fast: on-policy either way), 1.5 s less a step
+    assert summary.elapsed_s < serial.elapsed_s - 5 * 1.4
+    assert [len(b.samples) for b in trainer.batches] == [len(b.samples) for b in s_trainer.batches]
+
+
+@pytest.mark.parametrize("eval_s", [0.3, 3.0])
+def test_overlap_eval_tokens_come_only_from_the_evaluated_version(eval_s: float) -> None:
+    """An eval shorter than the sync (0.3 s against 1 s: it must wait for its version to be loaded)
+    and one longer than a train step (3 s against 1 s: the next sync must wait for it): every eval
+    token is from the version the eval is of."""
+
+    class Recording(FakeEngine):
+        def __init__(self, name: str) -> None:
+            super().__init__(name, lambda r, v: ([ord("1")] * 3, eval_s if r.request_id.startswith("eval") else 0.2),
+                             sync_s=1.0)
+            self.outputs: list[tuple[str, list[int]]] = []
+
+        async def generate(self, req: Generate) -> Any:
+            out = await super().generate(req)
+            self.outputs.append((req.request_id, out.versions))
+            return out
+
+    cfg = config(run={"steps": 7, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2},
+                 scheduler={"async_ratio": 2})
+    engines = [Recording("e0"), Recording("e1")]
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=1.0, sync_s=0.5),
+                                   on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == 7
+    evals = [(rid, v) for e in engines for rid, v in e.outputs if rid.startswith("eval")]
+    assert {int(rid[4:].split("-")[0]) for rid, _ in evals} == {0, 2, 4, 6, 7}
+    assert len(evals) == 5 * 4
+    for rid, versions in evals:
+        version = int(rid[4:].split("-")[0])
+        assert versions and set(versions) == {version}, (rid, versions)
+    assert [r["step"] for r in records] == list(range(8))
+    assert all(e.updates == list(range(1, 8)) for e in engines)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("where", ["engine", "trainer"])
+def test_sync_failure_ends_the_run_with_its_named_error(overlap: bool, where: str) -> None:
+    class FailingSend(FakeTrainer):
+        async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+            await super().send_weights(version, peers)
+            if version == 3:
+                raise RuntimeError("trainer rank 0 died while sending weights version 3 (fake)")
+
+    cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1}, scheduler={"async_ratio": 2},
+                 weight_sync={"overlap": overlap})
+    bad = FakeEngine("bad", update_ok=where != "engine")
+    trainer = FailingSend(train_s=1.0, sync_s=0.5) if where == "trainer" else FakeTrainer(train_s=1.0, sync_s=0.5)
+    engines = [FakeEngine("e0"), bad]
+    c = Controller(cfg, TOK, ScriptedSuite(), engines, trainer)
+
+    async def main() -> set[asyncio.Task[Any]]:
+        with pytest.raises(RuntimeError) as ei:
+            await c.run()
+        want = "engine bad failed to load weights version 1" if where == "engine" else "while sending weights version 3"
+        assert want in str(ei.value)
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert run_virtual(main) == set()
+    assert c.status == "crashed"
+    assert c.version <= (1 if where == "engine" else 4)  # at most the step beside the failed sync was trained
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sync_mode_with_overlap_runs_to_completion_on_policy(overlap: bool) -> None:
+    """async_ratio 0: the next batch needs the new weights, so the loop is serial whatever the switch;
+    every token of step s's batch is from version s; evals and checkpoints on the way."""
+    cfg = config(run={"steps": 6, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2},
+                 scheduler={"async_ratio": 0, "queue_scheduling": False}, weight_sync={"overlap": overlap})
+    engines = [FakeEngine(f"e{i}", long_tail(i), sync_s=0.5) for i in range(2)]
+    trainer = FakeTrainer(train_s=1.0, sync_s=0.25)
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == 6 and summary.stop_reason == "steps"
+    assert all(v == b.step for b in trainer.batches for s in b.samples for v in s.versions)
+    assert summary.counters.get("stale/dropped_samples", 0) == 0
+    assert [r["step"] for r in records] == list(range(7))

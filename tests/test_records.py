@@ -36,7 +36,7 @@ TRAINED = [
     "time/train_s", "time/weight_sync_s", "time/elapsed_s", "samples", "samples_per_s", "tokens_per_s",
     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "turns/mean",
     "response_len/mean", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
-    "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/quiesce_s",
+    "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/quiesce_s", "time/sync/wait_s",
     "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s",
 ]
 EVALUATED = TRAINED + ["eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", "time/eval_s"]

@@ -363,3 +363,80 @@ def test_fsdp_clips_every_parameter_after_a_proximal_pass(world1, model_path: Pa
     assert r1 is not None and r2 is not None
     assert r1.metrics["grad_norm"] == pytest.approx(r2.metrics["grad_norm"], rel=1e-5)
     assert r1.metrics["loss"] == pytest.approx(r2.metrics["loss"], abs=1e-6)
+
+
+class _HeldSender:
+    """Stands in for rank 0's WeightSender (tests only): each send blocks until released, like an engine
+    slow to receive, and records the checksums of the buckets it was given."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.sent: list[list[str]] = []
+
+    def send(self, buckets: list[torch.Tensor], peers: list[str] | None = None) -> tuple[float, dict[str, str]]:
+        from flashrl.wire.weights import bucket_checksum
+
+        self.started.set()
+        assert self.release.wait(60), "never released"
+        self.sent.append([bucket_checksum(b) for b in buckets])
+        return 0.0, {}
+
+
+@pytest.mark.timeout(180)
+async def test_rank0_trains_while_a_send_runs_and_refuses_a_prepare_meanwhile(world1, model_path: Path,
+                                                                                tmp_path: Path) -> None:
+    """leader_loop: SendWeights runs on its own thread, so a TrainStep completes while it sends; the
+    buckets being sent are the prepared version's, unchanged by that step; a PrepareWeights while the
+    send runs is a loud error (before any gather), and works again once the send is done."""
+    import asyncio
+
+    from flashrl.trainer.worker import Fanout, leader_loop
+    from flashrl.wire import protocol
+    from flashrl.wire.protocol import (
+        Ok,
+        PrepareWeights,
+        SendWeights,
+        Shutdown,
+        TrainResult,
+        TrainStep,
+        WeightManifest,
+    )
+    from flashrl.wire.transport import RpcClient
+
+    trainer = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    held = _HeldSender()
+    trainer._sender = held
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = asyncio.create_task(leader_loop(trainer, Fanout(torch.device("cpu"), [False]), address))
+    client = RpcClient(address, protocol.TRAINER_REPLIES, name="trainer")
+    client.start()
+    loop = asyncio.get_running_loop()
+    try:
+        v1 = await client.request(PrepareWeights(version=1), timeout=60)
+        assert isinstance(v1, WeightManifest)
+        send = asyncio.ensure_future(client.request(SendWeights(version=1), timeout=120))
+        assert await loop.run_in_executor(None, held.started.wait, 30)
+        result = await client.request(TrainStep(batch=_batch(0)), timeout=60)  # beside the send
+        assert isinstance(result, TrainResult) and not send.done()
+        with pytest.raises(RemoteError, match=r"PrepareWeights\(2\) while SendWeights\(1\) is still sending"):
+            await client.request(PrepareWeights(version=2), timeout=60)
+        held.release.set()
+        reply = await send
+        assert isinstance(reply, Ok) and "sent version 1" in reply.info
+        assert held.sent == [[b.checksum for b in v1.buckets]]  # what v1's manifest promised, not the trained weights
+        v2 = await client.request(PrepareWeights(version=2), timeout=60)
+        assert isinstance(v2, WeightManifest) and [b.checksum for b in v2.buckets] != [b.checksum for b in v1.buckets]
+        # a catch-up resend of the published version does not block a prepare: only a publication does
+        held.release.set()
+        again = await client.request(SendWeights(version=1), timeout=60)
+        assert isinstance(again, Ok) and len(held.sent) == 2
+        await client.request(Shutdown(), timeout=30)
+        await asyncio.wait_for(server, 30)
+    finally:
+        held.release.set()
+        await client.close()
+        if not server.done():
+            server.cancel()

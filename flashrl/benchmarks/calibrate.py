@@ -118,7 +118,7 @@ def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[str, float] | None = None) -> Prediction:
     """Simulate the run in ``run_dir`` with ``profile`` and compare its step time with the measured one."""
-    cfg = load(run_dir / "config.toml")
+    cfg = _as_measured(load(run_dir / "config.toml"), tomllib.loads((run_dir / "config.toml").read_text()))
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = compared_steps(records)
     if not steps:
@@ -256,12 +256,21 @@ def load_cross_runs(path: Path) -> list[CrossRun]:
     for p in doc["points"]:
         for v, key in (("base", "base_config"), ("flash", "flash_config")):
             cfg_tree = _known_keys({k: val for k, val in p[key].items() if k != "sim"})
+            cfg = _as_measured(from_dict(cfg_tree, source=f"{path}:{key}"), p[key])
             r = p[v]
             out.append(CrossRun(
-                name=f"{scn['name']}/{v}", cfg=from_dict(cfg_tree, source=f"{path}:{key}"), warmup=int(scn["warmup"]),
+                name=f"{scn['name']}/{v}", cfg=cfg, warmup=int(scn["warmup"]),
                 steps=int(r["steps"]), step_s=r["step_s"], train_s=r["train_s"], sync_s=r["sync_s"],
                 samples_per_s=r["samples_per_s"], tokens_per_s=r["tokens_per_s"], response_len=r["response_len"], turns=r["turns"]))
     return out
+
+
+def _as_measured(cfg: Config, tree: dict[str, Any]) -> Config:
+    """``cfg`` as the run behind ``tree`` (its config as written) ran: one written before
+    weight_sync.overlap existed synced the weights serially (train, sync, next step)."""
+    if "overlap" in (tree.get("weight_sync") or {}):
+        return cfg
+    return msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, overlap=False))
 
 
 def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:

@@ -300,7 +300,9 @@ async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRu
         busy=(busy_b - busy_a) / (len(probes) * span),
         train_s=statistics.fmean(r.train_s for r in win),
         sync_s=statistics.fmean(r.weight_sync_s for r in win),
-        wait_s=statistics.fmean(r.step_s - r.train_s - r.weight_sync_s for r in win),
+        # the sync's part on the step's path: prepare + the wait for a sync (weight_sync.overlap), else all of it
+        wait_s=statistics.fmean(r.step_s - r.train_s - (r.sync.get("prepare_s", 0.0) + r.sync["wait_s"] if "wait_s" in r.sync
+                                                       else r.weight_sync_s) for r in win),
         staleness_mean=statistics.fmean(r.staleness_mean for r in win),
         staleness_max=max(r.staleness_max for r in win),
         response_len=statistics.fmean(r.response_len_mean for r in win),

@@ -14,7 +14,9 @@ Where the numbers come from (all in the run's own records; nothing is estimated)
   controller encode, ZeroMQ, fan-out, decode, reply); the sync's parts ``time/sync/*`` (trainer gather
   and pack + checksums, the round trip, the broadcast until every engine answered, and the slowest
   engine's pause, receive, verify, load, rpc, resume); ``time/sync/quiesce_s`` (waiting for an eval's
-  in-flight tokens before a sync).
+  in-flight tokens before a sync); ``time/sync/wait_s`` (waiting for a weight sync: with
+  weight_sync.overlap the broadcast and loads run beside the next step's training and only what is
+  left of them when that step is done is on the path; serial, all of them).
 - CPU per process (``cpu``): every 0.5 s this bench reads the user + system CPU time of every process
   of the run's tree (psutil) and labels it by role (controller, engine, engine core, trainer, other);
   between the step ``--skip`` and the last step it reports CPU ms per step for each role and the share
@@ -59,7 +61,8 @@ ROWS: list[tuple[str, str]] = [
     ("      critics", "time/trainer/critics_s"),
     ("      other", "derived/trainer_other_s"),
     ("  eval quiesce", "time/sync/quiesce_s"),
-    ("  weight sync", "time/weight_sync_s"),
+    ("  waiting for a weight sync (on the step's path)", "time/sync/wait_s"),
+    ("  weight sync (beside the next step when weight_sync.overlap)", "time/weight_sync_s"),
     ("    prepare call", "time/sync/prepare_s"),
     ("      state dict gather", "time/sync/trainer/gather_s"),
     ("      bucket packing + checksums", "time/sync/trainer/pack_s"),
@@ -76,10 +79,19 @@ STARTUP = ["trainer_ready_s", "engines_ready_s", "first_rollout_s", "first_step_
 _TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
+def sync_on_path(r: dict[str, Any]) -> float:
+    """Seconds of a step record's weight sync on the step's path: the prepare plus the wait for a sync
+    (``time/sync/wait_s``; with weight_sync.overlap the broadcast and loads ran beside training); a
+    record written before that key existed synced serially: the whole ``time/weight_sync_s``."""
+    if "time/sync/wait_s" in r:
+        return float(r.get("time/sync/prepare_s", 0.0)) + float(r["time/sync/wait_s"])
+    return float(r.get("time/weight_sync_s", 0.0))
+
+
 def _derived(r: dict[str, Any]) -> dict[str, float]:
     out = dict(r)
     if "time/step_s" in r and "time/train_s" in r:
-        out["derived/wait_s"] = max(0.0, r["time/step_s"] - r["time/train_s"] - r.get("time/weight_sync_s", 0.0)
+        out["derived/wait_s"] = max(0.0, r["time/step_s"] - r["time/train_s"] - sync_on_path(r)
                                     - r.get("time/sync/quiesce_s", 0.0))
     if "step_time_s" in r and any(k in r for k in TRAINER_PHASES):
         out["derived/trainer_other_s"] = max(0.0, r["step_time_s"] - sum(r.get(k, 0.0) for k in TRAINER_PHASES))

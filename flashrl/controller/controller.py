@@ -5,19 +5,25 @@
       admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
                                            |   v
     train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
-      waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the sync
+      waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the last sync
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
          multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
          rollout.py), instead of letting them finish
-      1. trainer.train_step(batch)
-      2. manifest = trainer.prepare_weights(v+1)
-      3. engines whose client already reports ``dead`` are marked dead and skipped (counted);
-         trainer.send_weights(v+1) || engine.update_weights(manifest) for every live engine
-      4. version = v+1; buffer.mark_trained(batch)  (frees admission slots: the staleness bound)
-      5. on_step(record: core.records.StepRecord); start an eval task when due
-    eval task (step 0, every run.eval_every, end): one greedy rollout per held-out task, through the
-      same Router as training rollouts; the record of that step is emitted when it finishes, and
-      the next weight sync waits for it so that every eval token comes from the evaluated weights.
+      1. trainer.train_step(batch)  (beside it: the sync of version v, started by the previous step)
+      2. wait for that sync (time/sync/wait_s; its error raises here), and for a running eval
+      3. manifest = trainer.prepare_weights(v+1)  (gather + pack: it reads the weights before the
+         next step changes them)
+      4. version = v+1; the sync of v+1 starts as a task of the group (weight_sync.overlap; false: the
+         loop waits for it here, the serial order): engines whose client already reports ``dead``
+         are marked dead and skipped (counted); trainer.send_weights(v+1) || engine.update_weights
+         for every live engine; then buffer.mark_trained(batch) (frees admission slots: the staleness
+         bound; a prompt admitted into them generates with v+1) and the record gets the sync's times
+      5. on_step(record: core.records.StepRecord) (when its sync is done); start an eval task when due
+    eval task (step 0, every run.eval_every, end): waits for the sync of its version, then one greedy
+      rollout per held-out task, through the same Router as training rollouts; the record of that
+      step is emitted when it finishes, and the next weight sync waits for it so that every eval
+      token comes from the evaluated weights. Checkpoints, the end of the run and an engine's
+      catch-up (the sync lock) wait for a running sync too.
 
 Checkpoints (``checkpoints=`` a checkpoint.CheckpointWriter): after every run.checkpoint_every-th
 step, at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
@@ -159,7 +165,7 @@ class Controller:
             suite=suite,
             engines=self.engines,
             router=self.router,
-            version=lambda: self.version,
+            version=lambda: self._served,  # what every live engine holds: a lower bound on a new token's version
             counters=self.counters,
             staleness=self.staleness,
         )
@@ -171,6 +177,9 @@ class Controller:
         self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
         self._sync_lock = asyncio.Lock()  # a regular sync and a restarted engine's catch-up never interleave
         self._published: WeightManifest | None = None  # the manifest every live engine holds (None: version 0)
+        self._served = 0  # its version (self.version runs ahead of it while a sync runs beside training)
+        self._sync: _PendingSync | None = None  # the last sync started by the train loop (weight_sync.overlap)
+        self._last_sync_s = 0.0  # the last finished sync's time/weight_sync_s (the dashboard's)
         if restarter is not None:
             self.ctx.on_engine_dead = self._on_engine_dead
             self.ctx.wait_engine = self._wait_engine
@@ -366,7 +375,7 @@ class Controller:
                     stop = "interrupted" if self._stop_requested else "max_time"
                     break
                 if held is not None:
-                    self._emit(held)
+                    self._release(held)
                     held = None
                 record = await self._train_step(s, batch, last_end)
                 last_end = now = self._clock()
@@ -376,17 +385,18 @@ class Controller:
                 elif deadline < math.inf:
                     held = record
                 else:
-                    self._emit(record)
+                    self._release(record)
                 if now >= deadline:
                     stop = "max_time"
                     break
                 if every and self.version % every == 0 and not final and not self._stop_requested:
                     await self._checkpoint(held)  # its time shows in the next step's time/step_s
+            await self._await_sync()  # the last weights reach the engines before the end (eval, checkpoint)
             if stop == "interrupted":
                 # Ctrl-C / SIGTERM: no final eval. A step record still waiting for its eval goes into
                 # the checkpoint; the resumed run evaluates those same weights and writes it then.
                 if held is not None:
-                    self._emit(held)
+                    self._release(held)
                     held = None
             else:
                 if held is not None:
@@ -416,6 +426,7 @@ class Controller:
         counted (``checkpoint/failed``) and survived: the previous checkpoint stays the latest."""
         if self.checkpoints is None or self.version == 0:
             return
+        await self._await_sync()  # a checkpoint's weights are the engines' too (a resumed run publishes them)
         state = self.state(held)
         t0 = self._clock()
         status, self.status = self.status, f"checkpointing step {state.step}"
@@ -473,7 +484,7 @@ class Controller:
                 f"checkpoint does not match this run's data: train split of {st.train_size} tasks with seed "
                 f"{st.seed}, this run has {self.stream.size} with seed {self.cfg.run.seed} (env.params / run.seed changed?)"
             )
-        self.version = st.version
+        self.version = self._served = st.version
         self.samples_trained = st.samples_trained
         self.tokens_trained = st.tokens_trained
         self.counters.update(st.counters)
@@ -490,23 +501,36 @@ class Controller:
         self._pending = (StepRecord.from_dict(st.pending_record), st.pending_eval) if st.pending_record is not None else None
 
     async def _train_step(self, s: int, batch: list[Group], last_end: float) -> StepRecord:
-        """Train ``batch`` as step ``s``, publish version s+1 to every live engine; the step's record."""
+        """Train ``batch`` as step ``s`` and start publishing version s+1; the step's record.
+
+        weight_sync.overlap (default): the sync of s+1 (the broadcast and every engine's load) runs
+        beside the next step's training; this step waits only for the previous sync (``time/sync/wait_s``)
+        and for the prepare (the gather and pack must read the weights before the next step changes them).
+        The batch's slots are freed (buffer.mark_trained) when the sync is done, so a prompt admitted
+        into them generates with version s+1, as in the serial order (overlap = false)."""
         samples = [t for g in batch for t in g.samples]
         t0 = self._clock()
         result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
         train_s = self._clock() - t0
+        wait_s = await self._await_sync()  # version s on every engine (it ran beside this step's training)
+        tq = self._clock()
         await self._eval_quiesce()  # eval tokens must all come from the weights being evaluated
         t1 = self._clock()
-        sync_phases = await self._sync_weights(s + 1)
-        now = self._clock()
+        manifest, phases = await self._prepare(s + 1)
+        self._mark_reported_dead()  # now, before rollouts are dispatched to a dead engine meanwhile
         self.version = s + 1
-        self.buffer.mark_trained(batch)
+        pending = _PendingSync(s + 1, batch)
+        pending.task = self._spawn(self._publish(pending, manifest, t1), f"sync v{s + 1}")
+        self._sync = pending
+        if not self.cfg.weight_sync.overlap:
+            wait_s += await self._await_sync()
+        now = self._clock()
         n = self.cfg.log.samples_per_step
         if self.on_samples is not None and n:
             # Spread over the groups: the first sample of each group, then the second, ...
             picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
             self.on_samples([self._sample_line("train", s + 1, t, task) for task, t in picked[:n]])
-        record = self._step_record(s, samples, result.metrics, now - last_end, train_s, now - t1)
+        record = self._step_record(s, samples, result.metrics, now - last_end, train_s, 0.0)
         b = record.batch
         assert b is not None
         b.prompt_uids = [g.uid for g in batch]  # which prompts this step trained (resume checks)
@@ -514,11 +538,50 @@ class Controller:
         # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
         if "step_time_s" in result.metrics:
             b.transport_s = max(0.0, train_s - float(result.metrics["step_time_s"]))
-        b.sync = {"quiesce_s": t1 - t0 - train_s, **sync_phases}
+        b.sync = {"quiesce_s": t1 - tq, "wait_s": wait_s, **phases}
+        pending.record = b
+        if pending.phases is not None:  # done already (serial, or a sync faster than the lines above)
+            _add_sync(b, pending.phases)
         if self._checkpoint_s:
             b.checkpoint_s = self._checkpoint_s  # the checkpoint written before this step
             self._checkpoint_s = 0.0
+        pending.step_record = record
         return record
+
+    async def _await_sync(self) -> float:
+        """Wait for the train loop's last sync (its error raises here); the seconds waited."""
+        p = self._sync
+        if p is None or p.task is None:
+            return 0.0
+        t0 = self._clock()
+        if not p.task.done():
+            await asyncio.wait([p.task])  # not ``await task``: a cancel of this waiter must not cancel the sync
+        p.task.result()
+        return self._clock() - t0
+
+    async def _publish(self, p: _PendingSync, manifest: WeightManifest, t0: float) -> None:
+        """The sync of a prepared version, beside training: every live engine loads it, then the
+        batch that made it frees its slots, and its step record gets the sync's times (and goes out, if
+        the loop released it meanwhile)."""
+        phases = await self._send(p.version, manifest)
+        self.buffer.mark_trained(p.batch)
+        self._last_sync_s = self._clock() - t0  # prepare + broadcast + loads: the sync's own time
+        phases["weight_sync_s"] = self._last_sync_s
+        p.phases = phases
+        if p.record is not None:
+            _add_sync(p.record, phases)
+            # the counters at the step's end, which is now (its batch trained, its skipped engines counted)
+            p.record.counters = dict(sorted(self.counters.items()))
+            if p.emit and p.step_record is not None:
+                self._emit(p.step_record)
+
+    def _release(self, record: StepRecord) -> None:
+        """Emit ``record`` now, or when the sync it carries the times of is done."""
+        p = self._sync
+        if p is not None and p.step_record is record and p.phases is None:
+            p.emit = True
+        else:
+            self._emit(record)
 
     async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
         try:
@@ -538,16 +601,27 @@ class Controller:
             return None
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
-        """Publish ``version`` to every live engine; return where the time went (``time/sync/*`` seconds, by phase:
-        prepare = the trainer's gather + pack + checksums and the round trip; send = the broadcast until
-        every engine answered; engine/* = the slowest engine's pause, receive, verify, load, rpc, resume)."""
+        """Publish ``version`` to every live engine, here and now (a resumed run's first weights)."""
+        manifest, phases = await self._prepare(version)
+        phases.update(await self._send(version, manifest))
+        return phases
+
+    async def _prepare(self, version: int) -> tuple[WeightManifest, dict[str, float]]:
+        """The trainer's gather + pack + checksums of ``version`` (``prepare_s``: the round trip;
+        ``trainer/*``: its parts). The previous sync must be done (the trainer refuses otherwise)."""
+        t0 = self._clock()
+        manifest = await self.trainer.prepare_weights(version)
+        phases = {"prepare_s": self._clock() - t0}
+        phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
+        return msgspec.structs.replace(manifest, timings={}), phases  # engines need no trainer timings
+
+    async def _send(self, version: int, manifest: WeightManifest) -> dict[str, float]:
+        """Broadcast a prepared ``version`` to every live engine; return where the time went (``time/sync/*``
+        seconds, by phase: send = the broadcast until every engine answered; engine/* = the slowest
+        engine's pause, receive, verify, load, rpc, resume)."""
         async with self._sync_lock:
-            t0 = self._clock()
-            manifest = await self.trainer.prepare_weights(version)
             t1 = self._clock()
-            phases = {"prepare_s": t1 - t0}
-            phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
-            manifest = msgspec.structs.replace(manifest, timings={})  # engines need no trainer timings
+            phases: dict[str, float] = {}
             self._engine_timings = {}
             self._mark_reported_dead()
             live = self.router.live
@@ -569,6 +643,7 @@ class Controller:
                     f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
                 ) from None
             self._published = manifest
+            self._served = version
             skipped = len(self.engines) - len(self.router.live)
             if skipped:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped
@@ -717,7 +792,7 @@ class Controller:
     def _start_eval(self, record: StepRecord) -> None:
         if not self.eval_tasks:
             if record.step > 0:
-                self._emit(record)
+                self._release(record)
             return
         done = asyncio.Event()
         self._eval_done = done
@@ -731,6 +806,8 @@ class Controller:
     async def _eval(self, version: int, record: StepRecord, done: asyncio.Event) -> None:
         results: list[Trajectory] = []
         t0 = self._clock()
+        await self._await_sync()  # every engine holds ``version`` before the first eval request
+        assert self._served == version, (self._served, version)
         async with asyncio.TaskGroup() as tg:
             for k, task in enumerate(self.eval_tasks):
                 tg.create_task(self._eval_one(k, task, version, results), name=f"eval {k}")
@@ -870,7 +947,7 @@ class Controller:
             staleness_mean=float(last.staleness_mean) if last else 0.0,
             staleness_max=int(last.staleness_max) if last else 0,
             reward_mean=float(last.reward_mean) if last else 0.0,
-            weight_sync_s=float(last.weight_sync_s) if last else 0.0,
+            weight_sync_s=self._last_sync_s,
             step_s=float(last.step_s) if last else 0.0,
             mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
             reward_history=list(self.reward_history),
@@ -879,6 +956,28 @@ class Controller:
             status=self.status,
             resumed_from=self.resumed_from,
         )
+
+
+class _PendingSync:
+    """A weight sync started by the train loop: the version, the batch that made it, and the step
+    record that gets its times (emitted by the sync when the loop released it before it was done)."""
+
+    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "emit")
+
+    def __init__(self, version: int, batch: list[Group]) -> None:
+        self.version = version
+        self.batch = batch
+        self.task: asyncio.Task[None] | None = None
+        self.record: BatchStats | None = None
+        self.step_record: StepRecord | None = None
+        self.phases: dict[str, float] | None = None  # set when done
+        self.emit = False
+
+
+def _add_sync(b: BatchStats, phases: dict[str, float]) -> None:
+    """A finished sync's times into its step's record: ``weight_sync_s`` (its own time) and its phases."""
+    b.weight_sync_s = phases["weight_sync_s"]
+    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s"})
 
 
 def _metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:

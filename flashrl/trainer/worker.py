@@ -2,6 +2,7 @@
 
     controller --TrainerRequest (ZeroMQ)--> rank 0 RpcServer (asyncio, main thread)
                                               | Ping: answered at once (Pong(version)), never queued
+                                              | SendWeights: on the send thread, beside the compute thread
                                               | anything else: one at a time (lock), on the compute thread
                                               v
         rank 0 compute thread: broadcast(msgspec bytes as a uint8 tensor) ---> ranks 1..R-1 (main thread)
@@ -177,6 +178,9 @@ class Trainer(PolicyTrainer):
         # the weights; on a GPU trainer that is GPU memory, see DESIGN.md "Failures and resume").
         self._published: tuple[int, list[torch.Tensor]] | None = None
         self._sender: Any = None
+        # Versions whose first send (the publication) is in flight on rank 0's send thread (leader_loop):
+        # a PrepareWeights meanwhile is refused (check_prepare). Claimed and released on one thread only.
+        self._publishing: set[int] = set()
 
     # ------------------------------------------------------------------ dispatch
     def execute(self, msg: Msg) -> Msg | None:
@@ -233,22 +237,53 @@ class Trainer(PolicyTrainer):
     def send_weights(self, version: int, peers: list[str] | None = None) -> Ok:
         """Send ``version`` to ``peers`` (None: every joined engine): the version just prepared
         (it then becomes the published one) or the published one again (a restarted engine catching up)."""
+        claim = self.claim_send(version)
+        try:
+            return self.finish_send(claim, peers)
+        finally:
+            self.release_send(claim)
+
+    def claim_send(self, version: int) -> tuple[int, list[torch.Tensor], bool]:
+        """Take the buckets of ``version`` for a send: (version, buckets, is a publication).
+
+        Rank 0's leader_loop claims on its event-loop thread, in request order, then sends on its own
+        send thread beside the compute thread (a TrainStep runs meanwhile); the claim holds its own
+        reference to the buckets, which nothing writes after build_manifest made them (new tensors), so
+        a later PrepareWeights cannot change what is being sent."""
         if self._sender is None:
             raise RuntimeError("SendWeights before InitWeightSync: initialize the weight-sync group first")
         if self._prepared is not None and self._prepared[0] == version:
             buckets = self._prepared[1]
             self._published, self._prepared = self._prepared, None
-        elif self._published is not None and self._published[0] == version:
-            buckets = self._published[1]
-        else:
-            have = [v[0] for v in (self._prepared, self._published) if v is not None]
-            raise RuntimeError(f"SendWeights({version}): prepared/published versions are {have}; "
-                               f"send PrepareWeights({version}) first")
+            self._publishing.add(version)
+            return version, buckets, True
+        if self._published is not None and self._published[0] == version:
+            return version, self._published[1], False
+        have = [v[0] for v in (self._prepared, self._published) if v is not None]
+        raise RuntimeError(f"SendWeights({version}): prepared/published versions are {have}; "
+                           f"send PrepareWeights({version}) first")
+
+    def finish_send(self, claim: tuple[int, list[torch.Tensor], bool], peers: list[str] | None) -> Ok:
+        """The broadcast of a claimed version (any thread; the per-engine weight-sync groups only, never
+        the default process group)."""
+        version, buckets, _ = claim
         seconds, failed = self._sender.send(buckets, peers)
         info = f"sent version {version} in {seconds:.3f}s"
         if failed:
             info += "; failed: " + "; ".join(f"{p}: {e}" for p, e in sorted(failed.items()))
         return Ok(info=info)
+
+    def release_send(self, claim: tuple[int, list[torch.Tensor], bool]) -> None:
+        if claim[2]:
+            self._publishing.discard(claim[0])
+
+    def check_prepare(self, version: int) -> None:
+        """Refuse PrepareWeights(``version``) while a publication is still sending (on rank 0, before the
+        request fans out, so no rank starts the gather). The controller awaits a sync before preparing
+        the next; this is the loud error should it ever not."""
+        if self._publishing:
+            raise RuntimeError(f"PrepareWeights({version}) while SendWeights({min(self._publishing)}) is still "
+                               "sending: the previous weight sync must finish before the next is prepared")
 
     def init_weight_sync(self, msg: InitWeightSync) -> Ok:
         """Join one engine's group (``msg.peer``); may run beside a training step (rank 0's sync thread)."""
@@ -402,6 +437,10 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
 
     loop = asyncio.get_running_loop()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+    # SendWeights runs here, not on the compute thread: the next TrainStep trains while the engines
+    # receive (weight_sync.overlap). One thread: sends stay in request order among themselves.
+    sends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-send")
+    sending = [0]
     joins = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-join")
     lock = asyncio.Lock()
     stop = asyncio.Event()
@@ -421,6 +460,17 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
         if isinstance(msg, InitWeightSync):
             # A (re)started engine joins its own group while training goes on: not on the compute thread.
             return await loop.run_in_executor(joins, trainer.init_weight_sync, msg)
+        if isinstance(msg, SendWeights):
+            claim = trainer.claim_send(msg.version)  # here, in request order (an error is this request's)
+            sending[0] += 1
+            try:
+                return await loop.run_in_executor(sends, trainer.finish_send, claim, msg.peers)
+            finally:
+                sending[0] -= 1
+                trainer.release_send(claim)
+                last_busy[0] = loop.time()
+        if isinstance(msg, PrepareWeights):
+            trainer.check_prepare(msg.version)
         async with lock:
             try:
                 return await loop.run_in_executor(compute, run, msg)
@@ -451,8 +501,9 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
-    busy = lock.locked()
+    busy = lock.locked() or sending[0] > 0
     compute.shutdown(wait=False, cancel_futures=True)
+    sends.shutdown(wait=False, cancel_futures=True)
     joins.shutdown(wait=False, cancel_futures=True)
     if busy:
         # SIGTERM in the middle of a request: the compute thread may sit in a collective whose peers
