@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,7 +165,9 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
         for key in ("step", "reward/mean", "time/step_s", "staleness/mean"):
             assert key in r, key
     assert any("eval/accuracy" in r for r in trained if r["step"] == 2)
-    assert "step 1/100000" in out  # plain progress lines when stdout is not a terminal
+    # plain progress lines when stdout is not a terminal (one per dashboard refresh that saw a new step:
+    # steps finishing within one refresh share a line, so which steps get one depends on the timing)
+    assert re.search(r"^step \d+/100000 ", out, re.M), out[-3000:]
     # the signal let the step in progress finish and wrote a checkpoint of it (resume: --resume)
     from flashrl.checkpoint import find_checkpoint
 
