@@ -260,18 +260,22 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     try:
         dash.status(f"preparing model {cfg.model.path}")
         model_path = Path(await asyncio.to_thread(ensure_model, cfg))
-        tokenizer = load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
         suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
         raise
+    # The tokenizer loads while the engines and trainer start (importing transformers alone takes seconds,
+    # which used to delay every spawn); a tokenizer error still ends the run before the first request.
+    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(
+        load_tokenizer, model_path, cfg.model.chat_template, cfg.model.system_prompt))
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:
         async with local_cluster(cfg, model_path, run_dir, dash.status, resume=resume.trainer_dir if resume else None,
                                  launcher=launcher, preflighted=True) as (engines, trainer):
             clients = [e.client for e in engines]
+            tokenizer = await tokenizer_load
             writer = MetricsWriter(
                 run_dir / "metrics.jsonl",
                 tensorboard_dir=run_dir / "tensorboard" if cfg.log.tensorboard else None,
@@ -337,7 +341,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     finally:
         dash.stop()
         mem_task.cancel()
-        await asyncio.gather(mem_task, return_exceptions=True)
+        # the run failed before it needed the tokenizer: its load is waited for (a thread cannot be
+        # cancelled) and any error of its own is not the run's
+        await asyncio.gather(mem_task, tokenizer_load, return_exceptions=True)
 
 
 def engine_options(cfg: Config, model_path: Path, i: int, device: str, address: str) -> EngineOptions:
