@@ -25,7 +25,7 @@ from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, par
 from flashrl.interfaces import EngineClient
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
-from flashrl.wire.transport import PeerDead, RpcClient, RpcServer, free_port
+from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer, free_port
 from flashrl.wire.weights import build_manifest
 
 # --------------------------------------------------------------------------- unit
@@ -230,6 +230,48 @@ async def test_abort_returns_the_tokens_so_far(client: EngineProcessClient) -> N
 
 
 @pytest.mark.slow
+async def test_one_tick_of_requests_is_one_frame_and_each_item_stands_alone(client: EngineProcessClient) -> None:
+    """A group's requests started in one tick cross as one ZeroMQ message (and their replies come back
+    coalesced); inside it, a bad request fails alone and a cancelled one is aborted alone on the engine."""
+    rpc = client._rpc
+    await client.pause("keep")  # everything waits in the engine until resume: the order below is deterministic
+    sent0 = (rpc.frames_sent, rpc.messages_sent)
+    reqs = [Generate(request_id=f"t{i}", prompt_ids=PROMPT, max_tokens=4, temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(13)]
+    reqs += [Generate(request_id="too-long", prompt_ids=PROMPT * 50, max_tokens=4),  # 300 > max_model_len 256
+             Generate(request_id="cancelled", prompt_ids=PROMPT, max_tokens=200, ignore_eos=True),
+             Generate(request_id="kept", prompt_ids=PROMPT, max_tokens=200, ignore_eos=True)]
+    tasks = {r.request_id: asyncio.create_task(client.generate(r)) for r in reqs}
+
+    async def cancel_and_abort(rid: str) -> None:  # what rollout._generate does for a cancelled rollout
+        tasks[rid].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[rid]
+        await client.abort([rid])
+
+    try:
+        with pytest.raises(RemoteError, match="maximum context length is 256"):
+            await asyncio.wait_for(tasks.pop("too-long"), 30)
+        assert (rpc.frames_sent - sent0[0], rpc.messages_sent - sent0[1]) == (1, 16)
+        await cancel_and_abort("cancelled")
+        tasks.pop("cancelled")
+        await client.resume()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks.values()), 120)
+    finally:
+        await client.resume()
+        for t in tasks.values():
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert [o.request_id for o in outs] == [f"t{i}" for i in range(13)] + ["kept"]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 4 for o in outs[:13])
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 200  # the abort was not its
+    assert len({tuple(o.token_ids) for o in outs[:13]}) > 1  # per-request seeds: not one sample 13 times
+    again = await client.generate(reqs[7])
+    assert again.token_ids == outs[7].token_ids  # seeded alone as in the batch
+    assert client.inflight == 0
+
+
+@pytest.mark.slow
 async def test_pause_holds_requests_until_resume(client: EngineProcessClient) -> None:
     await client.pause("keep")
     task = asyncio.create_task(client.generate(Generate(prompt_ids=PROMPT, max_tokens=5, ignore_eos=True)))
@@ -319,12 +361,12 @@ async def test_corrupt_sync_is_rejected_and_the_engine_keeps_serving(
 async def test_dead_engine_raises_peer_dead(engine: EngineProcess) -> None:
     c = EngineProcessClient(engine.name, engine.address, heartbeat_s=0.3, heartbeat_timeout_s=1.0)
     try:
-        await c.pause("keep")  # the next request cannot finish before the kill
-        pending = asyncio.create_task(c.generate(Generate(prompt_ids=PROMPT, max_tokens=4)))
+        await c.pause("keep")  # the next requests cannot finish before the kill
+        pending = [asyncio.create_task(c.generate(Generate(prompt_ids=PROMPT, max_tokens=4))) for _ in range(8)]
         await asyncio.sleep(0.3)
         os.killpg(engine.proc.pid, signal.SIGKILL)
-        with pytest.raises(PeerDead, match="heartbeat"):
-            await asyncio.wait_for(pending, 10)
+        errors = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+        assert all(isinstance(e, PeerDead) and "heartbeat" in str(e) for e in errors), errors
         assert c.inflight == 0
         with pytest.raises(PeerDead):
             await c.generate(Generate(prompt_ids=PROMPT))

@@ -269,3 +269,167 @@ def test_replies_are_never_dropped_while_the_client_is_busy() -> None:
         thread.join(10)
     lost = [r for r in results if not isinstance(r, P.Generated)]
     assert lost == [], f"{len(lost)} of 3000 replies lost: {lost[0]!r}"
+
+
+# --------------------------------------------------------------------------- coalescing (one frame per tick)
+async def _held(msg: P.Msg, release: dict[str, asyncio.Event]) -> P.Msg | None:
+    """A Generate waits until its request id is released (or aborted: finish_reason "abort")."""
+    if isinstance(msg, P.Generate):
+        if msg.request_id.startswith("bad"):
+            raise ValueError(f"prompt of {msg.request_id} too long")
+        ev = release.setdefault(msg.request_id, asyncio.Event())
+        await ev.wait()
+        reason = "abort" if msg.request_id in release.get("_aborted", set()) else "length"  # type: ignore[operator]
+        return P.Generated(request_id=msg.request_id, token_ids=msg.prompt_ids, finish_reason=reason)
+    if isinstance(msg, P.Abort):
+        aborted: set[str] = release.setdefault("_aborted", set())  # type: ignore[arg-type]
+        for rid in msg.request_ids:
+            aborted.add(rid)
+            release.setdefault(rid, asyncio.Event()).set()
+        return P.Ok(info=",".join(msg.request_ids))
+    if isinstance(msg, P.Ping):
+        return P.Pong()
+    return P.Ok()
+
+
+@pytest.fixture
+async def held():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    release: dict[str, asyncio.Event] = {}
+
+    async def handler(msg: P.Msg) -> P.Msg | None:
+        return await _held(msg, release)
+
+    server = RpcServer(addr, P.ENGINE_REQUESTS, handler, name="held")
+    task = asyncio.create_task(server.serve())
+    client = RpcClient(addr, P.ENGINE_REPLIES, name="held")
+    client.start()
+    yield client, server, release
+    await client.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _until(cond, what: str, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+async def test_requests_of_one_tick_go_as_one_frame_and_get_their_own_replies(held) -> None:
+    client, server, release = held
+    calls = [asyncio.create_task(client.request(P.Generate(request_id=f"g{i}", prompt_ids=[i, i + 1]), timeout=10))
+             for i in range(16)]
+    await _until(lambda: server.messages_received == 16, "16 requests received")
+    assert (client.frames_sent, client.messages_sent) == (1, 16)
+    assert server.frames_received == 1
+    for i in range(16):  # finished in one tick: one reply frame
+        release[f"g{i}"].set()
+    replies = await asyncio.gather(*calls)
+    assert [(r.request_id, r.token_ids) for r in replies] == [(f"g{i}", [i, i + 1]) for i in range(16)]
+    assert (server.frames_sent, server.messages_sent) == (1, 16)
+    # finished in different ticks: each reply goes when it is ready
+    late = [asyncio.create_task(client.request(P.Generate(request_id=f"h{i}", prompt_ids=[i]), timeout=10))
+            for i in range(3)]
+    await _until(lambda: server.messages_received == 19, "3 more requests received")
+    for i in (2, 0, 1):
+        release[f"h{i}"].set()
+        await asyncio.sleep(0.02)
+    assert [r.request_id for r in await asyncio.gather(*late)] == ["h0", "h1", "h2"]
+    assert (client.frames_sent, server.frames_sent, server.messages_sent) == (2, 4, 19)
+
+
+async def test_a_failing_item_fails_only_its_own_request(held) -> None:
+    client, server, release = held
+    names = ["g0", "bad1", "g2", "g3"]
+    calls = [asyncio.create_task(client.request(P.Generate(request_id=n, prompt_ids=[1]), timeout=10)) for n in names]
+    await _until(lambda: server.messages_received == 4, "4 requests received")
+    assert client.frames_sent == 1
+    with pytest.raises(RemoteError, match="bad1 too long"):
+        await calls[1]
+    for n in ("g0", "g2", "g3"):
+        release[n].set()
+    assert [r.request_id for r in await asyncio.gather(calls[0], calls[2], calls[3])] == ["g0", "g2", "g3"]
+    # an item that cannot even be encoded fails in its caller; the others of its tick still go
+    ok = asyncio.create_task(client.request(P.Ping(), timeout=10))
+    with pytest.raises(OverflowError):
+        await client.request(P.Generate(request_id="huge", prompt_ids=[1 << 70]), timeout=10)
+    assert isinstance(await ok, P.Pong)
+
+
+async def test_a_cancelled_item_is_aborted_alone(held) -> None:
+    """As rollout._generate does: a cancelled request sends Abort for its own id; the rest are untouched."""
+    client, server, release = held
+
+    async def generate(rid: str) -> P.Msg:
+        try:
+            return await client.request(P.Generate(request_id=rid, prompt_ids=[7]), timeout=10)
+        except asyncio.CancelledError:
+            await asyncio.shield(client.request(P.Abort(request_ids=[rid]), timeout=5))
+            raise
+
+    calls = {f"g{i}": asyncio.create_task(generate(f"g{i}")) for i in range(8)}
+    await _until(lambda: server.messages_received == 8, "8 requests received")
+    calls["g5"].cancel()
+    await _until(lambda: "_aborted" in release, "the abort arrived")
+    assert release["_aborted"] == {"g5"}  # type: ignore[comparison-overlap]
+    for i in range(8):
+        release[f"g{i}"].set()
+    with pytest.raises(asyncio.CancelledError):
+        await calls.pop("g5")
+    outs = await asyncio.gather(*calls.values())
+    assert all(o.finish_reason == "length" for o in outs) and len(outs) == 7
+    await _until(lambda: server.messages_sent == 9, "the aborted request's late reply sent")
+    await asyncio.sleep(0.05)
+    assert client._abandoned == set() and client._pending == {}  # the late reply was expected and dropped
+
+
+async def test_a_dead_peer_fails_every_pending_request_promptly() -> None:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    release: dict[str, asyncio.Event] = {}
+
+    async def handler(msg: P.Msg) -> P.Msg | None:
+        return await _held(msg, release)
+
+    server = RpcServer(addr, P.ENGINE_REQUESTS, handler, name="dying")
+    task = asyncio.create_task(server.serve())
+    client = RpcClient(addr, P.ENGINE_REPLIES, name="dying")
+    client.start(heartbeat_s=0.1, heartbeat_timeout_s=0.3)
+    try:
+        calls = [asyncio.create_task(client.request(P.Generate(request_id=f"g{i}", prompt_ids=[1]))) for i in range(16)]
+        await _until(lambda: server.messages_received >= 16, "16 requests received")
+        task.cancel()  # the server's socket closes: no reply, no Pong ever again
+        await asyncio.gather(task, return_exceptions=True)
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+        assert asyncio.get_running_loop().time() - t0 < 1.5
+        assert all(isinstance(r, PeerDead) and "heartbeat" in str(r) for r in results)
+        assert len({id(r) for r in results}) == 1  # the same named error for every one
+        with pytest.raises(PeerDead):
+            await client.request(P.Ping(), timeout=1)
+        # the process-exit path (EngineProcessClient.fail): every pending request gets that error
+        other = RpcClient(f"tcp://127.0.0.1:{free_port()}", P.ENGINE_REPLIES, name="gone")
+        pending = [asyncio.create_task(other.request(P.Ping())) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        other.fail(PeerDead("gone: process exited with -9"))
+        assert [str(r) for r in await asyncio.gather(*pending, return_exceptions=True)] == \
+            ["gone: process exited with -9"] * 5
+        await other.close()
+    finally:
+        await client.close()
+
+
+async def test_a_malformed_item_makes_the_whole_frame_malformed(pair) -> None:
+    _, server, addr = pair
+    ctx = zmq.asyncio.Context.instance()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.connect(addr)
+    await rogue.send(P.encode_batch([P.encode(P.Ping(rid=1)), P.encode(P.Pong(rid=2))]))  # a reply is no request
+    await asyncio.sleep(0.1)
+    assert server.rejected == 1 and server.messages_received == 0
+    assert not await rogue.poll(200)
+    rogue.close(linger=0)
+    with pytest.raises(P.ProtocolError, match=r"malformed engine request message .*\$\[1\]\.type"):
+        P.ENGINE_REQUESTS.decode_frame(P.encode_batch([P.encode(P.Ping(rid=1)), P.encode(P.Pong(rid=2))]))

@@ -4,7 +4,8 @@
     controller --TrainerRequest--> trainer rank 0   --TrainerReply--> controller
 
 Messages are msgspec structs in tagged unions (the tag is the class name), encoded with msgpack.
-Nothing crosses a process boundary as pickle. Each request carries ``rid``, a per-channel request id
+Nothing crosses a process boundary as pickle. A frame carries one message or a batch of them (a
+msgpack array: ``encode_batch``; the transport coalesces what one event-loop tick sends to a peer). Each request carries ``rid``, a per-channel request id
 the reply echoes, so one socket can multiplex many concurrent requests (see transport.py).
 
 A frame that does not decode into the expected union is a ``ProtocolError``: the receiver logs it,
@@ -13,6 +14,7 @@ answers nothing, and treats the sender as untrusted (transport.py closes the pee
 
 from __future__ import annotations
 
+import typing
 from typing import Literal, Union
 
 import msgspec
@@ -341,11 +343,31 @@ def encode(msg: Msg) -> bytes:
     return _encoder.encode(msg)
 
 
+def encode_batch(parts: list[bytes]) -> bytes:
+    """One frame carrying several already encoded messages: a msgpack array of them (``Codec.decode_frame``).
+
+    Each message is encoded on its own first (``encode``), so one that cannot be encoded fails its own
+    request, not the batch it would have joined."""
+    n = len(parts)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(parts)
+
+
 class Codec:
-    """Decode frames of one union type; a bad frame raises ProtocolError naming the problem."""
+    """Decode frames of one union type; a bad frame raises ProtocolError naming the problem.
+
+    ``decode``: one message. ``decode_frame``: what the transport receives, one message or a batch of
+    them (a msgpack array, ``encode_batch``), every item validated against the union."""
 
     def __init__(self, union: object, side: str) -> None:
         self._decoder = msgspec.msgpack.Decoder(union)
+        members = typing.get_args(union) or (union,)
+        self._frames = msgspec.msgpack.Decoder(Union[(list[union], *members)])  # type: ignore[valid-type]
         self._side = side
 
     def decode(self, frame: bytes) -> Msg:
@@ -353,6 +375,14 @@ class Codec:
             return self._decoder.decode(frame)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise ProtocolError(f"malformed {self._side} message ({len(frame)} bytes): {e}") from e
+
+    def decode_frame(self, frame: bytes) -> list[Msg]:
+        """The messages of one frame, in order; a malformed item makes the whole frame malformed."""
+        try:
+            out = self._frames.decode(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ProtocolError(f"malformed {self._side} message ({len(frame)} bytes): {e}") from e
+        return out if isinstance(out, list) else [out]
 
 
 ENGINE_REQUESTS = Codec(EngineRequest, "engine request")
