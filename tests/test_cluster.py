@@ -6,7 +6,6 @@ import os
 import stat
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +17,7 @@ from flashrl.cluster.base import interface_host, primary_address
 from flashrl.cluster.local import LocalLauncher
 from flashrl.config import ConfigError, load
 from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
+from tests.helpers import first_json_line, process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPATH = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
@@ -41,25 +41,6 @@ def non_loopback_ip() -> str:
         return primary_address()
     except LaunchError as e:
         pytest.skip(f"this machine has no non-loopback address: {e}")
-
-
-def _report(path: Path, timeout: float = 30.0) -> dict:
-    import json
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if line.startswith("{"):
-                return json.loads(line)
-        time.sleep(0.05)
-    raise AssertionError(f"no report in {path}: {path.read_text() if path.exists() else '(missing)'}")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 # ---------------------------------------------------------------------------- keys
@@ -119,25 +100,25 @@ async def test_local_launcher_spawns_stops_and_leaves_nothing(tmp_path: Path) ->
                                           tmp_path / "logs" / f"e{i}.log"))
     assert all(isinstance(p, Proc) for p in procs)
     assert [p.name for p in procs] == ["engine engine0", "engine engine1"]
-    reports = [_report(tmp_path / "logs" / f"e{i}.log") for i in range(2)]
+    reports = [first_json_line(tmp_path / "logs" / f"e{i}.log", 30.0) for i in range(2)]
     assert [r["extra"] for r in reports] == ["x0", "x1"] and reports[1]["argv"] == ["a", "1"]
     assert reports[0]["keys"] is None  # loopback: no keys handed out
     assert launcher.leftovers() == {"processes": 2}
 
     # stop one the orderly way (its owner does this); the launcher forgets it
     code = await procs[0].stop(2.0)
-    assert code is not None and not procs[0].alive and _gone(reports[0]["grand"])
+    assert code is not None and not procs[0].alive and process_gone(reports[0]["grand"])
     assert launcher.leftovers() == {"processes": 1}
     # restart = spawn again with the same (role, index)
     again = await launcher.spawn("engine", 0, ["python", "-c", CHILD, "b"], PYPATH, tmp_path / "logs" / "e0b.log")
-    r_again = _report(tmp_path / "logs" / "e0b.log")
+    r_again = first_json_line(tmp_path / "logs" / "e0b.log", 30.0)
     assert again.alive and launcher.leftovers() == {"processes": 2}
 
     # close: everything it started is gone, grandchildren included
     await launcher.close()
     assert launcher.leftovers() == {"processes": 0}
     for pid in (reports[1]["child"], reports[1]["grand"], r_again["child"], r_again["grand"]):
-        assert _gone(pid), pid
+        assert process_gone(pid), pid
     with pytest.raises(LaunchError, match="closed"):
         await launcher.spawn("engine", 3, ["python", "-c", "pass"], {}, tmp_path / "x.log")
 
@@ -155,7 +136,7 @@ async def test_local_launcher_off_loopback_hands_keys_by_file_path_only(tmp_path
         assert ep.bind.startswith(f"tcp://{ip}:") and ep.connect == ep.bind and ep.host == ip
         assert launcher.trainer_master() == ip
         p = await launcher.spawn("trainer", 0, ["python", "-c", CHILD], PYPATH, tmp_path / "t.log")
-        r = _report(tmp_path / "t.log")
+        r = first_json_line(tmp_path / "t.log", 30.0)
         assert p.name == "trainer rank 0"
         assert r["keys"] == str(keys.path)
         # the secret is in no argv and no log

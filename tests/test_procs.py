@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -13,10 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from flashrl.procs import Child, exit_text, group_alive
+from tests.helpers import first_json_line, process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
@@ -36,31 +35,14 @@ CHILD = textwrap.dedent(
 )
 
 
-def _wait_pids(path: Path, timeout: float = 20.0) -> dict[str, int]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if line.startswith("{"):
-                return json.loads(line)
-        time.sleep(0.05)
-    raise AssertionError(f"no pids in {path}: {path.read_text() if path.exists() else '(missing)'}")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        alive = [p for p in pids if not _gone(p)]
+        alive = [p for p in pids if not process_gone(p)]
         if not alive:
             return []
         time.sleep(0.05)
-    return [p for p in pids if not _gone(p)]
+    return [p for p in pids if not process_gone(p)]
 
 
 @pytest.mark.parametrize("mode", ["plain", "ignore-term"])
@@ -68,7 +50,7 @@ def test_stop_takes_the_whole_group_down(tmp_path: Path, mode: str) -> None:
     async def main() -> None:
         log = tmp_path / "child.log"
         child = Child.spawn("test child", [sys.executable, "-c", CHILD, mode], log, env=ENV)
-        pids = await asyncio.to_thread(_wait_pids, log)
+        pids = await asyncio.to_thread(first_json_line, log, 20.0, "pids")
         assert os.getpgid(pids["grand"]) == child.pid  # the grandchild is in the child's group
         t0 = time.monotonic()
         code = await child.stop(grace_s=30.0, term_s=2.0, kill_s=5.0)
@@ -157,7 +139,7 @@ def test_children_die_with_a_sigkilled_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(log)], env=ENV, stdout=subprocess.PIPE,
                               start_new_session=True)
     try:
-        pids = _wait_pids(log)
+        pids = first_json_line(log, 20.0, "pids")
         parent.kill()
         parent.wait(timeout=5)
         t0 = time.monotonic()

@@ -13,33 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashrl.config import Config, from_dict, to_toml
-from flashrl.models.tiny import build_untrained
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer, plan_micro_batches, warmup_lr
 from flashrl.wire.protocol import TrainBatch, TrainSample
-from flashrl.wire.transport import RemoteError, free_port
+from flashrl.wire.transport import RemoteError
 from flashrl.wire.weights import build_manifest
+from tests.helpers import full_weights, trainer_config
 
 PROMPT = [1, 10, 11, 12]
 GOOD = [20, 21, 22, 2]  # reward 1
 BAD = [30, 31, 2]  # reward 0
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_untrained(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-def _cfg(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:
-    data = {
-        "run": {"output_dir": str(tmp), "name": "t"},
-        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, **trainer},
-        "algorithm": {"loss": "ppo", **(algorithm or {})},
-    }
-    return from_dict(data)
 
 
 def _batch(step: int) -> TrainBatch:
@@ -69,28 +54,16 @@ def test_plan_covers_every_sample_once_with_equal_micro_counts() -> None:
 
 
 # ---------------------------------------------------------------------- one rank in this process
-@pytest.fixture(scope="module")
-def world1():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    torch.set_num_threads(1)
-    yield
-    dist.destroy_process_group()
-
-
-def _weights(t: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in t.full_state_dict().items()}
-
-
 def test_micro_batches_accumulate_to_the_full_batch_step(world1, model_path: Path, tmp_path: Path) -> None:
-    whole = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
-    split = Trainer(_cfg(tmp_path, micro_batch=2), str(model_path), torch.device("cpu"))
+    whole = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
+    split = Trainer(trainer_config(tmp_path, micro_batch=2), str(model_path), torch.device("cpu"))
     r1 = whole.train_step(_batch(0))
     r2 = split.train_step(_batch(0))
     assert r1 is not None and r2 is not None
     # token-mean over the whole batch, not a mean of micro-batch means
     assert r2.metrics["loss"] == pytest.approx(r1.metrics["loss"], abs=1e-6)
     assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-5)
-    w1, w2 = _weights(whole), _weights(split)
+    w1, w2 = full_weights(whole), full_weights(split)
     # Adam's first step is lr * g / (|g| + eps): for a coordinate whose gradient is ~eps (1e-8), a
     # summation-order difference of 1e-9 moves it by up to ~lr/10. So: all but a handful of coordinates
     # within 1e-5, and every coordinate within lr. (A wrong weighting of micro-batches is caught by the
@@ -108,7 +81,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step(world1, model_path: Pat
 
 
 def test_mini_batches_ties_and_logprobs(world1, model_path: Path, tmp_path: Path) -> None:
-    t = Trainer(_cfg(tmp_path, mini_batches=5), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path, mini_batches=5), str(model_path), torch.device("cpu"))
     good0 = sum(t.compute_logprobs(PROMPT, GOOD))
     res = [t.train_step(_batch(s)) for s in range(3)]
     m = res[-1].metrics  # type: ignore[union-attr]
@@ -169,7 +142,7 @@ def test_mismatch_compares_engine_and_trainer_logprobs_of_on_policy_tokens(world
     the step starts from, against the trainer's first-pass logprobs; stale tokens are left out."""
     import math
 
-    t = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     b = _batch(0)
     for s in b.samples:  # what an engine holding the same weights returns
         s.behav_logp = t.compute_logprobs(s.prompt_ids, s.response_ids)
@@ -179,14 +152,14 @@ def test_mismatch_compares_engine_and_trainer_logprobs_of_on_policy_tokens(world
     assert m["mismatch/max_abs"] == pytest.approx(0.5, abs=1e-5)
     assert m["mismatch/kl"] == pytest.approx(4 * (math.exp(-0.5) - 1 + 0.5) / 52, rel=1e-4)
 
-    same = Trainer(_cfg(tmp_path, mini_batches=3), str(model_path), torch.device("cpu"))
+    same = Trainer(trainer_config(tmp_path, mini_batches=3), str(model_path), torch.device("cpu"))
     b = _batch(0)
     for s in b.samples:
         s.behav_logp = same.compute_logprobs(s.prompt_ids, s.response_ids)
     m = same.train_step(b).metrics  # type: ignore[union-attr]
     assert m["mismatch/kl"] < 1e-10 and m["mismatch/max_abs"] < 1e-5  # later mini-batches: still the first pass
 
-    stale = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    stale = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     m = stale.train_step(_batch(2)).metrics  # type: ignore[union-attr]
     assert m["mismatch/tokens"] == 5 * len(GOOD)  # only sample 0 of each group was sampled by version 2
     b = _batch(2)
@@ -198,7 +171,7 @@ def test_mismatch_compares_engine_and_trainer_logprobs_of_on_policy_tokens(world
 def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> None:
     assert warmup_lr(2e-4, 0, 0) == 2e-4  # off
     assert [warmup_lr(2e-4, 4, s) for s in range(6)] == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
-    t = Trainer(_cfg(tmp_path, lr=1e-3, warmup_steps=4), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path, lr=1e-3, warmup_steps=4), str(model_path), torch.device("cpu"))
     # the lr follows the batch's step (not a call count), so a resumed run at step 1 continues the ramp
     lrs = [t.train_step(_batch(s)).metrics["lr"] for s in (1, 2, 7)]  # type: ignore[union-attr]
     assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3])
@@ -206,7 +179,7 @@ def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> No
 
 
 def test_filter_ties_drops_tied_groups(world1, model_path: Path, tmp_path: Path) -> None:
-    t = Trainer(_cfg(tmp_path, algorithm={"filter_ties": True}), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path, algorithm={"filter_ties": True}), str(model_path), torch.device("cpu"))
     b = _batch(0)
     for s in b.samples:
         if s.group == 1:
@@ -217,7 +190,7 @@ def test_filter_ties_drops_tied_groups(world1, model_path: Path, tmp_path: Path)
 
 
 def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path: Path, tmp_path: Path) -> None:
-    t = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     t.train_step(_batch(0))
     path = tmp_path / "ckpt" / "step1"
     (tmp_path / "ckpt" / "step1.tmp").mkdir(parents=True)  # a crashed earlier save
@@ -227,7 +200,7 @@ def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path:
     assert {".metadata", "trainer.json"} <= set(os.listdir(path)) and "junk" not in os.listdir(path)
     with pytest.raises(FileExistsError, match="already exists"):
         t.save_checkpoint(str(path))
-    fresh = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    fresh = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     assert fresh.compute_logprobs(PROMPT, GOOD) != t.compute_logprobs(PROMPT, GOOD)
     fresh.load_checkpoint(str(path))
     assert fresh.version == 1
@@ -264,7 +237,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
     groups = {}
     results = {}
     for ranks in (2, 1):
-        cfg = _cfg(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
+        cfg = trainer_config(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
         g = await _group(cfg, model_path, tmp_path, f"r{ranks}")
         groups[ranks] = g
         try:
@@ -320,7 +293,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
     assert man2.version == steps and man1.buckets[0].tensors == man2.buckets[0].tensors
     # checkpoints load across layouts: one rank's (a plain module) into two FSDP ranks, and back
     for ranks, ckpt, expect_lp in ((2, ck1, lp1), (1, ck2, lp2)):
-        cfg = _cfg(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
+        cfg = trainer_config(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
         run_dir = tmp_path / f"resumed{ranks}"
         run_dir.mkdir()
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -336,7 +309,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_rank_that_dies_fails_wait_ready_with_its_log(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, ranks=1)
+    cfg = trainer_config(tmp_path, ranks=1)
     g = await _group(cfg, tmp_path / "no-such-model", tmp_path, "bad")
     try:
         with pytest.raises(TrainerDied, match=r"rank 0 exited with code 1[\s\S]*no-such-model"):
@@ -354,7 +327,7 @@ def test_fsdp_clips_every_parameter_after_a_proximal_pass(world1, model_path: Pa
 
     from flashrl.trainer.step import PolicyTrainer
 
-    cfg = _cfg(tmp_path, mini_batches=5, micro_batch=1)
+    cfg = trainer_config(tmp_path, mini_batches=5, micro_batch=1)
     fsdp = Trainer(cfg, str(model_path), torch.device("cpu"))
     plain_model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     plain_model.train(False)
@@ -404,9 +377,9 @@ async def test_rank0_trains_while_a_send_runs_and_refuses_a_prepare_meanwhile(wo
         TrainStep,
         WeightManifest,
     )
-    from flashrl.wire.transport import RpcClient
+    from flashrl.wire.transport import RpcClient, free_port
 
-    trainer = Trainer(_cfg(tmp_path), str(model_path), torch.device("cpu"))
+    trainer = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     held = _HeldSender()
     trainer._sender = held
     address = f"tcp://127.0.0.1:{free_port()}"

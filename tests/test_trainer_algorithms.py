@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from flashrl.config import AlgorithmConfig, Config, from_dict, to_toml
-from flashrl.models.tiny import build_untrained
+from flashrl.config import AlgorithmConfig, to_toml
 from flashrl.trainer.advantages import grpo_advantages, token_advantages
 from flashrl.trainer.batch import pad_batch
 from flashrl.trainer.client import TrainerGroup
@@ -23,31 +21,10 @@ from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.trainer.worker import Trainer
 from flashrl.wire.protocol import TrainBatch, TrainSample
-from flashrl.wire.transport import free_port
+from tests.helpers import full_weights, trainer_config
 
 LOSSES = typing.get_args(typing.get_args(typing.get_type_hints(AlgorithmConfig, include_extras=True)["loss"])[0])
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_untrained(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    torch.set_num_threads(1)
-    yield
-    dist.destroy_process_group()
-
-
-def _cfg(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:
-    return from_dict({
-        "run": {"output_dir": str(tmp), "name": "t"},
-        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, **trainer},
-        "algorithm": {"loss": "ppo", **(algorithm or {})},
-    })
 
 
 def _batch(step: int = 0, groups: int = 4, extra: bool = False) -> TrainBatch:
@@ -65,10 +42,6 @@ def _batch(step: int = 0, groups: int = 4, extra: bool = False) -> TrainBatch:
     return TrainBatch(step=step, samples=samples)
 
 
-def _weights(t: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in t.full_state_dict().items()}
-
-
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -80,12 +53,12 @@ def test_the_loss_list_is_the_config_literal() -> None:
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_every_loss_trains_a_step(world1, model_path: Path, tmp_path: Path, loss: str) -> None:
-    t = Trainer(_cfg(tmp_path, {"loss": loss}), str(model_path), CPU)
-    before = _weights(t)
+    t = Trainer(trainer_config(tmp_path, {"loss": loss}), str(model_path), CPU)
+    before = full_weights(t)
     m = t.train_step(_batch()).metrics  # type: ignore[union-attr]
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
     assert m["loss/policy"] != 0.0 and m["grad_norm"] > 0
-    assert _changed(before, _weights(t)) > 1e-5
+    assert _changed(before, full_weights(t)) > 1e-5
     assert m["tokens"] == 4 * 35 and t.version == 1
     assert ("critic/loss" in m) == (loss == "asyppo")
     assert "credit/amplified_frac" not in m  # credit = none: no amplification at all
@@ -93,7 +66,7 @@ def test_every_loss_trains_a_step(world1, model_path: Path, tmp_path: Path, loss
 
 # ---------------------------------------------------------------------- AsyPPO
 def test_asyppo_uses_the_critics_advantages_and_masks(world1, model_path: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, {"loss": "asyppo"})
+    cfg = trainer_config(tmp_path, {"loss": "asyppo"})
     t = Trainer(cfg, str(model_path), CPU)
     tb = _batch()
     # an independent replica (same seed as run.seed) on the same padded batch
@@ -116,21 +89,21 @@ def test_asyppo_uses_the_critics_advantages_and_masks(world1, model_path: Path, 
 def test_asyppo_masks_reach_the_loss(world1, model_path: Path, tmp_path: Path) -> None:
     """I^A = 0 and I^H = 0 on every token: no policy gradient and no entropy bonus, weights unchanged."""
     alg = {"loss": "asyppo", "asyppo": {"k_adv": 1.0, "k_ent": 1.0}, "entropy_coef": 0.05}
-    t = Trainer(_cfg(tmp_path, alg), str(model_path), CPU)
-    before = _weights(t)
+    t = Trainer(trainer_config(tmp_path, alg), str(model_path), CPU)
+    before = full_weights(t)
     m = t.train_step(_batch()).metrics  # type: ignore[union-attr]
     assert m["critic/adv_masked_frac"] == 1.0 and m["critic/ent_masked_frac"] == 1.0
     assert m["loss/policy"] == 0.0 and m["loss/entropy"] == 0.0 and m["entropy/mean"] > 1.0
-    assert m["grad_norm"] == 0.0 and _changed(before, _weights(t)) == 0.0
+    assert m["grad_norm"] == 0.0 and _changed(before, full_weights(t)) == 0.0
     # the same with the entropy bonus kept: the bonus is there and moves the weights
-    t2 = Trainer(_cfg(tmp_path, alg | {"asyppo": {"k_adv": 1.0, "k_ent": 0.0}}), str(model_path), CPU)
+    t2 = Trainer(trainer_config(tmp_path, alg | {"asyppo": {"k_adv": 1.0, "k_ent": 0.0}}), str(model_path), CPU)
     m2 = t2.train_step(_batch()).metrics  # type: ignore[union-attr]
     assert m2["loss/entropy"] == pytest.approx(m2["entropy/mean"], rel=1e-5)
-    assert _changed(before, _weights(t2)) > 1e-5
+    assert _changed(before, full_weights(t2)) > 1e-5
 
 
 def test_asyppo_critic_loss_falls_and_critics_survive_a_checkpoint(world1, model_path: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, {"loss": "asyppo", "asyppo": {"lr": 3e-3, "updates": 4}})
+    cfg = trainer_config(tmp_path, {"loss": "asyppo", "asyppo": {"lr": 3e-3, "updates": 4}})
     t = Trainer(cfg, str(model_path), CPU)
     losses = [t.train_step(_batch(s)).metrics["critic/loss"] for s in range(4)]  # type: ignore[union-attr]
     assert losses[-1] < 0.5 * losses[0], losses
@@ -161,10 +134,10 @@ def _plain_model(model_path: Path) -> torch.nn.Module:
 def test_credit_amplifies_40_percent_and_reaches_the_loss(world1, model_path: Path, tmp_path: Path,
                                                           credit: str) -> None:
     # micro_batch 3: the credit forward runs in chunks of 3 (3 + 3 + 2 samples)
-    cfg = _cfg(tmp_path, {"credit": credit}, micro_batch=3)
+    cfg = trainer_config(tmp_path, {"credit": credit}, micro_batch=3)
     t = Trainer(cfg, str(model_path), CPU)
     tb = _batch()
-    before = _weights(t)
+    before = full_weights(t)
     m = t.train_step(tb).metrics  # type: ignore[union-attr]
     n = 4 * 35
     if credit == "rhythm":
@@ -183,20 +156,20 @@ def test_credit_amplifies_40_percent_and_reaches_the_loss(world1, model_path: Pa
     assert float(((gamma > 1) & (full.loss_mask > 0)).sum()) / n == pytest.approx(m["credit/amplified_frac"])
     assert m["loss/policy"] == pytest.approx(-float((gamma * adv).sum()) / n, abs=1e-6)
     assert abs(float((gamma * adv).sum()) - float(adv.sum())) > 1e-3  # credit changed the loss
-    assert _changed(before, _weights(t)) > 1e-5
+    assert _changed(before, full_weights(t)) > 1e-5
     # the policy is back on its own attention implementation after the eager forward
     assert t.model.config._attn_implementation == "sdpa"
 
 
 def test_credit_positive_only_leaves_negative_advantages_alone(world1, model_path: Path, tmp_path: Path) -> None:
-    t = Trainer(_cfg(tmp_path, {"credit": "waad", "rhythm": {"positive_only": True}}), str(model_path), CPU)
+    t = Trainer(trainer_config(tmp_path, {"credit": "waad", "rhythm": {"positive_only": True}}), str(model_path), CPU)
     m = t.train_step(_batch()).metrics  # type: ignore[union-attr]
     # the 20-token responses have A > 0, the 15-token ones A < 0: only 8 of every 35 tokens
     assert m["credit/amplified_frac"] == pytest.approx(8 / 35)
 
 
 def test_asyppo_with_credit_scales_the_critic_advantages(world1, model_path: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, {"loss": "asyppo", "credit": "fai"})
+    cfg = trainer_config(tmp_path, {"loss": "asyppo", "credit": "fai"})
     t = Trainer(cfg, str(model_path), CPU)
     tb = _batch()
     full = pad_batch(tb.samples, t.pad_id)
@@ -217,7 +190,7 @@ async def test_two_ranks_with_critics_and_credit_match_one_rank(model_path: Path
     results = {}
     for ranks in (2, 1):
         # 9 samples, micro_batch 2: rank 0 forwards 5 rows in 3 chunks, rank 1 4 rows + 1 discarded chunk
-        cfg = _cfg(tmp_path, {"loss": "asyppo", "credit": "rhythm"}, ranks=ranks, micro_batch=2)
+        cfg = trainer_config(tmp_path, {"loss": "asyppo", "credit": "rhythm"}, ranks=ranks, micro_batch=2)
         run_dir = tmp_path / f"r{ranks}"
         run_dir.mkdir()
         (run_dir / "config.toml").write_text(to_toml(cfg))

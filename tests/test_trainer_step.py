@@ -14,7 +14,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from flashrl.config import Config, from_dict
-from flashrl.models.tiny import build_untrained
 from flashrl.trainer.batch import pad_batch, token_logprobs
 from flashrl.trainer.step import PolicyTrainer
 from flashrl.wire.protocol import TrainBatch, TrainSample
@@ -22,11 +21,6 @@ from flashrl.wire.protocol import TrainBatch, TrainSample
 PROMPT = [1, 10, 11, 12]
 GOOD = [20, 21, 22, 2]  # reward 1
 BAD = [30, 31, 2]  # reward 0
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_untrained(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def _cfg(**trainer: object) -> Config:

@@ -47,10 +47,12 @@ import anyio
 import msgspec
 
 from flashrl.benchmarks.scenario import (
+    PointOutcome,
     bar_cell,
     gain_versus,
     new_figure,
     plot_targets,
+    point_outcome,
     print_table,
     save_figure,
     variant_config,
@@ -315,21 +317,11 @@ async def run_real_variant(cluster: Cluster, cfg: Config, warmup: int) -> RealRu
 
 
 # --------------------------------------------------------------------------- points and scenarios
-class RealPointResult(msgspec.Struct, kw_only=True):
-    scenario: str
-    label: str
-    x: float
-    speedup: float  # flash / baseline trained samples per second (the bar applies to this)
+class RealPointResult(PointOutcome, kw_only=True):
+    """speedup: flash / baseline trained samples per second."""
+
     token_speedup: float  # flash / baseline trained tokens per second
     step_ratio: float  # baseline s/step / flash s/step
-    gain: float | None  # speedup / speedup of point ``versus``
-    target: float | None
-    passed: bool | None
-    base_step_s: float
-    flash_step_s: float
-    base_busy: float
-    flash_busy: float
-    flash_staleness_max: int
     cluster: str  # "reused": both variants on one cluster (version reset between them); else "fresh"
     cluster_start_s: float  # spawn -> every process ready and joined, for clusters this point started
     setup_s: float  # model preparation (a first build: minutes, once), cluster starts and warm-up steps
@@ -351,20 +343,9 @@ async def run_real_point(pool: ClusterPool, scn: Any, pt: Any, index: int) -> Re
     flash = await run_real_variant(cluster_b, flash_cfg, scn.warmup)
     speedup = flash.samples_per_s / base.samples_per_s
     return RealPointResult(
-        scenario=scn.name,
-        label=pt.label,
-        x=pt.x if pt.x is not None else float(index),
-        speedup=speedup,
+        **point_outcome(scn, pt, index, speedup, base, flash),
         token_speedup=flash.tokens_per_s / base.tokens_per_s,
         step_ratio=base.step_s / flash.step_s,
-        gain=None,
-        target=pt.target,
-        passed=None if pt.target is None else speedup >= pt.target,
-        base_step_s=base.step_s,
-        flash_step_s=flash.step_s,
-        base_busy=base.busy,
-        flash_busy=flash.busy,
-        flash_staleness_max=flash.staleness_max,
         cluster="reused" if cluster_b is cluster else "fresh",
         cluster_start_s=sum({c.index: c.start_s for c in (cluster, cluster_b) if c.index >= started}.values()),
         setup_s=pool.setup_s - setup0,

@@ -16,8 +16,9 @@ import copy
 import importlib.resources
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import tomllib
@@ -28,8 +29,8 @@ from flashrl.sim.engine import LatencyModel, LengthModel
 from flashrl.sim.trainer import TrainerModel
 
 __all__ = [
-    "BenchError", "PointSpec", "Scenario", "SimModel", "bar_cell", "check_mode", "find_scenario", "gain_versus",
-    "load_scenario", "new_figure", "plot_targets", "print_table", "save_figure", "scenario_dir", "shipped_scenarios",
+    "BenchError", "PointOutcome", "PointSpec", "Scenario", "SimModel", "VariantRun", "bar_cell", "check_mode", "find_scenario", "gain_versus",
+    "load_scenario", "new_figure", "plot_targets", "point_outcome", "print_table", "save_figure", "scenario_dir", "shipped_scenarios",
     "variant_config",
 ]
 
@@ -192,7 +193,58 @@ def _engines(scn: Scenario) -> int:
     return int(scn.config.get("engine", {}).get("count", 2))
 
 
-def gain_versus(results: list[Any], res: Any, pt: PointSpec, path: str | Path) -> None:
+class PointOutcome(msgspec.Struct, kw_only=True):
+    """What every point's result has, in either mode: which point, its speed-up against the bar, and
+    both variants' seconds per step and engine busy fraction (simulate.PointResult, real.RealPointResult)."""
+
+    scenario: str
+    label: str
+    x: float
+    speedup: float  # flash / baseline (the bar applies to this; the mode says which ratio)
+    gain: float | None  # speedup / speedup of point ``versus`` (None without one)
+    target: float | None
+    passed: bool | None
+    base_step_s: float
+    flash_step_s: float
+    base_busy: float
+    flash_busy: float
+    flash_staleness_max: int
+
+
+class VariantRun(Protocol):
+    """What point_outcome reads of a variant's run (simulate.RunResult, real.RealRun)."""
+
+    @property
+    def step_s(self) -> float: ...
+
+    @property
+    def busy(self) -> float: ...
+
+    @property
+    def staleness_max(self) -> int: ...
+
+
+def point_outcome(scn: Scenario, pt: PointSpec, index: int, speedup: float, base: VariantRun,
+                  flash: VariantRun) -> dict[str, Any]:
+    """The PointOutcome fields of point ``pt`` (the ``index``-th of ``scn``): passed when ``speedup``
+    reaches the point's target (gain_versus judges a ``versus`` point's gain instead)."""
+    return {
+        "scenario": scn.name,
+        "label": pt.label,
+        "x": pt.x if pt.x is not None else float(index),
+        "speedup": speedup,
+        "gain": None,
+        "target": pt.target,
+        "passed": None if pt.target is None else speedup >= pt.target,
+        "base_step_s": base.step_s,
+        "flash_step_s": flash.step_s,
+        "base_busy": base.busy,
+        "flash_busy": flash.busy,
+        "flash_staleness_max": flash.staleness_max,
+    }
+
+
+def gain_versus(results: Sequence[PointOutcome], res: PointOutcome, pt: PointSpec, path: str | Path) -> None:
     """Point ``pt`` compared with an earlier point (``versus``): ``res.gain`` = its speed-up over that
     point's, and ``res.passed`` judges the gain against the target instead of the speed-up."""
     if not pt.versus:

@@ -34,6 +34,7 @@ import msgspec
 
 from flashrl.benchmarks.scenario import (
     BenchError,
+    PointOutcome,
     PointSpec,
     Scenario,
     SimModel,
@@ -41,6 +42,7 @@ from flashrl.benchmarks.scenario import (
     gain_versus,
     new_figure,
     plot_targets,
+    point_outcome,
     print_table,
     save_figure,
     variant_config,
@@ -272,22 +274,12 @@ def capacity_times(cfg: Config, sim: SimModel, run: RunResult) -> tuple[float, f
 
 
 # --------------------------------------------------------------------------- one point, one scenario
-class PointResult(msgspec.Struct, kw_only=True):
-    scenario: str
-    label: str
-    x: float
-    speedup: float  # trained samples per second, flash / baseline (the paper's measure)
-    gain: float | None  # speedup / speedup of point ``versus`` (None without one)
-    target: float | None
-    passed: bool | None
-    base_step_s: float
-    flash_step_s: float
-    base_busy: float
-    flash_busy: float
+class PointResult(PointOutcome, kw_only=True):
+    """speedup: baseline s/step / flash s/step (kind "throughput": trained samples per second, flash / baseline)."""
+
     bound: float  # capacity bound on the speed-up
     formula: float  # ALGORITHMS.md queue-scheduling estimate at the flash async ratio
     closeness: float  # speedup / bound
-    flash_staleness_max: int
     token_ratio: float  # flash / baseline response tokens per step (< 1: stale long samples were dropped and redrawn)
     tail_ratio: float  # longest / median response of the length model at this max_tokens
     cpu_s: float
@@ -372,21 +364,10 @@ def run_point(scn: Scenario, pt: PointSpec, index: int, out_dir: Path, cache: di
         lm = base if lm_cap >= base_cfg.rollout.max_new_tokens else _run_cached(
             cache, length_matched(base_cfg, lm_cap), base_sim, scn.warmup, out_dir)
     return PointResult(
-        scenario=scn.name,
-        label=pt.label,
-        x=pt.x if pt.x is not None else float(index),
-        speedup=speedup,
-        gain=None,
-        target=pt.target,
-        passed=None if pt.target is None else speedup >= pt.target,
-        base_step_s=base.step_s,
-        flash_step_s=flash.step_s,
-        base_busy=base.busy,
-        flash_busy=flash.busy,
+        **point_outcome(scn, pt, index, speedup, base, flash),
         bound=bound,
         formula=formula,
         closeness=speedup / bound if bound > 0 else math.nan,
-        flash_staleness_max=flash.staleness_max,
         token_ratio=flash.response_tokens_per_step / base.response_tokens_per_step * (
             base.samples_per_step / flash.samples_per_step if scn.kind == "throughput" else 1.0),
         tail_ratio=tail_ratio(flash_sim.lengths, flash_cfg.rollout.max_new_tokens),

@@ -1,0 +1,50 @@
+"""Helpers several test modules share (process checks, the trainer tests' config and weights).
+
+Fixtures live in conftest.py (the tiny model, a world-1 gloo group); plain functions here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from flashrl.config import Config, from_dict
+
+
+def first_json_line(path: Path, timeout: float, what: str = "report") -> dict[str, Any]:
+    """The first line of ``path`` that starts with ``{``, parsed; waits for it up to ``timeout`` seconds
+    (a child process writes its pids there once it runs)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} in {path}: {path.read_text() if path.exists() else '(missing)'}")
+
+
+def process_gone(pid: int) -> bool:
+    """Has process ``pid`` exited (a zombie counts as gone: it runs nothing)?"""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def trainer_config(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:
+    """A gloo trainer's config for the in-process and rank-process trainer tests (output under ``tmp``)."""
+    return from_dict({
+        "run": {"output_dir": str(tmp), "name": "t"},
+        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, **trainer},
+        "algorithm": {"loss": "ppo", **(algorithm or {})},
+    })
+
+
+def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
+    """A copy of a trainer's full state dict (``Trainer.full_state_dict``)."""
+    return {k: v.clone() for k, v in trainer.full_state_dict().items()}
