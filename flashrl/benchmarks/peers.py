@@ -592,7 +592,13 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import (
+        AutoModelForCausalLM,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
     from trl import GRPOConfig, GRPOTrainer
 
     from flashrl.config import load
@@ -620,9 +626,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     data = Dataset.from_dict({"prompt": [t.prompt for t in tasks], "task": list(range(len(tasks)))})
     env = suite.make_env()
 
-    def correct(prompts: list[str], completions: list[str], task: list[int], **_: Any) -> list[float]:
-        async def score() -> list[float]:  # the env's own verifier, as flashrl's rollouts score
-            rewards = []
+    def correct(prompts: list[str], completions: list[str], task: list[int], **_: Any) -> list[float | None]:
+        async def score() -> list[float | None]:  # the env's own verifier, as flashrl's rollouts score
+            rewards: list[float | None] = []
             for c, i in zip(completions, task):
                 await env.reset(tasks[i])
                 rewards.append(float((await env.step(c)).reward))
@@ -637,7 +643,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     warm = cfg.trainer.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_lr(1.0, warm, k // mb))
     metrics = (out / "metrics.jsonl").open("w")
-    state: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0}
+    times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -647,40 +653,45 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             acc = greedy_accuracy(model, tok.hf, eval_tasks, cfg.rollout.max_new_tokens)
         model.train(was)
         dt = time.perf_counter() - t
-        state["eval_s"] += dt
+        times["eval_s"] += dt
         rec.update({"eval/accuracy": acc, "time/eval_s": dt})
 
-    class Timed(GRPOTrainer):  # type: ignore[misc]
+    class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs: Any) -> Any:  # generation + reward + old logprobs
             t = time.perf_counter()
             try:
                 return super()._generate_and_score_completions(inputs)
             finally:
-                state["step_gen_s"] += time.perf_counter() - t
+                times["step_gen_s"] += time.perf_counter() - t
 
-    class Clock(TrainerCallback):  # type: ignore[misc]
-        def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+    class Clock(TrainerCallback):
+        trainer: GRPOTrainer | None = None
+
+        def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: Any) -> None:
             rec: dict[str, Any] = {"step": 0, "version": 0}
             evaluate(0, rec)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
-            state["t0"] = time.perf_counter()
-            state["eval_s"] = 0.0
+            times["t0"] = time.perf_counter()
+            times["eval_s"] = 0.0
 
-        def on_step_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
-            if st.global_step % mb == 0:
-                state["t_step"] = time.perf_counter()
+        def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                         **kwargs: Any) -> None:
+            if state.global_step % mb == 0:
+                times["t_step"] = time.perf_counter()
 
-        def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
-            if st.global_step % mb:
+        def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+            if state.global_step % mb:
                 return
             now = time.perf_counter()
-            step = st.global_step // mb
-            gen, step_s = state["step_gen_s"], now - state["t_step"]
-            state["step_gen_s"] = 0.0
+            step = state.global_step // mb
+            gen, step_s = times["step_gen_s"], now - times["t_step"]
+            times["step_gen_s"] = 0.0
             rec = {"step": step, "version": step, "samples": mb * args.per_device_train_batch_size,
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
-                   "time/elapsed_s": now - state["t0"] - state["eval_s"],
+                   "time/elapsed_s": now - times["t0"] - times["eval_s"],
                    "lr": warmup_lr(cfg.trainer.lr, warm, step - 1)}  # what this step's optimizer steps used
             rewards = self.trainer._metrics["train"].get("reward") if self.trainer is not None else None
             if rewards:
@@ -691,7 +702,6 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             metrics.flush()
 
     clock = Clock()
-    clock.trainer = None
     trainer = Timed(model=model, reward_funcs=[correct], args=GRPOConfig(output_dir=str(out / "trl"), **settings),
                     train_dataset=data, processing_class=tok.hf, optimizers=(opt, sched), callbacks=[clock])
     clock.trainer = trainer
@@ -703,7 +713,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
     changed = math.sqrt(sum(float((p.detach() - q).pow(2).sum()) for p, q in zip(model.parameters(), start)))
     summary = {"steps": steps, "optimizer_steps": trainer.state.global_step, "weights_changed_l2": changed,
-               "train_wall_s": round(wall, 2), "eval_s": round(state["eval_s"], 2),
+               "train_wall_s": round(wall, 2), "eval_s": round(times["eval_s"], 2),
                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
                "threads": torch.get_num_threads(), "settings": settings, "model": str(model_dir)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

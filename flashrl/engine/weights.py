@@ -74,7 +74,7 @@ class WeightReceiver:
                 errors.append(f"bucket {i}: unsupported dtype {bucket.dtype!r}")
             dtype = DTYPES.get(bucket.dtype, torch.float32)
             flat = torch.empty(bucket.numel, dtype=dtype, device=self._device)
-            self._group.broadcast(flat, 0).wait()
+            self._group.broadcast(flat, 0).wait()  # type: ignore[union-attr]  # Backend.broadcast: bound in C++, not in torch stubs
             t0 = time.perf_counter()
             got = verify_checksum(flat, bucket.checksum)
             self.verify_s += time.perf_counter() - t0
@@ -99,16 +99,17 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     ``process_weights_after_loading`` re-packs from the (already updated) shared weight; where that
     processing is a no-op (the GPU path for unquantized embeddings) this costs nothing.
     """
-    by_storage: dict[int, list[torch.nn.Module]] = {}
+    by_storage: dict[int, list[tuple[torch.nn.Module, Any]]] = {}  # weight storage -> (layer, its quant method)
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if getattr(module, "quant_method", None) is not None and isinstance(weight, torch.Tensor) and weight.numel():
-            by_storage.setdefault(weight.data_ptr(), []).append(module)
+        method = getattr(module, "quant_method", None)  # vLLM's layers; no torch attribute, so no type here
+        if method is not None and isinstance(weight, torch.Tensor) and weight.numel():
+            by_storage.setdefault(weight.data_ptr(), []).append((module, method))
     refreshed = 0
-    for modules in by_storage.values():
-        if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr]
+    for layers in by_storage.values():
+        if len(layers) > 1:
+            for module, method in layers:
+                method.process_weights_after_loading(module)
                 refreshed += 1
     return refreshed
 

@@ -41,6 +41,7 @@ import math
 import time
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -204,7 +205,7 @@ class PolicyTrainer:
         self.rank, self.world = self.comm.rank, self.comm.world
         self.version = 0
         self.temperature = cfg.rollout.temperature  # training rollouts' sampling temperature
-        mc = model.config
+        mc: Any = model.config  # a Hugging Face config (torch types module attributes as Tensor | Module)
         self.tie_word_embeddings = bool(getattr(mc, "tie_word_embeddings", False))
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))

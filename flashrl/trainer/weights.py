@@ -87,7 +87,7 @@ class WeightSender:
             works: dict[str, Any] = {}
             for p, g in targets.items():  # issue every broadcast first: the groups transfer concurrently
                 try:
-                    works[p] = g.broadcast(data, 0)
+                    works[p] = g.broadcast(data, 0)  # type: ignore[union-attr]  # Backend.broadcast: bound in C++, not in torch stubs
                 except Exception as e:  # noqa: BLE001 - a broken group fails its own peer only
                     failed[p] = f"{type(e).__name__}: {e}"
             for p, w in works.items():

@@ -54,7 +54,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -217,7 +217,9 @@ class Trainer(PolicyTrainer):
             return {k: v.detach() for k, v in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a model's state dict holds tensors only (torch types it as any state-dict value)
+        return cast(dict[str, torch.Tensor],
+                    get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
     def prepare_weights(self, version: int) -> WeightManifest | None:
         t0 = time.perf_counter()
