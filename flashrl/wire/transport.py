@@ -470,6 +470,9 @@ class RpcServer:
             if self._flush_at is not None:  # replies not sent yet are dropped with the socket (linger 0)
                 self._flush_at.cancel()
                 self._flush_at = None
+            if self.messages_received:  # how well requests coalesced (one frame per peer and tick)
+                log.info("%s: %d requests in %d frames received, %d replies in %d frames sent", self.name,
+                         self.messages_received, self.frames_received, self.messages_sent, self.frames_sent)
             if self.refused > self._refusal_logged[1]:
                 log.warning("%s: refused %d unauthenticated connection attempt(s) on %s in all (transport/refused)",
                             self.name, self.refused, self.address)
