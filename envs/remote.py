@@ -31,7 +31,6 @@ as ``flashrl.procs`` children. Either way each leads its own process group and d
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -55,6 +54,7 @@ from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
+from flashrl.wire.spec import SpecError, read_spec, spec_env
 from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,19 @@ class RemoteParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     call_timeout_s: Annotated[float, Meta(gt=0, description="deadline of one reset/step; past it the worker is replaced")] = 30.0
     startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds a new worker has to answer its first ping")] = 60.0
     max_obs_chars: Annotated[int, Meta(ge=1, description="longest observation accepted from a worker")] = 4096
+
+
+class EnvWorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one worker process is started with (JSON in ``FLASHRL_SPEC``, flashrl/wire/spec.py)."""
+
+    address: Annotated[str, Meta(min_length=1, description="ZeroMQ address the worker binds")]
+    inner: Annotated[str, Meta(min_length=1, description="the environment the worker runs (any env.name)")]
+    params: Annotated[dict[str, Any], Meta(description="the inner environment's [env.params]")] = {}
+    seed: int = 0
+    eval_size: Annotated[int, Meta(ge=0)] = 200
+
+
+WORKER_ARGV = ["python", "-m", "envs.remote"]  # for ``Launcher.spawn``; the spec travels in the environment
 
 
 # --------------------------------------------------------------------------- controller side
@@ -162,18 +175,18 @@ class RemotePool:
         else:
             ep = await run.launcher.endpoint("env", slot)
             bind, connect = ep.bind, ep.connect
-        args = ["--address", bind, "--inner", self.params.inner, "--params", msgspec.json.encode(self.params.params).decode(),
-                "--seed", str(self.seed), "--eval-size", str(self.eval_size)]  # fmt: skip
+        spec = EnvWorkerSpec(address=bind, inner=self.params.inner, params=self.params.params, seed=self.seed,
+                             eval_size=self.eval_size)
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        extra = {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), WORKER_ENV_VAR: "1"}
+        extra = {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), WORKER_ENV_VAR: "1",
+                 **spec_env(spec)}
         child: cluster.Proc
         curve = None
         if run is None:
-            child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, "-m", "envs.remote", *args], None,
+            child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, *WORKER_ARGV[1:]], None,
                                 env=dict(os.environ, **extra))
         else:
-            child = await run.launcher.spawn("env", slot, ["python", "-m", "envs.remote", *args], extra,
-                                             run.logs / f"env{slot}.log")
+            child = await run.launcher.spawn("env", slot, WORKER_ARGV, extra, run.logs / f"env{slot}.log")
             curve = run.launcher.curve.client() if run.launcher.curve is not None else None
         self._children.add(child)
         client = RpcClient(connect, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}", curve=curve)
@@ -427,12 +440,11 @@ class _WorkerState:
                 await env.close()
 
 
-async def _worker_main(ns: argparse.Namespace) -> None:
-    params = msgspec.json.decode(ns.params)
-    suite = make_suite(ns.inner, params, ns.seed, ns.eval_size)
+async def _worker_main(spec: EnvWorkerSpec) -> None:
+    suite = make_suite(spec.inner, spec.params, spec.seed, spec.eval_size)
     state = _WorkerState(suite)
     keys = CurveKeys.from_env()  # set by the run's launcher when sockets are off loopback
-    server = RpcServer(ns.address, WORKER_REQUESTS, state.handle, name=f"env-worker({ns.inner})",
+    server = RpcServer(spec.address, WORKER_REQUESTS, state.handle, name=f"env-worker({spec.inner})",
                        curve=keys.server() if keys is not None else None)
     serve = asyncio.get_running_loop().create_task(server.serve())
     await state.stop.wait()
@@ -441,18 +453,18 @@ async def _worker_main(ns: argparse.Namespace) -> None:
         await serve
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="flashrl environment worker (started by envs.remote.RemotePool)")
-    ap.add_argument("--address", required=True)
-    ap.add_argument("--inner", required=True)
-    ap.add_argument("--params", default="{}")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-size", type=int, default=200)
-    ns = ap.parse_args(argv)
-    child_init(f"env worker ({ns.inner})")  # dies with the controller, and takes its own children along
+def main() -> int:
+    """``python -m envs.remote``: one worker, its EnvWorkerSpec in FLASHRL_SPEC (RemotePool sets it)."""
+    try:
+        spec = read_spec(EnvWorkerSpec, who="python -m envs.remote")
+    except SpecError as e:
+        print(f"env worker: {e}", file=sys.stderr)
+        return 2
+    child_init(f"env worker ({spec.inner})")  # dies with the controller, and takes its own children along
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s env-worker %(levelname)s %(message)s")
-    asyncio.run(_worker_main(ns))
+    asyncio.run(_worker_main(spec))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -222,20 +222,22 @@ def node(
     raise typer.Exit(code=code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def engine(ctx: typer.Context) -> None:
-    """Engine process entry point (vLLM behind ZeroMQ); arguments as `python -m flashrl.engine.server`."""
+@app.command()
+def engine() -> None:
+    """Engine process entry point (vLLM behind ZeroMQ), as `python -m flashrl.engine.server`: its EngineSpec
+    as JSON in FLASHRL_SPEC."""
     from flashrl.engine import server
 
-    sys.exit(server.main(ctx.args))
+    sys.exit(server.main())
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def trainer(ctx: typer.Context) -> None:
-    """Trainer rank entry point (FSDP2); arguments as `python -m flashrl.trainer.worker` (torchrun-compatible)."""
+@app.command()
+def trainer() -> None:
+    """Trainer rank entry point (FSDP2), as `python -m flashrl.trainer.worker` (torchrun-compatible): its
+    TrainerSpec as JSON in FLASHRL_SPEC."""
     from flashrl.trainer import worker
 
-    sys.exit(worker.main(ctx.args))
+    sys.exit(worker.main())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -37,7 +37,7 @@ from flashrl.checkpoint import Resume
 from flashrl.cluster import Launcher, LaunchError, activate, deactivate, make_launcher
 from flashrl.config import Config, to_toml
 from flashrl.core.records import StepRecord
-from flashrl.engine.client import EngineOptions, EngineProcess, engine_argv, engine_extra_env
+from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
 from flashrl.procs import child_init, exit_text
 from flashrl.trainer.client import TrainerGroup
 from flashrl.wire.transport import PeerDead
@@ -346,9 +346,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         await asyncio.gather(mem_task, tokenizer_load, return_exceptions=True)
 
 
-def engine_options(cfg: Config, model_path: Path, i: int, device: str, address: str) -> EngineOptions:
+def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str) -> EngineSpec:
     """Engine i's options (``address``: what it binds)."""
-    return EngineOptions(
+    return EngineSpec(
         address=address,
         model=str(model_path),
         name=f"engine{i}",
@@ -404,12 +404,12 @@ class EnginePool:
     async def _spawn(self, i: int) -> EngineProcess:
         cfg = self.cfg
         ep = await self.launcher.endpoint("engine", i)  # a new socket per start: no stale replies
-        opts = engine_options(cfg, self.model_path, i, self.device, ep.bind)
+        opts = engine_spec(cfg, self.model_path, i, self.device, ep.bind)
         gpu_env = None
         if self.device == "cuda" and self.launcher.name == "local":  # remote launchers give each its own GPU
             gpu = engine_gpu(i, cfg.trainer.ranks, cfg.engine.count, self.visible_gpus)
             gpu_env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
-        proc = await self.launcher.spawn("engine", i, engine_argv(opts), engine_extra_env(opts, gpu_env),
+        proc = await self.launcher.spawn("engine", i, ENGINE_ARGV, engine_extra_env(opts, gpu_env),
                                          self.logs / f"engine{i}.log")
         log.info("engine %s on %s", opts.name, ep.connect)
         curve = self.launcher.curve.client() if self.launcher.curve is not None else None
@@ -516,8 +516,7 @@ async def local_cluster(
     try:
         await launcher.start()
         status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s) ({launcher.name} launcher)")
-        trainer = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=resume,
-                                           launcher=launcher)
+        trainer = await TrainerGroup.spawn(cfg, model_path, run_dir, resume=resume, launcher=launcher)
         engines = EnginePool(cfg, model_path, logs, trainer, device, backend, visible, launcher=launcher)
         await engines.spawn_all()
         await asyncio.gather(

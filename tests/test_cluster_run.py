@@ -103,6 +103,6 @@ def test_run_over_tcp_with_curve_on_a_non_loopback_address(tmp_path: Path) -> No
     for s in secrets:
         assert s not in everything
     assert not keys_file.exists()
-    left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-            and p.pid != os.getpid()]
+    left = [p for p in psutil.process_iter(["cmdline", "environ"]) if p.pid != os.getpid() and str(tmp_path) in
+            " ".join(p.info["cmdline"] or []) + " ".join((p.info["environ"] or {}).values())]  # run folder, key file
     assert [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []

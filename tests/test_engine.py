@@ -20,32 +20,35 @@ import zmq
 import zmq.asyncio
 from safetensors.torch import load_file
 
-from flashrl.engine.client import EngineProcess, EngineProcessClient, engine_env, spawn_engine
-from flashrl.engine.server import EngineOptions, LoadMeter, options_to_argv, parse_options
+from flashrl.engine.client import (
+    EngineProcess,
+    EngineProcessClient,
+    engine_env,
+    engine_extra_env,
+    spawn_engine,
+)
+from flashrl.engine.server import EngineSpec, LoadMeter
 from flashrl.interfaces import EngineClient
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
+from flashrl.wire.spec import SPEC_ENV, read_spec
 from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer, free_port
 from flashrl.wire.weights import build_manifest
 
 # --------------------------------------------------------------------------- unit
 
 
-def test_options_round_trip_through_argv() -> None:
-    opts = EngineOptions(address="tcp://127.0.0.1:5", model="/m", name="e3", kv_cache_gib=0.25, threads=2, seed=9)
-    assert parse_options(options_to_argv(opts)) == opts
-
-
-def test_bad_option_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        parse_options(["--address", "tcp://127.0.0.1:5", "--model", "/m", "--max-model-len", "8"])
-    assert "--max-model-len" in capsys.readouterr().err
+def test_engine_env_carries_the_spec() -> None:
+    """The EngineSpec travels as JSON in FLASHRL_SPEC (flashrl/wire/spec.py) and decodes back equal."""
+    opts = EngineSpec(address="tcp://127.0.0.1:5", model="/m", name="e3", kv_cache_gib=0.25, threads=2, seed=9)
+    env = engine_extra_env(opts)
+    assert read_spec(EngineSpec, env) == opts and SPEC_ENV not in env  # read once, then gone
 
 
 def test_engine_env_sizes_threads_and_unpins() -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
     try:
-        env = engine_env(EngineOptions(address="tcp://127.0.0.1:5", model="/m", threads=3), {"EXTRA": "1"})
+        env = engine_env(EngineSpec(address="tcp://127.0.0.1:5", model="/m", threads=3), {"EXTRA": "1"})
     finally:
         del os.environ["VLLM_CPU_KVCACHE_SPACE"]
     assert env["OMP_NUM_THREADS"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -128,7 +131,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    opts = EngineOptions(
+    opts = EngineSpec(
         address=f"tcp://127.0.0.1:{free_port()}", model=str(model_dir), name="test-engine",
         max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25,
     )
@@ -376,7 +379,7 @@ async def test_dead_engine_raises_peer_dead(engine: EngineProcess) -> None:
 
 @pytest.mark.slow
 def test_spawn_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
-    opts = EngineOptions(address=f"tcp://127.0.0.1:{free_port()}", model=str(tmp_path / "no-such-model"))
+    opts = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(tmp_path / "no-such-model"))
     ep = spawn_engine(opts, tmp_path / "bad.log")
     try:
         with pytest.raises(RuntimeError, match="exited with code") as err:

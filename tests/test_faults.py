@@ -15,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flashrl.engine.server import EngineSpec
 from flashrl.metrics import read_jsonl
+from flashrl.wire.spec import spec_in
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -79,8 +81,8 @@ def _kill_all(procs: list[psutil.Process]) -> None:
 
 def _engine_pid(tree: list[psutil.Process], name: str) -> int:
     for p in _running(tree):
-        cmd = p.cmdline()
-        if "flashrl.engine.server" in cmd and name in cmd:
+        spec = spec_in(p.environ(), EngineSpec)
+        if spec is not None and spec.name == name and "flashrl.engine.server" in p.cmdline():
             return p.pid
     raise AssertionError(f"no process of {name}")
 

@@ -23,6 +23,8 @@ import pytest
 
 from flashrl.cluster import slurm
 from flashrl.config import load
+from flashrl.engine.server import EngineSpec
+from flashrl.wire.spec import spec_in
 from flashrl.wire.transport import free_port
 
 pytestmark = pytest.mark.slow
@@ -168,7 +170,8 @@ def test_engine_restarts_on_its_node_and_a_killed_controller_leaves_nothing(tmp_
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for("training", lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240)
-        engine0 = [c for c in psutil.Process(nodes[1].pid).children() if "engine0" in c.cmdline()]
+        engine0 = [c for c in psutil.Process(nodes[1].pid).children()
+                   if (spec := spec_in(c.environ(), EngineSpec)) is not None and spec.name == "engine0"]
         assert len(engine0) == 1
         engine0[0].kill()
         wait_for("restart", lambda: "engine engine0 is back at version" in log.read_text(), 300)  # 50-130 s measured

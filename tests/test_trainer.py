@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrl.config import Config, from_dict, to_toml
+from flashrl.config import Config, from_dict
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer, plan_micro_batches, warmup_lr
 from flashrl.wire.protocol import TrainBatch, TrainSample
@@ -215,9 +215,7 @@ def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path:
 async def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
     run_dir = tmp / name
     run_dir.mkdir()
-    cfg_path = run_dir / "config.toml"
-    cfg_path.write_text(to_toml(cfg))
-    return await TrainerGroup.spawn(cfg, model_path, run_dir, cfg_path)
+    return await TrainerGroup.spawn(cfg, model_path, run_dir)
 
 
 def _load_dcp(path: Path, model_path: Path) -> dict[str, torch.Tensor]:
@@ -296,8 +294,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
         cfg = trainer_config(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
         run_dir = tmp_path / f"resumed{ranks}"
         run_dir.mkdir()
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        g = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml", resume=ckpt)
+        g = await TrainerGroup.spawn(cfg, model_path, run_dir, resume=ckpt)
         try:
             await g.wait_ready(120)
             assert await g.ping() == steps

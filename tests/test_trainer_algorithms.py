@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrl.config import AlgorithmConfig, to_toml
+from flashrl.config import AlgorithmConfig
 from flashrl.trainer.advantages import grpo_advantages, token_advantages
 from flashrl.trainer.batch import pad_batch
 from flashrl.trainer.client import TrainerGroup
@@ -193,8 +193,7 @@ async def test_two_ranks_with_critics_and_credit_match_one_rank(model_path: Path
         cfg = trainer_config(tmp_path, {"loss": "asyppo", "credit": "rhythm"}, ranks=ranks, micro_batch=2)
         run_dir = tmp_path / f"r{ranks}"
         run_dir.mkdir()
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        g = await TrainerGroup.spawn(cfg, model_path, run_dir, run_dir / "config.toml")
+        g = await TrainerGroup.spawn(cfg, model_path, run_dir)
         try:
             await g.wait_ready(120)
             metrics = [(await g.train_step(_batch(s, extra=True))).metrics for s in range(2)]

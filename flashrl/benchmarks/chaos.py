@@ -44,6 +44,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flashrl.engine.server import EngineSpec
+from flashrl.wire.spec import spec_in
+
 MIN_GAIN_POINTS = 20.0
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
 SURVIVOR_WAIT_S = 30.0
@@ -394,8 +397,8 @@ def _engine_pid(run_pid: int, name: str) -> int | None:
 
     for p in _children(run_pid):
         with contextlib.suppress(psutil.Error):
-            cmd = p.cmdline()
-            if "flashrl.engine.server" in cmd and name in cmd:
+            spec = spec_in(p.environ(), EngineSpec)
+            if spec is not None and spec.name == name and "flashrl.engine.server" in p.cmdline():
                 return int(p.pid)
     return None
 

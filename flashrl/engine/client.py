@@ -1,6 +1,7 @@
 """Controller side of an engine process: spawn it, wait for it, talk to it, stop it.
 
-    launch.EnginePool: launcher.spawn("engine", i, engine_argv(opts), engine_extra_env(opts)) -> EngineProcess
+    launch.EnginePool: launcher.spawn("engine", i, ENGINE_ARGV, engine_extra_env(opts)) -> EngineProcess
+                       (the EngineSpec travels in the environment: FLASHRL_SPEC, flashrl/wire/spec.py)
     spawn_engine(opts) -> EngineProcess ------ procs.Child (python -m flashrl.engine.server, own process group;
                                                the standalone local helper of tests and benches)
         wait_ready(): one Ping in flight, raced against the process's exit, until Pong, exit, or deadline
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from flashrl.cluster.base import Proc
-from flashrl.engine.server import EngineOptions, options_to_argv
+from flashrl.engine.server import EngineSpec
 from flashrl.procs import Child
 from flashrl.wire.protocol import (
     ENGINE_REPLIES,
@@ -47,6 +48,7 @@ from flashrl.wire.protocol import (
     WeightManifest,
     WeightsUpdated,
 )
+from flashrl.wire.spec import spec_env
 from flashrl.wire.transport import PeerDead, RpcClient, TransportError
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ class EngineProcess:
     vLLM's children go with it). ``connect``: the address the controller dials (default: ``opts.address``,
     the one the engine binds); ``curve``: the controller's CURVE keys (wire.keys.CurveKeys.client())."""
 
-    def __init__(self, opts: EngineOptions, child: Proc, heartbeat_s: float = 5.0, *, connect: str | None = None,
+    def __init__(self, opts: EngineSpec, child: Proc, heartbeat_s: float = 5.0, *, connect: str | None = None,
                  curve: dict[str, bytes] | None = None) -> None:
         self.opts = opts
         self.child = child
@@ -261,7 +263,7 @@ class EngineProcess:
         await self.child.stop()
 
 
-def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+def engine_env(opts: EngineSpec, env_extra: dict[str, str] | None = None) -> dict[str, str]:
     """This machine's environment with ``engine_extra_env`` over it (see there)."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -269,8 +271,9 @@ def engine_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> 
     return env
 
 
-def engine_extra_env(opts: EngineOptions, env_extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: thread counts and binding sized for a small shared CPU box.
+def engine_extra_env(opts: EngineSpec, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: its spec (``FLASHRL_SPEC``), thread counts and binding sized for a small
+    shared CPU box.
 
     - ``OMP_NUM_THREADS`` = opts.threads: torch's intra-op pool for the model.
     - ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default ("auto") pins OpenMP threads to the
@@ -283,7 +286,7 @@ def engine_extra_env(opts: EngineOptions, env_extra: dict[str, str] | None = Non
 
     The variables only (a launcher merges them over the node's environment).
     """
-    env: dict[str, str] = {}
+    env = spec_env(opts)
     if opts.device == "cpu":
         env["OMP_NUM_THREADS"] = str(opts.threads)
         env["MKL_NUM_THREADS"] = str(opts.threads)
@@ -293,19 +296,17 @@ def engine_extra_env(opts: EngineOptions, env_extra: dict[str, str] | None = Non
     return env
 
 
-def engine_argv(opts: EngineOptions) -> list[str]:
-    """The engine's command line for ``Launcher.spawn`` ("python" = the node's flashrl python)."""
-    return ["python", "-m", "flashrl.engine.server", *options_to_argv(opts)]
+ENGINE_ARGV = ["python", "-m", "flashrl.engine.server"]  # for ``Launcher.spawn`` ("python" = the node's flashrl python)
 
 
 def spawn_engine(
-    opts: EngineOptions, log_path: str | Path, env_extra: dict[str, str] | None = None, *, heartbeat_s: float = 5.0
+    opts: EngineSpec, log_path: str | Path, env_extra: dict[str, str] | None = None, *, heartbeat_s: float = 5.0
 ) -> EngineProcess:
     """Start ``python -m flashrl.engine.server`` in its own process group, output to ``log_path``.
 
     ``heartbeat_s`` is the Ping interval of ``EngineProcess.client`` (0 = off).
     """
-    cmd = [sys.executable, *engine_argv(opts)[1:]]
+    cmd = [sys.executable, *ENGINE_ARGV[1:]]
     child = Child.spawn(f"engine {opts.name}", cmd, log_path, env=engine_env(opts, env_extra))
     log.info("engine %s on %s", opts.name, opts.address)
     return EngineProcess(opts, child, heartbeat_s)

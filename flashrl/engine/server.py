@@ -28,11 +28,13 @@ Failure tiers: a bad request (e.g. a prompt longer than max_model_len) answers `
 request only. A dead EngineCore, or weights that failed to load after passing their checksums (a
 half-written model must never be served), end this process with exit code 1: the controller sees
 the peer die. Logs go to stderr (the launcher redirects them to runs/<name>/logs/<engine>.log).
+
+Entry point: ``python -m flashrl.engine.server`` with its ``EngineSpec`` as JSON in ``FLASHRL_SPEC``
+(flashrl/wire/spec.py; engine/client.py sets it); a missing or malformed spec exits 2 naming the problem.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -69,12 +71,13 @@ from flashrl.wire.protocol import (
     UpdateWeights,
     WeightsUpdated,
 )
+from flashrl.wire.spec import SpecError, read_spec
 
 log = logging.getLogger("flashrl.engine")
 
 
-class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Everything one engine process needs; each field is also a ``--flag`` of the entry point."""
+class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything one engine process needs: the parent passes it in ``FLASHRL_SPEC`` (flashrl.wire.spec)."""
 
     address: Annotated[str, Meta(description="ZeroMQ address to bind, e.g. tcp://127.0.0.1:5555")]
     model: Annotated[str, Meta(description="local Hugging Face model folder")]
@@ -89,34 +92,6 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory (cuda)")] = 0.5
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
     nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority: Linux nice of this process and its session")] = 0
-
-
-def options_to_argv(opts: EngineOptions) -> list[str]:
-    """The command-line flags that ``main`` parses back into the same EngineOptions."""
-    argv: list[str] = []
-    for field in msgspec.structs.fields(EngineOptions):
-        argv += [f"--{field.name.replace('_', '-')}", str(getattr(opts, field.name))]
-    return argv
-
-
-def parse_options(argv: list[str]) -> EngineOptions:
-    """Parse ``--flag value`` pairs into EngineOptions; a bad value exits naming the flag."""
-    parser = argparse.ArgumentParser(prog="python -m flashrl.engine.server", description="flashrl engine process")
-    for field in msgspec.structs.fields(EngineOptions):
-        required = field.required
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            dest=field.name,
-            required=required,
-            default=None if required else field.default,
-        )
-    ns = parser.parse_args(argv)
-    try:
-        return msgspec.convert(vars(ns), EngineOptions, strict=False)
-    except msgspec.ValidationError as e:
-        flag = str(e).rsplit("$.", 1)[-1].rstrip("`")
-        parser.error(f"--{flag.replace('_', '-')}: {e}")
-        raise  # unreachable: parser.error exits
 
 
 # --------------------------------------------------------------------------- load accounting
@@ -400,7 +375,7 @@ def yield_cpu(nice: int) -> None:
         Path("/proc/self/autogroup").write_text(str(nice))
 
 
-def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
+def build_engine(opts: EngineSpec, meter: LoadMeter) -> Any:
     """Create the AsyncLLM (takes ~20 s on the CPU for the tiny model)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -443,7 +418,7 @@ def build_engine(opts: EngineOptions, meter: LoadMeter) -> Any:
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(meter)])
 
 
-async def _serve(opts: EngineOptions) -> int:
+async def _serve(opts: EngineSpec) -> int:
     from flashrl.wire.keys import CurveKeys
     from flashrl.wire.transport import RpcServer
 
@@ -477,7 +452,7 @@ async def _serve(opts: EngineOptions) -> int:
         engine.shutdown()
 
 
-def serve(opts: EngineOptions) -> int:
+def serve(opts: EngineSpec) -> int:
     """Run one engine process until Shutdown, SIGTERM or a fatal error; return the exit code."""
     logging.basicConfig(
         stream=sys.stderr,
@@ -496,8 +471,12 @@ def serve(opts: EngineOptions) -> int:
     return rc
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = parse_options(sys.argv[1:] if argv is None else list(argv))
+def main() -> int:
+    try:
+        opts = read_spec(EngineSpec, who="python -m flashrl.engine.server")
+    except SpecError as e:
+        print(f"engine: {e}", file=sys.stderr)
+        return 2
     child_init(f"engine {opts.name}")  # dies with the controller, taking vLLM's EngineCore along
     return serve(opts)
 

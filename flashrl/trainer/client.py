@@ -1,7 +1,8 @@
 """The controller's handle on the trainer group: R rank processes, one ZeroMQ channel to rank 0.
 
     TrainerGroup.spawn --launcher.spawn("trainer", rank) x R (env as torchrun sets it: MASTER_ADDR =
-                        launcher.trainer_master())--> worker.py ranks (locally procs.Child: own process group)
+                        launcher.trainer_master(); the TrainerSpec in FLASHRL_SPEC, trainer/spec.py)
+                        --> worker.py ranks (locally procs.Child: own process group)
                         stdout+stderr -> <run_dir>/logs/trainer<rank>.log
     train_step / prepare_weights / ... --RpcClient--> rank 0 (fans out to the others)
          each call races its reply against the rank processes: a rank that exits fails the call at
@@ -25,6 +26,7 @@ from typing import Any
 from flashrl.cluster.base import Launcher, Proc
 from flashrl.config import Config
 from flashrl.procs import Child, exited_within, tail
+from flashrl.trainer.spec import TrainerSpec
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     ComputeLogprobs,
@@ -44,6 +46,7 @@ from flashrl.wire.protocol import (
     TrainStep,
     WeightManifest,
 )
+from flashrl.wire.spec import spec_env
 from flashrl.wire.transport import PeerDead, RpcClient
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,7 @@ class TrainerGroup:
         return [c.log_path for c in self.children if c.log_path is not None]
 
     @classmethod
-    async def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path, config_path: str | Path,
+    async def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path,
                     *, resume: str | Path | None = None, launcher: Launcher | None = None) -> TrainerGroup:
         """Start ``cfg.trainer.ranks`` worker processes through ``launcher`` (what torchrun would do).
 
@@ -97,10 +100,9 @@ class TrainerGroup:
         world = cfg.trainer.ranks
         ep = await launcher.endpoint("trainer", 0)
         master, master_port = launcher.trainer_master(), await launcher.trainer_port()
-        cmd = ["python", "-m", "flashrl.trainer.worker", "--config", str(config_path), "--address", ep.bind,
-               "--model", str(model_path)]
-        if resume is not None:
-            cmd += ["--resume", str(resume)]
+        cmd = ["python", "-m", "flashrl.trainer.worker"]
+        spec = spec_env(TrainerSpec(cfg=cfg, address=ep.bind, model=str(model_path),
+                                    resume=None if resume is None else str(resume)))
         children: list[Proc] = []
         try:
             for rank in range(world):
@@ -111,7 +113,7 @@ class TrainerGroup:
                     "OMP_NUM_THREADS": str(cfg.trainer.threads),
                     # idle OpenMP threads sleep instead of spinning: the rank shares the cores with the
                     # engines, and a spinning pool (threads > 1) steals them from a busy engine
-                    "OMP_WAIT_POLICY": "PASSIVE",
+                    "OMP_WAIT_POLICY": "PASSIVE", **spec,
                 }
                 children.append(await launcher.spawn("trainer", rank, cmd, env, run_dir / "logs" / f"trainer{rank}.log"))
         except BaseException:

@@ -21,10 +21,11 @@ The process group backend is ``trainer.backend`` (auto: nccl with CUDA, else glo
 runs both. On CPU the weights are float32; on GPU a non-float32 ``model.dtype`` becomes FSDP2's
 compute dtype (MixedPrecisionPolicy) with float32 master weights and gradient reduction.
 
-Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a cluster)::
+Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a cluster, plus the
+rank's ``TrainerSpec`` as JSON: trainer/spec.py, flashrl/wire/spec.py)::
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 LOCAL_RANK=0 \\
-        python -m flashrl.trainer.worker --config run.toml --address tcp://127.0.0.1:5555 --model PATH
+        FLASHRL_SPEC='{"cfg": {...}, "address": "tcp://127.0.0.1:5555", "model": "PATH"}' python -m flashrl.trainer.worker
 
 The training step itself (phases, metrics) is ``flashrl.trainer.step.PolicyTrainer``, a plain class
 that needs no process group; ``Trainer`` here is that class plus the process shell: the model built
@@ -41,7 +42,6 @@ layer's L x L maps at once, so that forward runs ``trainer.micro_batch`` samples
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
@@ -60,8 +60,9 @@ import torch
 import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
-from flashrl.config import Config, load
+from flashrl.config import Config
 from flashrl.procs import child_init
+from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
@@ -82,6 +83,7 @@ from flashrl.wire.protocol import (
     WeightManifest,
 )
 from flashrl.wire.rendezvous import init_default_group
+from flashrl.wire.spec import SpecError, read_spec
 
 __all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "warmup_lr"]
 
@@ -515,13 +517,12 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
         os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashrl.trainer.worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="resolved config TOML (runs/<name>/config.toml)")
-    ap.add_argument("--address", required=True, help="rank 0's ZeroMQ address, e.g. tcp://127.0.0.1:5555")
-    ap.add_argument("--model", required=True, help="Hugging Face model folder")
-    ap.add_argument("--resume", default=None, help="checkpoint folder written by SaveCheckpoint")
-    args = ap.parse_args(argv)
+def main() -> int:
+    try:
+        spec = read_spec(TrainerSpec, who="python -m flashrl.trainer.worker")
+    except SpecError as e:
+        print(f"trainer worker: {e}", file=sys.stderr)
+        return 2
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             print(f"trainer worker: environment variable {var} is not set; launch with torchrun or "
@@ -530,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     child_init(f"trainer rank {rank}")  # dies with the controller (a no-op under torchrun)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cfg = load(args.config)
+    cfg = spec.cfg
     from flashrl.logging_setup import FORMAT
 
     logging.basicConfig(stream=sys.stderr, level=cfg.run.log_level, format=FORMAT.format(process=f"trainer{rank}"))
@@ -549,13 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     # The store listens on MASTER_ADDR only (loopback for the local launcher), not on every interface.
     init_default_group(backend, rank, world, datetime.timedelta(minutes=30))
     try:
-        trainer = Trainer(cfg, args.model, device)
-        if args.resume:
-            trainer.load_checkpoint(args.resume)
-        log.info("rank %d/%d ready: backend %s, model %s, version %d", rank, world, backend, args.model, trainer.version)
+        trainer = Trainer(cfg, spec.model, device)
+        if spec.resume:
+            trainer.load_checkpoint(spec.resume)
+        log.info("rank %d/%d ready: backend %s, model %s, version %d", rank, world, backend, spec.model, trainer.version)
         fanout = Fanout(device, stop)
         if rank == 0:
-            asyncio.run(leader_loop(trainer, fanout, args.address))
+            asyncio.run(leader_loop(trainer, fanout, spec.address))
         else:
             follower_loop(trainer, fanout)
     finally:

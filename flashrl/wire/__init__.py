@@ -5,6 +5,7 @@
     keys.py        the per-run CURVE keys (the file a launcher writes, the child reads)
     rendezvous.py  torch.distributed stores listening on the master address only
     weights.py     the weight sync's bucket format, checksums and group (trainer sends, engine receives)
+    spec.py        a child's configuration at start: a typed struct as JSON in FLASHRL_SPEC
 
 Engine, trainer, controller and the launchers all import this package; it imports none of them
 (tests/test_imports.py), so neither end of a channel owns its format.
