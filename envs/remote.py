@@ -54,7 +54,7 @@ from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
-from flashrl.wire.spec import SpecError, read_spec, spec_env
+from flashrl.wire.spec import read_spec_or_exit, spec_env
 from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
@@ -455,11 +455,7 @@ async def _worker_main(spec: EnvWorkerSpec) -> None:
 
 def main() -> int:
     """``python -m envs.remote``: one worker, its EnvWorkerSpec in FLASHRL_SPEC (RemotePool sets it)."""
-    try:
-        spec = read_spec(EnvWorkerSpec, who="python -m envs.remote")
-    except SpecError as e:
-        print(f"env worker: {e}", file=sys.stderr)
-        return 2
+    spec = read_spec_or_exit(EnvWorkerSpec, who="python -m envs.remote", label="env worker")
     child_init(f"env worker ({spec.inner})")  # dies with the controller, and takes its own children along
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s env-worker %(levelname)s %(message)s")
     asyncio.run(_worker_main(spec))

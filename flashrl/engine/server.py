@@ -71,7 +71,7 @@ from flashrl.wire.protocol import (
     UpdateWeights,
     WeightsUpdated,
 )
-from flashrl.wire.spec import SpecError, read_spec
+from flashrl.wire.spec import read_spec_or_exit
 
 log = logging.getLogger("flashrl.engine")
 
@@ -472,11 +472,7 @@ def serve(opts: EngineSpec) -> int:
 
 
 def main() -> int:
-    try:
-        opts = read_spec(EngineSpec, who="python -m flashrl.engine.server")
-    except SpecError as e:
-        print(f"engine: {e}", file=sys.stderr)
-        return 2
+    opts = read_spec_or_exit(EngineSpec, who="python -m flashrl.engine.server", label="engine")
     child_init(f"engine {opts.name}")  # dies with the controller, taking vLLM's EngineCore along
     return serve(opts)
 

@@ -83,7 +83,7 @@ from flashrl.wire.protocol import (
     WeightManifest,
 )
 from flashrl.wire.rendezvous import init_default_group
-from flashrl.wire.spec import SpecError, read_spec
+from flashrl.wire.spec import read_spec_or_exit
 
 __all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "warmup_lr"]
 
@@ -518,11 +518,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
 
 
 def main() -> int:
-    try:
-        spec = read_spec(TrainerSpec, who="python -m flashrl.trainer.worker")
-    except SpecError as e:
-        print(f"trainer worker: {e}", file=sys.stderr)
-        return 2
+    spec = read_spec_or_exit(TrainerSpec, who="python -m flashrl.trainer.worker", label="trainer worker")
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             print(f"trainer worker: environment variable {var} is not set; launch with torchrun or "

@@ -29,6 +29,7 @@ about 3 KiB). The CURVE keys never travel in a spec: the launcher passes their f
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, MutableMapping
 from typing import TypeVar
 
@@ -84,6 +85,16 @@ def read_spec(kind: type[S], environ: MutableMapping[str, str] | None = None, *,
         raise SpecError(f"{SPEC_ENV} is not set: {who} reads its {kind.__name__} (JSON) from that environment "
                         "variable; flashrl's launchers set it (start runs with `flashrl run`)")
     return decode_spec(text, kind)
+
+
+def read_spec_or_exit(kind: type[S], *, who: str, label: str) -> S:
+    """``read_spec`` for a child's ``main()``: a missing or bad spec prints ``label: <the error>`` on
+    stderr and exits with code 2 (nothing started)."""
+    try:
+        return read_spec(kind, who=who)
+    except SpecError as e:
+        print(f"{label}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def spec_in(environ: Mapping[str, str], kind: type[S]) -> S | None:
