@@ -51,6 +51,7 @@ def test_run_over_tcp_with_curve_on_a_non_loopback_address(tmp_path: Path) -> No
         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=net", "--set", "run.steps=4",
         "--set", "run.eval_every=0", "--set", "run.dashboard=plain",
         "--set", "run.max_time_s=0", "--set", f"cluster.interface={ip}",
+        "--set", "engine.count=2",  # each engine's socket and weight-sync group on that address
     ]
     env = dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()))  # dies with this test
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
