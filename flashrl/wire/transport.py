@@ -133,6 +133,16 @@ def _apply_curve(sock: zmq.Socket, curve: dict[str, bytes] | None, server: bool)
         sock.curve_serverkey = curve["server_public"]
 
 
+def _socket(ctx: zmq.asyncio.Context, kind: int, curve: dict[str, bytes] | None, *, server: bool) -> zmq.asyncio.Socket:
+    """A client (DEALER) or server (ROUTER) socket as both ends need it: no linger, no high-water mark,
+    CURVE when given (set before connect/bind)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    _no_hwm(sock)
+    _apply_curve(sock, curve, server=server)
+    return sock
+
+
 # --------------------------------------------------------------------------- CURVE gate (ZAP)
 class _AllowedKeys:
     """zmq.auth credentials provider: only the run's client public key(s) (Z85) get in."""
@@ -198,10 +208,7 @@ class RpcClient:
         self.address = address
         self._codec = replies
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        _no_hwm(self._sock)
-        _apply_curve(self._sock, curve, server=False)
+        self._sock = _socket(self._ctx, zmq.DEALER, curve, server=False)
         self._sock.connect(address)
         self._next_rid = 1
         self._pending: dict[int, asyncio.Future[Msg]] = {}
@@ -394,10 +401,7 @@ class RpcServer:
         self._codec = requests
         self._handler = handler
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        _no_hwm(self._sock)
-        _apply_curve(self._sock, curve, server=True)
+        self._sock = _socket(self._ctx, zmq.ROUTER, curve, server=True)
         self._monitor: zmq.asyncio.Socket | None = None
         if curve:  # count refused handshakes (the monitor exists before the first connection)
             self._monitor = self._sock.get_monitor_socket(sum(_REFUSAL_EVENTS))
