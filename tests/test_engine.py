@@ -142,7 +142,7 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield ep
     finally:
         asyncio.run(ep.terminate(timeout=20))
-        # No orphans: vLLM's EngineCore and worker processes were in the engine's process group.
+        # No orphans: anything the engine started was in its process group.
         with pytest.raises(ProcessLookupError):
             os.killpg(ep.proc.pid, 0)
 

@@ -96,11 +96,11 @@ def _last(metrics: Path) -> dict:
 def test_engines_come_back_then_a_sigkilled_controller_leaves_no_process(tmp_path: Path) -> None:
     """One run, three faults (one start-up: vLLM takes most of a minute to start on 2 busy cores).
 
-    1. engine1 is SIGKILLed (with its EngineCore) in the middle of the weight sync to version 3 (fault
+    1. engine1 is SIGKILLed in the middle of the weight sync to version 3 (fault
        injection); 2. engine0 is frozen, then SIGKILLed by the test. The run never stops: the sync
        finishes on the live engine, in-flight requests are retried, both engines are restarted, caught up
        (verified) and used again; no step is lost or repeated. 3. `flashrl run` itself is SIGKILLed: every
-       process it started (engines, vLLM EngineCores, trainer rank, env worker) exits on its own within 30 s.
+       process it started (engines, trainer rank, env worker) exits on its own within 30 s.
     """
     marker = tmp_path / "fault-fired"
     metrics = tmp_path / "eng" / "metrics.jsonl"
@@ -145,7 +145,6 @@ def test_engines_come_back_then_a_sigkilled_controller_leaves_no_process(tmp_pat
             assert part in names, f"{part} not among the run's processes: {names}"
         engine_pids = {p.pid for p in tree if "flashrl.engine.server" in " ".join(p.cmdline())}
         assert victim not in engine_pids and len(engine_pids) == 2
-        assert [p for p in tree if p.ppid() in engine_pids], "no vLLM EngineCore under the engine processes"
         proc.send_signal(signal.SIGKILL)  # the controller only: its children lead their own process groups
         proc.wait(timeout=10)
         deadline = time.monotonic() + 30

@@ -11,8 +11,8 @@
         generate/abort/update_weights/load/...: one request each, multiplexed on one socket
         heartbeat loop (RpcClient): Ping every heartbeat_s; no Pong in time -> PeerDead for all
 
-The process group matters: vLLM's EngineCore is a child of the engine process, and killing only the
-parent would orphan it (with its memory and threads) on a shared machine.
+The process group matters: vLLM runs in the engine process itself (engine/inproc.py), but anything it
+or a plugin starts is a child, and killing only the parent would orphan it on a shared machine.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""The engine process: vLLM's AsyncLLM behind a ZeroMQ RpcServer.
+"""The engine process: vLLM's LLMEngine, stepped by a thread of its own (engine/inproc.py), behind a ZeroMQ RpcServer.
 
     controller --EngineRequest--> RpcServer (ROUTER) --one task per request--> EngineServer.handle
-        Generate        -> AsyncLLM.generate (token ids in, FINAL_ONLY out) -> Generated
-        Abort           -> AsyncLLM.abort: the aborted Generate answers finish_reason "abort"
-        Pause / Resume  -> AsyncLLM.pause_generation(mode) / resume_generation
+        Generate        -> InprocEngine.generate (token ids in, FINAL_ONLY out) -> Generated
+        Abort           -> InprocEngine.abort: the aborted Generate answers finish_reason "abort"
+        Pause / Resume  -> InprocEngine.pause(mode) / resume
         InitWeightSync  -> worker: join the weight-sync group (engine/weights.py)
-        UpdateWeights   -> [one at a time] pause(keep) -> worker: receive, verify, load
-                           -> version = manifest.version -> resume -> WeightsUpdated
+        UpdateWeights   -> [one at a time, between two engine steps, nothing generating]
+                           worker: receive, verify, load -> version label -> clear the KV cache
+                           -> WeightsUpdated
         GetLoad         -> LoadMeter.report (fed by a vLLM stat logger and the Generate tasks)
         Ping / Shutdown -> Pong(version) / Ok, then a clean exit (SIGTERM does the same)
 
@@ -17,7 +18,7 @@ with the same temperature (trainer/batch.py ``token_logprobs``); top-p/top-k it 
 with rollout.top_p < 1 on-policy trainer/engine ratios equal the kept mass (<= 1), not 1.
 
 Per-token policy versions come from vLLM itself: the server labels its weights with
-``AsyncLLM.update_weight_version(str(version))`` while generation is paused, the EngineCore attaches
+``LLMEngine.set_weight_version(str(version))`` while nothing generates, the EngineCore attaches
 that label to every step's output, and the finished output carries ``weight_versions`` spans, so a
 token is stamped with the weights that actually produced it even when an update lands mid-request.
 
@@ -25,9 +26,9 @@ Fault injection (tests, chaos runs): ``FLASHRL_FAULT_KILL_IN_SYNC`` kills the en
 (see ``_inject_sync_fault``).
 
 Failure tiers: a bad request (e.g. a prompt longer than max_model_len) answers ``Error`` for that
-request only. A dead EngineCore, or weights that failed to load after passing their checksums (a
+request only. A vLLM step that raises (the engine thread ends), or weights that failed to load after passing their checksums (a
 half-written model must never be served), end this process with exit code 1: the controller sees
-the peer die. Logs go to stderr (the launcher redirects them to runs/<name>/logs/<engine>.log).
+the peer die. The engine thread is a daemon of this process: nothing of vLLM outlives it. Logs go to stderr (the launcher redirects them to runs/<name>/logs/<engine>.log).
 
 Entry point: ``python -m flashrl.engine.server`` with its ``EngineSpec`` as JSON in ``FLASHRL_SPEC``
 (flashrl/wire/spec.py; engine/client.py sets it); a missing or malformed spec exits 2 naming the problem.
@@ -51,6 +52,7 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.core.meters import BusyMeter
+from flashrl.engine.inproc import EngineDead, InprocEngine
 from flashrl.procs import child_init
 from flashrl.wire.protocol import (
     ENGINE_REQUESTS,
@@ -174,11 +176,11 @@ def _stat_logger_factory(meter: LoadMeter) -> Any:
 
 # --------------------------------------------------------------------------- the engine shell
 class EngineFatal(Exception):
-    """This process must exit: the EngineCore died or the model holds half-loaded weights."""
+    """This process must exit: the vLLM engine thread died or the model holds half-loaded weights."""
 
 
 class EngineServer:
-    """Turns EngineRequests into AsyncLLM calls. Holds no socket: ``serve`` wires it to one."""
+    """Turns EngineRequests into InprocEngine calls. Holds no socket: ``serve`` wires it to one."""
 
     def __init__(self, engine: Any, name: str, meter: LoadMeter) -> None:
         self.engine = engine
@@ -191,7 +193,8 @@ class EngineServer:
         self._update_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        await self.engine.update_weight_version(str(self.version))
+        version = str(self.version)
+        await self.engine.call(lambda llm: llm.set_weight_version(version))
 
     async def handle(self, msg: Msg) -> Msg | None:
         try:
@@ -200,10 +203,8 @@ class EngineServer:
             self._die(str(e))
             raise
         except Exception as e:
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(e, EngineDeadError) or self.engine.errored:
-                self._die(f"vLLM EngineCore died: {e}")
+            if isinstance(e, EngineDead) or self.engine.errored:
+                self._die(f"vLLM engine died: {e}")
             raise
 
     def _die(self, reason: str) -> None:
@@ -216,19 +217,17 @@ class EngineServer:
         if isinstance(msg, Generate):
             return await self.generate(msg)
         if isinstance(msg, Abort):
-            await self.engine.abort(msg.request_ids)
+            await self.engine.abort(list(msg.request_ids))
             return Ok()
         if isinstance(msg, Pause):
-            await self.engine.pause_generation(mode=msg.mode)
+            await self.engine.pause(msg.mode)
             return Ok(info=f"paused ({msg.mode})")
         if isinstance(msg, Resume):
-            await self.engine.resume_generation()
+            await self.engine.resume()
             return Ok(info="resumed")
         if isinstance(msg, InitWeightSync):
-            await self.engine.collective_rpc(
-                "flashrl_init_weight_sync",
-                args=(msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend, msg.timeout_s),
-            )
+            args = (msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend, msg.timeout_s)
+            await self.engine.call(lambda llm: llm.collective_rpc("flashrl_init_weight_sync", args=args))
             return Ok(info=f"joined weight sync as rank {msg.rank}/{msg.world_size}")
         if isinstance(msg, UpdateWeights):
             return await self.update_weights(msg)
@@ -261,10 +260,8 @@ class EngineServer:
         )
         request_id = req.request_id or uuid.uuid4().hex
         self.meter.request_started(time.monotonic())
-        final = None
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params, request_id):
-                final = out
+            final = await self.engine.generate(request_id, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params)
         finally:
             self.meter.request_finished(time.monotonic())
         if final is None or not final.outputs:
@@ -296,37 +293,39 @@ class EngineServer:
 
     async def update_weights(self, msg: UpdateWeights) -> WeightsUpdated:
         manifest = msg.manifest
+        manifest_json = msgspec.json.encode(manifest).decode()
+
+        def receive_and_load(llm: Any) -> tuple[dict[str, Any], float, float]:
+            # On the engine thread, between two steps: nothing generates until this returns.
+            t_in = time.perf_counter()
+            res = llm.collective_rpc("flashrl_update_weights", args=(manifest_json,))[0]
+            if res["ok"]:
+                llm.set_weight_version(str(manifest.version))
+                # Requests in flight drop their KV (computed with the old weights) and recompute it
+                # with the new ones; the tokens they already have keep their old version label.
+                llm.reset_prefix_cache(reset_running_requests=True)
+            if not res["ok"] and res["touched"]:
+                self.engine.halt()  # half-loaded weights: not one more step
+            else:
+                self.engine.unpause()  # an update ends with the engine generating, even if it was paused
+            return res, t_in, time.perf_counter()
+
         async with self._update_lock:
             t0 = time.perf_counter()
-            # AsyncLLM.pause_generation = this call + a fixed 20 ms sleep that only orders the caller's
-            # view of in-flight outputs (vLLM: "not required for correctness"); tokens sampled before
-            # the pause are labelled with the old version by the EngineCore either way.
-            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-            t_paused = time.perf_counter()
-            t_loaded = t_paused
-            try:
-                receive = asyncio.ensure_future(self.engine.collective_rpc(
-                    "flashrl_update_weights", args=(msgspec.json.encode(manifest).decode(),)
-                ))
-                await _inject_sync_fault(self.name, manifest.version)
-                results = await receive
-                res = results[0]
-                if res["ok"]:
-                    self.version = manifest.version
-                    await self.engine.update_weight_version(str(self.version))
-                elif res["touched"]:
-                    raise EngineFatal(f"weights v{manifest.version} passed their checksums but failed to load: {res['error']}")
-                t_loaded = time.perf_counter()
-            finally:
-                if not self.fatal.is_set():
-                    await self.engine.resume_generation()
+            done = asyncio.ensure_future(self.engine.call(receive_and_load))
+            await _inject_sync_fault(self.name, manifest.version)
+            res, t_paused, t_loaded = await done
+            if res["ok"]:
+                self.version = manifest.version
+            elif res["touched"]:
+                raise EngineFatal(f"weights v{manifest.version} passed their checksums but failed to load: {res['error']}")
             seconds = time.perf_counter() - t0
         timings = {
-            "pause_s": t_paused - t0,
+            "pause_s": t_paused - t0,  # waiting for the engine's current step to end
             "receive_s": res["receive_s"] - res.get("verify_s", 0.0),
             "verify_s": res.get("verify_s", 0.0),
             "load_s": res["load_s"],
-            # the collective_rpc round trip to the EngineCore and the version label, beyond the worker's own time
+            # the version label and the KV reset, beyond the worker's own time
             "rpc_s": max(0.0, t_loaded - t_paused - res["receive_s"] - res["load_s"]),
             "resume_s": t0 + seconds - t_loaded,
         }
@@ -344,7 +343,7 @@ FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
 
 async def _inject_sync_fault(name: str, version: int) -> None:
     """Fault injection for tests and chaos runs: ``FLASHRL_FAULT_KILL_IN_SYNC=<engine>@<version>@<marker file>``
-    SIGKILLs this engine's whole process group (server, EngineCore) while it receives the weights of
+    SIGKILLs this engine's whole process group while it receives the weights of
     ``version`` (or later), once per marker file (a restarted engine is spared)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
@@ -364,8 +363,7 @@ async def _inject_sync_fault(name: str, version: int) -> None:
 
 # --------------------------------------------------------------------------- process wrapper
 def yield_cpu(nice: int) -> None:
-    """Lower this engine's CPU priority by ``nice`` (engine.nice): the process (and the EngineCore it
-    starts) and, on Linux with autogroup scheduling, its session, which is what competes with the
+    """Lower this engine's CPU priority by ``nice`` (engine.nice): the process and, on Linux with autogroup scheduling, its session, which is what competes with the
     trainer's and controller's sessions for the cores (every flashrl child has a session of its own,
     so a plain nice would only order the processes inside this one)."""
     if nice <= 0:
@@ -375,14 +373,18 @@ def yield_cpu(nice: int) -> None:
         Path("/proc/self/autogroup").write_text(str(nice))
 
 
-def build_engine(opts: EngineSpec, meter: LoadMeter) -> Any:
-    """Create the AsyncLLM (takes ~20 s on the CPU for the tiny model)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEventLoop) -> InprocEngine:
+    """Create vLLM's LLMEngine in this process and the thread that steps it (~4 s on the CPU for the tiny model)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     from flashrl.engine.weights import WORKER_EXTENSION
 
-    kwargs: dict[str, Any] = {}
+    # The EngineCore and the model run in this process (InprocClient, UniProcExecutor): no second
+    # process to spawn and import torch + vLLM into, no socket between the requests and the scheduler
+    # (engine/inproc.py). LLMEngine reads this variable to choose; it must not leak in as "1".
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kwargs: dict[str, Any] = {"distributed_executor_backend": "uni"}
     if opts.device == "cpu":
         kwargs["enforce_eager"] = True
         kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * (1 << 30))
@@ -392,16 +394,9 @@ def build_engine(opts: EngineSpec, meter: LoadMeter) -> Any:
         # prompts exceeds the token budget). Whole prefills only, with a budget that fits any prompt.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(opts.max_model_len, 2048)
-        # The model runs inside the EngineCore process (UniProcExecutor), not in a third worker
-        # process: one process fewer to start (a torch + vLLM import, ~8 s on a loaded 2-core machine)
-        # and no shared-memory queue between EngineCore and worker polling for work every step. vLLM's
-        # CPU platform picks the multiprocess executor unless V1 multiprocessing is off; AsyncLLM runs
-        # its EngineCore in a process of its own either way, so that variable changes only the executor.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs["distributed_executor_backend"] = "uni"
     else:
         kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
-    args = AsyncEngineArgs(
+    args = EngineArgs(
         model=opts.model,
         dtype=opts.dtype,
         max_model_len=opts.max_model_len,
@@ -415,7 +410,8 @@ def build_engine(opts: EngineSpec, meter: LoadMeter) -> Any:
         worker_extension_cls=WORKER_EXTENSION,
         **kwargs,
     )
-    return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(meter)])
+    llm = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(meter)], enable_multiprocessing=False)
+    return InprocEngine(llm, loop, name=opts.name)
 
 
 async def _serve(opts: EngineSpec) -> int:
@@ -425,7 +421,7 @@ async def _serve(opts: EngineSpec) -> int:
     t0 = time.perf_counter()
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
     meter = LoadMeter(time.monotonic())
-    engine = build_engine(opts, meter)
+    engine = build_engine(opts, meter, asyncio.get_running_loop())
     server = EngineServer(engine, opts.name, meter)
     try:
         await server.start()
@@ -466,14 +462,14 @@ def serve(opts: EngineSpec) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
     yield_cpu(opts.nice)
     rc = asyncio.run(_serve(opts))
-    # Collect the shut-down AsyncLLM now: its __del__ fails if it runs during interpreter teardown.
+    # Collect the shut-down engine now: vLLM objects' __del__ can fail during interpreter teardown.
     gc.collect()
     return rc
 
 
 def main() -> int:
     opts = read_spec_or_exit(EngineSpec, who="python -m flashrl.engine.server", label="engine")
-    child_init(f"engine {opts.name}")  # dies with the controller, taking vLLM's EngineCore along
+    child_init(f"engine {opts.name}")  # dies with the controller
     return serve(opts)
 
 

@@ -1,13 +1,13 @@
-"""Receiving side of the weight sync: runs inside vLLM's worker (the EngineCore process).
+"""Receiving side of the weight sync: runs inside vLLM's worker (in the engine process, on its engine thread).
 
-    engine server (AsyncLLM, asyncio)                 vLLM worker (this module, blocking calls)
+    engine server (InprocEngine, asyncio)             vLLM worker (this module, blocking calls)
       InitWeightSync -> collective_rpc("flashrl_init_weight_sync", args) -> join_group(rank 1 + i)
-      UpdateWeights  -> pause(keep)
+      UpdateWeights  -> [engine thread, between two steps: nothing generates]
                      -> collective_rpc("flashrl_update_weights", manifest JSON)
                             receive every bucket (broadcast from group rank 0) into fresh buffers
                             verify every checksum          -- any mismatch: drop buffers, report
                             reload_weights(all tensors)    -- only after every bucket passed
-                     -> set version, resume
+                     -> set version label, clear the KV cache, step on
 
 The model's parameters are never written until every bucket has arrived and passed its checksum,
 so a failed sync leaves the previous weights serving. Every bucket is received even after a
