@@ -25,7 +25,8 @@ steps: a LambdaLR given to TRL), PPO clip eps_low/eps_high, token-mean loss (TRL
 active tokens of the optimizer step's batch, one process, no accumulation), std-scaled group
 advantages, no KL (beta 0), grad clip. Held-out accuracy every ``run.eval_every`` steps: greedy, the
 same 400 tasks, ``max_new_tokens`` tokens, scored by the env's verifier; its time is taken out of the
-training clock (flashrl evaluates on its engines beside training).
+training clock. flashrl evaluates on its engines beside training; what its steps waited for an eval
+(``time/sync/quiesce_s``) is taken out of its training clock (``summarize``).
 
 Reported per run: time to 70/80/85% held-out accuracy (first eval at or above; training clock and whole
 process = start-up + training clock), trained samples/s over the whole training clock, the mean step
@@ -59,6 +60,9 @@ MODE_LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate, 1 process)", "async": 
               "sync": "flashrl sync (async_ratio 0, no queue scheduling)"}
 
 
+EVAL_WAIT = "time/sync/quiesce_s"  # flashrl: what a step waited for the held-out eval before its sync
+
+
 class PeerConfigError(ValueError):
     """The flashrl config uses something the TRL peer cannot reproduce; the message names the key."""
 
@@ -89,6 +93,7 @@ class Run:
     best_acc: float | None = None
     worst_dip: float | None = None  # largest drop below the running best after first reaching 80%
     min_after_80: float | None = None
+    eval_wait_s: float = 0.0  # held-out evals' time taken out of the training clock (flashrl: waits for them)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -118,9 +123,15 @@ def startup_offset(appeared: Sequence[tuple[float, float]]) -> float | None:
 
 def summarize(run: Run, records: list[dict[str, Any]]) -> None:
     """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys)."""
-    steps = [r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r]
-    clock = {int(r["step"]): float(r["time/elapsed_s"]) for r in steps}
-    clock[0] = 0.0
+    steps = sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
+    # The training clock leaves held-out evals out, for both: TRL's evals run between its steps and
+    # its time/elapsed_s already excludes them; flashrl's run on the engines beside training, and what a
+    # step waited for one before its weights could go out (time/sync/quiesce_s) is taken out here.
+    clock, waited = {0: 0.0}, 0.0
+    for r in steps:
+        waited += float(r.get(EVAL_WAIT, 0.0))
+        clock[int(r["step"])] = float(r["time/elapsed_s"]) - waited
+    run.eval_wait_s = waited
     evals = []
     for r in records:
         if r.get("eval/accuracy") is None:
@@ -136,10 +147,11 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
     run.samples_per_s = run.samples / run.train_s if run.train_s else None
     steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
     if steady:
-        run.step_s = statistics.fmean(float(r["time/step_s"]) for r in steady if "time/step_s" in r) if any(
+        run.step_s = statistics.fmean(float(r["time/step_s"]) - float(r.get(EVAL_WAIT, 0.0))
+                                      for r in steady if "time/step_s" in r) if any(
             "time/step_s" in r for r in steady) else None
         keys = sorted({k for r in steady for k in r if k.startswith("time/") and k not in
-                       ("time/elapsed_s", "time/step_s", "time/eval_s")})
+                       ("time/elapsed_s", "time/step_s", "time/eval_s", EVAL_WAIT)})
         run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
         rest = (run.step_s or 0.0) - sum(run.parts.values())
         if run.step_s is not None and rest > 0.0005:  # flashrl: waiting for rollouts (generation not hidden)
@@ -196,8 +208,10 @@ def markdown_table(runs: Sequence[Run]) -> str:
         row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
     row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
     row("steps / training clock", [f"{r.steps} / {_f(r.train_s)} s" for r in runs])
+    row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode != "trl" else "(evals between steps)"
+                                                    for r in runs])
     row("trained samples/s", [_f(r.samples_per_s, "{:.0f}") for r in runs])
-    row("mean step time (after step 5)", [_f(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
+    row("mean step time (after step 5, eval waits out)", [_f(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
     row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
     row("peak memory (process tree)", [_f(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
     row("held-out accuracy first -> final (best)",
@@ -253,7 +267,9 @@ What differs:
   flashrl splits the batch in order (groups stay together).
 - Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
 - Eval: flashrl evaluates on its engines beside training (the next weight sync waits for it); TRL's
-  eval runs in its process between steps and its time is taken out of TRL's training clock.
+  eval runs in its process between steps. Neither training clock counts eval time: TRL's leaves out its
+  evals, flashrl's leaves out what its steps waited for an eval (`time/sync/quiesce_s`, its own row);
+  the eval's requests still share flashrl's engine with the rollouts.
 - Memory: peak resident memory of each run's process tree, sampled every 0.5 s by the bench (RSS sums
   count shared pages once per process).
 - Start-up: from launch to the training clock's 0 (imports, model load, for flashrl also engine and
