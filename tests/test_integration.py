@@ -135,7 +135,7 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
         else:
             pytest.fail("no training step within 900 s")
         children = _descendants(proc.pid)
-        assert len(children) >= 3  # 2 engines (+ their vLLM cores) and 1 trainer rank
+        assert len(children) >= 2  # the engine (vLLM runs inside it) and the trainer rank
         t0 = time.monotonic()
         proc.send_signal(sig)
         proc.wait(timeout=30)
