@@ -460,6 +460,11 @@ def serve(opts: EngineSpec) -> int:
         # override it, so it must not leak in from the parent's environment.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+        # The model runs eagerly on the CPU (enforce_eager), but vLLM's sampler still wraps its logprob
+        # gather in torch.compile: compiled on the first step that asks for logprobs, that is 2-3 s of
+        # the run's first rollouts (and of its first eval) on this machine, for no measurable gain later
+        # (bench/results/engine/inproc.md). Read when vLLM's modules are imported, so set before that.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     yield_cpu(opts.nice)
     rc = asyncio.run(_serve(opts))
     # Collect the shut-down engine now: vLLM objects' __del__ can fail during interpreter teardown.
