@@ -10,9 +10,9 @@
 Why not vLLM's AsyncLLM: AsyncLLM runs its EngineCore in a process of its own and moves every request
 and every step's outputs across a socket between the two. For RL rollouts (many short requests, token
 ids in and out, no detokenizing) that hop is most of the engine's cost: 128 samples of 4 tokens on the
-built-in model took 77 ms and 98 ms of CPU through AsyncLLM vs 48 ms and 49 ms of CPU through LLMEngine
-in-process, and the spawned EngineCore re-imports torch and vLLM at start-up (ready 9.9 s vs 3.8 s;
-bench/results/engine/inproc.md). The EngineCore's busy loop is replaced by ``_run`` below, which does the
+built-in model took 71 ms and 96 ms of CPU through AsyncLLM vs 51 ms and 56 ms of CPU through LLMEngine
+in-process, and the spawned EngineCore re-imports torch and vLLM at start-up (ready 10.1 s vs 3.7 s;
+bench/engine_inproc.py, bench/results/engine/inproc.md). The EngineCore's busy loop is replaced by ``_run`` below, which does the
 same thing: take in what arrived, step while there is work, hand finished outputs back.
 
 Commands run between steps on the engine thread, so a command never sees a half-done step: a pause
