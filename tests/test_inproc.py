@@ -100,6 +100,8 @@ async def test_requests_finish_on_the_engine_thread(pair) -> None:
     with pytest.raises(ValueError, match="max_tokens"):  # a bad request fails alone
         await asyncio.wait_for(eng.generate("bad", None, 0), 10)
     assert len((await asyncio.wait_for(eng.generate("b", None, 2), 10)).tokens) == 2
+    assert eng.steps == llm.steps >= 5 and eng.step_s >= 0.002 * eng.steps  # each fake step sleeps 2 ms
+    assert eng.utilization().startswith("stepping ")
 
 
 async def test_pause_keep_holds_and_abort_answers_the_tokens_so_far(pair) -> None:

@@ -28,6 +28,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -56,6 +57,12 @@ class InprocEngine:
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._calls: set[asyncio.Future[Any]] = set()  # futures of commands in flight (failed if the thread dies)
         self.error: BaseException | None = None
+        # Engine-thread accounting (written by the thread, read for the log): time inside vLLM's step()
+        # and inside commands, from the first command on.
+        self.started_at: float | None = None
+        self.step_s = 0.0
+        self.command_s = 0.0
+        self.steps = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-vllm", daemon=True)
         self._thread.start()
 
@@ -155,6 +162,14 @@ class InprocEngine:
         """From the engine thread (inside ``call``): step again after this call, as after ``resume``."""
         self._paused = False
 
+    def utilization(self) -> str:
+        """How busy the engine thread was since its first command (stepping, and running commands)."""
+        if self.started_at is None:
+            return "no request"
+        span = max(time.perf_counter() - self.started_at, 1e-9)
+        return (f"stepping {self.step_s / span:.0%} of {span:.0f}s ({self.steps} steps, "
+                f"{1000 * self.step_s / max(self.steps, 1):.1f} ms each), commands {self.command_s / span:.0%}")
+
     def halt(self) -> None:
         """From the engine thread (inside ``call``): never step again. The model may hold half-loaded weights."""
         self._halted = True
@@ -190,10 +205,15 @@ class InprocEngine:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
                     pass
+                t_cmd = time.perf_counter()
+                if cmds and self.started_at is None:
+                    self.started_at = t_cmd
                 for cmd in cmds:
                     if cmd is None:
                         return
                     cmd()
+                t_step = time.perf_counter()
+                self.command_s += t_step - t_cmd
                 if self._halted:
                     continue
                 if not llm.has_unfinished_requests():
@@ -205,6 +225,8 @@ class InprocEngine:
                 if self._paused and not self._drain_waiters:
                     continue
                 outs = llm.step()
+                self.step_s += time.perf_counter() - t_step
+                self.steps += 1
                 done = [o for o in outs if o.finished]
                 if done:
                     self._post(self._deliver, done)

@@ -442,7 +442,7 @@ async def _serve(opts: EngineSpec) -> int:
                 await t
         if server.fatal.is_set():
             return 1
-        log.info("%s: clean shutdown", opts.name)
+        log.info("%s: clean shutdown; engine thread %s", opts.name, engine.utilization())
         return 0
     finally:
         engine.shutdown()
