@@ -182,7 +182,7 @@ class EngineFatal(Exception):
 class EngineServer:
     """Turns EngineRequests into InprocEngine calls. Holds no socket: ``serve`` wires it to one."""
 
-    def __init__(self, engine: Any, name: str, meter: LoadMeter) -> None:
+    def __init__(self, engine: InprocEngine, name: str, meter: LoadMeter) -> None:
         self.engine = engine
         self.name = name
         self.meter = meter
