@@ -34,9 +34,10 @@ def _child(variant: str, model: str, waves: int) -> dict[str, float]:
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.sampling_params import RequestOutputKind
 
-    kw = dict(model=model, dtype="float32", max_model_len=64, max_num_seqs=128, seed=0, enforce_eager=True,
-              kv_cache_memory_bytes=1 << 28, enable_chunked_prefill=False, max_num_batched_tokens=2048,
-              distributed_executor_backend="uni", logprobs_mode="processed_logprobs")
+    from flashrl.engine.server import EngineSpec, engine_kwargs
+
+    # The engine's own arguments for configs/tiny.toml's engine (max_model_len 64, 0.25 GiB of KV cache).
+    kw = engine_kwargs(EngineSpec(address="ipc://unused", model=model, max_model_len=64, kv_cache_gib=0.25))
     prompts = [[3 + (j * 7 + k) % 20 for k in range(8)] for j in range(8)]
 
     def params(seed: int) -> SamplingParams:

@@ -264,7 +264,7 @@ class EngineServer:
             final = await self.engine.generate(request_id, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params)
         finally:
             self.meter.request_finished(time.monotonic())
-        if final is None or not final.outputs:
+        if not final.outputs:
             raise RuntimeError(f"request {request_id}: vLLM returned no output")
         comp = final.outputs[0]
         token_ids = list(comp.token_ids)
@@ -373,17 +373,10 @@ def yield_cpu(nice: int) -> None:
         Path("/proc/self/autogroup").write_text(str(nice))
 
 
-def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEventLoop) -> InprocEngine:
-    """Create vLLM's LLMEngine in this process and the thread that steps it (~4 s on the CPU for the tiny model)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
+def engine_kwargs(opts: EngineSpec) -> dict[str, Any]:
+    """vLLM's engine arguments for ``opts`` (``EngineArgs(**engine_kwargs(opts))``; bench/engine_inproc.py too)."""
     from flashrl.engine.weights import WORKER_EXTENSION
 
-    # The EngineCore and the model run in this process (InprocClient, UniProcExecutor): no second
-    # process to spawn and import torch + vLLM into, no socket between the requests and the scheduler
-    # (engine/inproc.py). LLMEngine reads this variable to choose; it must not leak in as "1".
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kwargs: dict[str, Any] = {"distributed_executor_backend": "uni"}
     if opts.device == "cpu":
         kwargs["enforce_eager"] = True
@@ -396,7 +389,7 @@ def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEvent
         kwargs["max_num_batched_tokens"] = max(opts.max_model_len, 2048)
     else:
         kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
-    args = EngineArgs(
+    return dict(
         model=opts.model,
         dtype=opts.dtype,
         max_model_len=opts.max_model_len,
@@ -410,7 +403,19 @@ def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEvent
         worker_extension_cls=WORKER_EXTENSION,
         **kwargs,
     )
-    llm = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(meter)], enable_multiprocessing=False)
+
+
+def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEventLoop) -> InprocEngine:
+    """Create vLLM's LLMEngine in this process and the thread that steps it (~4 s on the CPU for the tiny model)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    # The EngineCore and the model run in this process (InprocClient, UniProcExecutor): no second
+    # process to spawn and import torch + vLLM into, no socket between the requests and the scheduler
+    # (engine/inproc.py). LLMEngine reads this variable to choose; it must not leak in as "1".
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(opts)), stat_loggers=[_stat_logger_factory(meter)],
+                                     enable_multiprocessing=False)
     return InprocEngine(llm, loop, name=opts.name)
 
 
