@@ -38,7 +38,7 @@ from flashrl.cluster import Launcher, LaunchError, activate, deactivate, make_la
 from flashrl.config import Config, to_toml
 from flashrl.core.records import StepRecord
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
-from flashrl.procs import child_init, exit_text
+from flashrl.procs import child_init, exit_text, paused_gc
 from flashrl.trainer.client import TrainerGroup
 from flashrl.wire.transport import PeerDead
 
@@ -52,12 +52,21 @@ def resolve_device(cfg: Config) -> str:
     """engine.device auto -> cuda when a GPU is visible, else cpu."""
     if cfg.engine.device != "auto":
         return cfg.engine.device
+    if sys.platform.startswith("linux") and not _gpu_device_nodes():
+        return "cpu"  # no GPU driver here: no need to import torch (1.5 s before anything could start)
     try:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:
         return "cpu"
+
+
+def _gpu_device_nodes() -> list[str]:
+    """The device files a GPU driver creates on Linux: NVIDIA's, AMD ROCm's (/dev/kfd, which torch.cuda
+    also drives) and WSL2's (/dev/dxg). Without any of them torch.cuda.is_available() cannot be True."""
+    nodes = [p for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg") if os.path.exists(p)]
+    return nodes + [str(p) for p in Path("/dev").glob("nvidia[0-9]*")]
 
 
 def engine_gpu(i: int, ranks: int, engines: int, visible: list[str]) -> str | None:
@@ -267,8 +276,11 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         raise
     # The tokenizer loads while the engines and trainer start (importing transformers alone takes seconds,
     # which used to delay every spawn); a tokenizer error still ends the run before the first request.
-    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(
-        load_tokenizer, model_path, cfg.model.chat_template, cfg.model.system_prompt))
+    def load() -> Any:
+        with paused_gc():  # transformers + torch: 3.3 s -> ~2 s of CPU the engines and trainer also want
+            return load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
+
+    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(load))
 
     mem_task = asyncio.create_task(mem.run(), name="memory-sampler")
     try:

@@ -356,3 +356,30 @@ def _orphaned(name: str, parent: int, whole_session: bool = False) -> None:
     if os.getpgrp() == os.getpid():  # we lead our group (Child.spawn): everything we started goes too
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Any:
+    """Pause Python's cyclic garbage collector while a process imports and builds its large libraries
+    (vLLM, transformers, torch), then move what they made into the permanent generation (``gc.freeze``).
+
+    Importing vLLM creates millions of objects that live as long as the process; every collection
+    during the import scans them all again (2 s of the engine's 6 s import on this machine), and
+    every later full collection (vLLM runs several while it builds its engine) scans them once
+    more (another 1 s). Frozen, they are never scanned again (bench/results/startup). At exit they
+    are unfrozen, so the interpreter's last collection still finalizes them (native bindings such as
+    triton's report every object they never saw freed).
+    """
+    import atexit
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once, however often paused
+        atexit.register(gc.unfreeze)
+        if was_enabled:
+            gc.enable()

@@ -217,3 +217,25 @@ async def test_run_closes_the_launcher_when_the_model_cannot_be_prepared(tmp_pat
     with pytest.raises(RuntimeError, match="no model here"):
         await launch.run_local(cfg)
     assert closed == [True]
+
+
+def test_device_auto_without_a_gpu_driver_is_cpu_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.device auto: no GPU device file -> cpu at once (the controller spawns its children 1.5 s
+    sooner); with one, torch.cuda decides (here: no CUDA -> cpu); an explicit device is kept."""
+    import subprocess
+
+    code = ("import sys\nfrom flashrl import launch\nfrom flashrl.config import Config\n"
+            "launch._gpu_device_nodes = lambda: []\n"
+            "print(launch.resolve_device(Config()), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PYPATH}, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["cpu", "False"]
+    from flashrl import launch
+
+    cfg = load(ROOT / "configs" / "tiny.toml")
+    monkeypatch.setattr(launch, "_gpu_device_nodes", lambda: ["/dev/nvidiactl"])
+    import torch
+
+    assert launch.resolve_device(cfg) == ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.engine.device = "cuda"
+    assert launch.resolve_device(cfg) == "cuda"

@@ -153,3 +153,23 @@ def test_children_die_with_a_sigkilled_parent(tmp_path: Path) -> None:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_paused_gc_pauses_collection_then_freezes_what_was_made() -> None:
+    from flashrl.procs import paused_gc
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with paused_gc():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(1000)]  # made while paused: moved into the permanent generation
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + len(kept)
+        gc.disable()  # a caller that had paused the collector itself keeps it paused
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()

@@ -97,3 +97,32 @@ def test_trainer_default_group_listens_on_loopback() -> None:
     assert ("127.0.0.1", port) in outs[0]  # rank 0 hosts the store
     for listening in outs:
         assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+
+
+def test_a_member_asked_before_the_master_listens_connects_once_it_does() -> None:
+    """group_store waits for the master's listener itself (wait_listening) before TCPStore connects, and
+    its probe connection does not disturb the store; nothing listening -> False at the deadline."""
+    import threading
+    import time
+
+    from flashrl.wire.rendezvous import group_store, wait_listening
+
+    port = free_port()
+    assert wait_listening("127.0.0.1", port, datetime.timedelta(seconds=0.1)) is False  # nothing there: a deadline
+    got: dict[str, object] = {}
+
+    def member() -> None:
+        try:
+            s = group_store("127.0.0.1", port, 1, 2, T)
+            got["value"] = s.get("k")
+        except Exception as e:  # reported below
+            got["error"] = e
+
+    t = threading.Thread(target=member)
+    t.start()
+    time.sleep(0.2)  # the member is already waiting: nothing listens yet
+    assert t.is_alive()
+    master = group_store("127.0.0.1", port, 0, 2, T)
+    master.set("k", "v")
+    t.join(timeout=20)
+    assert not t.is_alive() and got == {"value": b"v"}

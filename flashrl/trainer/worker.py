@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
-from flashrl.procs import child_init
+from flashrl.procs import child_init, paused_gc
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
 from flashrl.wire import protocol
@@ -546,7 +546,8 @@ def main() -> int:
     # The store listens on MASTER_ADDR only (loopback for the local launcher), not on every interface.
     init_default_group(backend, rank, world, datetime.timedelta(minutes=30))
     try:
-        trainer = Trainer(cfg, spec.model, device)
+        with paused_gc():  # transformers' import and the model build (procs.paused_gc)
+            trainer = Trainer(cfg, spec.model, device)
         if spec.resume:
             trainer.load_checkpoint(spec.resume)
         log.info("rank %d/%d ready: backend %s, model %s, version %d", rank, world, backend, spec.model, trainer.version)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
@@ -50,7 +51,26 @@ def group_store(host: str, port: int, rank: int, world_size: int, timeout: datet
     """Rank 0 hosts the store on ``host`` (``master_store``); the other ranks connect to it."""
     if rank == 0:
         return master_store(host, port, world_size, timeout)
+    wait_listening(host, port, timeout)
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+def wait_listening(host: str, port: int, timeout: datetime.timedelta, poll_s: float = 0.01) -> bool:
+    """Wait until ``host``:``port`` accepts a TCP connection (closed at once), at most ``timeout``.
+
+    Members of a group are asked to join at the same moment, so one often connects a few milliseconds
+    before the master listens; TCPStore's own client then backs off for ~0.3 s before it retries (that
+    was half of every engine's join). Returns False at the deadline: TCPStore then raises its own error.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(poll_s, 1.0)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,

@@ -110,6 +110,9 @@ def check_address(address: str, curve_keys: bool) -> None:
         )
 
 
+RECONNECT_MS = 20
+
+
 def _no_hwm(sock: zmq.Socket) -> None:
     """No high-water mark: a ROUTER silently DROPS replies to a peer whose queue is full (1000 messages by
     default), e.g. while the controller's loop is busy and thousands of replies arrive; the request would
@@ -138,6 +141,11 @@ def _socket(ctx: zmq.asyncio.Context, kind: int, curve: dict[str, bytes] | None,
     CURVE when given (set before connect/bind)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if not server:
+        # A client connecting before its server binds (every start-up: a process is spawned, then asked
+        # for Ping) retries every RECONNECT_IVL, 100 ms by default: that was the lag between an engine
+        # being up and the controller's first request. 20 ms costs a few failed connects a second.
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
     _no_hwm(sock)
     _apply_curve(sock, curve, server=server)
     return sock
