@@ -79,6 +79,21 @@ def test_summarize_leaves_eval_waits_out_of_the_clock() -> None:
     assert "| held-out eval waits left out of the clock | 0.6 s |" in markdown_table([run])
 
 
+def test_summarize_reads_how_busy_the_engine_was() -> None:
+    recs = _records({0: 0.5, 10: 0.85}, 20)
+    for r in recs[1:]:  # steps 1..5 (start-up) busier than the steady state: left out like the step time
+        stepping = 0.9 if r["step"] <= 5 else 0.6
+        r |= {"engine/stepping": stepping, "engine/commands": 0.3, "engine/busy": stepping + 0.3}
+    run = Run(mode="async", seed=0, name="a")
+    summarize(run, recs)
+    assert run.engine_busy == pytest.approx({"stepping": 0.6, "commands": 0.3, "busy": 0.9})
+    assert not any("engine" in k for k in run.parts)
+    trl = Run(mode="trl", seed=0, name="t")
+    summarize(trl, _records({0: 0.5}, 3))
+    row = next(line for line in markdown_table([run, trl]).splitlines() if line.startswith("| engine thread busy"))
+    assert row.endswith("| 60% + 30% = 90% | n/a (one process) |")
+
+
 def test_summarize_never_reached_and_no_startup() -> None:
     run = Run(mode="sync", seed=1, name="s")
     summarize(run, _records({0: 0.4, 10: 0.6, 20: 0.79}, 20))
@@ -120,6 +135,7 @@ def test_write_results_and_seeds_table(tmp_path: Path) -> None:
     assert [d["seed"] for d in data] == [0, 1, 2, 0] and data[3]["mode"] == "trl"
     rows = list(csv.DictReader(paths["csv"].open()))
     assert rows[0]["t80%_step"] == "10" and rows[3]["t85%_step"] == "10"
+    assert rows[0]["engine_busy"] == ""  # records without engine occupancy
     assert paths["png"].stat().st_size > 1000
     st = seeds_table(runs[:3])
     assert "3/3" not in st and "n/a" not in st.splitlines()[2]

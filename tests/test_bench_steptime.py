@@ -31,6 +31,13 @@ def test_step_stats_skip_warmup_and_derive_wait_and_other() -> None:
     assert st["derived/wait_s"]["median_ms"] == pytest.approx(50.0)  # 300 - 200 - 50
     assert st["derived/trainer_other_s"]["median_ms"] == pytest.approx(40.0)  # 160 - 80 - 40
     assert "time/trainer/credit_s" not in st  # a phase the run did not have gets no row
+    assert "engine" not in st  # records without engine occupancy (an older run): no engine row
+    for r, (stepping, commands) in zip(recs[2:], [(0.6, 0.3), (0.7, 0.2), (0.5, 0.3), (0.6, 0.3), (0.6, 0.4)]):
+        r.update({"engine/stepping": stepping, "engine/commands": commands, "engine/busy": stepping + commands})
+    busy = step_stats(recs, skip=1)["engine"]
+    assert busy == pytest.approx({"stepping": 0.6, "commands": 0.3, "busy": 0.9})
+    md = table([{"label": "x", "phases": {"engine": busy}, "startup_s": {}, "train_elapsed_s": 1.0, "evals": []}])
+    assert "| engine thread busy, mean over steps: stepping + commands | 60% + 30% = 90% |" in md
 
 
 def _log(path: Path, t: float, text: str) -> None:

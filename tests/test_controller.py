@@ -759,3 +759,20 @@ def test_sync_mode_with_overlap_runs_to_completion_on_policy(overlap: bool) -> N
     assert all(v == b.step for b in trainer.batches for s in b.samples for v in s.versions)
     assert summary.counters.get("stale/dropped_samples", 0) == 0
     assert [r["step"] for r in records] == list(range(7))
+
+
+def test_a_step_record_says_how_busy_the_least_busy_engine_was() -> None:
+    """Each WeightsUpdated carries how busy its engine was since its previous update; the step record
+    of that sync gets the least busy engine's (engine/stepping, engine/commands, engine/busy = their sum)."""
+    cfg = config(run={"steps": 3, "eval_every": 0}, rollout={"group_size": 2, "batch_prompts": 2})
+    occ = [{"stepping": 0.7, "commands": 0.25}, {"stepping": 0.5, "commands": 0.1}]
+    engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 0.01), occupancy=occ[i]) for i in range(2)]
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=3), engines, FakeTrainer(),
+                                   on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == 3
+    for r in records[1:]:
+        assert (r["engine/stepping"], r["engine/commands"]) == (0.5, 0.1)
+        assert r["engine/busy"] == pytest.approx(0.6)
+        assert not any(k.startswith("time/sync/occupancy") for k in r)
+    assert StepRecord.from_dict(records[1]).to_dict() == records[1]

@@ -104,6 +104,17 @@ async def test_requests_finish_on_the_engine_thread(pair) -> None:
     assert eng.utilization().startswith("stepping ")
 
 
+async def test_occupancy_is_the_engine_threads_share_of_the_time_since_it_was_last_read(pair) -> None:
+    llm, eng = pair
+    assert eng.occupancy() == {}  # no command yet
+    await asyncio.wait_for(eng.generate("a", None, 200), 10)  # ~200 steps of 2 ms back to back
+    busy = eng.occupancy()
+    assert set(busy) == {"stepping", "commands"} and busy["stepping"] > 0.5
+    await asyncio.sleep(0.5)  # idle: the next reading covers only this
+    idle = eng.occupancy()
+    assert idle["stepping"] < 0.05 and idle["commands"] < 0.05
+
+
 async def test_pause_keep_holds_and_abort_answers_the_tokens_so_far(pair) -> None:
     llm, eng = pair
     task = asyncio.create_task(eng.generate("long", None, 10_000))

@@ -114,7 +114,8 @@ def test_every_optional_part_has_its_key() -> None:
                        run_tokens_per_s=70.0, rate_samples_per_s=9.0, rate_tokens_per_s=90.0, turns_mean=1.0,
                        response_len_mean=10.0, trainer={"loss": 0.1, "time/checkpoint_s": 3.0},
                        counters={"checkpoint/failed": 0}, env_counters={"delay_s": 0.5},
-                       prompt_uids=[3, 4], sync={"quiesce_s": 0.0, "engine/load_s": 0.01}, checkpoint_s=1.5)
+                       prompt_uids=[3, 4], sync={"quiesce_s": 0.0, "engine/load_s": 0.01},
+                       engine={"stepping": 0.6, "commands": 0.3, "busy": 0.9}, checkpoint_s=1.5)
     rec = StepRecord(step=5, version=5, batch=batch, eval=EvalStats(accuracy=0.75, reward_mean=0.7, eval_s=2.0),
                      memory_gib=4.85)
     line = rec.to_dict()
@@ -123,7 +124,8 @@ def test_every_optional_part_has_its_key() -> None:
         "time/step_s", "time/train_s", "time/weight_sync_s", "time/elapsed_s", "samples", "samples_per_s",
         "tokens_per_s", "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s",
         "turns/mean", "response_len/mean", "count/checkpoint/failed", "env/delay_s", "prompt_uids",
-        "time/sync/quiesce_s", "time/sync/engine/load_s", "time/checkpoint_s", "eval/accuracy", "eval/reward_mean",
+        "time/sync/quiesce_s", "time/sync/engine/load_s", "engine/stepping", "engine/commands", "engine/busy",
+        "time/checkpoint_s", "eval/accuracy", "eval/reward_mean",
         "time/eval_s", "mem/total_gib",
     ]
     assert StepRecord.from_dict(msgspec.json.decode(msgspec.json.encode(line))) == rec

@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashrl.benchmarks.steptime import engine_busy
+
 THRESHOLDS = (0.70, 0.80, 0.85)
 WARMUP_STEPS = 5  # steps left out of the mean step time (start-up transients)
 MODES = ("trl", "async", "sync")
@@ -94,6 +96,8 @@ class Run:
     worst_dip: float | None = None  # largest drop below the running best after first reaching 80%
     min_after_80: float | None = None
     eval_wait_s: float = 0.0  # held-out evals' time taken out of the training clock (flashrl: waits for them)
+    # flashrl: the least busy engine thread's share of the wall time, mean over steps (stepping, commands, busy)
+    engine_busy: dict[str, float] = field(default_factory=dict)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -153,6 +157,7 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
         keys = sorted({k for r in steady for k in r if k.startswith("time/") and k not in
                        ("time/elapsed_s", "time/step_s", "time/eval_s", EVAL_WAIT)})
         run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
+        run.engine_busy = engine_busy(steady)
         rest = (run.step_s or 0.0) - sum(run.parts.values())
         if run.step_s is not None and rest > 0.0005:  # flashrl: waiting for rollouts (generation not hidden)
             run.parts["rest"] = rest
@@ -213,6 +218,9 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("trained samples/s", [_f(r.samples_per_s, "{:.0f}") for r in runs])
     row("mean step time (after step 5, eval waits out)", [_f(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
     row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
+    row("engine thread busy: stepping + commands (mean over steps)",
+        [f"{r.engine_busy['stepping']:.0%} + {r.engine_busy['commands']:.0%} = {r.engine_busy['busy']:.0%}"
+         if r.engine_busy else ("n/a (one process)" if r.mode == "trl" else "n/a") for r in runs])
     row("peak memory (process tree)", [_f(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
     row("held-out accuracy first -> final (best)",
         [f"{_f(r.first_acc, '{:.1%}')} -> {_f(r.final_acc, '{:.1%}')} ({_f(r.best_acc, '{:.1%}')})" for r in runs])
@@ -283,12 +291,15 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -
     paths["json"].write_text(json.dumps([asdict(r) for r in runs], indent=1))
     cols = ["mode", "seed", "returncode", "wall_s", "startup_s", "train_s", "steps", "samples", "samples_per_s",
             "peak_mem_gib", "step_s", "first_acc", "final_acc", "best_acc", "worst_dip"]
+    busy_cols = ["stepping", "commands", "busy"]
     with paths["csv"].open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([*cols, *(f"t{t:.0%}_{k}" for t in THRESHOLDS for k in ("step", "train_s", "process_s"))])
+        w.writerow([*cols, *(f"t{t:.0%}_{k}" for t in THRESHOLDS for k in ("step", "train_s", "process_s")),
+                    *(f"engine_{k}" for k in busy_cols)])
         for r in runs:
             w.writerow([*(getattr(r, c) for c in cols),
-                        *((r.time_to.get(f"{t:.0%}") or {}).get(k) for t in THRESHOLDS for k in ("step", "train_s", "process_s"))])
+                        *((r.time_to.get(f"{t:.0%}") or {}).get(k) for t in THRESHOLDS for k in ("step", "train_s", "process_s")),
+                        *(r.engine_busy.get(k) for k in busy_cols)])
     md = f"# {title}\n\n{notes}" + markdown_table(runs) + "\n"
     if len({r.seed for r in runs}) > 1:
         md += "Over seeds:\n\n" + seeds_table(runs) + "\n"

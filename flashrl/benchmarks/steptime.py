@@ -107,6 +107,20 @@ def step_stats(records: list[dict[str, Any]], skip: int) -> dict[str, dict[str, 
         if vals:
             out[key] = {"median_ms": 1000 * statistics.median(vals), "mean_ms": 1000 * statistics.fmean(vals),
                         "n": len(vals)}
+    busy = engine_busy(steps)
+    if busy:
+        out["engine"] = busy
+    return out
+
+
+def engine_busy(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean over the records that have them of ``engine/{stepping,commands,busy}``: the share of the wall
+    time the least busy engine's thread spent stepping vLLM and running commands ({} when none has)."""
+    out: dict[str, float] = {}
+    for k in ("stepping", "commands", "busy"):
+        vals = [float(r[f"engine/{k}"]) for r in records if f"engine/{k}" in r]
+        if vals:
+            out[k] = statistics.fmean(vals)
     return out
 
 
@@ -317,6 +331,14 @@ def table(results: list[dict[str, Any]]) -> str:
         if len(results) == 2:
             a, b = vals
             row += " | " + (f"{b / a:.2f}" if a and b is not None else "")
+        lines.append(row + " |")
+    busy = [r["phases"].get("engine") for r in results]
+    if any(busy):
+        row = "| engine thread busy, mean over steps: stepping + commands | " + " | ".join(
+            f"{b['stepping']:.0%} + {b['commands']:.0%} = {b['busy']:.0%}" if b else "" for b in busy)
+        if len(results) == 2:
+            a, b = busy
+            row += " | " + (f"{b['busy'] / a['busy']:.2f}" if a and b and a["busy"] else "")
         lines.append(row + " |")
     for key in STARTUP:
         vals = [r["startup_s"].get(key) for r in results]

@@ -175,6 +175,7 @@ class Controller:
         self._reviving: set[int] = set()
         self._engine_change = asyncio.Event()  # replaced after each set: an engine came back or gave up
         self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
+        self._engine_occupancy: list[dict[str, float]] = []  # the current sync's engines: busy since the last
         self._sync_lock = asyncio.Lock()  # a regular sync and a restarted engine's catch-up never interleave
         self._published: WeightManifest | None = None  # the manifest every live engine holds (None: version 0)
         self._served = 0  # its version (self.version runs ahead of it while a sync runs beside training)
@@ -623,6 +624,7 @@ class Controller:
             t1 = self._clock()
             phases: dict[str, float] = {}
             self._engine_timings = {}
+            self._engine_occupancy = []
             self._mark_reported_dead()
             live = self.router.live
             if not live and not self._reviving:
@@ -649,6 +651,9 @@ class Controller:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped
             phases["send_s"] = self._clock() - t1
             phases.update({f"engine/{k}": v for k, v in self._engine_timings.items()})
+            if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
+                least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
+                phases.update({f"{OCCUPANCY}{k}": v for k, v in least.items()})
             return phases
 
     def _mark_reported_dead(self) -> None:
@@ -693,6 +698,8 @@ class Controller:
         self.engine_versions[i] = manifest.version
         for k, v in r.timings.items():  # the slowest engine's phases: what the sync waited for
             self._engine_timings[k] = max(v, self._engine_timings.get(k, 0.0))
+        if r.occupancy:
+            self._engine_occupancy.append(r.occupancy)
 
     # ------------------------------------------------------------------ engine restarts
     def _on_engine_dead(self, i: int, err: BaseException) -> None:
@@ -974,10 +981,17 @@ class _PendingSync:
         self.emit = False
 
 
+OCCUPANCY = "occupancy/"  # a sync's phases: the least busy engine's fractions since the previous sync
+
+
 def _add_sync(b: BatchStats, phases: dict[str, float]) -> None:
-    """A finished sync's times into its step's record: ``weight_sync_s`` (its own time) and its phases."""
+    """A finished sync's times into its step's record: ``weight_sync_s`` (its own time), its phases, and
+    how busy its least busy engine was since the previous sync (``engine``: stepping, commands, busy)."""
     b.weight_sync_s = phases["weight_sync_s"]
-    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s"})
+    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s" and not k.startswith(OCCUPANCY)})
+    occ = {k[len(OCCUPANCY):]: v for k, v in phases.items() if k.startswith(OCCUPANCY)}
+    if occ:
+        b.engine = {**occ, "busy": min(1.0, sum(occ.values()))}
 
 
 def _metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:

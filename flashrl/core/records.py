@@ -17,7 +17,7 @@ controller counters, the suite's counters and the weight-sync phases.
     time/weight_sync_s time/elapsed_s samples samples_per_s tokens_per_s run/samples_per_s
     run/tokens_per_s rate/samples_per_s rate/tokens_per_s turns/mean response_len/mean
     reward/<metric> count/<counter> env/<counter> prompt_uids time/train/transport_s
-    time/sync/<phase> time/checkpoint_s eval/accuracy eval/reward_mean eval/reward/<metric>
+    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s eval/accuracy eval/reward_mean eval/reward/<metric>
     time/eval_s mem/total_gib
 
 A trainer metric whose name the record uses itself (``OWN_KEYS``: "samples", "reward/mean", ...)
@@ -103,6 +103,9 @@ class BatchStats(msgspec.Struct, kw_only=True):
     prompt_uids: list[int] | None = None  # which prompts this step trained (resume checks)
     transport_s: float | None = None  # the train request's trip beyond the trainer's own step time
     sync: dict[str, float] = {}  # weight-sync phases in seconds: quiesce_s, prepare_s, trainer/*, send_s, engine/*
+    # the least busy engine between the previous sync and this step's, fractions of the wall time:
+    # stepping (vLLM's step), commands (adding requests, aborts, weight loads), busy (their sum)
+    engine: dict[str, float] = {}
     checkpoint_s: float | None = None  # the checkpoint written before this step
 
 
@@ -144,6 +147,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             if b.transport_s is not None:
                 out["time/train/transport_s"] = b.transport_s
             out.update({f"time/sync/{k}": v for k, v in b.sync.items()})
+            out.update({f"engine/{k}": v for k, v in b.engine.items()})
             if b.checkpoint_s is not None:
                 out["time/checkpoint_s"] = b.checkpoint_s
         if self.eval is not None:
@@ -170,6 +174,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
         counters: dict[str, int] = {}
         env: dict[str, float] = {}
         sync: dict[str, float] = {}
+        engine: dict[str, float] = {}
         ev: dict[str, Any] = {}
         eval_metrics: dict[str, float] = {}
         memory: float | None = None
@@ -197,6 +202,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 eval_metrics[_metric_name("eval/reward/", k)] = v
             elif k.startswith("time/sync/"):
                 sync[k[len("time/sync/"):]] = v
+            elif k.startswith("engine/"):
+                engine[k[len("engine/"):]] = v
             elif k.startswith("count/"):
                 counters[k[len("count/"):]] = v
             elif k.startswith("env/"):
@@ -211,7 +218,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             if missing:
                 raise ValueError(f"step record of step {line['step']} lacks {missing}")
             batch = BatchStats(**fixed, trainer=trainer, reward_metrics=reward, counters=counters,
-                               env_counters=env, sync=sync)
+                               env_counters=env, sync=sync, engine=engine)
         evs = None
         if ev:
             evs = EvalStats(**ev, reward_metrics=eval_metrics)

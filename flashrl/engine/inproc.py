@@ -63,6 +63,7 @@ class InprocEngine:
         self.step_s = 0.0
         self.command_s = 0.0
         self.steps = 0
+        self._mark: tuple[float, float, float] | None = None  # occupancy(): (time, step_s, command_s) last read
         self._thread = threading.Thread(target=self._run, name=f"{name}-vllm", daemon=True)
         self._thread.start()
 
@@ -170,6 +171,19 @@ class InprocEngine:
         return (f"stepping {self.step_s / span:.0%} of {span:.0f}s ({self.steps} steps, "
                 f"{1000 * self.step_s / max(self.steps, 1):.1f} ms each), commands {self.command_s / span:.0%}")
 
+    def occupancy(self) -> dict[str, float]:
+        """Fractions of the wall time since the previous call (the first call: since the first command)
+        the engine thread spent stepping vLLM ("stepping") and running commands ("commands": adding
+        requests, aborts, the weight sync's receive and load); {} before the first command. Exact when
+        called on the engine thread (inside ``call``); a command running meanwhile counts in the next reading."""
+        now, step_s, command_s = time.perf_counter(), self.step_s, self.command_s
+        if self.started_at is None:
+            return {}
+        t0, step0, command0 = self._mark if self._mark is not None else (self.started_at, 0.0, 0.0)
+        self._mark = (now, step_s, command_s)
+        span = max(now - t0, 1e-9)
+        return {"stepping": min(1.0, (step_s - step0) / span), "commands": min(1.0, (command_s - command0) / span)}
+
     def halt(self) -> None:
         """From the engine thread (inside ``call``): never step again. The model may hold half-loaded weights."""
         self._halted = True
@@ -212,8 +226,10 @@ class InprocEngine:
                     if cmd is None:
                         return
                     cmd()
+                    t_step = time.perf_counter()
+                    self.command_s += t_step - t_cmd  # per command: occupancy() may run inside the next one
+                    t_cmd = t_step
                 t_step = time.perf_counter()
-                self.command_s += t_step - t_cmd
                 if self._halted:
                     continue
                 if not llm.has_unfinished_requests():

@@ -295,9 +295,13 @@ class EngineServer:
         manifest = msg.manifest
         manifest_json = msgspec.json.encode(manifest).decode()
 
+        occupancy: dict[str, float] = {}
+
         def receive_and_load(llm: Any) -> tuple[dict[str, Any], float, float]:
             # On the engine thread, between two steps: nothing generates until this returns.
             t_in = time.perf_counter()
+            # read here, on the engine thread: from one update's start to the next, each counted once
+            occupancy.update(self.engine.occupancy())
             res = llm.collective_rpc("flashrl_update_weights", args=(manifest_json,))[0]
             if res["ok"]:
                 llm.set_weight_version(str(manifest.version))
@@ -335,7 +339,7 @@ class EngineServer:
             res["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
         )
         return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]),
-                              timings=timings)
+                              timings=timings, occupancy=occupancy)
 
 
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"

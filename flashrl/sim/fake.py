@@ -87,8 +87,10 @@ class FakeEngine:
         sync_s: float = 0.0,
         update_ok: bool = True,
         die_at: float | None = None,
+        occupancy: dict[str, float] | None = None,
     ) -> None:
         self.name = name
+        self.occupancy = dict(occupancy or {})  # what each WeightsUpdated reports (a real engine measures it)
         self.script = script or default_script()
         self.sync_s = sync_s
         self.update_ok = update_ok
@@ -179,7 +181,7 @@ class FakeEngine:
         self.version = manifest.version
         self._history.append((anyio.current_time(), manifest.version))
         self.updates.append(manifest.version)
-        return WeightsUpdated(version=manifest.version, ok=True, seconds=self.sync_s)
+        return WeightsUpdated(version=manifest.version, ok=True, seconds=self.sync_s, occupancy=self.occupancy)
 
     async def load(self) -> LoadReport:
         return LoadReport(engine=self.name, version=self.version, running=self._inflight)

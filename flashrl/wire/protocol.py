@@ -136,6 +136,9 @@ class WeightsUpdated(Msg):
     error: str = ""
     # the engine's phases, seconds: pause_s, receive_s (broadcast), verify_s (checksums), load_s, resume_s
     timings: dict[str, float] = {}
+    # how busy the engine was since its previous update, fractions of the wall time: stepping (vLLM's
+    # step), commands (adding requests, aborts, weight loads); {} from an engine that does not measure it
+    occupancy: dict[str, float] = {}
 
 
 class LoadReport(Msg):
