@@ -356,3 +356,29 @@ def test_a_bug_in_one_rollout_cancels_the_others_and_is_raised_from_the_group() 
         run_virtual(main)
     assert eng.aborted == ["0-2.0.0"]  # the slow one was aborted, not left running
     assert ctx.router.inflight == [0] and ctx.live == {} and suite.closed == suite.opened == 3
+
+
+def test_a_prompt_is_tokenized_once_for_all_the_samples_that_share_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's samples share their prompt text: ctx.prompt_ids tokenizes each text once (a bounded
+    cache, oldest out first) and hands every sample its own list."""
+    import flashrl.controller.rollout as rollout
+
+    calls: list[str] = []
+
+    class Counting(CharTokenizer):
+        def encode(self, text: str) -> list[int]:
+            calls.append(text)
+            return super().encode(text)
+
+    cfg = config(rollout={"group_size": 4, "batch_prompts": 1})
+    ctx = RolloutContext(cfg=cfg, tokenizer=Counting(), suite=ScriptedSuite(), engines=[FakeEngine()],
+                         router=Router(1, cfg.engine.max_num_seqs), version=lambda: 0)
+    a, b = ctx.prompt_ids("12+3="), ctx.prompt_ids("12+3=")
+    assert a == b == TOK.encode("12+3=") and calls == ["12+3="]
+    a.append(0)  # a sample's ids are its own
+    assert ctx.prompt_ids("12+3=") == TOK.encode("12+3=")
+    monkeypatch.setattr(rollout, "PROMPT_CACHE", 2)
+    ctx.prompt_ids("1+1=")
+    ctx.prompt_ids("2+2=")  # the cache is full: "12+3=" (the oldest) goes
+    ctx.prompt_ids("12+3=")
+    assert calls == ["12+3=", "1+1=", "2+2=", "12+3="]
