@@ -61,9 +61,11 @@ def _check_model_or_exit(cfg: Config, config: Path) -> None:
         return
     from flashrl.models import ModelPathError, ensure_model, load_tokenizer
     from flashrl.models.chat import ChatTemplateError
+    from flashrl.procs import paused_gc
 
     try:
-        load_tokenizer(ensure_model(cfg), cfg.model.chat_template, cfg.model.system_prompt)
+        with paused_gc():  # transformers' import, before anything is spawned (procs.paused_gc)
+            load_tokenizer(ensure_model(cfg), cfg.model.chat_template, cfg.model.system_prompt)
     except (ModelPathError, ChatTemplateError, FileNotFoundError) as e:
         typer.echo(f"config error: {config}: model: {e}", err=True)
         raise typer.Exit(code=2) from None
