@@ -542,7 +542,7 @@ class Controller:
         b.sync = {"quiesce_s": t1 - tq, "wait_s": wait_s, **phases}
         pending.record = b
         if pending.phases is not None:  # done already (serial, or a sync faster than the lines above)
-            _add_sync(b, pending.phases)
+            _add_sync(b, pending.phases, pending.engine)
         if self._checkpoint_s:
             b.checkpoint_s = self._checkpoint_s  # the checkpoint written before this step
             self._checkpoint_s = 0.0
@@ -565,12 +565,15 @@ class Controller:
         batch that made it frees its slots, and its step record gets the sync's times (and goes out, if
         the loop released it meanwhile)."""
         phases = await self._send(p.version, manifest)
+        if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
+            least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
+            p.engine = {**least, "busy": min(1.0, sum(least.values()))}
         self.buffer.mark_trained(p.batch)
         self._last_sync_s = self._clock() - t0  # prepare + broadcast + loads: the sync's own time
         phases["weight_sync_s"] = self._last_sync_s
         p.phases = phases
         if p.record is not None:
-            _add_sync(p.record, phases)
+            _add_sync(p.record, phases, p.engine)
             # the counters at the step's end, which is now (its batch trained, its skipped engines counted)
             p.record.counters = dict(sorted(self.counters.items()))
             if p.emit and p.step_record is not None:
@@ -651,9 +654,6 @@ class Controller:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped
             phases["send_s"] = self._clock() - t1
             phases.update({f"engine/{k}": v for k, v in self._engine_timings.items()})
-            if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
-                least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
-                phases.update({f"{OCCUPANCY}{k}": v for k, v in least.items()})
             return phases
 
     def _mark_reported_dead(self) -> None:
@@ -969,7 +969,7 @@ class _PendingSync:
     """A weight sync started by the train loop: the version, the batch that made it, and the step
     record that gets its times (emitted by the sync when the loop released it before it was done)."""
 
-    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "emit")
+    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "engine", "emit")
 
     def __init__(self, version: int, batch: list[Group]) -> None:
         self.version = version
@@ -978,20 +978,16 @@ class _PendingSync:
         self.record: BatchStats | None = None
         self.step_record: StepRecord | None = None
         self.phases: dict[str, float] | None = None  # set when done
+        self.engine: dict[str, float] = {}  # the least busy engine's occupancy, reported by this sync
         self.emit = False
 
 
-OCCUPANCY = "occupancy/"  # a sync's phases: the least busy engine's fractions since the previous sync
-
-
-def _add_sync(b: BatchStats, phases: dict[str, float]) -> None:
+def _add_sync(b: BatchStats, phases: dict[str, float], engine: dict[str, float]) -> None:
     """A finished sync's times into its step's record: ``weight_sync_s`` (its own time), its phases, and
     how busy its least busy engine was since the previous sync (``engine``: stepping, commands, busy)."""
     b.weight_sync_s = phases["weight_sync_s"]
-    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s" and not k.startswith(OCCUPANCY)})
-    occ = {k[len(OCCUPANCY):]: v for k, v in phases.items() if k.startswith(OCCUPANCY)}
-    if occ:
-        b.engine = {**occ, "busy": min(1.0, sum(occ.values()))}
+    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s"})
+    b.engine = dict(engine)
 
 
 def _metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
