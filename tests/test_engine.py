@@ -38,6 +38,32 @@ from flashrl.wire.weights import build_manifest
 # --------------------------------------------------------------------------- unit
 
 
+def test_the_stat_logger_feeds_the_meter_and_replaces_vllms_prometheus_logger() -> None:
+    """vLLM adds its Prometheus logger to an engine unless a custom logger is one (StatLoggerManager);
+    ours is, so the engine's only logger is the meter's, and it registers no Prometheus metric."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
+
+    from flashrl.engine.server import _stat_logger_factory
+
+    meter = LoadMeter(now=0.0)
+    cls = _stat_logger_factory(meter)
+    assert issubclass(cls, PrometheusStatLogger) and issubclass(cls, AggregateStatLoggerBase)
+    before = set(REGISTRY._names_to_collectors)
+    logger = cls(vllm_config=None, engine_indexes=[0])
+    assert set(REGISTRY._names_to_collectors) == before
+    logger.record(SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25),
+                  SimpleNamespace(num_generation_tokens=7), engine_idx=0)
+    logger.record(None, SimpleNamespace(num_generation_tokens=5))
+    logger.record_sleep_state(1, 1)
+    logger.log_engine_initialized()
+    logger.log()
+    assert (meter.sched_running, meter.sched_waiting, meter.kv_usage, meter.generated_tokens) == (3, 2, 0.25, 12)
+
+
+
 def test_engine_env_carries_the_spec() -> None:
     """The EngineSpec travels as JSON in FLASHRL_SPEC (flashrl/wire/spec.py) and decodes back equal."""
     opts = EngineSpec(address="tcp://127.0.0.1:5", model="/m", name="e3", kv_cache_gib=0.25, threads=2, seed=9)
