@@ -104,6 +104,9 @@ class TrainerConfig(Section):
     mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
     warmup_steps: Annotated[int, Meta(ge=0, description="linear lr warm-up over this many training steps: step s (from 0) uses lr * min(1, (s + 1) / warmup_steps); 0 = off")] = 0
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
+    shuffle: Annotated[bool, Meta(description="deal the batch's samples into its mini-batches in a seeded random "
+                                  "order (run.seed, step), as TRL's GRPOTrainer does; false: contiguous slices "
+                                  "(a group's samples stay in one mini-batch)")] = False
     share_prefix: Annotated[bool, Meta(description="forward each distinct prompt of a micro-batch once and every "
                                        "sample's continuation against its keys/values (a group's samples share "
                                        "their prompt); false: every sample forwards its whole sequence")] = True

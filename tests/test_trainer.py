@@ -53,7 +53,38 @@ def test_plan_covers_every_sample_once_with_equal_micro_counts() -> None:
     assert [mini.tolist() for mini, _ in plans[0]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
 
 
+def test_shuffled_plan_deals_every_sample_once_in_a_seeded_order() -> None:
+    """trainer.shuffle: the order is a function of (seed, step) only, so every rank (and a resumed run) deals
+    the same mini-batches; another step or seed deals others; every sample still lands exactly once."""
+    from flashrl.trainer.step import shuffle_order
+
+    n, world = 16, 2
+    order = shuffle_order(n, seed=3, step=7)
+    assert sorted(order.tolist()) == list(range(n)) and order.tolist() != list(range(n))
+    assert shuffle_order(n, 3, 7).tolist() == order.tolist()
+    assert shuffle_order(n, 3, 8).tolist() != order.tolist() and shuffle_order(n, 4, 7).tolist() != order.tolist()
+    plans = [plan_micro_batches(n, world, r, mini_batches=2, micro_batch=4, order=order) for r in range(world)]
+    assert [mini.tolist() for mini, _ in plans[0]] == [order[:8].tolist(), order[8:].tolist()]
+    seen = sorted(int(i) for p in plans for _, micros in p for m in micros for i in m)
+    assert seen == list(range(n))
+
+
 # ---------------------------------------------------------------------- one rank in this process
+def test_shuffle_deals_other_mini_batches_and_changes_nothing_with_one(world1, model_path: Path, tmp_path: Path) -> None:
+    """trainer.shuffle on: with one mini-batch the step is the in-order one (the order does not matter);
+    with 2, mini-batch 1 holds other samples, so its loss differs (in order it holds groups 0-2 only)."""
+    runs = {}
+    for shuffle, minis in ((False, 1), (True, 1), (False, 2), (True, 2)):
+        t = Trainer(trainer_config(tmp_path, shuffle=shuffle, mini_batches=minis), str(model_path), torch.device("cpu"))
+        r = t.train_step(_batch(3))
+        assert r is not None
+        runs[shuffle, minis] = r.metrics
+    assert runs[True, 1]["loss"] == pytest.approx(runs[False, 1]["loss"], abs=1e-6)
+    assert runs[True, 2]["optimizer_steps"] == runs[False, 2]["optimizer_steps"] == 2
+    assert runs[True, 2]["samples"] == runs[False, 2]["samples"] == 15
+    assert runs[True, 2]["loss"] != pytest.approx(runs[False, 2]["loss"], abs=1e-6)
+
+
 def test_micro_batches_accumulate_to_the_full_batch_step(world1, model_path: Path, tmp_path: Path) -> None:
     whole = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     split = Trainer(trainer_config(tmp_path, micro_batch=2), str(model_path), torch.device("cpu"))

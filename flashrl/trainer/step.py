@@ -71,19 +71,28 @@ def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
 
 
-def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_batch: int) -> Plan:
+def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_batch: int,
+                       order: torch.Tensor | None = None) -> Plan:
     """Per mini-batch: its sample indices, and ``rank``'s micro-batches (index tensors, maybe empty).
 
-    Mini-batches are contiguous slices of the batch (groups stay together); a mini-batch's samples go
-    to ranks round-robin. Every rank gets the same number of micro-batches (the busiest rank's),
-    because each forward is a collective; a rank short of samples runs a fully masked one.
+    Mini-batches are contiguous slices of ``order`` (default: the batch in order, so groups stay
+    together; ``shuffle_order`` deals them at random); a mini-batch's samples go to ranks round-robin.
+    Every rank gets the same number of micro-batches (the busiest rank's), because each forward is a
+    collective; a rank short of samples runs a fully masked one.
     """
     plan = []
-    for mini in torch.tensor_split(torch.arange(n), min(mini_batches, n)):
+    for mini in torch.tensor_split(torch.arange(n) if order is None else order, min(mini_batches, n)):
         mine = mini[rank::world]
         n_micro = max(1, math.ceil(math.ceil(len(mini) / world) / micro_batch))
         plan.append((mini, [mine[k * micro_batch : (k + 1) * micro_batch] for k in range(n_micro)]))
     return plan
+
+
+def shuffle_order(n: int, seed: int, step: int) -> torch.Tensor:
+    """``trainer.shuffle``: the order samples are dealt into mini-batches at ``step``; the same on every rank
+    (a function of the run's seed and the step only, so a resumed run deals as the original did)."""
+    key = zlib.crc32(f"{seed}:{step}".encode())
+    return torch.randperm(n, generator=torch.Generator().manual_seed(key))
 
 
 class Collectives:
@@ -278,8 +287,9 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         timer = PhaseTimer(self.device)
         prep = self._prepare(tb, timer)
+        order = shuffle_order(prep.full.size, self.cfg.run.seed, tb.step) if self.cfg.trainer.shuffle else None
         plan = plan_micro_batches(prep.full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
-                                  self.cfg.trainer.micro_batch)
+                                  self.cfg.trainer.micro_batch, order)
         lr = warmup_lr(self.cfg.trainer.lr, self.cfg.trainer.warmup_steps, tb.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr  # a function of the step, not scheduler state, so a resumed run continues it
