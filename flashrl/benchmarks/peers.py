@@ -272,7 +272,7 @@ What differs:
   flashrl sync's) has weight 1, so the losses are the same there; the weight acts on async flashrl's
   stale samples only.
 - Mini-batches: TRL shuffles the 128 samples before splitting them into its 2 optimizer steps;
-  flashrl splits the batch in order (groups stay together).
+  flashrl splits the batch in order (groups stay together) unless `trainer.shuffle = true`.
 - Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
 - Eval: flashrl evaluates on its engines beside training (the next weight sync waits for it); TRL's
   eval runs in its process between steps. Neither training clock counts eval time: TRL's leaves out its
