@@ -433,3 +433,20 @@ async def test_a_malformed_item_makes_the_whole_frame_malformed(pair) -> None:
     rogue.close(linger=0)
     with pytest.raises(P.ProtocolError, match=r"malformed engine request message .*\$\[1\]\.type"):
         P.ENGINE_REQUESTS.decode_frame(P.encode_batch([P.encode(P.Ping(rid=1)), P.encode(P.Pong(rid=2))]))
+
+
+def test_a_curve_handler_starts_again_in_a_later_event_loop() -> None:
+    """Each asyncio.run() gets its own ZAP handler on the shared context; the previous one's ZAP address is
+    freed by ZeroMQ a few ms after its socket closes. Binding the new one at once failed with "Address
+    already in use (inproc://zeromq.zap.01)" (a CI failure, depending on which test ran before)."""
+    import zmq.asyncio
+
+    from flashrl.wire import transport as T
+
+    async def gate(key: bytes) -> None:
+        T._allow_client(zmq.asyncio.Context.instance(), key)
+        entry = T._GATES[id(zmq.asyncio.Context.instance())]
+        assert key in entry[3].keys and entry[2].zap_socket is not None
+
+    for k in (b"a" * 40, b"b" * 40, b"c" * 40):  # a new loop (and handler) each time
+        asyncio.run(gate(k))

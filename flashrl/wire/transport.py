@@ -166,6 +166,24 @@ class _AllowedKeys:
 _GATES: dict[int, tuple[zmq.Context, asyncio.AbstractEventLoop, object, _AllowedKeys]] = {}
 
 
+ZAP_REBIND_S = 2.0  # how long a new ZAP handler waits for the previous one's address to be freed
+
+
+def _stop_gate(auth: object) -> None:
+    """Stop a ZAP handler whose event loop may be closed, and always close its ZAP socket.
+
+    Should ``AsyncioAuthenticator.stop`` raise (a task of a closed loop), its ZAP socket would stay open
+    and keep the context's ZAP address bound; the socket is closed here whatever ``stop`` managed."""
+    with contextlib.suppress(Exception):
+        auth.stop()  # type: ignore[attr-defined]
+    zap = getattr(auth, "zap_socket", None)
+    if zap is not None and not zap.closed:
+        try:
+            zap.close(linger=0)
+        except Exception:  # noqa: BLE001 - the loop is gone: close the ZeroMQ socket itself
+            zmq.Socket.close(zap, linger=0)
+
+
 def _allow_client(ctx: zmq.Context, client_public: bytes) -> None:
     """Install (once per context and loop) the ZAP handler that accepts only ``client_public`` keys."""
     from zmq.auth.asyncio import AsyncioAuthenticator
@@ -173,13 +191,23 @@ def _allow_client(ctx: zmq.Context, client_public: bytes) -> None:
     loop = asyncio.get_running_loop()  # the handler is a task of this loop (servers are built inside it)
     entry = _GATES.get(id(ctx))
     if entry is not None and (entry[0] is not ctx or entry[1] is not loop or loop.is_closed()):
-        with contextlib.suppress(Exception):  # a previous asyncio.run()'s handler: its loop is gone
-            entry[2].stop()  # type: ignore[attr-defined]
+        _stop_gate(entry[2])  # a previous asyncio.run()'s handler: its loop is gone
         entry = None
     if entry is None:
         allowed = _AllowedKeys()
         auth = AsyncioAuthenticator(ctx, log=logging.getLogger("flashrl.wire.transport.zap"))
-        auth.start()
+        deadline = time.monotonic() + ZAP_REBIND_S
+        while True:
+            try:
+                auth.start()
+                break
+            except zmq.ZMQError as e:
+                # The previous handler's ZAP socket is closed, but ZeroMQ frees its inproc address a few
+                # ms later (its reaper thread): bind again until it does.
+                _stop_gate(auth)
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise TransportError(f"cannot start this process's CURVE handler (ZAP): {e}") from e
+                time.sleep(0.01)
         auth.configure_curve_callback("*", allowed)
         entry = (ctx, loop, auth, allowed)
         _GATES[id(ctx)] = entry
