@@ -18,6 +18,7 @@ from flashrl.benchmarks.peers import (
     _Watch,
     child_command,
     markdown_table,
+    paired_table,
     read_metrics,
     seeds_table,
     startup_offset,
@@ -131,6 +132,7 @@ def test_write_results_and_seeds_table(tmp_path: Path) -> None:
     md = paths["md"].read_text()
     assert "| async | 0,1,2 | 86.0% (82.0%..90.0%) |" in md  # mean (min..max) over seeds
     assert "What differs" in md  # a TRL run is in the set
+    assert "Seed by seed:" in md and "| async | 0 |" in md  # async seed 0 paired with TRL seed 0
     data = json.loads(paths["json"].read_text())
     assert [d["seed"] for d in data] == [0, 1, 2, 0] and data[3]["mode"] == "trl"
     rows = list(csv.DictReader(paths["csv"].open()))
@@ -267,3 +269,28 @@ def test_report_only_assembles_kept_and_recovered_runs(tmp_path: Path) -> None:
     assert [(r.mode, r.seed) for r in runs] == [("async", 2)]  # nothing ran; the missing sync run is left out
     assert runs[0].final_acc == 0.82 and runs[0].peak_mem_gib == 5.9 and runs[0].startup_s is None
     assert runs[0].time_to["80%"]["step"] == 10 and (out / "results.md").is_file()
+
+
+def test_paired_table_compares_seed_by_seed_on_the_seeds_both_reached() -> None:
+    """Time to 80% is compared only where both reached it: async's mean over its own reached seeds (seed 0 only)
+    would be 1.0 s against TRL's 2.5 s over seeds 0 and 1, but seed by seed async is later on seed 0 and never
+    reaches 80% on seed 1."""
+    runs = []
+    for mode, seed, step_s, accs in (("trl", 0, 0.1, {0: 0.5, 5: 0.8, 10: 0.82}),
+                                     ("async", 0, 0.1, {0: 0.5, 5: 0.7, 10: 0.81}),
+                                     ("trl", 1, 0.2, {0: 0.5, 5: 0.6, 10: 0.8}),
+                                     ("async", 1, 0.1, {0: 0.5, 5: 0.6, 10: 0.7}),
+                                     ("async", 2, 0.1, {0: 0.5, 5: 0.8, 10: 0.8})):  # no TRL run for seed 2
+        r = Run(mode=mode, seed=seed, name=f"{mode}-seed{seed}", returncode=0, startup_s=1.0)
+        summarize(r, _records(accs, 10, step_s=step_s))
+        runs.append(r)
+    table = paired_table(runs)
+    row = next(line for line in table.splitlines() if line.startswith("| async |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "0, 1"  # seed 2 has no TRL run to pair with
+    assert cells[2].startswith("1.50 mean (1.00, 2.00)")  # samples/s ratios, seed by seed
+    assert cells[3] == "5/10, 10/-"
+    assert cells[4] == "0.5 s vs 1.0 s (1 seed; async sooner on 0, later on 1)"
+    assert cells[5] == "trl: seeds 1"
+    assert cells[6] == f"{(0.8 + 0.82 + 0.6 + 0.8) / 4:.1%} / {(0.7 + 0.81 + 0.6 + 0.7) / 4:.1%}"
+    assert paired_table([r for r in runs if r.mode == "async"]) == ""  # nothing to pair with

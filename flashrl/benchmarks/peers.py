@@ -250,6 +250,60 @@ def seeds_table(runs: Sequence[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mean_eval_acc(r: Run) -> float | None:
+    """Mean held-out accuracy over the run's evals after step 0: how fast it learned per step, over the whole run."""
+    accs = [a for step, a, _ in r.evals if step > 0]
+    return statistics.fmean(accs) if accs else None
+
+
+def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
+    """Each mode against ``baseline`` seed by seed, over the seeds both ran ("" if there are none).
+
+    Means over different seed subsets mislead (a mode that misses 80% on its hardest seed gets a better mean
+    time to 80%), so time to 80% is compared on the seeds both reached, with how many each side was sooner on,
+    and the seeds only one reached are named."""
+    base = {r.seed: r for r in runs if r.mode == baseline}
+    lines: list[str] = []
+    for mode in dict.fromkeys(r.mode for r in runs if r.mode != baseline):
+        pairs = [(base[r.seed], r) for r in runs if r.mode == mode and r.seed in base]
+        if not pairs:
+            continue
+        seeds = ", ".join(str(b.seed) for b, _ in pairs)
+        ratios = [m.samples_per_s / b.samples_per_s for b, m in pairs if m.samples_per_s and b.samples_per_s]
+
+        def t80(r: Run, key: str) -> Any:
+            return (r.time_to.get("80%") or {}).get(key)
+
+        both = [(t80(b, "train_s"), t80(m, "train_s")) for b, m in pairs
+                if t80(b, "train_s") is not None and t80(m, "train_s") is not None]
+        only_base = [str(b.seed) for b, m in pairs if t80(b, "step") is not None and t80(m, "step") is None]
+        only_mode = [str(b.seed) for b, m in pairs if t80(m, "step") is not None and t80(b, "step") is None]
+        accs = [(mean_eval_acc(b), mean_eval_acc(m)) for b, m in pairs]
+        accs_both = [(x, y) for x, y in accs if x is not None and y is not None]
+        if not lines:
+            lines = [f"| seed by seed against {baseline} | seeds | trained samples/s, {{mode}} / {baseline} | "
+                     f"80% reached at step ({baseline} / {{mode}}; - = not reached) | "
+                     "time to 80%, training clock, on the seeds both reached | reached 80% only | "
+                     f"mean held-out over the evals after step 0 ({baseline} / {{mode}}) |",
+                     "|---|---|---|---|---|---|---|"]
+        steps = ", ".join("/".join("-" if t80(r, "step") is None else str(t80(r, "step")) for r in pair) for pair in pairs)
+        if both:
+            sooner, later = sum(y < x for x, y in both), sum(y > x for x, y in both)
+            t80s = (f"{statistics.fmean(x for x, _ in both):.1f} s vs {statistics.fmean(y for _, y in both):.1f} s "
+                    f"({len(both)} seed{'s' if len(both) > 1 else ''}; {mode} sooner on {sooner}, later on {later})")
+        else:
+            t80s = "n/a (no seed both reached)"
+        only_s = "; ".join(f"{who}: seeds {', '.join(ss)}" for who, ss in ((baseline, only_base), (mode, only_mode)) if ss)
+        acc_s = (f"{statistics.fmean(x for x, _ in accs_both):.1%} / {statistics.fmean(y for _, y in accs_both):.1%}"
+                 if accs_both else "n/a")
+        ratio_s = (f"{statistics.fmean(ratios):.2f} mean ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "n/a")
+        lines.append(f"| {mode} | {seeds} | {ratio_s} | {steps} | {t80s} | {only_s or 'none'} | {acc_s} |")
+    if not lines:
+        return ""
+    lines[0] = lines[0].replace("{mode}", "mode")
+    return "\n".join(lines) + "\n"
+
+
 DIFFERENCES = """\
 What is the same: model folder (the built-in tiny model, float32, built by `ensure_model` for the seed),
 train prompts and their order (flashrl's DataStream for the seed), held-out split (the env's eval
@@ -303,6 +357,9 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -
     md = f"# {title}\n\n{notes}" + markdown_table(runs) + "\n"
     if len({r.seed for r in runs}) > 1:
         md += "Over seeds:\n\n" + seeds_table(runs) + "\n"
+    paired = paired_table(runs)
+    if paired:
+        md += "Seed by seed:\n\n" + paired + "\n"
     if any(r.mode == "trl" for r in runs):
         md += DIFFERENCES
     paths["md"].write_text(md)
