@@ -256,6 +256,11 @@ def mean_eval_acc(r: Run) -> float | None:
     return statistics.fmean(accs) if accs else None
 
 
+def _t80(r: Run, key: str) -> Any:
+    """The run's first eval at >= 80%: its "step", "train_s" or "process_s" (None: never reached)."""
+    return (r.time_to.get("80%") or {}).get(key)
+
+
 def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
     """Each mode against ``baseline`` seed by seed, over the seeds both ran ("" if there are none).
 
@@ -263,45 +268,38 @@ def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
     time to 80%), so time to 80% is compared on the seeds both reached, with how many each side was sooner on,
     and the seeds only one reached are named."""
     base = {r.seed: r for r in runs if r.mode == baseline}
-    lines: list[str] = []
+    rows: list[str] = []
     for mode in dict.fromkeys(r.mode for r in runs if r.mode != baseline):
         pairs = [(base[r.seed], r) for r in runs if r.mode == mode and r.seed in base]
         if not pairs:
             continue
-        seeds = ", ".join(str(b.seed) for b, _ in pairs)
         ratios = [m.samples_per_s / b.samples_per_s for b, m in pairs if m.samples_per_s and b.samples_per_s]
-
-        def t80(r: Run, key: str) -> Any:
-            return (r.time_to.get("80%") or {}).get(key)
-
-        both = [(t80(b, "train_s"), t80(m, "train_s")) for b, m in pairs
-                if t80(b, "train_s") is not None and t80(m, "train_s") is not None]
-        only_base = [str(b.seed) for b, m in pairs if t80(b, "step") is not None and t80(m, "step") is None]
-        only_mode = [str(b.seed) for b, m in pairs if t80(m, "step") is not None and t80(b, "step") is None]
-        accs = [(mean_eval_acc(b), mean_eval_acc(m)) for b, m in pairs]
-        accs_both = [(x, y) for x, y in accs if x is not None and y is not None]
-        if not lines:
-            lines = [f"| seed by seed against {baseline} | seeds | trained samples/s, {{mode}} / {baseline} | "
-                     f"80% reached at step ({baseline} / {{mode}}; - = not reached) | "
-                     "time to 80%, training clock, on the seeds both reached | reached 80% only | "
-                     f"mean held-out over the evals after step 0 ({baseline} / {{mode}}) |",
-                     "|---|---|---|---|---|---|---|"]
-        steps = ", ".join("/".join("-" if t80(r, "step") is None else str(t80(r, "step")) for r in pair) for pair in pairs)
+        ratio_s = f"{statistics.fmean(ratios):.2f} mean ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "n/a"
+        steps = ", ".join("/".join("-" if _t80(r, "step") is None else str(_t80(r, "step")) for r in pair)
+                          for pair in pairs)
+        both = [(_t80(b, "train_s"), _t80(m, "train_s")) for b, m in pairs
+                if _t80(b, "train_s") is not None and _t80(m, "train_s") is not None]
         if both:
             sooner, later = sum(y < x for x, y in both), sum(y > x for x, y in both)
             t80s = (f"{statistics.fmean(x for x, _ in both):.1f} s vs {statistics.fmean(y for _, y in both):.1f} s "
                     f"({len(both)} seed{'s' if len(both) > 1 else ''}; {mode} sooner on {sooner}, later on {later})")
         else:
             t80s = "n/a (no seed both reached)"
+        only_base = [str(b.seed) for b, m in pairs if _t80(b, "step") is not None and _t80(m, "step") is None]
+        only_mode = [str(b.seed) for b, m in pairs if _t80(m, "step") is not None and _t80(b, "step") is None]
         only_s = "; ".join(f"{who}: seeds {', '.join(ss)}" for who, ss in ((baseline, only_base), (mode, only_mode)) if ss)
-        acc_s = (f"{statistics.fmean(x for x, _ in accs_both):.1%} / {statistics.fmean(y for _, y in accs_both):.1%}"
-                 if accs_both else "n/a")
-        ratio_s = (f"{statistics.fmean(ratios):.2f} mean ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "n/a")
-        lines.append(f"| {mode} | {seeds} | {ratio_s} | {steps} | {t80s} | {only_s or 'none'} | {acc_s} |")
-    if not lines:
+        accs = [(x, y) for x, y in ((mean_eval_acc(b), mean_eval_acc(m)) for b, m in pairs)
+                if x is not None and y is not None]
+        acc_s = f"{statistics.fmean(x for x, _ in accs):.1%} / {statistics.fmean(y for _, y in accs):.1%}" if accs else "n/a"
+        rows.append(f"| {mode} | {', '.join(str(b.seed) for b, _ in pairs)} | {ratio_s} | {steps} | {t80s} | "
+                    f"{only_s or 'none'} | {acc_s} |")
+    if not rows:
         return ""
-    lines[0] = lines[0].replace("{mode}", "mode")
-    return "\n".join(lines) + "\n"
+    head = [f"| seed by seed against {baseline} | seeds | trained samples/s, mode / {baseline} | "
+            f"80% reached at step ({baseline} / mode; - = not reached) | time to 80%, training clock, on the seeds both "
+            f"reached | reached 80% only | mean held-out over the evals after step 0 ({baseline} / mode) |",
+            "|---|---|---|---|---|---|---|"]
+    return "\n".join(head + rows) + "\n"
 
 
 DIFFERENCES = """\
