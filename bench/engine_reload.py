@@ -1,6 +1,6 @@
 """What one weight load costs the CPU engine: vLLM's ``reload_weights`` of the built-in tiny model, alone.
 
-    .venv/bin/python bench/engine_reload.py [--reloads 100] [--out bench/results/engine/reload-avx2.md]
+    .venv/bin/python bench/engine_reload.py [--reloads 100] [--out bench/results/engine/reload.md]
 
 Builds vLLM's ``LLMEngine`` in-process for configs/tiny.toml's model and engine arguments (``engine_kwargs``),
 then, on its worker, reloads the model's own safetensors --reloads times exactly as a weight sync's load does
