@@ -57,8 +57,10 @@ def main() -> int:
         return times
 
     ms = sorted(1000 * t for t in engine.collective_rpc(reload_many)[0])
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), cpu)
     text = (f"# vLLM reload_weights of the built-in tiny model (CPU engine, 1 thread)\n\n"
             f"`.venv/bin/python bench/engine_reload.py --reloads {reloads}` on {cpu or 'this machine'}: "
             f"median {statistics.median(ms):.1f} ms, p10 {ms[len(ms) // 10]:.1f} ms, p90 {ms[9 * len(ms) // 10]:.1f} ms "

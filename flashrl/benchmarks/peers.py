@@ -229,6 +229,11 @@ def markdown_table(runs: Sequence[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _t80(r: Run, key: str) -> Any:
+    """The run's first eval at >= 80%: its "step", "train_s" or "process_s" (None: never reached)."""
+    return (r.time_to.get("80%") or {}).get(key)
+
+
 def seeds_table(runs: Sequence[Run]) -> str:
     """Per mode, over seeds: final accuracy, time to 80%, samples/s as mean (min..max)."""
     lines = ["| mode | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to 80%, training clock | trained samples/s |",
@@ -238,7 +243,7 @@ def seeds_table(runs: Sequence[Run]) -> str:
         fin = seed_stats(rs, "final_acc")
         dip = seed_stats(rs, "worst_dip")
         sps = seed_stats(rs, "samples_per_s")
-        t80 = [(r.time_to.get("80%") or {}).get("train_s") for r in rs]
+        t80 = [_t80(r, "train_s") for r in rs]
         reached = [t for t in t80 if t is not None]
         t80s = (f"{statistics.fmean(reached):.1f} s ({min(reached):.1f}..{max(reached):.1f})" if reached else "n/a") + (
             f", {len(reached)}/{len(rs)} reached" if len(reached) < len(rs) else "")
@@ -254,11 +259,6 @@ def mean_eval_acc(r: Run) -> float | None:
     """Mean held-out accuracy over the run's evals after step 0: how fast it learned per step, over the whole run."""
     accs = [a for step, a, _ in r.evals if step > 0]
     return statistics.fmean(accs) if accs else None
-
-
-def _t80(r: Run, key: str) -> Any:
-    """The run's first eval at >= 80%: its "step", "train_s" or "process_s" (None: never reached)."""
-    return (r.time_to.get("80%") or {}).get(key)
 
 
 def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
