@@ -34,6 +34,58 @@ def test_tokenizer_round_trip(untrained: Path) -> None:
     assert tok.encode("7") == [build_char_tokenizer().convert_tokens_to_ids("7")]
 
 
+def test_builtin_tokenizer_loads_without_transformers(untrained: Path) -> None:
+    """The controller loads it while the engines and trainer import: transformers would be ~5 s of CPU."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from flashrl.models.tokenizer import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+            "print(type(t.hf).__name__, t.encode('1+2='), sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(untrained)], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split()
+    assert out[0] == "TokenizerFile" and out[-1] == "[]", out
+
+
+def test_tokenizer_file_reads_as_transformers_does(untrained: Path) -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    from flashrl.models.tokenizer import HFTokenizer
+
+    fast, hf = load_tokenizer(untrained), AutoTokenizer.from_pretrained(str(untrained), local_files_only=True)
+    ref = HFTokenizer(hf)
+    assert type(fast.hf).__name__ == "TokenizerFile"
+    assert (fast.vocab_size, fast.eos_token_id, fast.pad_token_id) == (ref.vocab_size, ref.eos_token_id, ref.pad_token_id)
+    rng = random.Random(0)
+    for i in range(300):  # characters outside CHARSET (unk), special tokens written in the text, ids of specials
+        text = "".join(rng.choice(CHARSET + "\t\u00e9\u20ac<>") for _ in range(rng.randint(0, 24)))
+        text = text + "<eos>" + text if i % 5 == 0 else text
+        assert fast.encode(text) == ref.encode(text), text
+        ids = [rng.randrange(ref.vocab_size) for _ in range(rng.randint(0, 16))]
+        assert fast.decode(ids) == ref.decode(ids), ids
+
+
+def test_tokenizer_file_only_where_transformers_adds_nothing(tmp_path: Path, untrained: Path) -> None:
+    import shutil
+
+    def variant(name: str, **extra: object) -> Path:
+        d = tmp_path / name
+        shutil.copytree(untrained, d)
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **extra}))
+        return d
+
+    assert type(load_tokenizer(variant("plain")).hf).__name__ == "TokenizerFile"
+    # A chat template, or an option transformers applies to the tokenizer: transformers loads it.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert type(load_tokenizer(variant("chat", chat_template=template)).hf).__name__ != "TokenizerFile"
+    assert load_tokenizer(variant("chat2", chat_template=template)).chat is not None
+    assert type(load_tokenizer(variant("prefix", add_prefix_space=True)).hf).__name__ != "TokenizerFile"
+    # A special token tokenizer.json lacks (transformers adds it): transformers too.
+    assert type(load_tokenizer(variant("neweos", eos_token="<end>")).hf).__name__ != "TokenizerFile"
+
+
 def test_untrained_loads_in_transformers(untrained: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
