@@ -64,6 +64,8 @@ def test_tokenizer_file_reads_as_transformers_does(untrained: Path) -> None:
         assert fast.encode(text) == ref.encode(text), text
         ids = [rng.randrange(ref.vocab_size) for _ in range(rng.randint(0, 16))]
         assert fast.decode(ids) == ref.decode(ids), ids
+        # .hf itself, with transformers' defaults (special tokens added / kept): the TRL peer uses it directly
+        assert fast.hf.encode(text) == hf.encode(text) and fast.hf.decode(ids) == hf.decode(ids), (text, ids)
 
 
 def test_tokenizer_file_only_where_transformers_adds_nothing(tmp_path: Path, untrained: Path) -> None:

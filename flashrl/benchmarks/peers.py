@@ -676,6 +676,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
+        AutoTokenizer,
         TrainerCallback,
         TrainerControl,
         TrainerState,
@@ -684,7 +685,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from trl import GRPOConfig, GRPOTrainer
 
     from flashrl.config import load
-    from flashrl.models import ensure_model, load_tokenizer
+    from flashrl.models import ensure_model
     from flashrl.models.tiny import greedy_accuracy
     from flashrl.plugins import make_suite
     from flashrl.trainer.worker import warmup_lr
@@ -718,7 +719,8 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
         return asyncio.run(score())
 
-    tok = load_tokenizer(model_dir)  # flashrl's view of the tokenizer (eval prompts and decoding)
+    # transformers' tokenizer (TRL's processing_class; the eval's prompts and decoding), as flashrl's engines load it
+    hf_tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
@@ -732,7 +734,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
         was = model.training
         model.eval()
         with torch.no_grad():
-            acc = greedy_accuracy(model, tok.hf, eval_tasks, cfg.rollout.max_new_tokens)
+            acc = greedy_accuracy(model, hf_tok, eval_tasks, cfg.rollout.max_new_tokens)
         model.train(was)
         dt = time.perf_counter() - t
         times["eval_s"] += dt
@@ -785,7 +787,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
     clock = Clock()
     trainer = Timed(model=model, reward_funcs=[correct], args=GRPOConfig(output_dir=str(out / "trl"), **settings),
-                    train_dataset=data, processing_class=tok.hf, optimizers=(opt, sched), callbacks=[clock])
+                    train_dataset=data, processing_class=hf_tok, optimizers=(opt, sched), callbacks=[clock])
     clock.trainer = trainer
     t = time.perf_counter()
     trainer.train()

@@ -124,10 +124,11 @@ class TokenizerFile:
     def __len__(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    # The defaults are transformers' (peers.py hands ``.hf`` to code written for a transformers tokenizer).
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
         if clean_up_tokenization_spaces:
             raise ValueError("TokenizerFile.decode: clean-up of tokenization spaces needs the transformers tokenizer")
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
