@@ -229,17 +229,19 @@ def engine() -> None:
     """Engine process entry point (vLLM behind ZeroMQ), as `python -m flashrl.engine.server`: its EngineSpec
     as JSON in FLASHRL_SPEC."""
     from flashrl.engine import server
+    from flashrl.procs import exit_now
 
-    sys.exit(server.main())
+    exit_now(server.main())
 
 
 @app.command()
 def trainer() -> None:
     """Trainer rank entry point (FSDP2), as `python -m flashrl.trainer.worker` (torchrun-compatible): its
     TrainerSpec as JSON in FLASHRL_SPEC."""
+    from flashrl.procs import exit_now
     from flashrl.trainer import worker
 
-    sys.exit(worker.main())
+    exit_now(worker.main())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

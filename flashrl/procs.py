@@ -46,7 +46,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, NoReturn, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,26 @@ def _orphaned(name: str, parent: int, whole_session: bool = False) -> None:
     if os.getpgrp() == os.getpid():  # we lead our group (Child.spawn): everything we started goes too
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_now(code: int | None) -> NoReturn:
+    """End a child process (engine, trainer rank) after its clean shutdown, without the interpreter's teardown.
+
+    A process that imported vLLM or torch spent ~2-4 s after ``main`` returned: the modules' and millions of
+    objects' teardown, and the exit hooks vLLM registers (its engine's shutdown unfreezes every object and
+    runs two full collections, to free memory for an engine built again in the same process). The run
+    waited for that before it could report and exit (bench/results/startup/exit). As Python's
+    multiprocessing ends its child processes: logging is flushed and closed, stdio flushed, then
+    ``os._exit``; no exit hook runs. What the process owns outside itself (sockets, files, the run's
+    records) was closed by its shutdown; the kernel reclaims the rest.
+    """
+    try:
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code if isinstance(code, int) else 0)
 
 
 @contextlib.contextmanager

@@ -173,3 +173,23 @@ def test_paused_gc_pauses_collection_then_freezes_what_was_made() -> None:
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_exit_now_flushes_logs_and_output_skips_the_teardown(tmp_path: Path) -> None:
+    """A child ends with its code, its log and stdout complete, and no exit hook run (vLLM's engine
+    shutdown is one: unfreeze + two full collections, seconds of the run's end)."""
+    log, hook = tmp_path / "child.log", tmp_path / "hook"
+    code = textwrap.dedent(f"""
+        import atexit, logging, sys
+        from pathlib import Path
+        from flashrl.procs import exit_now
+        logging.basicConfig(filename={str(log)!r}, level=logging.INFO)
+        logging.info("last words")
+        atexit.register(lambda: Path({str(hook)!r}).write_text("ran"))
+        sys.stdout.write("unflushed")
+        exit_now(3)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (3, "unflushed"), r.stderr
+    assert "last words" in log.read_text()
+    assert not hook.exists()

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -53,7 +52,7 @@ from msgspec import Meta
 
 from flashrl.core.meters import BusyMeter
 from flashrl.engine.inproc import EngineDead, InprocEngine
-from flashrl.procs import child_init, paused_gc
+from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.wire.protocol import (
     ENGINE_REQUESTS,
     Abort,
@@ -476,11 +475,12 @@ async def _serve(opts: EngineSpec) -> int:
         log.info("%s: clean shutdown; engine thread %s", opts.name, engine.utilization())
         return 0
     finally:
-        engine.shutdown()
+        engine.shutdown(release=False)  # the process ends right after (serve's caller: procs.exit_now)
 
 
 def serve(opts: EngineSpec) -> int:
-    """Run one engine process until Shutdown, SIGTERM or a fatal error; return the exit code."""
+    """Run one engine process until Shutdown, SIGTERM or a fatal error; return the exit code, with which the
+    caller ends the process at once (``procs.exit_now``: vLLM's engine is not torn down, nor collected)."""
     logging.basicConfig(
         stream=sys.stderr,
         level=opts.log_level,
@@ -497,10 +497,7 @@ def serve(opts: EngineSpec) -> int:
         # (bench/results/engine/inproc.md). Read when vLLM's modules are imported, so set before that.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     yield_cpu(opts.nice)
-    rc = asyncio.run(_serve(opts))
-    # Collect the shut-down engine now: vLLM objects' __del__ can fail during interpreter teardown.
-    gc.collect()
-    return rc
+    return asyncio.run(_serve(opts))
 
 
 def main() -> int:
@@ -510,4 +507,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard is required
-    sys.exit(main())
+    exit_now(main())

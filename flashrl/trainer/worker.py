@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
-from flashrl.procs import child_init, paused_gc
+from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
 from flashrl.wire import protocol
@@ -565,4 +565,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
