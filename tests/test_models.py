@@ -64,7 +64,7 @@ def test_tokenizer_file_reads_as_transformers_does(untrained: Path) -> None:
         assert fast.encode(text) == ref.encode(text), text
         ids = [rng.randrange(ref.vocab_size) for _ in range(rng.randint(0, 16))]
         assert fast.decode(ids) == ref.decode(ids), ids
-        # .hf itself, with transformers' defaults (special tokens added / kept): the TRL peer uses it directly
+        # .hf itself, with transformers' defaults (special tokens added / kept): it stands in for transformers'
         assert fast.hf.encode(text) == hf.encode(text) and fast.hf.decode(ids) == hf.decode(ids), (text, ids)
 
 

@@ -124,7 +124,7 @@ class TokenizerFile:
     def __len__(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    # The defaults are transformers' (peers.py hands ``.hf`` to code written for a transformers tokenizer).
+    # The defaults are transformers' (``.hf`` stands in for a transformers tokenizer; callers may rely on them).
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
