@@ -4,7 +4,7 @@
 
 Builds vLLM's ``LLMEngine`` in-process for configs/tiny.toml's model and engine arguments (``engine_kwargs``),
 then, on its worker, reloads the model's own safetensors --reloads times exactly as a weight sync's load does
-(``reload_weights`` + ``refresh_tied_layers``; no receive, no checksums) and reports the median and the spread.
+(``weights.load_into``: ``reload_weights`` + ``refresh_tied_layers``; no receive, no checksums) and reports the median and the spread.
 Run it under ``py-spy record`` to see where a reload goes (on an AVX2 host: ~31% re-creating oneDNN's packed
 GEMM handles, the rest vLLM's layer-wise reload bookkeeping).
 """
@@ -36,7 +36,7 @@ def main() -> int:
 
     from flashrl.config import load
     from flashrl.engine.server import EngineSpec, engine_kwargs
-    from flashrl.engine.weights import refresh_tied_layers
+    from flashrl.engine.weights import load_into
     from flashrl.models import ensure_model
 
     model = str(ensure_model(load(str(ROOT / "configs/tiny.toml"))))
@@ -51,8 +51,7 @@ def main() -> int:
         times = []
         for _ in range(reloads):
             t = time.perf_counter()
-            worker.reload_weights(weights_iterator=iter(named))
-            refresh_tied_layers(worker.model_runner.get_model())
+            load_into(worker, named)
             times.append(time.perf_counter() - t)
         return times
 

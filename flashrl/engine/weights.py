@@ -114,6 +114,16 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     return refreshed
 
 
+def load_into(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Load verified ``named`` tensors into the model of vLLM's ``worker``: a weight sync's load (also timed
+    alone by bench/engine_reload.py).
+
+    reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after loading, and
+    only the reload path redoes that processing (PLATFORM.md); then the tied layers it skips."""
+    worker.reload_weights(weights_iterator=iter(named))
+    refresh_tied_layers(worker.model_runner.get_model())
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``)."""
 
@@ -141,10 +151,7 @@ class WeightSyncExtension:
             return {"ok": False, "touched": False, "error": "; ".join(errors), "receive_s": t1 - t0, "load_s": 0.0,
                     "verify_s": receiver.verify_s}
         try:
-            # reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after
-            # loading, and only the reload path redoes that processing (PLATFORM.md).
-            self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
-            refresh_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
+            load_into(self, named)
         except Exception as e:
             log.exception("weight sync v%d: loading failed after the checks passed", manifest.version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
