@@ -103,6 +103,10 @@ class TrainerConfig(Section):
     micro_batch: Annotated[int, Meta(ge=1, description="samples per forward/backward on one rank")] = 64
     mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
     warmup_steps: Annotated[int, Meta(ge=0, description="linear lr warm-up over this many training steps: step s (from 0) uses lr * min(1, (s + 1) / warmup_steps); 0 = off")] = 0
+    lr_decay: Annotated[Literal["none", "linear", "cosine"], Meta(
+        description="after the warm-up, decay the lr to lr * min_lr_ratio at the last step (run.steps); "
+                    "none: constant")] = "none"
+    min_lr_ratio: Annotated[float, Meta(ge=0, le=1, description="the decay's end as a fraction of lr")] = 0.0
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
     shuffle: Annotated[bool, Meta(description="deal the batch's samples into its mini-batches in a seeded random "
                                   "order (run.seed, step), as TRL's GRPOTrainer does; false: contiguous slices "

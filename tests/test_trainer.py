@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrl.config import Config, from_dict
+from flashrl.config import Config, TrainerConfig, from_dict
 from flashrl.trainer.client import TrainerDied, TrainerGroup
-from flashrl.trainer.worker import Trainer, plan_micro_batches, warmup_lr
+from flashrl.trainer.worker import Trainer, plan_micro_batches, scheduled_lr, warmup_lr
 from flashrl.wire.protocol import TrainBatch, TrainSample
 from flashrl.wire.transport import RemoteError
 from flashrl.wire.weights import build_manifest
@@ -207,6 +207,28 @@ def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> No
     lrs = [t.train_step(_batch(s)).metrics["lr"] for s in (1, 2, 7)]  # type: ignore[union-attr]
     assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3])
     assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_lr_decay_follows_the_step_from_warmup_to_the_last_step(world1, model_path: Path, tmp_path: Path) -> None:
+    def tc(**kw: object) -> TrainerConfig:
+        return from_dict({"trainer": {"lr": 1e-3, "warmup_steps": 4, **kw}}).trainer
+
+    assert [scheduled_lr(tc(), 10, s) for s in (0, 3, 9, 20)] == pytest.approx([2.5e-4, 1e-3, 1e-3, 1e-3])  # none
+    # linear over steps 3..9 (the warm-up's last step at full lr, the run's last at lr * min_lr_ratio)
+    lin = [scheduled_lr(tc(lr_decay="linear", min_lr_ratio=0.1), 10, s) for s in range(12)]
+    assert lin[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lin[3:10] == pytest.approx([1e-3 * (0.1 + 0.9 * (1 - k / 6)) for k in range(7)])
+    assert lin[10:] == pytest.approx([1e-4, 1e-4])  # past the last step (a run given more steps): the floor
+    cos = [scheduled_lr(tc(lr_decay="cosine"), 10, s) for s in range(3, 10)]
+    assert cos[0] == pytest.approx(1e-3) and cos[3] == pytest.approx(5e-4) and cos[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a > b for a, b in zip(cos, cos[1:]))
+    assert scheduled_lr(tc(warmup_steps=0, lr_decay="linear"), 5, 0) == pytest.approx(1e-3)  # no warm-up: from step 0
+    # the trainer sets it from the batch's step and run.steps, so a resumed run continues the decay
+    t = Trainer(trainer_config(tmp_path, lr=1e-3, warmup_steps=0, lr_decay="linear", min_lr_ratio=0.0), str(model_path),
+                torch.device("cpu"))
+    t.cfg.run.steps = 5
+    lrs = [t.train_step(_batch(s)).metrics["lr"] for s in (4, 0, 2)]  # type: ignore[union-attr]
+    assert lrs == pytest.approx([0.0, 1e-3, 5e-4])
 
 
 def test_filter_ties_drops_tied_groups(world1, model_path: Path, tmp_path: Path) -> None:

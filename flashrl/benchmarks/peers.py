@@ -20,8 +20,8 @@ epoch 0's shuffle, ``batch_prompts`` per step, TRL's own shuffling off), the sam
 verifier (envs.arithmetic.verify through the env), and the hyperparameters mapped one to one
 (``trl_settings``): group size -> num_generations, a step's prompts x group = generation batch split
 into ``mini_batches`` optimizer steps (steps_per_generation), temperature, max new tokens, AdamW lr and
-weight decay, flashrl's warm-up (training step s uses lr * min(1, (s+1)/warmup) on both its optimizer
-steps: a LambdaLR given to TRL), PPO clip eps_low/eps_high, token-mean loss (TRL "dapo": over the
+weight decay, flashrl's lr schedule (``scheduled_lr``: warm-up and decay by training step, the same lr on
+both its optimizer steps: a LambdaLR given to TRL), PPO clip eps_low/eps_high, token-mean loss (TRL "dapo": over the
 active tokens of the optimizer step's batch, one process, no accumulation), std-scaled group
 advantages, no KL (beta 0), grad clip. Held-out accuracy every ``run.eval_every`` steps: greedy, the
 same 400 tasks, ``max_new_tokens`` tokens, scored by the env's verifier; its time is taken out of the
@@ -306,7 +306,7 @@ DIFFERENCES = """\
 What is the same: model folder (the built-in tiny model, float32, built by `ensure_model` for the seed),
 train prompts and their order (flashrl's DataStream for the seed), held-out split (the env's eval
 tasks) and verifier, group size, prompts per step, temperature (sampling and the loss's logprobs),
-max new tokens, AdamW (lr, weight decay, betas/eps defaults), the warm-up schedule per training step,
+max new tokens, AdamW (lr, weight decay, betas/eps defaults), the lr schedule (warm-up, decay) per training step,
 PPO clip, token-mean loss, std-scaled group advantages, no KL, grad clip 1.0, 2 optimizer steps per
 training step, held-out eval every run.eval_every steps (greedy, the same tasks and verifier).
 
@@ -688,7 +688,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from flashrl.models import ensure_model
     from flashrl.models.tiny import greedy_accuracy
     from flashrl.plugins import make_suite
-    from flashrl.trainer.worker import warmup_lr
+    from flashrl.trainer.worker import scheduled_lr
 
     cfg = load(config, list(overrides))
     settings = trl_settings(cfg)
@@ -724,10 +724,11 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    warm = cfg.trainer.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_lr(1.0, warm, k // mb))
+    # flashrl's schedule, by training step (mb optimizer steps each)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: scheduled_lr(cfg.trainer, steps, k // mb) / cfg.trainer.lr)
     metrics = (out / "metrics.jsonl").open("w")
-    times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0}
+    times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0,
+                             "lr": 0.0}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -764,6 +765,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
                          **kwargs: Any) -> None:
             if state.global_step % mb == 0:
                 times["t_step"] = time.perf_counter()
+                times["lr"] = opt.param_groups[0]["lr"]  # what this training step's optimizer steps use
 
         def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -776,7 +778,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             rec = {"step": step, "version": step, "samples": mb * args.per_device_train_batch_size,
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
                    "time/elapsed_s": now - times["t0"] - times["eval_s"],
-                   "lr": warmup_lr(cfg.trainer.lr, warm, step - 1)}  # what this step's optimizer steps used
+                   "lr": times["lr"]}
             rewards = self.trainer._metrics["train"].get("reward") if self.trainer is not None else None
             if rewards:
                 rec["reward/mean"] = rewards[-1]

@@ -63,7 +63,7 @@ from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.trainer.spec import TrainerSpec
-from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, warmup_lr
+from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches, scheduled_lr, warmup_lr
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     ComputeLogprobs,
@@ -85,7 +85,7 @@ from flashrl.wire.protocol import (
 from flashrl.wire.rendezvous import init_default_group
 from flashrl.wire.spec import read_spec_or_exit
 
-__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "warmup_lr"]
+__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "scheduled_lr", "warmup_lr"]
 
 log = logging.getLogger("flashrl.trainer")
 
