@@ -588,8 +588,10 @@ def _summary(cfg: Config, history: list[StepRecord], result: Any, wall_s: float,
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    first, last = s["eval_first"], s["eval_last"]
-    acc = f"held-out accuracy {first:.1%} -> {last:.1%}" if first is not None and last is not None else "no eval"
+    evals = s.get("evals") or []
+    # with the steps: a run stopped early reports its last eval, which may be an old one (even step 0's)
+    acc = (f"held-out accuracy {evals[0][1]:.1%} -> {evals[-1][1]:.1%} (evals of steps {evals[0][0]} -> {evals[-1][0]})"
+           if evals else "no eval")
     res = s.get("result") or {}
     ck = f"; {s['checkpoints']} checkpoint(s) in {s['checkpoint_s']:.1f}s ({s['checkpoint_share']:.1%} of training time)"
     if res.get("last_checkpoint"):

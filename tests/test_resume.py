@@ -64,6 +64,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_trains_the_same_promp
     assert second.returncode == 0, out[-3000:]
     assert f"skipped a corrupt checkpoint: {data}: truncated: 1000 bytes" in out
     assert "resumed from step 2" in out and "done: res 5 steps (resumed from step 2)" in out
+    assert "(evals of steps 0 -> 5)" in out  # the summary's accuracies say which evals they are
     assert (root / "step-3.abandoned").is_dir()  # the corrupt one is set aside, not overwritten
     assert [n for n, _ in list_checkpoints(root)] == [4, 5] and read_latest(root) == root / "step-5"
 
