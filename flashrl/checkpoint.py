@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -357,7 +358,26 @@ def prepare_resume(cfg: Config, explicit: Path | None = None) -> Resume:
     if cfg.run.max_time_s > 0 and r.state.elapsed_s >= cfg.run.max_time_s:
         raise CheckpointError(f"{r.path} has used {r.state.elapsed_s:.0f} s of run.max_time_s = {cfg.run.max_time_s:g}: "
                               "raise run.max_time_s (or set it to 0) to continue")
+    jump = lr_jump(old, cfg, r.state.step)
+    if jump:
+        log.warning("%s", jump)
     return r
+
+
+def lr_jump(old: Config, new: Config, step: int) -> str:
+    """A warning when a resume at ``step`` changes the lr the schedule gives (run.steps changed under a decay),
+    else ''. The schedule decays to its end at run.steps, so extending a decayed run raises the lr again."""
+    from flashrl.trainer.schedule import scheduled_lr
+
+    if step <= 0:
+        return ""
+    was, now = scheduled_lr(old.trainer, old.run.steps, step), scheduled_lr(new.trainer, new.run.steps, step)
+    if math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
+        return ""
+    return (f"run.steps {old.run.steps} -> {new.run.steps} with trainer.lr_decay = {new.trainer.lr_decay!r}: the lr "
+            f"of the next step goes from {was:.3g} (the checkpoint's schedule) to {now:.3g}, and decays to "
+            f"{scheduled_lr(new.trainer, new.run.steps, new.run.steps - 1):.3g} at step {new.run.steps}; keep run.steps = "
+            f"{old.run.steps} to finish the checkpoint's schedule")
 
 
 def continue_metrics(metrics: Path, resume: Resume, *, through: int | None = None) -> int:

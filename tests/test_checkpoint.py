@@ -31,7 +31,7 @@ from flashrl.checkpoint import (
     read_latest,
     verify,
 )
-from flashrl.config import Config, to_toml
+from flashrl.config import Config, from_dict, to_toml
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream
 from flashrl.core.records import StepRecord
@@ -267,6 +267,21 @@ def test_resume_refuses_bad_input_before_anything_starts(tmp_path: Path) -> None
         prepare_resume(cfg)
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         prepare_resume(more, cfg.run_dir / "checkpoints" / "step-99")
+
+
+def test_resume_names_the_lr_jump_when_run_steps_changes_under_a_decay(tmp_path: Path) -> None:
+    from flashrl.checkpoint import lr_jump
+
+    def cfg(steps: int, decay: str) -> Config:
+        return from_dict({"run": {"steps": steps}, "trainer": {"lr": 1e-3, "warmup_steps": 0, "lr_decay": decay,
+                                                               "min_lr_ratio": 0.1}})
+
+    assert lr_jump(cfg(100, "none"), cfg(200, "none"), 50) == ""  # constant lr: nothing changes
+    assert lr_jump(cfg(100, "cosine"), cfg(100, "cosine"), 50) == ""  # same run.steps: the same schedule
+    msg = lr_jump(cfg(100, "linear"), cfg(200, "linear"), 50)
+    # step 51 (index 50): 1e-3 * (0.1 + 0.9 * (1 - 50/99)) under the old schedule, 1e-3 * (0.1 + 0.9 * (1 - 50/199)) now
+    assert "run.steps 100 -> 200" in msg and "from 0.000545 " in msg and "to 0.000774" in msg
+    assert "decays to 0.0001 at step 200" in msg and "keep run.steps = 100" in msg
 
 
 def test_cli_resume_errors_exit_2_before_any_process(tmp_path: Path) -> None:

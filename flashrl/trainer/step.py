@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from flashrl.config import Config, TrainerConfig
+from flashrl.config import Config
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
     PaddedBatch,
@@ -58,33 +58,10 @@ from flashrl.trainer.batch import (
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
+from flashrl.trainer.schedule import scheduled_lr
 from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
 
 Plan = list[tuple[torch.Tensor, list[torch.Tensor]]]
-
-
-def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
-    """``trainer.warmup_steps``: training step ``step`` (from 0) uses lr * min(1, (step + 1) / warmup_steps).
-
-    A fresh AdamW's first updates on a warm-started model are large relative to its noisy early
-    gradients; ramping the lr keeps the first RL steps from undoing the warm-start."""
-    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
-
-
-def scheduled_lr(tc: TrainerConfig, total_steps: int, step: int) -> float:
-    """The lr of training step ``step`` (from 0) of ``total_steps``: the warm-up (``warmup_lr``), then
-    ``trainer.lr_decay`` from lr at the warm-up's last step to lr * ``min_lr_ratio`` at the last step
-    (linear, or cosine: half a cosine period). A function of the step alone, so a resumed run continues it.
-
-    Decay settles the policy at the end of a run: with a constant lr, the last updates move it as much
-    as the first, and a run's final accuracy is a draw from its plateau's noise."""
-    lr = warmup_lr(tc.lr, tc.warmup_steps, step)
-    if tc.lr_decay == "none":
-        return lr
-    start = max(tc.warmup_steps, 1) - 1
-    p = min(1.0, max(0.0, (step - start) / max(1, total_steps - 1 - start)))
-    shape = 1.0 - p if tc.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
-    return lr * (tc.min_lr_ratio + (1.0 - tc.min_lr_ratio) * shape)
 
 
 def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_batch: int,
