@@ -97,10 +97,11 @@ def is_problem_counter(name: str) -> bool:
 def format_plain(s: Snapshot) -> str:
     """The plain-mode progress line, e.g.
 
-    ``step 12/60 v12 reward 0.41 acc 0.38 stale 0.8/2 12.3 samples/s 456 tok/s step 1.50s sync 0.12s``
+    ``step 12/60 v12 reward 0.41 acc 0.38 stale 0.8/2 12.3 samples/s 456 tok/s step 1.50s sync 0.12s lr 1.0e-04``
 
     ``acc`` is the latest held-out accuracy (``-`` before the first eval); ``stale`` is mean/max
-    policy-version lag of the last batch; ``mismatch`` (when measured) the last step's mismatch/kl
+    policy-version lag of the last batch; ``lr`` the last step's learning rate (once a step has trained);
+    ``mismatch`` (when measured) the last step's mismatch/kl
     between engine and trainer logprobs. Non-zero problem counters (dropped, retried, failed, dead,
     ...; see ``is_problem_counter``) follow as ``name=count`` (sorted), so a CI log shows every lost
     or repeated rollout; progress counters (admitted/trained groups) are left to metrics.jsonl.
@@ -117,6 +118,8 @@ def format_plain(s: Snapshot) -> str:
         f"step {s.step_s:.2f}s",
         f"sync {s.weight_sync_s:.2f}s",
     ]
+    if s.lr is not None:
+        parts.append(f"lr {s.lr:.1e}")
     if s.mismatch_kl is not None:
         parts.append(f"mismatch {s.mismatch_kl:.1e}")
     parts += [f"{k}={v}" for k, v in sorted(s.counters.items()) if v and is_problem_counter(k)]
@@ -168,6 +171,8 @@ def _pipeline_table(s: Snapshot) -> Table:
     table.add_row("staleness mean/max", f"{s.staleness_mean:.2f} / {s.staleness_max}")
     table.add_row("step time", f"{s.step_s:.2f}s")
     table.add_row("weight sync", f"{s.weight_sync_s:.2f}s")
+    if s.lr is not None:
+        table.add_row("lr", f"{s.lr:.2e}")
     if s.mismatch_kl is not None:
         # engine vs trainer logprobs of the same tokens (trainer Mismatch): ~0 unless weights or sampling disagree
         table.add_row("train/infer KL", Text(f"{s.mismatch_kl:.1e}", style="bold red" if s.mismatch_kl > 1e-2 else ""))

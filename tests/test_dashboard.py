@@ -87,6 +87,8 @@ def test_render_queues_staleness_and_times() -> None:
     assert "0.12s" in line_with(text, "weight sync")
     assert "train/infer KL" not in text  # not measured yet
     assert "4.0e-09" in line_with(render_text(make_snapshot(mismatch_kl=4e-9)), "train/infer KL")
+    assert "lr " not in text  # no step trained yet
+    assert "5.87e-05" in line_with(render_text(make_snapshot(lr=5.87e-5)), "lr ")
 
 
 def test_render_learning_curves_show_latest_and_first() -> None:
@@ -155,6 +157,7 @@ def test_plain_line_exact() -> None:
         "step 12 v12 reward 0.41 acc - stale 0.8/2 12.3 samples/s 457 tok/s step 1.50s sync 0.12s"
     )
     assert format_plain(make_snapshot(counters={}, mismatch_kl=3.2e-7)).endswith("sync 0.12s mismatch 3.2e-07")
+    assert format_plain(make_snapshot(counters={}, lr=5.87e-5)).endswith("sync 0.12s lr 5.9e-05")
 
 
 def test_plain_dashboard_prints_one_line_per_new_step() -> None:

@@ -52,6 +52,8 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_trains_the_same_promp
     run_dir = tmp_path / "res"
     first = _run(tmp_path, 3)
     assert first.returncode == 0, first.stdout[-3000:]
+    # the plain dashboard's line per step shows the trainer's lr: tiny.toml's 20-step warm-up, 1e-4 * step / 20
+    assert all(f"lr {lr}" in first.stdout for lr in ("5.0e-06", "1.0e-05", "1.5e-05")), first.stdout[-3000:]
     root = run_dir / "checkpoints"
     assert [n for n, _ in list_checkpoints(root)] == [2, 3] and read_latest(root) == root / "step-3"
     before = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}

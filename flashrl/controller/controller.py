@@ -957,6 +957,7 @@ class Controller:
             weight_sync_s=self._last_sync_s,
             step_s=float(last.step_s) if last else 0.0,
             mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
+            lr=last.trainer.get("lr") if last else None,
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
             counters=self._all_counters(),
