@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 
 from flashrl.config import Config, ConfigError, load
+from flashrl.core.schedule import scheduled_lr
 
 log = logging.getLogger(__name__)
 
@@ -367,8 +368,6 @@ def prepare_resume(cfg: Config, explicit: Path | None = None) -> Resume:
 def lr_jump(old: Config, new: Config, step: int) -> str:
     """A warning when a resume at ``step`` changes the lr the schedule gives (run.steps changed under a decay),
     else ''. The schedule decays to its end at run.steps, so extending a decayed run raises the lr again."""
-    from flashrl.trainer.schedule import scheduled_lr
-
     if step <= 0:
         return ""
     was, now = scheduled_lr(old.trainer, old.run.steps, step), scheduled_lr(new.trainer, new.run.steps, step)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from flashrl.config import Config
+from flashrl.core.schedule import scheduled_lr
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
     PaddedBatch,
@@ -58,7 +59,6 @@ from flashrl.trainer.batch import (
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
-from flashrl.trainer.schedule import scheduled_lr
 from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
 
 Plan = list[tuple[torch.Tensor, list[torch.Tensor]]]

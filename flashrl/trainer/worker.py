@@ -61,8 +61,8 @@ import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
+from flashrl.core.schedule import scheduled_lr, warmup_lr
 from flashrl.procs import child_init, exit_now, paused_gc
-from flashrl.trainer.schedule import scheduled_lr, warmup_lr
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
 from flashrl.wire import protocol

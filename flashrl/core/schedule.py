@@ -1,4 +1,4 @@
-"""The learning-rate schedule: a pure function of the training step (no torch, so the controller can read it).
+"""The learning-rate schedule: a pure function of the training step (the trainer sets it; a resume reads it).
 
 ``trainer.warmup_steps`` ramps the lr up; ``trainer.lr_decay`` then decays it to lr * ``min_lr_ratio`` at
 the run's last step (``run.steps``). The trainer sets its optimizer's lr from the batch's step every
@@ -8,8 +8,20 @@ step (not from scheduler state), so a resumed run continues the schedule where i
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
-from flashrl.config import TrainerConfig
+
+class LrSettings(Protocol):
+    """What the schedule reads: ``[trainer]`` (``flashrl.config.TrainerConfig``) has these keys."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def lr_decay(self) -> str: ...  # "none" | "linear" | "cosine"
+    @property
+    def min_lr_ratio(self) -> float: ...
 
 
 def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
@@ -20,7 +32,7 @@ def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
 
 
-def scheduled_lr(tc: TrainerConfig, total_steps: int, step: int) -> float:
+def scheduled_lr(tc: LrSettings, total_steps: int, step: int) -> float:
     """The lr of training step ``step`` (from 0) of ``total_steps``: the warm-up (``warmup_lr``), then
     ``trainer.lr_decay`` from lr at the warm-up's last step to lr * ``min_lr_ratio`` at the last step
     (linear, or cosine: half a cosine period). A function of the step alone, so a resumed run continues it.
