@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from flashrl.config import Config, TrainerConfig, from_dict
+from flashrl.core.schedule import scheduled_lr, warmup_lr
 from flashrl.trainer.client import TrainerDied, TrainerGroup
-from flashrl.trainer.worker import Trainer, plan_micro_batches, scheduled_lr, warmup_lr
+from flashrl.trainer.worker import Trainer, plan_micro_batches
 from flashrl.wire.protocol import TrainBatch, TrainSample
 from flashrl.wire.transport import RemoteError
 from flashrl.wire.weights import build_manifest

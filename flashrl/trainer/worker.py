@@ -61,7 +61,6 @@ import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
-from flashrl.core.schedule import scheduled_lr, warmup_lr
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
@@ -86,7 +85,7 @@ from flashrl.wire.protocol import (
 from flashrl.wire.rendezvous import init_default_group
 from flashrl.wire.spec import read_spec_or_exit
 
-__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "scheduled_lr", "warmup_lr"]
+__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches"]
 
 log = logging.getLogger("flashrl.trainer")
 
