@@ -2,7 +2,7 @@
 
 The slow tests share one engine process (module fixture, ~30 s to start) and run in file order:
 generation, abort, pause/resume, weight sync (the test process is trainer rank 0), a rejected
-sync, and last the engine's death (SIGKILL) seen by the client as PeerDead.
+sync, generation while the weights arrive, and last the engine's death (SIGKILL) seen by the client as PeerDead.
 """
 
 from __future__ import annotations
@@ -384,6 +384,29 @@ async def test_corrupt_sync_is_rejected_and_the_engine_keeps_serving(
     after = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True))
     assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
     assert after.versions == [version] * 8 and await client.ping() == version
+
+
+@pytest.mark.slow
+async def test_the_engine_serves_while_new_weights_arrive(
+    client: EngineProcessClient, sender: WeightSender, model_dir: Path
+) -> None:
+    """The receive runs beside generation: while the engine waits for the trainer's broadcast, a request is
+    served by the weights it has; only the load, once every bucket passed, switches the version."""
+    version = await client.ping()
+    sd = load_file(str(model_dir / "model.safetensors"))
+    manifest, flats = build_manifest(sd, version=version + 1, bucket_mb=0.25)
+    update = asyncio.ensure_future(client.update_weights(manifest))
+    await asyncio.sleep(0.5)  # the engine is inside the receive by now; the trainer has not sent a byte
+    during = await asyncio.wait_for(
+        client.generate(Generate(prompt_ids=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)), 30)
+    assert during.versions == [version] * 8 and not update.done()
+    send_s, failed = await asyncio.to_thread(sender.send, flats)
+    assert failed == {}
+    reply = await asyncio.wait_for(update, 30)
+    assert reply.ok and reply.version == version + 1, reply
+    assert reply.timings["receive_s"] >= 0.4  # it waited for the sender, beside generation
+    after = await client.generate(Generate(prompt_ids=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert after.versions == [version + 1] * 8 and await client.ping() == version + 1
 
 
 @pytest.mark.slow

@@ -8,12 +8,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from flashrl.engine.weights import WeightReceiver
+from flashrl.engine.weights import WeightReceiver, WeightSyncExtension
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire import weights as tw
 from flashrl.wire.protocol import ENGINE_REQUESTS, UpdateWeights, encode
@@ -152,11 +154,64 @@ def test_gloo_broadcast_delivers_and_verifies_and_stays_aligned_after_a_bad_buck
         assert torch.equal(t, sd[name])
 
 
+class _Worker(WeightSyncExtension):
+    """vLLM's worker as the extension sees it: reload_weights and a model to look at (no tied layers)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[list[str]] = []
+        self.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
+
+    def reload_weights(self, weights_iterator) -> None:
+        self.loaded.append([name for name, _ in weights_iterator])
+
+
+def test_only_what_the_last_receive_verified_is_loaded_and_only_once() -> None:
+    """The receive (beside generation) and the load (between two engine steps) are two calls: the load
+    takes what the last receive verified, for its version, once; a rejected receive leaves nothing to load."""
+    sd = _state_dict()
+    good, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
+    bad = msgspec_copy(good)
+    bad.version = 2
+    bad.buckets[0].checksum = "sha256:" + "0" * 64
+    port = free_port()
+    worker = _Worker()
+    replies: list = []
+
+    def engine() -> None:
+        worker.flashrl_init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 30)
+        replies.append(worker.flashrl_load_weights(1))  # nothing received yet
+        replies.append(worker.flashrl_receive_weights(msgspec.json.encode(good).decode()))
+        replies.append(worker.flashrl_load_weights(2))  # not the version received: refused, and what came is dropped
+        replies.append(worker.flashrl_receive_weights(msgspec.json.encode(good).decode()))
+        replies.append(worker.flashrl_load_weights(1))
+        replies.append(worker.flashrl_load_weights(1))  # loaded already
+        replies.append(worker.flashrl_receive_weights(msgspec.json.encode(bad).decode()))
+        replies.append(worker.flashrl_load_weights(2))
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    sender = WeightSender()
+    sender.join("e0", "127.0.0.1", port, "gloo", 30)
+    for _ in range(3):
+        assert sender.send(flats)[1] == {}
+    th.join(30)
+    assert not th.is_alive()
+    empty, got1, wrong, got2, load1, again, got_bad, load_bad = replies
+    assert not empty["ok"] and not empty["touched"] and "nothing" in empty["error"]
+    assert got1["ok"] and got1["receive_s"] >= got1["verify_s"] > 0
+    assert not wrong["ok"] and not wrong["touched"] and "holds v1" in wrong["error"]
+    assert got2["ok"] and load1["ok"] and load1["touched"]
+    assert not again["ok"] and not again["touched"] and "nothing" in again["error"]
+    assert not got_bad["ok"] and "checksum" in got_bad["error"]
+    assert not load_bad["ok"] and not load_bad["touched"]
+    assert len(worker.loaded) == 1 and set(worker.loaded[0]) == set(sd) - {"lm_head.weight"}  # once, every tensor
+
+
 # An engine that joins its group, then dies (os._exit) before the broadcast: a separate process, so its
 # sockets really close as a SIGKILLed engine's do.
 _DYING_RECEIVER = """
 import os, sys
-from flashrl.engine.weights import WeightReceiver
+from flashrl.engine.weights import WeightReceiver, WeightSyncExtension
 WeightReceiver().init("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", 30)
 print("joined", flush=True)
 os._exit(9)

@@ -3,7 +3,9 @@
     asyncio (engine server)                      engine thread (the only one touching vLLM)
       generate(key, prompt, params) --command-->  llm.add_request
       abort / pause / resume        --command-->  applied between two steps
-      call(fn)                      --command-->  fn(llm) between two steps (weight sync, version label)
+      call(fn)                      --command-->  fn(llm) between two steps (weight load, version label)
+      beside(fn)                    --a thread of its own, while the engine thread steps on-->  fn(llm)
+                                                  (only what touches none of vLLM's state: the weight receive)
                                                   llm.step() while anything is unfinished and not paused
       futures resolved  <--call_soon_threadsafe--  finished RequestOutputs, once per step
 
@@ -16,7 +18,7 @@ bench/engine_inproc.py, bench/results/engine/inproc.md). The EngineCore's busy l
 same thing: take in what arrived, step while there is work, hand finished outputs back.
 
 Commands run between steps on the engine thread, so a command never sees a half-done step: a pause
-takes effect before the next step, and ``call(fn)`` (the weight sync) runs while nothing generates.
+takes effect before the next step, and ``call(fn)`` (the weight load) runs while nothing generates.
 A step that raises ends the thread: every waiting request and every later call fails with ``EngineDead``
 and the server exits (a dead EngineCore was the same under AsyncLLM).
 """
@@ -150,6 +152,27 @@ class InprocEngine:
                 self._post(_set_result, fut, result)
 
         return await self._await(fut, run)
+
+    async def beside(self, fn: Callable[[Any], Any], name: str = "beside") -> Any:
+        """Run ``fn(llm)`` on a daemon thread of its own while the engine thread steps on; return its result.
+
+        Only for work that reads or writes none of vLLM's scheduling, request or model state (the weight
+        sync's receive into fresh buffers): the engine thread is not stopped for it. A daemon thread, so a
+        ``fn`` blocked on a dead peer never holds up the process's exit."""
+        if self.errored:
+            raise self._dead()
+        fut: asyncio.Future[Any] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.llm)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._post(_set_exception, fut, e)
+            else:
+                self._post(_set_result, fut, result)
+
+        threading.Thread(target=run, name=f"{self._thread.name}-{name}", daemon=True).start()
+        return await fut
 
     async def _await(self, fut: asyncio.Future[Any], cmd: Callable[[], None]) -> Any:
         self._calls.add(fut)

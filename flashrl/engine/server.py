@@ -5,9 +5,9 @@
         Abort           -> InprocEngine.abort: the aborted Generate answers finish_reason "abort"
         Pause / Resume  -> InprocEngine.pause(mode) / resume
         InitWeightSync  -> worker: join the weight-sync group (engine/weights.py)
-        UpdateWeights   -> [one at a time, between two engine steps, nothing generating]
-                           worker: receive, verify, load -> version label -> clear the KV cache
-                           -> WeightsUpdated
+        UpdateWeights   -> [one at a time] worker: receive, verify (beside generation: the engine
+                           thread steps on) -> [between two engine steps, nothing generating] load
+                           -> version label -> clear the KV cache -> WeightsUpdated
         GetLoad         -> LoadMeter.report (fed by a vLLM stat logger and the Generate tasks)
         Ping / Shutdown -> Pong(version) / Ok, then a clean exit (SIGTERM does the same)
 
@@ -313,17 +313,22 @@ class EngineServer:
     async def update_weights(self, msg: UpdateWeights) -> WeightsUpdated:
         manifest = msg.manifest
         manifest_json = msgspec.json.encode(manifest).decode()
+        version = manifest.version
+
+        def receive(llm: Any) -> dict[str, Any]:
+            # Beside generation (a thread of its own): fresh buffers only, nothing of vLLM's is touched.
+            return llm.collective_rpc("flashrl_receive_weights", args=(manifest_json,))[0]
 
         occupancy: dict[str, float] = {}
 
-        def receive_and_load(llm: Any) -> tuple[dict[str, Any], float, float]:
+        def load(llm: Any) -> tuple[dict[str, Any], float, float]:
             # On the engine thread, between two steps: nothing generates until this returns.
             t_in = time.perf_counter()
             # read here, on the engine thread: from one update's start to the next, each counted once
             occupancy.update(self.engine.occupancy())
-            res = llm.collective_rpc("flashrl_update_weights", args=(manifest_json,))[0]
+            res = llm.collective_rpc("flashrl_load_weights", args=(version,))[0]
             if res["ok"]:
-                llm.set_weight_version(str(manifest.version))
+                llm.set_weight_version(str(version))
                 # Requests in flight drop their KV (computed with the old weights) and recompute it
                 # with the new ones; the tokens they already have keep their old version label.
                 llm.reset_prefix_cache(reset_running_requests=True)
@@ -335,27 +340,34 @@ class EngineServer:
 
         async with self._update_lock:
             t0 = time.perf_counter()
-            done = asyncio.ensure_future(self.engine.call(receive_and_load))
-            await _inject_sync_fault(self.name, manifest.version)
-            res, t_paused, t_loaded = await done
+            received = asyncio.ensure_future(self.engine.beside(receive, "weights"))
+            await _inject_sync_fault(self.name, version)
+            got = await received
+            t_received = time.perf_counter()
+            if got["ok"]:
+                res, t_paused, t_loaded = await self.engine.call(load)
+            else:  # rejected: nothing was loaded, the engine never stopped
+                await self.engine.resume()  # as after any update: generating, even if it was paused
+                res, t_paused, t_loaded = {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}, \
+                    t_received, t_received
             if res["ok"]:
-                self.version = manifest.version
+                self.version = version
             elif res["touched"]:
-                raise EngineFatal(f"weights v{manifest.version} passed their checksums but failed to load: {res['error']}")
+                raise EngineFatal(f"weights v{version} passed their checksums but failed to load: {res['error']}")
             seconds = time.perf_counter() - t0
         timings = {
-            "pause_s": t_paused - t0,  # waiting for the engine's current step to end
-            "receive_s": res["receive_s"] - res.get("verify_s", 0.0),
-            "verify_s": res.get("verify_s", 0.0),
+            "receive_s": got["receive_s"] - got["verify_s"],  # beside generation
+            "verify_s": got["verify_s"],  # beside generation
+            "pause_s": t_paused - t_received,  # waiting for the engine's current step to end
             "load_s": res["load_s"],
             # the version label and the KV reset, beyond the worker's own time
-            "rpc_s": max(0.0, t_loaded - t_paused - res["receive_s"] - res["load_s"]),
+            "rpc_s": max(0.0, t_loaded - t_paused - res["load_s"]),
             "resume_s": t0 + seconds - t_loaded,
         }
         log.info(
-            "%s: weights v%d %s in %.3fs (receive %.3fs, load %.3fs)%s",
-            self.name, manifest.version, "loaded" if res["ok"] else "REJECTED", seconds,
-            res["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
+            "%s: weights v%d %s in %.3fs (receive %.3fs beside generation, load %.3fs)%s",
+            self.name, version, "loaded" if res["ok"] else "REJECTED", seconds,
+            got["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
         )
         return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]),
                               timings=timings, occupancy=occupancy)

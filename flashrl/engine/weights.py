@@ -1,17 +1,22 @@
-"""Receiving side of the weight sync: runs inside vLLM's worker (in the engine process, on its engine thread).
+"""Receiving side of the weight sync: runs inside vLLM's worker (in the engine process).
 
     engine server (InprocEngine, asyncio)             vLLM worker (this module, blocking calls)
       InitWeightSync -> collective_rpc("flashrl_init_weight_sync", args) -> join_group(rank 1 + i)
-      UpdateWeights  -> [engine thread, between two steps: nothing generates]
-                     -> collective_rpc("flashrl_update_weights", manifest JSON)
+      UpdateWeights  -> [a thread of its own: the engine thread steps on, serving the old weights]
+                     -> collective_rpc("flashrl_receive_weights", manifest JSON)
                             receive every bucket (broadcast from group rank 0) into fresh buffers
                             verify every checksum          -- any mismatch: drop buffers, report
+                     -> [engine thread, between two steps: nothing generates]
+                     -> collective_rpc("flashrl_load_weights", version)
                             reload_weights(all tensors)    -- only after every bucket passed
                      -> set version label, clear the KV cache, step on
 
 The model's parameters are never written until every bucket has arrived and passed its checksum,
 so a failed sync leaves the previous weights serving. Every bucket is received even after a
 mismatch: the broadcast is a collective, and leaving it early would hang the other members.
+The receive touches nothing of vLLM's: it fills buffers of its own, so it runs beside generation
+(vLLM's in-process executor, ``distributed_executor_backend="uni"``, runs a worker method on the calling
+thread); only the load stops the engine, for the time ``reload_weights`` takes.
 
 Why a worker extension (``AsyncEngineArgs(worker_extension_cls=...)``) and not vLLM's native
 weight-transfer API (``WeightTransferEngineFactory``): a custom backend must be registered inside the
@@ -46,6 +51,8 @@ class WeightReceiver:
         self._group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None
         self._device = torch.device("cpu")
         self.verify_s = 0.0  # the last receive's checksum time (part of its receive_s)
+        # what the last receive verified, waiting for its load: (version, named tensors)
+        self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
 
     @property
     def joined(self) -> bool:
@@ -139,22 +146,36 @@ class WeightSyncExtension:
     ) -> None:
         self._flashrl_receiver().init(master_addr, master_port, rank, world_size, backend, timeout_s)
 
-    def flashrl_update_weights(self, manifest_json: str) -> dict[str, Any]:
-        """Receive, verify, then load. Returns ok, error, touched (False: the old weights are intact), timings."""
+    def flashrl_receive_weights(self, manifest_json: str) -> dict[str, Any]:
+        """Receive and verify every bucket into fresh buffers, kept for ``flashrl_load_weights``. Returns ok,
+        error, timings. Touches none of vLLM's state: the engine server runs it beside generation."""
         manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
         t0 = time.perf_counter()
         receiver = self._flashrl_receiver()
+        receiver.pending = None  # an earlier receive never loaded is dropped, not served
         named, errors = receiver.receive(manifest)
-        t1 = time.perf_counter()
+        res: dict[str, Any] = {"ok": not errors, "error": "; ".join(errors), "receive_s": time.perf_counter() - t0,
+                               "verify_s": receiver.verify_s}
         if errors:
-            log.error("weight sync v%d rejected, keeping the previous weights: %s", manifest.version, "; ".join(errors))
-            return {"ok": False, "touched": False, "error": "; ".join(errors), "receive_s": t1 - t0, "load_s": 0.0,
-                    "verify_s": receiver.verify_s}
+            log.error("weight sync v%d rejected, keeping the previous weights: %s", manifest.version, res["error"])
+        else:
+            receiver.pending = (manifest.version, named)
+        return res
+
+    def flashrl_load_weights(self, version: int) -> dict[str, Any]:
+        """Load the weights the last receive verified for ``version`` (on the engine thread, between two steps).
+        Returns ok, error, touched (False: the old weights are intact), load_s."""
+        receiver = self._flashrl_receiver()
+        pending, receiver.pending = receiver.pending, None
+        if pending is None or pending[0] != version:
+            have = "nothing" if pending is None else f"v{pending[0]}"
+            return {"ok": False, "touched": False, "load_s": 0.0,
+                    "error": f"no verified weights of v{version} to load (the last receive holds {have})"}
+        t0 = time.perf_counter()
         try:
-            load_into(self, named)
+            load_into(self, pending[1])
         except Exception as e:
-            log.exception("weight sync v%d: loading failed after the checks passed", manifest.version)
+            log.exception("weight sync v%d: loading failed after the checks passed", version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
-                    "receive_s": t1 - t0, "load_s": time.perf_counter() - t1, "verify_s": receiver.verify_s}
-        return {"ok": True, "touched": True, "error": "", "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "verify_s": receiver.verify_s}
+                    "load_s": time.perf_counter() - t0}
+        return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}
