@@ -340,7 +340,9 @@ async def _sync(client: EngineProcessClient, sender: WeightSender, manifest, fla
 
 
 @pytest.mark.slow
-async def test_weight_sync_serves_the_new_weights(client: EngineProcessClient, sender: WeightSender, model_dir: Path) -> None:
+async def test_weight_sync_serves_the_new_weights(
+    engine: EngineProcess, client: EngineProcessClient, sender: WeightSender, model_dir: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -368,6 +370,12 @@ async def test_weight_sync_serves_the_new_weights(client: EngineProcessClient, s
     assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-3), (after.logprobs, expected)
     # The perturbation was big enough to matter: the same tokens under the old weights score differently.
     assert before.logprobs != after.logprobs
+    # vLLM's expected per-sync lines (the tied LM head's and rotary cache's "Failed to load weights", the
+    # reload's timing) are left out of the engine's log; the sync's own line is there.
+    text = engine.log_path.read_text()
+    assert "test-engine: weights v1 loaded" in text and "left out of this log" in text
+    vllm_lines = [line for line in text.splitlines() if "left out of this log" not in line]
+    assert not [line for line in vllm_lines if "Failed to load weights" in line or "Reloading and processing" in line]
 
 
 @pytest.mark.slow

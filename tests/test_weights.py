@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashrl.engine.weights import WeightReceiver, WeightSyncExtension
+from flashrl.engine.weights import DropMessages, WeightReceiver, WeightSyncExtension, quiet_sync_chatter
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire import weights as tw
 from flashrl.wire.protocol import ENGINE_REQUESTS, UpdateWeights, encode
@@ -207,11 +208,62 @@ def test_only_what_the_last_receive_verified_is_loaded_and_only_once() -> None:
     assert len(worker.loaded) == 1 and set(worker.loaded[0]) == set(sd) - {"lm_head.weight"}  # once, every tensor
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.quant_method = object()  # what marks a vLLM layer
+
+
+def _model(tied: bool) -> torch.nn.Module:
+    emb = torch.nn.Parameter(torch.randn(4, 2))
+    return torch.nn.ModuleList([_Layer(emb), _Layer(emb if tied else torch.nn.Parameter(torch.randn(4, 2)))])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vllms_per_sync_chatter_is_filtered_and_nothing_else(tied: bool) -> None:
+    """vLLM logs 4 expected lines per weight sync; they leave the engine's log. A layer that really failed to
+    load still shows, and so does the LM head's warning when the embeddings are not tied (a missed weight)."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    names = ["vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace",
+             "vllm.v1.core.block_pool"]
+    loggers = [logging.getLogger(n) for n in names]
+    handler = Keep()
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        quiet_sync_chatter(_model(tied))
+        quiet_sync_chatter(_model(tied))  # a second call replaces the filters, not adds to them
+        layerwise, inplace, block_pool = loggers
+        assert all(sum(isinstance(f, DropMessages) for f in lg.filters) == 1 for lg in loggers)
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+        layerwise.warning("%s: Failed to load weights", "ParallelLMHead")
+        layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
+        inplace.info("Reloading and processing weights took %.2f seconds", 0.01)
+        block_pool.info("Successfully reset prefix cache")
+        block_pool.warning("Failed to reset prefix cache because some blocks (3) are not freed yet")
+        expected = ["QKVParallelLinear: Failed to load weights",
+                    "Failed to reset prefix cache because some blocks (3) are not freed yet"]
+        if not tied:
+            expected.insert(0, "ParallelLMHead: Failed to load weights")
+        assert seen == expected
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+            for f in [f for f in lg.filters if isinstance(f, DropMessages)]:
+                lg.removeFilter(f)
+
+
 # An engine that joins its group, then dies (os._exit) before the broadcast: a separate process, so its
 # sockets really close as a SIGKILLed engine's do.
 _DYING_RECEIVER = """
 import os, sys
-from flashrl.engine.weights import WeightReceiver, WeightSyncExtension
+from flashrl.engine.weights import DropMessages, WeightReceiver, WeightSyncExtension, quiet_sync_chatter
 WeightReceiver().init("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", 30)
 print("joined", flush=True)
 os._exit(9)
