@@ -114,6 +114,12 @@ class TrainerConfig(Section):
     share_prefix: Annotated[bool, Meta(description="forward each distinct prompt of a micro-batch once and every "
                                        "sample's continuation against its keys/values (a group's samples share "
                                        "their prompt); false: every sample forwards its whole sequence")] = True
+    skip_inert: Annotated[bool, Meta(description="leave out of the step's forwards and backwards the samples whose loss "
+                                     "and gradient are exactly zero (every advantage 0: a group whose rewards all "
+                                     "tie) where the loss has no term without the advantage (losses ppo, grpo, "
+                                     "decoupled_ppo, tis, cispo, gspo; no entropy bonus, no KL, no critics): the "
+                                     "same update with less compute; the loss metrics then cover the samples "
+                                     "trained")] = True
 
 
 class DecoupledPPOOptions(Section):

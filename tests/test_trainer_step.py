@@ -169,3 +169,58 @@ def test_shared_prefix_forward_matches_the_padded_forward(model_path: Path) -> N
     torch.testing.assert_close(out[True][0][obs], out[False][0][obs], rtol=1e-5, atol=1e-4)
     for n, g in out[False][2].items():
         torch.testing.assert_close(out[True][2][n], g, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def _tied_batch(step: int) -> TrainBatch:
+    """4 groups of 4 over different prompts: groups 0 and 2 all GOOD (reward 1: tied), group 3 all BAD (tied),
+    group 1 mixed (GOOD, BAD, GOOD, BAD): only group 1's samples have non-zero advantages."""
+    samples = []
+    for g, resps in enumerate([(GOOD,) * 4, (GOOD, BAD, GOOD, BAD), (GOOD,) * 4, (BAD,) * 4]):
+        prompt = PROMPT + [13 + g] * g
+        for j, resp in enumerate(resps):
+            n = len(resp)
+            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+                                       behav_logp=[-3.0] * n, versions=[step] * n,
+                                       reward=1.0 if resp is GOOD else 0.0, group=g, sample_id=f"{g}-{j}"))
+    return TrainBatch(step=step, samples=samples)
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "cispo"])
+def test_samples_with_zero_advantage_are_left_out_with_the_same_update(model_path: Path, loss: str) -> None:
+    """trainer.skip_inert: a tied group's samples (every advantage 0) add exactly nothing to the loss or the
+    gradient, so the step leaves them out of its forwards and backwards (the mini-batch divisors still count
+    their tokens): the same gradient at every optimizer step of two steps of 2 mini-batches as training on every
+    sample, from a quarter of the rows (the parameters then differ by Adam's amplified rounding only). With an entropy bonus they are not inert, and every sample is forwarded."""
+    def run(skip: bool, entropy_coef: float = 0.0):
+        cfg = _cfg(mini_batches=2, skip_inert=skip)
+        cfg.algorithm.loss = loss
+        cfg.algorithm.entropy_coef = entropy_coef
+        t = PolicyTrainer(cfg, _model(model_path), torch.device("cpu"))
+        rows: list[int] = []
+        t.model.register_forward_pre_hook(lambda mod, args, kwargs: rows.append(int(kwargs["input_ids"].shape[0])),
+                                          with_kwargs=True)
+        grads: list[list[torch.Tensor]] = []  # what each optimizer step got
+        t.optimizer.register_step_pre_hook(
+            lambda opt, a, k: grads.append([p.grad.detach().clone() for g in opt.param_groups for p in g["params"]]))
+        metrics = []
+        for s in range(2):
+            r = t.train_step(_tied_batch(s))
+            assert r is not None
+            metrics.append(r.metrics)
+        return t, rows, metrics, grads
+
+    full, rows_full, m_full, g_full = run(False)
+    skip, rows_skip, m_skip, g_skip = run(True)
+    assert len(g_full) == len(g_skip) == 4  # 2 steps x 2 mini-batches
+    for a, b in zip(g_full, g_skip):
+        for ga, gb in zip(a, b):
+            # the same sums over fewer rows: float rounding only (a wrong divisor scales every gradient)
+            torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5 * max(float(ga.abs().max()), 1e-3))
+    for a, b in zip(m_full, m_skip):
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-6)
+        assert b["samples"] == a["samples"] == 16 and b["groups/tied"] == a["groups/tied"] == 3
+    # 16 samples, 4 of them with a gradient: group 1 sits in mini-batch 1, so mini-batch 2 (groups 2, 3: all
+    # inert) forwards one masked row to keep the step's shape
+    assert sum(rows_skip) < sum(rows_full) / 2, (rows_skip, rows_full)
+    _, rows_ent, _, _ = run(True, entropy_coef=0.01)
+    assert sum(rows_ent) == sum(rows_full)

@@ -81,6 +81,17 @@ def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_b
     return plan
 
 
+# Losses whose every term is the advantage times something: a sample whose advantages are all 0 adds exactly
+# 0 to the loss and to the gradient (topr weighs by the reward, asyppo's critics learn from every sample).
+ADVANTAGE_ONLY_LOSSES = frozenset({"ppo", "grpo", "decoupled_ppo", "tis", "cispo", "gspo"})
+
+
+def drop_inert(plan: Plan, inert: torch.Tensor) -> Plan:
+    """``plan`` without the ``inert`` samples [B] in its micro-batches; mini-batches (their loss divisors) and the
+    number of micro-batches (each forward is a collective) stay as they are: an emptied micro-batch runs masked."""
+    return [(mini, [idx[~inert[idx]] for idx in micros]) for mini, micros in plan]
+
+
 def shuffle_order(n: int, seed: int, step: int) -> torch.Tensor:
     """``trainer.shuffle``: the order samples are dealt into mini-batches at ``step``; the same on every rank
     (a function of the run's seed and the step only, so a resumed run deals as the original did)."""
@@ -283,6 +294,9 @@ class PolicyTrainer:
         order = shuffle_order(prep.full.size, self.cfg.run.seed, tb.step) if self.cfg.trainer.shuffle else None
         plan = plan_micro_batches(prep.full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch, order)
+        inert = self._inert(prep)
+        if inert is not None:
+            plan = drop_inert(plan, inert)
         lr = scheduled_lr(self.cfg.trainer, self.cfg.run.steps, tb.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr  # a function of the step, not scheduler state, so a resumed run continues it
@@ -336,6 +350,17 @@ class PolicyTrainer:
                 prep.extra["credit/gamma_mean"] = float(gamma[resp].sum()) / n_resp
         prep.full = dataclasses.replace(full, advantages=adv_tok)
         return prep
+
+    def _inert(self, prep: Prepared) -> torch.Tensor | None:
+        """``trainer.skip_inert``: the samples [B] whose loss and gradient are exactly zero (every advantage on
+        their loss tokens 0, or no loss token), or None where the loss could still move them. The mini-batch
+        divisors (``_norm``) still count them, so the update is the one the whole batch gives."""
+        alg = self.cfg.algorithm
+        if (not self.cfg.trainer.skip_inert or alg.loss not in ADVANTAGE_ONLY_LOSSES or alg.entropy_coef > 0
+                or alg.kl_coef > 0 or self.critics is not None):
+            return None
+        full = prep.full
+        return ((full.advantages * full.loss_mask) == 0).all(dim=-1)
 
     def _credit(self, full: PaddedBatch, adv_tok: torch.Tensor) -> torch.Tensor:
         """gamma [B, T] (CPU) for ``algorithm.credit``, from the current weights.
