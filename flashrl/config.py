@@ -118,8 +118,8 @@ class TrainerConfig(Section):
                                      "and gradient are exactly zero (every advantage 0: a group whose rewards all "
                                      "tie) where the loss has no term without the advantage (losses ppo, grpo, "
                                      "decoupled_ppo, tis, cispo, gspo; no entropy bonus, no KL, no critics): the "
-                                     "same update with less compute; the loss metrics then cover the samples "
-                                     "trained")] = True
+                                     "same update with less compute; the loss and mismatch/* metrics then cover "
+                                     "the samples trained")] = True
 
 
 class DecoupledPPOOptions(Section):

@@ -58,6 +58,8 @@ kv_cache_gib = 0.25
 [trainer]
 ranks = 1
 lr = 1e-3
+# mismatch/* over every sampled token: with skip_inert a tied group's samples are not forwarded, so not measured
+skip_inert = false
 
 [algorithm]
 # random weights earn no reward: the entropy bonus makes every step move the weights (and the sync matter)
