@@ -142,16 +142,7 @@ class InprocEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(llm)`` on the engine thread between two steps; return its result (or raise its error)."""
         fut: asyncio.Future[Any] = self._loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn(self.llm)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._post(_set_exception, fut, e)
-            else:
-                self._post(_set_result, fut, result)
-
-        return await self._await(fut, run)
+        return await self._await(fut, self._resolving(fn, fut))
 
     async def beside(self, fn: Callable[[Any], Any], name: str = "beside") -> Any:
         """Run ``fn(llm)`` on a daemon thread of its own while the engine thread steps on; return its result.
@@ -162,7 +153,11 @@ class InprocEngine:
         if self.errored:
             raise self._dead()
         fut: asyncio.Future[Any] = self._loop.create_future()
+        threading.Thread(target=self._resolving(fn, fut), name=f"{self._thread.name}-{name}", daemon=True).start()
+        return await fut
 
+    def _resolving(self, fn: Callable[[Any], Any], fut: asyncio.Future[Any]) -> Callable[[], None]:
+        """``fn(llm)`` as a callable for another thread that hands its result (or error) to ``fut`` on the loop."""
         def run() -> None:
             try:
                 result = fn(self.llm)
@@ -171,8 +166,7 @@ class InprocEngine:
             else:
                 self._post(_set_result, fut, result)
 
-        threading.Thread(target=run, name=f"{self._thread.name}-{name}", daemon=True).start()
-        return await fut
+        return run
 
     async def _await(self, fut: asyncio.Future[Any], cmd: Callable[[], None]) -> Any:
         self._calls.add(fut)
