@@ -175,17 +175,21 @@ def test_dead_trainer_stops_the_run_naming_it_and_auto_resume_continues(tmp_path
     and its log; run.auto_resume = 1 then restarts every process from the checkpoint and the run finishes
     (exit 0) with every step in metrics.jsonl exactly once."""
     run_dir = tmp_path / "tr"
-    proc = _flashrl_run(tmp_path, "tr", "--set", "run.steps=10", "--set", "run.checkpoint_every=2",
+    # 60 steps, so the kill lands mid-run: with tied groups left out of the trainer's step (skip_inert) 10 steps of
+    # this config took 0.6 s, and the run had finished before the test's poll saw its first checkpoint
+    proc = _flashrl_run(tmp_path, "tr", "--set", "run.steps=60", "--set", "run.checkpoint_every=2",
                         "--set", "run.auto_resume=1")
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "latest").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.5)
+            time.sleep(0.05)
         tree = _tree(proc.pid)
         rank0 = next(p for p in _running(tree) if "flashrl.trainer.worker" in " ".join(p.cmdline()))
         rank0.kill()
+        trained = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
+        assert len(trained) < 50, f"the kill came after {len(trained)} of 60 steps: not mid-run"
         t0 = time.monotonic()
         log = run_dir / "logs" / "controller.log"
         while "run.auto_resume: restarting from" not in log.read_text():
@@ -202,4 +206,4 @@ def test_dead_trainer_stops_the_run_naming_it_and_auto_resume_continues(tmp_path
     assert "trainer rank 0 was killed by SIGKILL" in out and str(run_dir / "logs" / "trainer0.log") in out
     assert "run.auto_resume: restarting from" in out and "attempt 1 of 1" in out
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] >= 1 and "reward/mean" in r]
-    assert steps == list(range(1, 11))  # resumed from the checkpoint: no step lost or repeated
+    assert steps == list(range(1, 61))  # resumed from the checkpoint: no step lost or repeated
