@@ -5,6 +5,7 @@
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
+    flashrl config-reference [--out FILE]   every config key: type, default, bounds, meaning (docs/configuration.md)
     flashrl bench SCENARIO                   throughput sweeps (shipped scenarios: flashrl/benchmarks/scenarios/)
     flashrl run CONFIG --launcher slurm [--dry-run]  render runs/<name>/slurm/job.sbatch and submit it
     flashrl node CONFIG --node N             one node of a SLURM job (the job script runs it)
@@ -196,6 +197,21 @@ def export(
         typer.echo(f"export error: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(f"exported {what} to {path}")
+
+
+@app.command("config-reference")
+def config_reference(
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write it here (e.g. docs/configuration.md) instead of stdout")] = None,
+) -> None:
+    """Print (or write) the configuration reference: every key with its type, default, bounds and meaning."""
+    from flashrl.configref import reference_markdown
+
+    text = reference_markdown()
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}")
 
 
 @app.command()

@@ -3,7 +3,7 @@
 Dependencies flow one way: each unit of ``LAYERS`` imports only units listed before it (and
 itself); the units of one tuple are siblings that never import each other (engine and trainer
 above all). No import cycle. ``flashrl.core`` is pure: nothing of flashrl, no sockets, torch,
-tasks, threads or clocks. DESIGN.md ("Layout") and README's layout section document this order.
+tasks, threads or clocks. docs/design.md ("Layout") documents this order.
 
 ``KNOWN`` lists known violations, each with its reason (none today, issue 8): the test fails on any
 other edge against the order, on any cycle that does not go through a known edge, and on a known
@@ -36,6 +36,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.validation",  # msgspec errors as key paths with the fix (config and env.params)
     "flashrl.plugins",
     "flashrl.config",
+    "flashrl.configref",  # docs/configuration.md generated from the config structs
     "flashrl.rewards",
     "flashrl.metrics",
     "flashrl.interfaces",
