@@ -108,7 +108,8 @@ class TrainerConfig(Section):
     """``[trainer]``. The lr schedule defaults to what the embedded default measured best: a 20-step warm-up,
     then a cosine decay to a tenth of the lr at run.steps (with a constant lr a run ended wherever its
     plateau's noise left it: seeds 0-2 at 83.0, 78.0, 88.8% against 86.8, 85.8, 93.5% decayed;
-    bench/results/lr-decay), and 2 mini-batches per step."""
+    bench/results/lr-decay). One mini-batch per step: configs/tiny.toml's 2 mirror TRL's set-up in the
+    peers bench; 1 and 2 measured alike (bench/results/geometry, 4 x 16)."""
 
     ranks: Annotated[int, Meta(ge=1, le=4096, description="trainer processes (FSDP2 ranks)")] = 1
     backend: Annotated[Literal["auto", "gloo", "nccl"], Meta(description="torch.distributed backend (auto: nccl on GPU, gloo on CPU)")] = "auto"
@@ -116,7 +117,7 @@ class TrainerConfig(Section):
     weight_decay: Annotated[float, Meta(ge=0, description="AdamW weight decay")] = 0.0
     grad_clip: Annotated[float, Meta(ge=0, description="max gradient norm (0 = off)")] = 1.0
     micro_batch: Annotated[int, Meta(ge=1, description="samples per forward/backward on one rank")] = 64
-    mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 2
+    mini_batches: Annotated[int, Meta(ge=1, le=1024, description="optimizer steps per training batch (the batch split into this many mini-batches)")] = 1
     warmup_steps: Annotated[int, Meta(ge=0, description="linear lr warm-up over this many training steps: step s (from 0) uses lr * min(1, (s + 1) / warmup_steps); 0 = off")] = 20
     lr_decay: Annotated[Literal["none", "linear", "cosine"], Meta(
         description="after the warm-up, decay the lr to lr * min_lr_ratio at the last step (run.steps); "

@@ -1,4 +1,4 @@
-"""GRPO advantages: exact numbers on hand-computed groups (ALGORITHMS.md, "Advantages")."""
+"""GRPO advantages: exact numbers on hand-computed groups (docs/algorithms.md, "Advantages")."""
 
 from __future__ import annotations
 

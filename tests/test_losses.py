@@ -1,4 +1,4 @@
-"""Policy losses against hand-computed values and gradients (ALGORITHMS.md, "Policy losses")."""
+"""Policy losses against hand-computed values and gradients (docs/algorithms.md, "Policy losses")."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_lengths_are_a_function_of_the_request_and_long_tailed() -> None:
     la, _, _ = run_virtual(main)
     med = statistics.median(la)
     assert 430 < med < 570
-    assert max(la) > 20 * med  # the long tail BENCHMARKS.md describes
+    assert max(la) > 20 * med  # the long tail the H100 latency profile describes
 
 
 def test_kv_capacity_holds_requests_back() -> None:

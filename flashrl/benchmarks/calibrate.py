@@ -14,7 +14,7 @@
 
 Limits, stated: the engine's decode-step model (base, per sequence, per KV token) needs per-step
 engine timings that metrics.jsonl does not hold; the prediction uses CPU_TINY_LATENCY below (the
-built-in model on one CPU core, from PLATFORM.md's measured 256 prompts x 32 tokens in 0.8 s) or
+built-in model on one CPU core, measured on the project's 2-core CPU machine: 256 prompts x 32 tokens in 0.8 s) or
 ``--latency FILE`` ([sim.latency] of a profile). Tokens per step are counted from samples x mean
 response length (prompt tokens are not in the metrics). The engines' weight load is taken as part of
 the fitted sync time (weight_load_s = 0). The simulated environment keeps the run's turns per
@@ -41,8 +41,8 @@ from flashrl.config import Config, from_dict, load
 from flashrl.metrics import read_jsonl
 from flashrl.plugins import make_suite
 
-# The built-in tiny model on one vLLM CPU engine (threads = 1). PLATFORM.md measured 256 prompts x 32
-# tokens in 0.8 s after warm-up: ~25 ms per decode step at 256 sequences = 5 ms + 256 x 80 us.
+# The built-in tiny model on one vLLM CPU engine (threads = 1). Measured on the project's 2-core CPU
+# machine: 256 prompts x 32 tokens in 0.8 s after warm-up: ~25 ms per decode step at 256 sequences = 5 ms + 256 x 80 us.
 CPU_TINY_LATENCY: dict[str, float] = {
     "decode_base_s": 5e-3, "decode_per_seq_s": 8e-5, "decode_per_kv_token_s": 0.0, "prefill_per_token_s": 1e-5,
     "weight_load_s": 0.0,

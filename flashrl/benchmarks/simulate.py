@@ -12,7 +12,7 @@ Speed-up = baseline seconds per step / flash seconds per step, over steps ``warm
 latency model in the scenario file, so it is exact and repeatable for a seed; the CPU seconds the
 simulation took are reported beside it.
 
-Bounds (ALGORITHMS.md, end): ``bound`` is the capacity bound of the flash set-up: every engine full
+Bounds (docs/algorithms.md, "Throughput bounds"): ``bound`` is the capacity bound of the flash set-up: every engine full
 (``max_num_seqs`` sequences) all the time and the trainer never waiting, so a step takes at least
 max(generation work / engines + weight load, train + weight sync). ``formula`` is the paper's
 queue-scheduling estimate T_async(alpha) = T_sync - L_gen * alpha / (alpha + 1), with L_gen (the
@@ -278,7 +278,7 @@ class PointResult(PointOutcome, kw_only=True):
     """speedup: baseline s/step / flash s/step (kind "throughput": trained samples per second, flash / baseline)."""
 
     bound: float  # capacity bound on the speed-up
-    formula: float  # ALGORITHMS.md queue-scheduling estimate at the flash async ratio
+    formula: float  # the queue-scheduling estimate (docs/algorithms.md, "Throughput bounds") at the flash async ratio
     closeness: float  # speedup / bound
     token_ratio: float  # flash / baseline response tokens per step (< 1: stale long samples were dropped and redrawn)
     tail_ratio: float  # longest / median response of the length model at this max_tokens

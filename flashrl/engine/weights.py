@@ -169,7 +169,7 @@ def load_into(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
     alone by bench/engine_reload.py).
 
     reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after loading, and
-    only the reload path redoes that processing (PLATFORM.md); then the tied layers it skips."""
+    only the reload path redoes that processing (a plain load would serve unpacked weights); then the tied layers it skips."""
     worker.reload_weights(weights_iterator=iter(named))
     refresh_tied_layers(worker.model_runner.get_model())
 

@@ -1,4 +1,4 @@
-"""GRPO advantages (ALGORITHMS.md, "Advantages") as pure torch functions.
+"""GRPO advantages (docs/algorithms.md, "Advantages") as pure torch functions.
 
     rewards [B], group ids [B] --group_stats--> mean_G, std_G, tied_G per sample
                                --grpo_advantages--> A [B] = (r - mean_G) / (std_G + eps)   (scale_std)

@@ -1,4 +1,4 @@
-"""AsyPPO mini-critics (arXiv 2510.01656; ALGORITHMS.md, "AsyPPO mini-critics"), algorithm.loss = "asyppo".
+"""AsyPPO mini-critics (arXiv 2510.01656; docs/algorithms.md, "AsyPPO mini-critics"), algorithm.loss = "asyppo".
 
 One training step, as the trainer drives it::
 
@@ -24,8 +24,9 @@ The critic's value head at position j therefore gives V(s) for the token the log
 Choices that are ours (the paper does not fix them for tiny models): each critic is a Qwen2 decoder of
 ``asyppo.layers`` x ``asyppo.hidden`` over the policy's token ids, trained from scratch, each with its
 own seed (disagreement needs different inits); returns are GAE lambda-returns on V_bar; ties in sigma are
-broken by position. The write-up in seeds/ (002) speaks of a prompt-level partition; ALGORITHMS.md asks
-for a split of each group's responses, which is what ``split_by_group`` does.
+broken by position. Write-ups of the method differ on the partition (one speaks of a prompt-level one);
+flashrl splits each group's responses among the critics (docs/algorithms.md), which is what
+``split_by_group`` does.
 
 Multi-rank: the critics are tiny, so every rank holds an identical replica (same seeds) and runs both
 calls on the *whole* batch: the sigma quantiles are then exact over the batch and the replicas stay

@@ -1,4 +1,4 @@
-"""Policy losses for asynchronous RL (ALGORITHMS.md, "Policy losses"), one pure function each.
+"""Policy losses for asynchronous RL (docs/algorithms.md, "Policy losses"), one pure function each.
 
     trainer forward --logp [B,T] (grad)--+
     trainer (step start) --prox_logp-----+--> LOSSES[cfg.loss](...) --> per-token loss [B,T], stats

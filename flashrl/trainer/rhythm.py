@@ -1,4 +1,4 @@
-"""Attention-rhythm credit assignment (arXiv 2510.13554; ALGORITHMS.md, "Attention rhythm credit").
+"""Attention-rhythm credit assignment (arXiv 2510.13554; docs/algorithms.md, "Attention-rhythm credit").
 
     batch (input_ids [B,L], attention_mask [B,L], response mask [B,T]) + current policy
        | one extra no-grad forward, eager attention, output_attentions
@@ -17,7 +17,7 @@ past). The trainer's per-token tensors are logits-aligned (flashrl/trainer/batch
 at input position p has index p - 1. ``credit_scale`` converts both ways; the pure functions work on
 input positions. Everything here is detached: credit is a fixed per-token weight, not a gradient path.
 
-Constants from the paper (via ALGORITHMS.md): up to 5 layers from the middle third, 30% local / global
+Constants from the paper (docs/algorithms.md): up to 5 layers from the middle third, 30% local / global
 heads, W = 10, FAI window [s+10, s+50], top 40%, amplification 1.5. Not published, so config fields with
 our defaults: tau_waad, tau_delta, the coupling share a, and which token "introduces" a dominated anchor
 (here: the WAAD peak among the 3 tokens before it).

@@ -177,7 +177,7 @@ class Trainer(PolicyTrainer):
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
         # The last version sent (its buckets kept for a restarted engine's catch-up: one host copy of
-        # the weights; on a GPU trainer that is GPU memory, see DESIGN.md "Failures and resume").
+        # the weights; on a GPU trainer that is GPU memory, see docs/failures.md).
         self._published: tuple[int, list[torch.Tensor]] | None = None
         self._sender: Any = None
         # Versions whose first send (the publication) is in flight on rank 0's send thread (leader_loop):

@@ -99,7 +99,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_address(address: str, curve_keys: bool) -> None:
-    """Refuse a non-loopback TCP address without CURVE keys (DESIGN.md: boundaries)."""
+    """Refuse a non-loopback TCP address without CURVE keys (docs/design.md, "Boundaries")."""
     url = urllib.parse.urlparse(address)
     if url.scheme != "tcp":
         return
