@@ -86,14 +86,14 @@ class SchedulerConfig(Section):
 class EngineConfig(Section):
     """``[engine]``. One engine by default: on a small CPU machine a second engine process only adds its
     fixed cost per step (bench/results/steptime); on GPUs set one engine per GPU not used by the trainer.
-    256 sequences in flight let one vLLM step take more of the waiting requests than 128 (mean step
-    87-90 -> 80-82 ms on the embedded default)."""
+    ``max_num_seqs`` depends on the model and the hardware: the embedded default's tiny model steps faster
+    with 256 (configs/tiny.toml), the simulator's H100 profile assumes 128."""
 
     count: Annotated[int, Meta(ge=1, le=1024, description="inference engine processes")] = 1
     device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description="auto: cuda when a GPU is visible, else cpu")] = "auto"
     kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE)")] = 0.5
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory per engine (cuda)")] = 0.5
-    max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 256
+    max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent sequences per engine")] = 128
     threads: Annotated[int, Meta(ge=1, description="CPU threads per engine (cpu)")] = 1
     nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority of the engine processes (Linux nice, 0 = "
                               "normal, up to 19): where engines share the cores with the trainer (a laptop), a "

@@ -203,7 +203,7 @@ def test_mismatch_compares_engine_and_trainer_logprobs_of_on_policy_tokens(world
 def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> None:
     assert warmup_lr(2e-4, 0, 0) == 2e-4  # off
     assert [warmup_lr(2e-4, 4, s) for s in range(6)] == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
-    t = Trainer(trainer_config(tmp_path, lr=1e-3, warmup_steps=4), str(model_path), torch.device("cpu"))
+    t = Trainer(trainer_config(tmp_path, lr=1e-3, warmup_steps=4, lr_decay="none"), str(model_path), torch.device("cpu"))
     # the lr follows the batch's step (not a call count), so a resumed run at step 1 continues the ramp
     lrs = [t.train_step(_batch(s)).metrics["lr"] for s in (1, 2, 7)]  # type: ignore[union-attr]
     assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3])
@@ -212,7 +212,7 @@ def test_warmup_ramps_lr_by_step(world1, model_path: Path, tmp_path: Path) -> No
 
 def test_lr_decay_follows_the_step_from_warmup_to_the_last_step(world1, model_path: Path, tmp_path: Path) -> None:
     def tc(**kw: object) -> TrainerConfig:
-        return from_dict({"trainer": {"lr": 1e-3, "warmup_steps": 4, **kw}}).trainer
+        return from_dict({"trainer": {"lr": 1e-3, "warmup_steps": 4, "lr_decay": "none", "min_lr_ratio": 0.0, **kw}}).trainer
 
     assert [scheduled_lr(tc(), 10, s) for s in (0, 3, 9, 20)] == pytest.approx([2.5e-4, 1e-3, 1e-3, 1e-3])  # none
     # linear over steps 3..9 (the warm-up's last step at full lr, the run's last at lr * min_lr_ratio)
