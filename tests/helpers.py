@@ -37,10 +37,11 @@ def process_gone(pid: int) -> bool:
 
 
 def trainer_config(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:
-    """A gloo trainer's config for the in-process and rank-process trainer tests (output under ``tmp``)."""
+    """A gloo trainer's config for the in-process and rank-process trainer tests (output under ``tmp``): a
+    constant lr from the first step (no warm-up, no decay, unlike the defaults) unless a test sets them."""
     return from_dict({
         "run": {"output_dir": str(tmp), "name": "t"},
-        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, **trainer},
+        "trainer": {"backend": "gloo", "lr": 1e-3, "threads": 1, "warmup_steps": 0, "lr_decay": "none", **trainer},
         "algorithm": {"loss": "ppo", **(algorithm or {})},
     })
 
