@@ -162,7 +162,7 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
     assert load(run_dir / "config.toml").run.name == "sig"
     assert {"controller.log", "engine0.log", "trainer0.log"} <= {p.name for p in (run_dir / "logs").iterdir()}
     rows = read_jsonl(metrics)
-    # step 0 evaluates the warm-started built-in model (README: ~55% greedy) on the 16 held-out items
+    # step 0 evaluates the warm-started built-in model (docs/benchmarks.md: ~55% greedy) on the 16 held-out items
     acc = rows[0]["eval/accuracy"]
     assert rows[0]["step"] == 0 and acc * 16 == pytest.approx(round(acc * 16)) and acc >= 0.25
     trained = [r for r in rows if r["step"] >= 1]

@@ -12,7 +12,7 @@ machine with different resources, so placement across "nodes" is real):
 - `flashrl run` (the embedded default, a few steps) with both engines on node A and the trainer on node B,
   over TCP with CURVE (cluster.interface = "auto"), leaving nothing behind.
 
-The full embedded default on this layout (+20 points held-out) is measured in README "On a Ray cluster".
+The full embedded default on this layout (+20 points held-out) is measured in docs/clusters.md ("Ray").
 """
 
 from __future__ import annotations
