@@ -193,7 +193,7 @@ class RhythmOptions(Section):
 
 class AlgorithmConfig(Section):
     """``[algorithm]``: the loss and what every loss shares; each loss's own options in its table
-    (``[algorithm.cispo]`` ...), which may only be set for the chosen loss (``_check``).
+    (``[algorithm.cispo]`` ...), which may only be set for the chosen loss (``load`` refuses the others, naming the table).
 
     The default loss is ``decoupled_ppo``: asynchronous samples are up to async_ratio versions old, and
     plain ``ppo`` treats them as on-policy (at async ratio 8 it collapsed to 46% held-out where

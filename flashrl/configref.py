@@ -117,7 +117,8 @@ def _doc(cls: type) -> str:
     """The section's docstring as one paragraph, without its ``[table]`` label and code markup."""
     doc = inspect.cleandoc(cls.__doc__ or "") if "__doc__" in vars(cls) else ""
     text = " ".join(doc.split()).replace("``", "`")
-    return re.sub(r"^`?\[[^\]]*\]`?[:.]\s*", "", text)
+    text = re.sub(r"^`?\[[^\]]*\]`?[:.]\s*", "", text)
+    return text[:1].upper() + text[1:]
 
 
 def reference_markdown() -> str:
