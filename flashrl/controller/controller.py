@@ -413,24 +413,10 @@ class Controller:
         if not self.cfg.weight_sync.overlap:
             wait_s += await self.publisher.wait()
         now = self._clock()
-        n = self.cfg.log.samples_per_step
-        if self.on_samples is not None and n:
-            # Spread over the groups: the first sample of each group, then the second, ...
-            picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
-            self.on_samples([self.ledger.sample_line("train", s + 1, t, task) for task, t in picked[:n]])
-        record = self.ledger.step_record(s, self.version, samples, result.metrics, now - last_end, train_s,
-                                         now - self._t0)
-        b = record.batch
-        assert b is not None
-        b.prompt_uids = [g.uid for g in batch]  # which prompts this step trained (resume checks)
-        # where the step's time went beyond the trainer's own phases (time/trainer/*): the request's trip
-        # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
-        if "step_time_s" in result.metrics:
-            b.transport_s = max(0.0, train_s - float(result.metrics["step_time_s"]))
-        b.sync = {"quiesce_s": t1 - tq, "wait_s": wait_s, **phases}
-        if self.ledger.checkpoint_s:
-            b.checkpoint_s = self.ledger.checkpoint_s  # the checkpoint written before this step
-            self.ledger.checkpoint_s = 0.0
+        if self.on_samples is not None and self.cfg.log.samples_per_step:
+            self.on_samples(self.ledger.train_lines(s + 1, batch))
+        record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
+                                         elapsed=now - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
         self.publisher.attach(pending, record)
         return record
 

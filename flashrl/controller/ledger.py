@@ -33,7 +33,7 @@ import msgspec
 
 from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
-from flashrl.controller.buffer import GroupState, SampleBuffer
+from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.scheduler import DataStream, Router
 from flashrl.controller.types import Trajectory, metric_means
 from flashrl.core.meters import BusyMeter, RateMeter
@@ -103,9 +103,13 @@ class Ledger:
         self.pending: tuple[StepRecord, bool] | None = None
 
     # ------------------------------------------------------------------ records
-    def step_record(self, s: int, version: int, samples: list[Trajectory], metrics: dict[str, float],
-                    step_s: float, train_s: float, elapsed: float) -> StepRecord:
-        """The record of step ``s`` (making ``version``), trained on ``samples``; counts them as trained."""
+    def step_record(self, s: int, version: int, batch: list[Group], metrics: dict[str, float], *, step_s: float,
+                    train_s: float, elapsed: float, sync: dict[str, float]) -> StepRecord:
+        """The record of step ``s`` (making ``version``), trained on ``batch``; counts its samples as trained.
+
+        ``metrics``: the trainer's; ``sync``: the step's waits and the weight sync's phases known so far
+        (the publisher adds the rest when the sync is done)."""
+        samples = [t for g in batch for t in g.samples]
         stale_mean, stale_max = lag_stats(s, (t.version_start for t in samples))
         tokens = sum(t.n_generated for t in samples)
         rewards = [t.reward for t in samples]
@@ -113,7 +117,7 @@ class Ledger:
         self.tokens_trained += tokens
         reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
         m = self.meters
-        batch = BatchStats(
+        stats = BatchStats(
             reward_mean=reward_mean,
             staleness_mean=stale_mean,
             staleness_max=stale_max,
@@ -136,7 +140,17 @@ class Ledger:
             counters=dict(sorted(self.counters.items())),
             env_counters={k.removeprefix("env/"): v for k, v in self.env_counters().items()},
         )
-        record = StepRecord(step=s + 1, version=version, batch=batch)
+        # which prompts this step trained (resume checks)
+        stats.prompt_uids = [g.uid for g in batch]
+        # where the step's time went beyond the trainer's own phases (time/trainer/*): the request's trip
+        # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
+        if "step_time_s" in metrics:
+            stats.transport_s = max(0.0, train_s - float(metrics["step_time_s"]))
+        stats.sync = dict(sync)
+        if self.checkpoint_s:
+            stats.checkpoint_s = self.checkpoint_s  # the checkpoint written before this step
+            self.checkpoint_s = 0.0
+        record = StepRecord(step=s + 1, version=version, batch=stats)
         self.reward_history.append((s + 1, reward_mean))
         self.last = record
         return record
@@ -151,6 +165,12 @@ class Ledger:
             "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
             "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": t.n_generated, "engine": t.engine,
         }
+
+    def train_lines(self, step: int, batch: list[Group]) -> list[dict[str, Any]]:
+        """log.samples_per_step lines of a trained batch, spread over its groups: the first sample of each
+        group, then the second, ..."""
+        picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
+        return [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
 
     def emit(self, record: StepRecord) -> None:
         self.emitted_through = max(self.emitted_through, record.step)
