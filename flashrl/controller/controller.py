@@ -416,7 +416,7 @@ class Controller:
         if self.on_samples is not None and self.cfg.log.samples_per_step:
             self.on_samples(self.ledger.train_lines(s + 1, batch))
         record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
-                                         elapsed=now - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
+                                         elapsed=self._clock() - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
         self.publisher.attach(pending, record)
         return record
 
