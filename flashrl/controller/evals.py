@@ -13,7 +13,8 @@ engine holds ``version``, and the next sync waits for it to finish: ``quiesce``)
 runs at a time; the record it completes is emitted exactly once, by the eval (``record`` names it
 while it runs, so a checkpoint written meanwhile stores it as pending). A failed eval rollout counts
 as wrong (``eval/failed``). Eval rollouts use group ids ``-1 - task position`` (never a training
-uid), so the buffer never sees them.
+uid: no staleness watch, seeds of their own) and their samples go to the eval's own list, never to
+the buffer.
 """
 
 from __future__ import annotations
