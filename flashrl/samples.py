@@ -1,6 +1,6 @@
 """``flashrl samples RUN_DIR [--step N]``: what the model wrote, from runs/<name>/samples.jsonl.
 
-Each line of samples.jsonl is one rollout (Controller._sample_line): step, kind ("train": rollouts
+Each line of samples.jsonl is one rollout (controller.ledger.Ledger.sample_line): step, kind ("train": rollouts
 of the batch trained at that step; "eval": held-out generations of the weights after that step),
 prompt, response, answer, reward, correct, the reward function's extra metrics, the policy
 versions that generated it, finish reason and turns.

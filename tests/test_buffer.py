@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashrl.controller.buffer import GroupState, SampleBuffer
-from flashrl.controller.rollout import Trajectory
+from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 from flashrl.env import Task
 from flashrl.sim.fake import run_virtual

@@ -202,6 +202,34 @@ def test_known_exceptions_still_exist() -> None:
     assert not gone, f"fixed, so delete from KNOWN in tests/test_imports.py: {gone}"
 
 
+# Inside the controller (issue 26): each part imports only the parts before it. Shared types sit in
+# types.py, so the buffer and the rollouts never import each other; the supervisor (deaths, restarts)
+# sits below the publisher, which hands it the engines that fail a sync.
+CONTROLLER_ORDER = ["types", "scheduler", "buffer", "rollout", "supervisor", "publisher", "ledger", "evals", "controller"]
+
+
+def _controller_violations(edges: dict[str, set[str]]) -> list[str]:
+    pre = "flashrl.controller."
+    seen: set[str] = set()
+    bad = []
+    for name in CONTROLLER_ORDER:
+        for dep in sorted(edges.get(pre + name, set())):
+            if dep.startswith(pre) and dep.removeprefix(pre) not in seen:
+                bad.append(f"{pre}{name} -> {dep}")
+        seen.add(name)
+    return bad
+
+
+def test_controller_parts_import_in_one_direction() -> None:
+    edges, _ = _imports(_modules())
+    parts = {m.removeprefix("flashrl.controller.") for m in edges if m.startswith("flashrl.controller.")}
+    assert parts == set(CONTROLLER_ORDER), f"controller modules not in CONTROLLER_ORDER (tests/test_imports.py): {parts ^ set(CONTROLLER_ORDER)}"
+    assert not _controller_violations(edges), "\n".join(_controller_violations(edges))
+    # the checker sees a violation: the buffer importing the rollouts (for a type) is one
+    assert _controller_violations({"flashrl.controller.buffer": {"flashrl.controller.rollout"}}) == [
+        "flashrl.controller.buffer -> flashrl.controller.rollout"]
+
+
 def _envs_imports(edges: dict[str, set[str]]) -> list[str]:
     """Edges from flashrl into envs/ (no exception: not even a KNOWN one)."""
     return [f"{a} -> {b}" for a, targets in sorted(edges.items()) if a.split(".")[0] == "flashrl"

@@ -10,8 +10,9 @@ import msgspec
 import pytest
 
 from flashrl.config import Config
-from flashrl.controller.rollout import RolloutContext, RolloutSpec, Trajectory, run_group, run_sample
+from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_group, run_sample
 from flashrl.controller.scheduler import Router
+from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 from flashrl.sim.fake import CharTokenizer, FakeEngine, ScriptedSuite, run_virtual
 from flashrl.wire.protocol import Generate, TrainSample

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashrl.controller.buffer import SampleBuffer
-from flashrl.controller.rollout import Trajectory
+from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness, lag_stats
 from flashrl.env import Task
 

@@ -41,7 +41,7 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from flashrl.controller.rollout import Trajectory
+from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 from flashrl.env import Task
 

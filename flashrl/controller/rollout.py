@@ -69,7 +69,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -84,73 +84,21 @@ from flashrl.aio import (
     timeout,
 )
 from flashrl.config import Config
-from flashrl.controller.scheduler import Router, request_seed, sample_id
+from flashrl.controller.scheduler import Router, mark_engine_dead, request_seed, sample_id
+from flashrl.controller.types import Trajectory
 from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.staleness import Staleness
 from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
 from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
-from flashrl.wire.protocol import Generate, Generated, TrainSample
+from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError
 
-__all__ = ["RolloutContext", "RolloutSpec", "Trajectory", "run_group", "run_sample", "run_trajectory"]
+__all__ = ["RolloutContext", "RolloutSpec", "run_group", "run_sample", "run_trajectory"]
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0  # bound on telling an engine to drop a request nobody will read
 ENV_CLOSE_TIMEOUT_S = 5.0
-
-
-class Trajectory(msgspec.Struct, kw_only=True):
-    """One rollout as the controller keeps it: token ids, per-token data, outcome and timings."""
-
-    sample_id: str
-    group: int  # prompt uid (admission index); eval rollouts use -1 - task position
-    index: int  # sample index inside the group (seeds, ordering)
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
-    loss_mask: list[int] = []
-    behav_logp: list[float] = []
-    versions: list[int] = []
-    reward: float = 0.0
-    correct: bool = False  # StepResult.info["correct"] when the env says, else reward >= 1
-    finish_reason: str = ""  # engine's "stop"/"length", or "max_turns", "max_model_len"
-    turns: int = 0
-    status: Literal["ok", "failed"] = "ok"
-    failure: str = ""  # counter name of the failure when status == "failed"
-    engine: str = ""
-    attempts: int = 1
-    version_sent: int = 0  # controller version when the last attempt began
-    t_start: float = 0.0
-    t_end: float = 0.0
-    gen_s: float = 0.0  # inside engine.generate
-    env_s: float = 0.0  # inside env.reset / env.step
-    wait_s: float = 0.0  # waiting for an engine permit
-    task_id: str = ""
-    metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
-
-    @property
-    def version_start(self) -> int:
-        """Version of the first generated token (the staleness bound is on this)."""
-        for m, v in zip(self.loss_mask, self.versions):
-            if m:
-                return v
-        return self.version_sent
-
-    @property
-    def n_generated(self) -> int:
-        return sum(self.loss_mask)
-
-    def to_train_sample(self) -> TrainSample:
-        return TrainSample(
-            prompt_ids=self.prompt_ids,
-            response_ids=self.response_ids,
-            loss_mask=self.loss_mask,
-            behav_logp=self.behav_logp,
-            versions=self.versions,
-            reward=self.reward,
-            group=self.group,
-            sample_id=self.sample_id,
-        )
 
 
 class RolloutSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -179,23 +127,26 @@ class RolloutContext:
     version: Callable[[], int]
     counters: Counter[str] = field(default_factory=Counter)
     live: dict[str, int] = field(default_factory=dict)  # request id -> engine, while generating
-    # per engine: time with >= 1 generate in flight (the controller replaces these at run start)
+    # per engine: time with >= 1 generate in flight (the controller's, started with its run: the busy
+    # fractions of its dashboard); none given: meters of this context's own (stand-alone rollouts)
     busy: list[BusyMeter] = field(default_factory=list)
     token_rates: list[RateMeter] = field(default_factory=list)  # per engine; empty: not metered
     # the run's staleness rule (shared with the buffer, which advances its next_step); None turns
     # the stale early abort off
     staleness: Staleness | None = None
+    # who handles an engine death: the controller's supervisor (supervisor.EngineSupervisor.engine_dead:
+    # marks it dead, counts it, restarts it when a launcher can); None: this context marks it dead in
+    # the router itself (stand-alone rollouts, no restarts)
+    on_engine_dead: Callable[[int, BaseException], None] | None = None
+    # awaited when every engine is down, until one is back (given only when engines can be restarted)
+    wait_engine: Callable[[], Coroutine[Any, Any, None]] | None = None
     # attempts watched for staleness (multi-turn training rollouts past their first turn):
     # what cancels the attempt -> the version of its first generated token
-    watched: dict[TaskCancel, int] = field(default_factory=dict)
+    watched: dict[TaskCancel, int] = field(default_factory=dict, init=False)
     # the trajectory deadline of every attempt in flight (rollout.trajectory_timeout_s): one timer
     deadlines: Deadlines = field(init=False)
     # the tokenizer when it renders turns itself (interfaces.ChatTokenizer), else None: decided once
     chat: ChatTokenizer | None = field(init=False)
-    # engine restarts (the controller sets these when a launcher can restart engines): told of each
-    # engine death; awaited when every engine is down, until one is back
-    on_engine_dead: Callable[[int, BaseException], None] | None = None
-    wait_engine: Callable[[], Coroutine[Any, Any, None]] | None = None
     # the prompt's token ids by its text: a group's samples (and replicas, retries) share their prompt,
     # which was tokenized once per sample (a fifth of the controller's CPU on the embedded default)
     _prompts: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False)
@@ -217,15 +168,13 @@ class RolloutContext:
             self.busy = [BusyMeter() for _ in self.engines]
 
     def engine_dead(self, i: int, err: BaseException) -> None:
-        """Engine ``i`` is gone (PeerDead, or found dead): no more rollouts or weights for it. Counted
-        once per death under ``engine/deaths``; the controller then restarts it when it can."""
-        if not self.router.alive[i]:
-            return
-        self.router.mark_dead(i)
-        self.counters["engine/deaths"] += 1
-        log.error("engine %s is dead (%s); its rollouts move to other engines", self.engines[i].name, err)
+        """Engine ``i`` is gone (its request raised PeerDead): no more rollouts or weights for it.
+        Counted once per death under ``engine/deaths`` (scheduler.mark_engine_dead); restarted when
+        the handler given as ``on_engine_dead`` can."""
         if self.on_engine_dead is not None:
             self.on_engine_dead(i, err)
+        else:
+            mark_engine_dead(self.router, self.counters, self.engines, i, err)
 
     def abort_stale(self) -> int:
         """Cancel every watched trajectory that became too stale to train; return how many.

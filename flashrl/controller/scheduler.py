@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import random
 from collections.abc import Sequence
 
 from flashrl.aio import Permits
 from flashrl.env import Task
+from flashrl.interfaces import EngineClient
 
-__all__ = ["Admission", "DataStream", "Router", "request_seed", "sample_id"]
+__all__ = ["Admission", "DataStream", "Router", "mark_engine_dead", "request_seed", "sample_id"]
+
+log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
 
@@ -217,3 +221,15 @@ class Router:
     @property
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.alive) if a]
+
+
+def mark_engine_dead(router: Router, counters: collections.Counter[str], engines: Sequence[EngineClient],
+                     i: int, err: BaseException) -> bool:
+    """Engine ``i`` is gone (PeerDead, or found dead): no more rollouts or weights for it. Counted and
+    logged once per death (``engine/deaths``); False when it was marked dead already."""
+    if not router.alive[i]:
+        return False
+    router.mark_dead(i)
+    counters["engine/deaths"] += 1
+    log.error("engine %s is dead (%s); its rollouts move to other engines", engines[i].name, err)
+    return True

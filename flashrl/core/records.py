@@ -2,7 +2,7 @@
 
     controller ---StepRecord---> on_step ---> metrics.MetricsWriter ---to_dict()---> metrics.jsonl
                                           ---> dashboard.Dashboard.step (last_record)
-    controller.last (StepRecord) ---> Snapshot (staleness, reward, step and sync times, mismatch)
+    controller ledger.last (StepRecord) ---> Snapshot (staleness, reward, step and sync times, mismatch)
     checkpoint ControllerState.pending_record  <---to_dict() / from_dict()---  a record not yet written
 
 A ``StepRecord`` has the fields every record has (``step``, ``version``); a trained step's batch

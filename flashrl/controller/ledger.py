@@ -1,0 +1,324 @@
+"""The run's ledger: step records, samples.jsonl lines, the run's meters and histories, and the
+controller's checkpoint state made from them (and restored into them on resume).
+
+    train loop ──step_record(s, batch, times)──> StepRecord ──> publisher (the sync adds its times)
+    eval task ──eval result─────────────────────────────┘          │
+                                                                    v
+                                          emit(record) ──> on_step (metrics.jsonl, dashboard)
+    checkpoint ──state(version, held, eval_record, ...)──> checkpoint.ControllerState
+    resume     ──restore(state)──> counters, histories, emitted_through, the record not yet written
+
+Invariants: exactly one record per step (plus step 0's eval) reaches ``on_step``, in step order
+(``emitted_through``: the last step written; a checkpoint stores it, and a record that was held
+back when the checkpoint was written goes into it as ``pending_record``, so a resumed run writes it
+once, never twice). ``samples_trained`` / ``tokens_trained`` grow only in ``step_record``: once per
+trained batch. The suite's counters (flashrl.env.Counting) continue across a resume: the
+checkpoint's values plus this process's. Nothing here waits: every method is a plain call on the
+controller's event loop.
+
+Meters (``RunMeters``) are the controller's own numbers on the loop clock: per engine the busy
+fraction (share of the last RATE_WINDOW_S with >= 1 generate in flight) and generated tokens/s;
+overall samples/s (training samples delivered to the buffer). They are made when run() starts
+(they read the loop's clock at once) and handed, built, to the rollout context.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from flashrl.checkpoint import CheckpointError, ControllerState
+from flashrl.config import Config
+from flashrl.controller.buffer import Group, GroupState, SampleBuffer
+from flashrl.controller.scheduler import DataStream, Router
+from flashrl.controller.types import Trajectory, metric_means
+from flashrl.core.meters import BusyMeter, RateMeter
+from flashrl.core.records import BatchStats, StepRecord
+from flashrl.core.staleness import lag_stats
+from flashrl.env import Counting, EnvSuite
+from flashrl.interfaces import EngineClient, Tokenizer
+from flashrl.metrics import EngineStat, Snapshot
+
+__all__ = ["RATE_WINDOW_S", "Ledger", "RunMeters", "RunSummary"]
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """What run() returns: how far the run got, why it stopped, and every counter."""
+
+    steps: int
+    version: int
+    elapsed_s: float
+    samples_trained: int
+    tokens_trained: int
+    eval_accuracy: float | None
+    stop_reason: str  # "steps" | "max_time" | "interrupted" (request_stop: Ctrl-C / SIGTERM)
+    counters: dict[str, int]  # the controller's, plus the suite's under "env/<name>" (rounded)
+    resumed_from: int | None = None  # the checkpoint step this run started from
+    segment_s: float = 0.0  # training time of this run() alone (elapsed_s less the resumed checkpoint's)
+    checkpoints: int = 0  # checkpoints written by this run
+    checkpoint_s: float = 0.0  # seconds the train loop spent writing them
+    last_checkpoint: str | None = None  # the newest checkpoint folder written (None: none, or the last failed)
+
+
+class RunMeters:
+    """The run's meters, started at ``t0`` on ``clock`` (the loop's): per engine busy and tokens/s, samples/s."""
+
+    def __init__(self, n_engines: int, clock: Callable[[], float], t0: float) -> None:
+        self.busy = [BusyMeter(RATE_WINDOW_S, t0) for _ in range(n_engines)]
+        self.tokens = [RateMeter(clock=clock, window_s=RATE_WINDOW_S) for _ in range(n_engines)]
+        self.samples = RateMeter(clock=clock, window_s=RATE_WINDOW_S)
+
+
+class Ledger:
+    """Step records, histories and totals of one run; the controller's part of a checkpoint."""
+
+    def __init__(self, cfg: Config, suite: EnvSuite, tokenizer: Tokenizer, counters: Counter[str],
+                 on_step: Callable[[StepRecord], None] | None) -> None:
+        self.cfg = cfg
+        self.suite = suite
+        self.tokenizer = tokenizer
+        self.counters = counters
+        self.on_step = on_step
+        self.meters: RunMeters | None = None  # set by run() (the loop clock exists only then)
+        self.reward_history: list[tuple[int, float]] = []
+        self.eval_history: list[tuple[int, float]] = []
+        self.last: StepRecord | None = None  # the last trained step's record
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self.emitted_through = -1  # last step whose record went to on_step (records go out in step order)
+        self.checkpoint_s = 0.0  # the last checkpoint's duration, reported in the next step's record
+        self.elapsed_before = 0.0  # training time of the run before the checkpoint it resumed from
+        self.env_before: dict[str, float] = {}  # the suite's counters at the checkpoint resumed from (they continue)
+        self.resumed_from: int | None = None
+        self.last_checkpoint: str | None = None  # the newest checkpoint folder written (None: none, or the last failed)
+        # a resumed run's record that its checkpoint had not written yet, and whether it waits for its eval
+        self.pending: tuple[StepRecord, bool] | None = None
+
+    # ------------------------------------------------------------------ records
+    def step_record(self, s: int, version: int, batch: list[Group], metrics: dict[str, float], *, step_s: float,
+                    train_s: float, elapsed: float, sync: dict[str, float]) -> StepRecord:
+        """The record of step ``s`` (making ``version``), trained on ``batch``; counts its samples as trained.
+
+        ``metrics``: the trainer's; ``sync``: the step's waits and the weight sync's phases known so far
+        (the publisher adds the rest when the sync is done)."""
+        samples = [t for g in batch for t in g.samples]
+        stale_mean, stale_max = lag_stats(s, (t.version_start for t in samples))
+        tokens = sum(t.n_generated for t in samples)
+        rewards = [t.reward for t in samples]
+        self.samples_trained += len(samples)
+        self.tokens_trained += tokens
+        reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
+        m = self.meters
+        stats = BatchStats(
+            reward_mean=reward_mean,
+            staleness_mean=stale_mean,
+            staleness_max=stale_max,
+            step_s=step_s,
+            train_s=train_s,
+            weight_sync_s=0.0,  # the sync's own time: added when it is done (publisher.py)
+            elapsed_s=elapsed,
+            samples=len(samples),
+            samples_per_s=len(samples) / step_s if step_s > 0 else 0.0,  # trained, over this step
+            tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+            run_samples_per_s=self.samples_trained / elapsed if elapsed > 0 else 0.0,  # trained, run average
+            run_tokens_per_s=self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+            # generated, over the last RATE_WINDOW_S (reading the meters also prunes them)
+            rate_samples_per_s=m.samples.rate() if m else 0.0,
+            rate_tokens_per_s=sum(r.rate() for r in m.tokens) if m else 0.0,
+            turns_mean=sum(t.turns for t in samples) / len(samples) if samples else 0.0,
+            response_len_mean=sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
+            trainer=dict(metrics),
+            reward_metrics=metric_means(samples),
+            counters=dict(sorted(self.counters.items())),
+            env_counters={k.removeprefix("env/"): v for k, v in self.env_counters().items()},
+        )
+        # which prompts this step trained (resume checks)
+        stats.prompt_uids = [g.uid for g in batch]
+        # where the step's time went beyond the trainer's own phases (time/trainer/*): the request's trip
+        # (controller encode, transport, fan-out, reply) and the weight sync's parts (flashrl bench steptime)
+        if "step_time_s" in metrics:
+            stats.transport_s = max(0.0, train_s - float(metrics["step_time_s"]))
+        stats.sync = dict(sync)
+        if self.checkpoint_s:
+            stats.checkpoint_s = self.checkpoint_s  # the checkpoint written before this step
+            self.checkpoint_s = 0.0
+        record = StepRecord(step=s + 1, version=version, batch=stats)
+        self.reward_history.append((s + 1, reward_mean))
+        self.last = record
+        return record
+
+    def sample_line(self, kind: str, step: int, t: Trajectory, task: Any) -> dict[str, Any]:
+        """One rollout as samples.jsonl shows it: text in and out, reward, versions, how it ended."""
+        decode = self.tokenizer.decode
+        return {
+            "step": step, "kind": kind, "sample_id": t.sample_id, "task_id": t.task_id,
+            "prompt": decode(t.prompt_ids), "response": decode(t.response_ids), "answer": getattr(task, "answer", ""),
+            "reward": t.reward, "correct": t.correct, "metrics": dict(t.metrics),
+            "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
+            "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": t.n_generated, "engine": t.engine,
+        }
+
+    def train_lines(self, step: int, batch: list[Group]) -> list[dict[str, Any]]:
+        """log.samples_per_step lines of a trained batch, spread over its groups: the first sample of each
+        group, then the second, ..."""
+        picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
+        return [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
+
+    def emit(self, record: StepRecord) -> None:
+        self.emitted_through = max(self.emitted_through, record.step)
+        if self.on_step is not None:
+            self.on_step(record)
+
+    # ------------------------------------------------------------------ counters
+    def env_counters(self) -> dict[str, float]:
+        """The suite's own counters (flashrl.env.Counting: envs/faults.py, envs/remote.py) as ``env/<name>``."""
+        out = dict(self.env_before)  # a resumed run's counters continue from the checkpoint's
+        if isinstance(self.suite, Counting):
+            for k, v in self.suite.counters.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"env/{k}"] = out.get(f"env/{k}", 0) + v
+        return dict(sorted(out.items()))
+
+    def all_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update({k: round(v) for k, v in self.env_counters().items()})  # e.g. env/delay_s is a float
+        return out
+
+    def summary(self, *, version: int, elapsed: float, stop: str, checkpoints: int, checkpoint_s: float) -> RunSummary:
+        """What run() returns, from this ledger's totals."""
+        return RunSummary(
+            steps=version,
+            version=version,
+            elapsed_s=elapsed,
+            samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained,
+            eval_accuracy=self.eval_history[-1][1] if self.eval_history else None,
+            stop_reason=stop,
+            counters=self.all_counters(),
+            resumed_from=self.resumed_from,
+            segment_s=elapsed - self.elapsed_before,
+            checkpoints=checkpoints,
+            checkpoint_s=checkpoint_s,
+            last_checkpoint=self.last_checkpoint,
+        )
+
+    def snapshot(self, *, now: float, elapsed: float, version: int, status: str, engines: list[EngineClient],
+                 engine_versions: list[int], router: Router, buffer: SampleBuffer, last_sync_s: float) -> Snapshot:
+        """The dashboard's view at ``now`` (Controller.snapshot gives the controller's parts)."""
+        m = self.meters
+        stats = [
+            EngineStat(
+                name=e.name,
+                inflight=router.inflight[i],
+                busy_fraction=m.busy[i].fraction(now) if m else 0.0,
+                tokens_per_s=m.tokens[i].rate() if m else 0.0,
+                version=engine_versions[i],
+                alive=router.alive[i],
+            )
+            for i, e in enumerate(engines)
+        ]
+        groups = buffer.groups.values()
+        last = self.last.batch if self.last is not None else None
+        return Snapshot(
+            run_name=self.cfg.run.name,
+            step=version,
+            total_steps=self.cfg.run.steps,
+            version=version,
+            elapsed_s=elapsed,
+            samples_per_s=m.samples.rate() if m else 0.0,
+            tokens_per_s=sum(e.tokens_per_s for e in stats),
+            engines=stats,
+            pending_prompts=sum(g.state is GroupState.ADMITTED for g in groups),
+            running_samples=sum(router.inflight),
+            buffered_groups=len(buffer.complete),
+            staleness_mean=float(last.staleness_mean) if last else 0.0,
+            staleness_max=int(last.staleness_max) if last else 0,
+            reward_mean=float(last.reward_mean) if last else 0.0,
+            weight_sync_s=last_sync_s,
+            step_s=float(last.step_s) if last else 0.0,
+            mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
+            lr=last.trainer.get("lr") if last else None,
+            reward_history=list(self.reward_history),
+            eval_history=list(self.eval_history),
+            counters=self.all_counters(),
+            status=status,
+            resumed_from=self.resumed_from,
+        )
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state(self, version: int, elapsed: float, held: StepRecord | None, eval_record: StepRecord | None,
+              stream: DataStream, buffer: SampleBuffer) -> ControllerState:
+        """The controller's part of a checkpoint at ``version`` (call between steps).
+
+        ``held``: a step record the train loop holds back; ``eval_record``: the record a running eval
+        will complete. Outstanding groups (admitted, generating, complete but untrained) are
+        recorded by uid only: a resumed run re-admits those prompts first (flashrl/checkpoint.py says why).
+        """
+        pending: dict[str, Any] | None = None
+        pending_eval = False
+        if self.emitted_through < version:
+            if held is not None and held.step == version:
+                pending = held.to_dict()
+            elif eval_record is not None and eval_record.step == version:
+                pending = msgspec.structs.replace(eval_record, eval=None).to_dict()
+                pending_eval = True
+        readmit = sorted({g.uid for g in buffer.groups.values()} | set(stream.pending_readmit))
+        return ControllerState(
+            step=version,
+            version=version,
+            elapsed_s=elapsed,
+            samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained,
+            seed=self.cfg.run.seed,
+            train_size=stream.size,
+            next_uid=stream.uid,
+            readmit=readmit,
+            dropped_uids=list(buffer.dropped_uids),
+            counters=dict(self.counters),
+            env_counters=self.env_counters(),
+            reward_history=list(self.reward_history),
+            eval_history=list(self.eval_history),
+            metrics_through=min(self.emitted_through, version),
+            pending_record=pending,
+            pending_eval=pending_eval,
+        )
+
+    async def save(self, writer: Any, state: ControllerState, clock: Callable[[], float]) -> None:
+        """Write ``state`` with ``writer`` (a checkpoint.CheckpointWriter); a failure is logged, counted
+        (``checkpoint/failed``) and survived: the previous checkpoint stays the latest. Its duration
+        goes into the next step's record (``checkpoint_s``)."""
+        t0 = clock()
+        try:
+            path = await writer.save(state)
+        except CheckpointError as e:
+            self.counters["checkpoint/failed"] += 1
+            self.last_checkpoint = None
+            log.error("%s; training goes on", e)
+        else:
+            self.last_checkpoint = str(path)
+            log.info("checkpoint %s written in %.2f s", path, clock() - t0)
+        finally:
+            self.checkpoint_s = clock() - t0
+
+    def restore(self, st: ControllerState) -> None:
+        """This ledger's part of a resume (the controller restores version, stream, buffer and staleness)."""
+        self.samples_trained = st.samples_trained
+        self.tokens_trained = st.tokens_trained
+        self.counters.update(st.counters)
+        self.counters["resume/readmitted_groups"] += len(st.readmit)
+        self.reward_history = [(int(a), float(b)) for a, b in st.reward_history]
+        self.eval_history = [(int(a), float(b)) for a, b in st.eval_history]
+        self.elapsed_before = st.elapsed_s
+        self.emitted_through = st.metrics_through
+        self.env_before = dict(st.env_counters)
+        self.resumed_from = st.step
+        self.pending = (StepRecord.from_dict(st.pending_record), st.pending_eval) if st.pending_record is not None else None
+

@@ -1,0 +1,238 @@
+"""The weight publisher: every version the trainer makes reaches every live engine, verified, before
+the batch that made it frees its admission slots.
+
+    train loop, after step s:  wait() (the sync of v = s, beside that step's training; its error raises here)
+                               prepare(s+1): trainer.prepare_weights (gather + pack + checksums)
+                               start(s+1, batch, manifest) ──> sync task in the run's task group:
+      sync task:  under Published.lock: engines whose client reports ``dead`` are skipped (counted)
+                  trainer.send_weights(v, live) || engine.update_weights(manifest) for each live engine
+                  (weight_sync.timeout_s) ──> Published = (manifest, v)
+              ──> on_synced(batch) (buffer.mark_trained: frees the slots, so a prompt admitted into
+                  them generates with v) ──> the step's record gets the sync's times ──> emitted,
+                  if the train loop released it meanwhile (release())
+      waits on: the trainer's broadcast, every live engine's load; a restarted engine's catch-up
+      (supervisor.py) holds the same lock
+
+Invariants: at most one sync runs (the train loop waits for the previous one before it prepares
+the next: the trainer refuses otherwise), and ``Published.version`` moves only when every live
+engine answered ok with that version: a bad load is never served. An engine that dies or fails
+its load during a sync only drops out of it (handed to the supervisor, which restarts it when it
+can); without a restarter a failed load ends the run (a bad sync is never served). A step's record
+goes out only with its sync's times: ``release(record)`` emits it now, or when its sync is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from flashrl.aio import timeout
+from flashrl.config import Config
+from flashrl.controller.buffer import Group
+from flashrl.controller.scheduler import Router
+from flashrl.controller.supervisor import EngineSupervisor
+from flashrl.controller.types import Published
+from flashrl.core.records import BatchStats, StepRecord
+from flashrl.interfaces import EngineClient, TrainerClient
+from flashrl.wire.protocol import WeightManifest
+from flashrl.wire.transport import PeerDead, RemoteError
+
+__all__ = ["PendingSync", "WeightPublisher"]
+
+
+class PendingSync:
+    """A weight sync started by the train loop: the version, the batch that made it, and the step
+    record that gets its times (emitted by the sync when the loop released it before it was done)."""
+
+    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "engine", "emit")
+
+    def __init__(self, version: int, batch: list[Group]) -> None:
+        self.version = version
+        self.batch = batch
+        self.task: asyncio.Task[None] | None = None
+        self.record: BatchStats | None = None
+        self.step_record: StepRecord | None = None
+        self.phases: dict[str, float] | None = None  # set when done
+        self.engine: dict[str, float] = {}  # the least busy engine's occupancy, reported by this sync
+        self.emit = False
+
+
+class WeightPublisher:
+    """Prepares, broadcasts and verifies each version (see the module docstring).
+
+    ``engines`` / ``engine_versions``: the controller's lists, shared with the supervisor (a restart
+    replaces a client in place). ``on_synced(batch)`` runs when the batch's version is on every live
+    engine; ``emit(record)`` writes a step record; ``spawn`` starts a task in the run's task group.
+    """
+
+    def __init__(self, cfg: Config, trainer: TrainerClient, engines: list[EngineClient], engine_versions: list[int],
+                 router: Router, counters: Counter[str], published: Published, supervisor: EngineSupervisor, *,
+                 clock: Callable[[], float], spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
+                 on_synced: Callable[[list[Group]], None], emit: Callable[[StepRecord], None]) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.engines = engines
+        self.engine_versions = engine_versions
+        self.router = router
+        self.counters = counters
+        self.published = published
+        self.supervisor = supervisor
+        self._clock = clock
+        self._spawn = spawn
+        self._on_synced = on_synced
+        self._emit = emit
+        self.pending: PendingSync | None = None  # the last sync started by the train loop (weight_sync.overlap)
+        self.last_sync_s = 0.0  # the last finished sync's time/weight_sync_s (the dashboard's)
+        self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
+        self._engine_occupancy: list[dict[str, float]] = []  # the current sync's engines: busy since the last
+
+    # ------------------------------------------------------------------ the train loop's calls
+    async def prepare(self, version: int) -> tuple[WeightManifest, dict[str, float]]:
+        """The trainer's gather + pack + checksums of ``version`` (``prepare_s``: the round trip;
+        ``trainer/*``: its parts). The previous sync must be done (the trainer refuses otherwise)."""
+        t0 = self._clock()
+        manifest = await self.trainer.prepare_weights(version)
+        phases = {"prepare_s": self._clock() - t0}
+        phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
+        return msgspec.structs.replace(manifest, timings={}), phases  # engines need no trainer timings
+
+    def start(self, version: int, batch: list[Group], manifest: WeightManifest, t0: float) -> PendingSync:
+        """Start the sync of a prepared ``version`` (made by ``batch``; ``t0``: when its prepare began)."""
+        p = PendingSync(version, batch)
+        p.task = self._spawn(self._publish(p, manifest, t0), f"sync v{version}")
+        self.pending = p
+        return p
+
+    async def wait(self) -> float:
+        """Wait for the train loop's last sync (its error raises here); the seconds waited."""
+        p = self.pending
+        if p is None or p.task is None:
+            return 0.0
+        t0 = self._clock()
+        if not p.task.done():
+            await asyncio.wait([p.task])  # not ``await task``: a cancel of this waiter must not cancel the sync
+        p.task.result()
+        return self._clock() - t0
+
+    def attach(self, p: PendingSync, record: StepRecord) -> None:
+        """``record`` (the step that made ``p``'s version) gets the sync's times, now or when it is done."""
+        assert record.batch is not None
+        p.record = record.batch
+        if p.phases is not None:  # done already (serial, or a sync faster than the step's record)
+            _add_sync(record.batch, p.phases, p.engine)
+        p.step_record = record
+
+    def release(self, record: StepRecord) -> None:
+        """Emit ``record`` now, or when the sync it carries the times of is done."""
+        p = self.pending
+        if p is not None and p.step_record is record and p.phases is None:
+            p.emit = True
+        else:
+            self._emit(record)
+
+    async def sync_now(self, version: int) -> dict[str, float]:
+        """Publish ``version`` to every live engine, here and now (a resumed run's first weights)."""
+        manifest, phases = await self.prepare(version)
+        phases.update(await self._send(version, manifest))
+        return phases
+
+    # ------------------------------------------------------------------ the sync
+    async def _publish(self, p: PendingSync, manifest: WeightManifest, t0: float) -> None:
+        """The sync of a prepared version, beside training: every live engine loads it, then the
+        batch that made it frees its slots, and its step record gets the sync's times (and goes out, if
+        the loop released it meanwhile)."""
+        phases = await self._send(p.version, manifest)
+        if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
+            least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
+            p.engine = {**least, "busy": min(1.0, sum(least.values()))}
+        self._on_synced(p.batch)
+        self.last_sync_s = self._clock() - t0  # prepare + broadcast + loads: the sync's own time
+        phases["weight_sync_s"] = self.last_sync_s
+        p.phases = phases
+        if p.record is not None:
+            _add_sync(p.record, phases, p.engine)
+            # the counters at the step's end, which is now (its batch trained, its skipped engines counted)
+            p.record.counters = dict(sorted(self.counters.items()))
+            if p.emit and p.step_record is not None:
+                self._emit(p.step_record)
+
+    async def _send(self, version: int, manifest: WeightManifest) -> dict[str, float]:
+        """Broadcast a prepared ``version`` to every live engine; return where the time went (``time/sync/*``
+        seconds, by phase: send = the broadcast until every engine answered; engine/* = the slowest
+        engine's pause, receive, verify, load, rpc, resume)."""
+        async with self.published.lock:
+            t1 = self._clock()
+            phases: dict[str, float] = {}
+            self._engine_timings = {}
+            self._engine_occupancy = []
+            self.supervisor.mark_reported_dead("weight_sync/found_dead_engines")
+            live = self.router.live
+            if not live and not self.supervisor.reviving:
+                raise RuntimeError(
+                    f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
+                    "check the engine logs in the run directory and restart the run"
+                )
+            limit = self.cfg.weight_sync.timeout_s
+            peers = [self.engines[i].name for i in live]
+            try:
+                async with timeout(limit), asyncio.TaskGroup() as tg:
+                    tg.create_task(self.trainer.send_weights(version, peers), name="trainer.send_weights")
+                    for i in live:
+                        tg.create_task(self._update_engine(i, manifest), name=f"update {self.engines[i].name}")
+            except TimeoutError:
+                raise RuntimeError(
+                    f"weight sync to version {version} took longer than weight_sync.timeout_s = "
+                    f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
+                ) from None
+            self.published.manifest = manifest
+            self.published.version = version
+            skipped = len(self.engines) - len(self.router.live)
+            if skipped:
+                self.counters["weight_sync/skipped_dead_engines"] += skipped
+            phases["send_s"] = self._clock() - t1
+            phases.update({f"engine/{k}": v for k, v in self._engine_timings.items()})
+            return phases
+
+    async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
+        """One engine's part of a sync. An engine that dies meanwhile only drops out (its request
+        fails at once: launch.py fails a dead process's client), never fails or stalls the sync."""
+        engine = self.engines[i]
+        try:
+            r = await engine.update_weights(manifest)
+        except PeerDead as e:
+            self.counters["weight_sync/engine_died"] += 1
+            self.supervisor.engine_dead(i, e)
+            return
+        except RemoteError as e:
+            if self.trainer.dead is not None:
+                return  # the sender died mid-broadcast: its own call raises TrainerDied, naming the rank
+            if not self.supervisor.restarts:
+                raise
+            self.counters["weight_sync/engine_failed"] += 1
+            self.supervisor.engine_dead(i, e)  # its receive failed: taken out; a fresh process gets verified weights
+            return
+        if not r.ok or r.version != manifest.version:
+            msg = (f"engine {engine.name} failed to load weights version {manifest.version} "
+                   f"(answered ok={r.ok}, version={r.version}): {r.error or 'no error given'}; a bad sync is never served")
+            if not self.supervisor.restarts:
+                raise RuntimeError(msg)
+            self.counters["weight_sync/engine_failed"] += 1
+            self.supervisor.engine_dead(i, RuntimeError(msg))  # taken out; a fresh process gets verified weights
+            return
+        self.engine_versions[i] = manifest.version
+        for k, v in r.timings.items():  # the slowest engine's phases: what the sync waited for
+            self._engine_timings[k] = max(v, self._engine_timings.get(k, 0.0))
+        if r.occupancy:
+            self._engine_occupancy.append(r.occupancy)
+
+
+def _add_sync(b: BatchStats, phases: dict[str, float], engine: dict[str, float]) -> None:
+    """A finished sync's times into its step's record: ``weight_sync_s`` (its own time), its phases, and
+    how busy its least busy engine was since the previous sync (``engine``: stepping, commands, busy)."""
+    b.weight_sync_s = phases["weight_sync_s"]
+    b.sync.update({k: v for k, v in phases.items() if k != "weight_sync_s"})
+    b.engine = dict(engine)
