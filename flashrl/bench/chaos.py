@@ -30,7 +30,6 @@ What the report shows (``analyze``, pure functions of the records, tested in tes
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -643,39 +642,22 @@ class Chaos:
         return rep
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="flashrl bench chaos", description=__doc__.split("\n")[0])
-    ap.add_argument("config", nargs="?", default="configs/tiny.toml")
-    ap.add_argument("--out", default="bench/results/chaos")
-    ap.add_argument("--kill-every", type=float, default=60.0, help="seconds between engine SIGKILLs")
-    ap.add_argument("--controller-kill-after", type=float, default=150.0,
-                    help="seconds after the first step when `flashrl run` is SIGKILLed (engine kills pause until "
-                         "every engine is back and a checkpoint exists, then it is killed)")
-    ap.add_argument("--sync-kill", type=int, default=1, help="which engine kill (0-based) lands inside a weight sync; -1: none")
-    ap.add_argument("--engine-kills", type=int, default=-1, help="stop after this many engine kills (-1: until the end)")
-    ap.add_argument("--min-gain", type=float, default=MIN_GAIN_POINTS, help="held-out accuracy points the run must gain")
-    ap.add_argument("--end-after", type=float, default=None,
-                    help="once every planned failure happened (--engine-kills, the controller kill) and was recovered "
-                         "from, SIGTERM the run this many seconds later (default: it ends by itself)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override for both segments")
-    ap.add_argument("--timeout-s", type=float, default=1800.0)
-    a = ap.parse_args(argv)
-    out = Path(a.out).resolve()
-    chaos = Chaos(a.config, out, kill_every=a.kill_every, controller_kill_after=a.controller_kill_after,
+def run_chaos(config: str, out: str | Path, command: str, *, kill_every: float = 60.0,
+              controller_kill_after: float = 150.0, sync_kill: int = 1, engine_kills: int = -1,
+              min_gain: float = MIN_GAIN_POINTS, end_after: float | None = None, sets: Sequence[str] = (),
+              timeout_s: float = 1800.0) -> int:
+    """``flashrl bench chaos``: the run under failures, then OUT/report.json and report.md (``command`` is the
+    command line the report names). Exit code 0 when the report passes, else 1."""
+    out = Path(out).resolve()
+    chaos = Chaos(config, out, kill_every=kill_every, controller_kill_after=controller_kill_after,
                   # two engines by default (the embedded default runs one): a killed engine's requests
                   # move to the other while it restarts; a --set engine.count=N given here wins
-                  sync_kill=a.sync_kill, sets=["engine.count=2", *a.sets], timeout_s=a.timeout_s,
-                  engine_kills=a.engine_kills,
-                  min_gain=a.min_gain, end_after=a.end_after)
+                  sync_kill=sync_kill, sets=["engine.count=2", *sets], timeout_s=timeout_s,
+                  engine_kills=engine_kills, min_gain=min_gain, end_after=end_after)
     rep = chaos.run()
-    command = "flashrl bench chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     rep["command"] = command.strip()
     (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     md = markdown(rep, rep["command"])
     (out / "report.md").write_text(md)
     print(md)
     return 0 if rep["pass"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
