@@ -17,7 +17,6 @@ Heavy imports (torch, vLLM) happen inside the commands, so `validate` answers at
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 

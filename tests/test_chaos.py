@@ -1,4 +1,4 @@
-"""The chaos report's bookkeeping (flashrl/benchmarks/chaos.py) on hand-made records: it must catch a
+"""The chaos report's bookkeeping (flashrl/bench/chaos.py) on hand-made records: it must catch a
 repeated prompt, a lost one, a broken step sequence, and price failures as documented."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from flashrl.benchmarks import chaos
+from flashrl.bench import chaos
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,9 +25,9 @@ step that ran beside an evaluation (the step after an eval record): the simulato
 
 from __future__ import annotations
 
-import sys
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any

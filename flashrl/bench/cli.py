@@ -20,12 +20,12 @@ scenarios from the package data folder with ``tomllib`` only (their titles becom
 from __future__ import annotations
 
 import importlib.resources
-import tomllib
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import tomllib
 import typer
 from typer.core import TyperGroup
 
@@ -80,7 +80,7 @@ bench_app = typer.Typer(
          "step profiles. `flashrl bench COMMAND --help` for each.")
 
 MODES_PANEL = "Measurements"
-SCENARIO_PANEL = "Scenario sweeps (shipped scenarios; `flashrl bench scenario PATH.toml` for your own)"
+SCENARIO_PANEL = "Scenario sweeps (your own file: scenario PATH.toml)"
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="config override KEY=VALUE for every run (repeatable)")]
 OutOpt = Annotated[str, typer.Option("--out", help="output folder (one subfolder per scenario)")]
@@ -115,7 +115,7 @@ def _sweep(scenario: str, out: str, mode: Mode | None, steps: int | None) -> Non
 @bench_app.command(rich_help_panel=MODES_PANEL)
 def calibrate(
     paths: Annotated[list[Path], typer.Argument(
-        help="RUN_DIR (a run directory holding metrics.jsonl, and config.toml for the prediction); "
+        metavar="RUN_DIR | RESULTS.json...", help="RUN_DIR (a run directory holding metrics.jsonl, and config.toml for the prediction); "
              "with --cross: real-mode results.json files (bench/results/real_*/results.json)")],
     cross: Annotated[bool, typer.Option("--cross", help="cross-validate the fit on committed real-mode results")] = False,
     fit: Annotated[Optional[list[str]], typer.Option(
@@ -179,7 +179,7 @@ def algorithms(
 @bench_app.command(rich_help_panel=MODES_PANEL)
 def chaos(
     ctx: typer.Context,
-    config: Annotated[str, typer.Argument(help="the config of the run under failures")] = "configs/tiny.toml",
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="the config of the run under failures")] = "configs/tiny.toml",
     out: Annotated[str, typer.Option("--out", help="report.json, report.md and the run's records")] = "bench/results/chaos",
     kill_every: Annotated[float, typer.Option("--kill-every", help="seconds between engine SIGKILLs")] = 60.0,
     controller_kill_after: Annotated[float, typer.Option(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field

@@ -37,6 +37,7 @@ from flashrl.bench.peers.report import (
     write_results,
 )
 
+
 class _Watch:
     """Time-stamps metrics.jsonl lines as they appear and samples the child tree's resident memory."""
 
