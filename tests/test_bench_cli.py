@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from flashrl.bench.cli import SHIPPED, bench_app
 from flashrl.cli import app
 
-MODES = ["all", "scenario", "calibrate", "algorithms", "chaos", "peers", "seeds", "steptime"]
+MODES = ["all", "scenario", "calibrate", "algorithms", "chaos", "peers", "seeds", "steptime", "controller-profile"]
 runner = CliRunner()
 
 
@@ -36,9 +36,17 @@ def test_bench_alone_shows_every_command() -> None:
 
 @pytest.mark.parametrize("name", [*MODES, *sorted(SHIPPED)])
 def test_every_command_has_its_own_help(name: str) -> None:
-    result = runner.invoke(app, ["bench", name, "--help"], terminal_width=200)
+    """`flashrl bench NAME --help`: the command's usage line and every option it takes."""
+    import typer.main
+
+    command = typer.main.get_command(bench_app).commands[name]  # type: ignore[attr-defined]
+    options = [p.opts[0] for p in command.params if p.param_type_name == "option"]
+    assert "--help" not in options and len(options) >= 1
+    result = runner.invoke(app, ["bench", name, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert f"bench {name} [OPTIONS]" in result.output and "--out" in result.output or name == "calibrate"
+    assert f"bench {name} [OPTIONS]" in result.output
+    for opt in options:
+        assert opt in result.output, (name, opt)
 
 
 @pytest.mark.parametrize("name", [*MODES, "queue_scheduling"])
@@ -127,7 +135,7 @@ def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tm
 
 
 def test_chaos_names_the_command_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashrl.bench import chaos
+    from flashrl.bench import chaos, chaos_report
 
     calls = _capture(monkeypatch, chaos, "run_chaos", 0)
     args = ["chaos", "configs/x.toml", "--kill-every", "30", "-s", "a=1", "--set", "b=2"]
@@ -136,7 +144,7 @@ def test_chaos_names_the_command_it_was_given(monkeypatch: pytest.MonkeyPatch) -
     assert (config, out) == ("configs/x.toml", "bench/results/chaos")
     assert command == "flashrl bench chaos configs/x.toml --kill-every 30.0 --set a=1 --set b=2"
     assert kw == {"kill_every": 30.0, "controller_kill_after": 150.0, "sync_kill": 1, "engine_kills": -1,
-                  "min_gain": chaos.MIN_GAIN_POINTS, "end_after": None, "sets": ["a=1", "b=2"], "timeout_s": 1800.0}
+                  "min_gain": chaos_report.MIN_GAIN_POINTS, "end_after": None, "sets": ["a=1", "b=2"], "timeout_s": 1800.0}
 
 
 def test_algorithms_and_steptime_keep_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,3 +178,12 @@ def test_steptime_compare_reads_the_files_given(tmp_path: Path, monkeypatch: pyt
     assert seen == [[{"label": "a"}, {"label": "b"}]]
     missing = runner.invoke(bench_app, ["steptime", "--compare", str(tmp_path / "c.json")])
     assert missing.exit_code == 2 and "c.json" in _text(missing)
+
+
+def test_controller_profile_passes_its_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrl.bench import overhead
+
+    calls = _capture(monkeypatch, overhead, "profile_controller", "hot functions")
+    result = runner.invoke(bench_app, ["controller-profile", "--engines", "2", "--steps", "3"])
+    assert result.exit_code == 0 and "hot functions" in result.output
+    assert calls == [(128, 8, 2, 3, 30, {})]

@@ -7,6 +7,7 @@
     flashrl bench all [--mode sim|real]         every shipped scenario of one mode (default sim)
     flashrl bench calibrate RUN_DIR | --cross RESULTS.json ...
     flashrl bench algorithms | chaos [CONFIG] | peers | seeds | steptime [--compare A.json B.json]
+    flashrl bench controller-profile             where the controller's CPU goes (cProfile)
 
 Every command has its own ``--help``. Option errors exit 2 with click's usage line; a problem found
 while setting up (a scenario that does not exist, a config error) exits 2 with the message; a bench
@@ -28,6 +29,8 @@ from typing import Annotated, Any, Optional
 import tomllib
 import typer
 from typer.core import TyperGroup
+
+from flashrl.bench.chaos_report import MIN_GAIN_POINTS  # a constant of a module of pure functions: cheap
 
 TOML_SUFFIX = ".toml"
 
@@ -102,6 +105,21 @@ def _ints(text: str, option: str) -> list[int]:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. 0,1,2", param_hint=option) from None
+
+
+@bench_app.command("controller-profile", rich_help_panel=MODES_PANEL)
+def controller_profile(
+    batch_prompts: Annotated[int, typer.Option("--batch-prompts", min=1, help="prompts per step")] = 128,
+    group_size: Annotated[int, typer.Option("--group-size", min=1, help="samples per prompt")] = 8,
+    engines: Annotated[int, typer.Option("--engines", min=1, help="instant engines (answer at once)")] = 16,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="controller steps")] = 20,
+    top: Annotated[int, typer.Option("--top", min=1, help="how many functions to list")] = 30,
+) -> None:
+    """cProfile of one controller run against instant engines (the controller_overhead scenario's setup): the
+    hottest functions by own time, then time per file."""
+    from flashrl.bench.overhead import profile_controller
+
+    typer.echo(profile_controller(batch_prompts, group_size, engines, steps, top))
 
 
 # --------------------------------------------------------------------------- scenario sweeps
@@ -190,8 +208,8 @@ def chaos(
         "--sync-kill", help="which engine kill (0-based) lands inside a weight sync; -1: none")] = 1,
     engine_kills: Annotated[int, typer.Option(
         "--engine-kills", help="stop after this many engine kills (-1: until the end)")] = -1,
-    min_gain: Annotated[Optional[float], typer.Option(
-        "--min-gain", help="held-out accuracy points the run must gain (default: chaos.MIN_GAIN_POINTS)")] = None,
+    min_gain: Annotated[float, typer.Option(
+        "--min-gain", help="held-out accuracy points the run must gain")] = MIN_GAIN_POINTS,
     end_after: Annotated[Optional[float], typer.Option(
         "--end-after",
         help="once every planned failure happened (--engine-kills, the controller kill) and was recovered from, "
@@ -201,12 +219,12 @@ def chaos(
 ) -> None:
     """A training run under repeated failures (engines SIGKILLed, one inside a weight sync; then `flashrl run`
     itself, resumed), and the proof it lost nothing (exit 1 when the report fails)."""
-    from flashrl.bench.chaos import MIN_GAIN_POINTS, run_chaos
+    from flashrl.bench.chaos import run_chaos
 
     command = " ".join(["flashrl bench chaos", *_given(ctx)])
     _exit(run_chaos(config, out, command, kill_every=kill_every, controller_kill_after=controller_kill_after,
                     sync_kill=sync_kill, engine_kills=engine_kills,
-                    min_gain=MIN_GAIN_POINTS if min_gain is None else min_gain, end_after=end_after, sets=sets or [],
+                    min_gain=min_gain, end_after=end_after, sets=sets or [],
                     timeout_s=timeout_s))
 
 

@@ -30,8 +30,8 @@ runs a young collection every few samples and a full one, which walks every live
 Noise: CPU time on a shared machine only ever grows with contention (caches, cores), so a controller
 point reports the best of ``repeats`` runs (as timeit does), with the median and the worst beside it.
 
-``python -m flashrl.bench.overhead profile`` prints the hottest functions of one controller run
-(cProfile); ``... echo-server ADDR`` is the echo server process the ZeroMQ point starts.
+``flashrl bench controller-profile`` prints the hottest functions of one controller run (cProfile,
+``profile_controller``).
 """
 
 from __future__ import annotations
@@ -577,19 +577,3 @@ def _plot(scn: Any, results: list[OverheadResult], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["echo-server"] and len(argv) == 2:
-        echo_server(argv[1])
-        return 0
-    if argv[:1] == ["profile"]:
-        args = [int(a) for a in argv[1:5]]
-        print(profile_controller(*args))
-        return 0
-    print("usage: python -m flashrl.bench.overhead echo-server ADDR | profile [BATCH GROUP ENGINES STEPS]", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
