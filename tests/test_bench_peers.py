@@ -170,6 +170,19 @@ def test_trl_settings_refuse_what_trl_cannot_reproduce(override: str, key: str) 
         trl_settings(load(TINY, [override]))
 
 
+def test_trl_child_refuses_what_trl_cannot_reproduce(tmp_path: Path) -> None:
+    """The TRL program's own command line (what runner.py starts): a setting it cannot reproduce exits 2 naming
+    the key, before any training."""
+    pytest.importorskip("trl", reason="the [peers] extra (TRL) is not installed: pip install -e '.[peers]'")
+    from typer.testing import CliRunner
+
+    from flashrl.bench.peers.trl_grpo import trl_app
+
+    result = CliRunner().invoke(trl_app, [str(TINY), "--out", str(tmp_path / "trl"), "--set", "rollout.max_turns=2"])
+    assert result.exit_code == 2 and "rollout.max_turns" in result.output
+    assert not (tmp_path / "trl" / "metrics.jsonl").exists()
+
+
 def test_child_commands(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "sync-seed1"
     sync = child_command("sync", TINY, 1, 30, run_dir)

@@ -30,7 +30,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -247,19 +247,24 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     return summary
 
 
+trl_app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+
+
+@trl_app.command()
 def child(
-    config: Path = typer.Argument(..., help="the flashrl config TOML the peer reproduces"),
-    out: Path = typer.Option(..., "--out", help="run folder: metrics.jsonl and summary.json land here"),
-    sets: list[str] = typer.Option([], "--set", "-s", help="config override KEY=VALUE (repeatable), as `flashrl run`"),
-    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: every core)"),
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="the flashrl config TOML the peer reproduces")],
+    out: Annotated[Path, typer.Option("--out", help="run folder: metrics.jsonl and summary.json land here")],
+    sets: Annotated[Optional[list[str]], typer.Option(
+        "--set", "-s", help="config override KEY=VALUE (repeatable), as `flashrl run`")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: every core)")] = None,
 ) -> None:
     """Train CONFIG with TRL's GRPOTrainer (the peer of `flashrl bench peers`); exit 2 on a setting TRL cannot reproduce."""
     try:
-        run_trl(config, sets, out, threads)
+        run_trl(config, sets or [], out, threads)
     except PeerConfigError as e:
         typer.echo(f"flashrl bench peers: {e}", err=True)
         raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":
-    typer.run(child)
+    trl_app()
