@@ -8,10 +8,11 @@
     real.py       real mode (``mode = "real"`` scenarios, or ``--mode real``): real vLLM engines and the
                   real trainer on this machine, wall-clock time
     overhead.py   ``kind = "overhead"`` scenarios: the controller's CPU per sample against engines that
-                  answer at once, and the ZeroMQ path in requests per second
+                  answer at once, and the ZeroMQ path in requests per second; ``flashrl bench controller-profile``
     calibrate.py  ``flashrl bench calibrate``: fit the simulator to a real run (and cross-check real results)
     algorithms.py ``flashrl bench algorithms``: losses x async ratio (learning, not speed)
-    chaos.py      ``flashrl bench chaos``: a training run under repeated SIGKILLs, and the proof it lost nothing
+    chaos.py      ``flashrl bench chaos``: a training run under repeated SIGKILLs; chaos_report.py: the proof
+                  it lost nothing (pure functions of the run's records)
     steptime.py   ``flashrl bench steptime``: where a training step's time goes, phase by phase
     peers/        ``flashrl bench peers`` / ``seeds``: flashrl against Hugging Face TRL's GRPOTrainer; the TRL
                   program (peers/trl_grpo.py) is kept apart from flashrl's side (peers/runner.py, report.py)

@@ -7,7 +7,7 @@
     flashrl bench all [--mode sim|real]         every shipped scenario of one mode (default sim)
     flashrl bench calibrate RUN_DIR | --cross RESULTS.json ...
     flashrl bench algorithms | chaos [CONFIG] | peers | seeds | steptime [--compare A.json B.json]
-    flashrl bench controller-profile             where the controller's CPU goes (cProfile)
+    flashrl bench controller-profile            where the controller's CPU goes (cProfile)
 
 Every command has its own ``--help``. Option errors exit 2 with click's usage line; a problem found
 while setting up (a scenario that does not exist, a config error) exits 2 with the message; a bench
