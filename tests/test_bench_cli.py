@@ -26,6 +26,7 @@ def _text(result: Any) -> str:
 def test_bench_alone_shows_every_command() -> None:
     """`flashrl bench` alone and `flashrl bench --help` list the commands (every mode and shipped scenario)."""
     assert "queue_scheduling" in SHIPPED and "real_rlvr" in SHIPPED  # the package data was found
+    assert not set(SHIPPED) & set(MODES)  # a scenario named like a command would hide it
     for args in (["bench"], ["bench", "--help"]):
         result = runner.invoke(app, args, terminal_width=200)
         assert "Usage:" in result.output and "COMMAND" in result.output
