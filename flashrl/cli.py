@@ -6,7 +6,7 @@
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
     flashrl config-reference [--out FILE]   every config key: type, default, bounds, meaning (docs/configuration.md)
-    flashrl bench SCENARIO                   throughput sweeps (shipped scenarios: flashrl/benchmarks/scenarios/)
+    flashrl bench COMMAND                    benchmarks: scenario sweeps, calibrate, algorithms, chaos, peers, ...
     flashrl run CONFIG --launcher slurm [--dry-run]  render runs/<name>/slurm/job.sbatch and submit it
     flashrl node CONFIG --node N             one node of a SLURM job (the job script runs it)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
@@ -18,12 +18,12 @@ Heavy imports (torch, vLLM) happen inside the commands, so `validate` answers at
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from flashrl.bench.cli import bench_app
 from flashrl.config import Config, ConfigError, load
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False, help="flashrl: asynchronous RL post-training for LLMs.")
@@ -260,12 +260,8 @@ def trainer() -> None:
     exit_now(worker.main())
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context) -> None:
-    """Throughput sweeps: `flashrl bench SCENARIO [--out DIR] [--mode sim|real]`; `flashrl bench calibrate RUN_DIR`; `flashrl bench algorithms`; `flashrl bench chaos [CONFIG]`; `flashrl bench peers` (vs TRL); `flashrl bench seeds`; `flashrl bench steptime`."""
-    from flashrl import bench as bench_mod
-
-    sys.exit(bench_mod.main(ctx.args))
+# `flashrl bench COMMAND`: a typer sub-application, one command per mode and per shipped scenario (flashrl/bench/cli.py)
+app.add_typer(bench_app, name="bench")
 
 
 if __name__ == "__main__":

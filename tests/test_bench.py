@@ -7,8 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from flashrl.bench import run_scenario
-from flashrl.benchmarks.scenario import (
+from flashrl.bench.scenario import (
     BenchError,
     PointSpec,
     Scenario,
@@ -17,7 +16,8 @@ from flashrl.benchmarks.scenario import (
     scenario_dir,
     variant_config,
 )
-from flashrl.benchmarks.simulate import run_variant
+from flashrl.bench.simulate import run_variant
+from flashrl.bench.sweep import run_scenario
 from flashrl.controller.scheduler import request_seed
 from flashrl.sim.engine import LatencyModel, LengthModel, uniform
 from flashrl.sim.trainer import TrainerModel
@@ -130,7 +130,7 @@ def test_run_scenario_writes_json_csv_png(tmp_path: Path) -> None:
 
 
 def test_zmq_path_rate() -> None:
-    from flashrl.benchmarks.overhead import zmq_rate
+    from flashrl.bench.overhead import zmq_rate
 
     r = zmq_rate(300, concurrency=16)
     assert r["requests"] == 300 and r["requests_per_s"] > 100
@@ -160,7 +160,10 @@ def _to_toml(d: dict) -> str:
 
 
 def test_calibrate_recovers_a_linear_trainer(tmp_path: Path) -> None:
-    from flashrl.benchmarks.calibrate import fit, main
+    from typer.testing import CliRunner
+
+    from flashrl.bench.calibrate import fit
+    from flashrl.bench.cli import bench_app
 
     recs = [{"step": i, "samples": 64, "response_len/mean": m, "time/train_s": 3.0 + 2e-4 * 64 * m, "time/weight_sync_s": 2.0} for i, m in enumerate([500, 800, 1200])]
     prof = fit(recs, sigma=1.0)
@@ -168,9 +171,11 @@ def test_calibrate_recovers_a_linear_trainer(tmp_path: Path) -> None:
     assert prof["trainer"]["per_token_s"] == pytest.approx(2e-4)
     assert prof["lengths"]["median"] == pytest.approx(833.33 / 1.6487, rel=1e-3)
     (tmp_path / "metrics.jsonl").write_text("\n".join(msgspec.json.encode(r).decode() for r in recs))
-    assert main([str(tmp_path), "--out", str(tmp_path / "p.toml")]) == 0
+    runner = CliRunner()
+    assert runner.invoke(bench_app, ["calibrate", str(tmp_path), "--out", str(tmp_path / "p.toml")]).exit_code == 0
     assert "per_token_s = 0.0002" in (tmp_path / "p.toml").read_text()
-    assert main([str(tmp_path / "nope")]) == 2
+    missing = runner.invoke(bench_app, ["calibrate", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "metrics.jsonl not found" in missing.output
 
 
 def test_shipped_scenarios_are_package_data(tmp_path: Path) -> None:
@@ -184,7 +189,7 @@ def test_shipped_scenarios_are_package_data(tmp_path: Path) -> None:
     import zipfile
 
     shipped = scenario_dir()
-    assert shipped == importlib.resources.files("flashrl.benchmarks") / "scenarios"
+    assert shipped == importlib.resources.files("flashrl.bench") / "scenarios"
     names = {p.relative_to(shipped).as_posix() for p in shipped.rglob("*.toml")}
     assert "queue_scheduling.toml" in names and "profiles/h100_qwen3_8b.toml" in names
     root = Path(__file__).resolve().parents[1]
@@ -200,9 +205,9 @@ def test_shipped_scenarios_are_package_data(tmp_path: Path) -> None:
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-    assert {n.removeprefix("flashrl/benchmarks/scenarios/") for n in z.namelist() if "/scenarios/" in n} == names
+    assert {n.removeprefix("flashrl/bench/scenarios/") for n in z.namelist() if "/scenarios/" in n} == names
     # The installed copy, run from elsewhere (no checkout on the path), finds a scenario by name and its profile.
-    code = ("import flashrl, sys; from flashrl.benchmarks.scenario import find_scenario, load_scenario; "
+    code = ("import flashrl, sys; from flashrl.bench.scenario import find_scenario, load_scenario; "
             "p = find_scenario('queue_scheduling'); s = load_scenario(find_scenario('whole_system')); "
             "print(flashrl.__file__, p, s.profile)")
     env = dict(os.environ, PYTHONPATH=str(site))

@@ -1,4 +1,4 @@
-"""flashrl/benchmarks/algorithms.py (`flashrl bench algorithms`): summary, table, CSV/JSON and plot on synthetic runs; CLI driving with a stand-in CLI."""
+"""flashrl/bench/algorithms.py (`flashrl bench algorithms`): summary, table, CSV/JSON and plot on synthetic runs; CLI driving with a stand-in CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.benchmarks.algorithms import (
+from flashrl.bench.algorithms import (
     Point,
     markdown_table,
     read_curve,

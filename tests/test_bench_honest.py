@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.benchmarks.scenario import PointSpec, Scenario, SimModel, variant_config
-from flashrl.benchmarks.simulate import length_matched, run_point, run_variant, token_ledger
+from flashrl.bench.scenario import PointSpec, Scenario, SimModel, variant_config
+from flashrl.bench.simulate import length_matched, run_point, run_variant, token_ledger
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LedgerEntry, LengthModel, SimEngine
 from flashrl.sim.trainer import SimTrainer, TrainerModel
@@ -166,7 +166,7 @@ def test_engine_ledger_records_cancelled_requests() -> None:
 
 def test_cross_calibration_recovers_a_known_engine_scale() -> None:
     """Fit on one variant of a committed real result, whose step time we made with a known engine scale."""
-    from flashrl.benchmarks.calibrate import (
+    from flashrl.bench.calibrate import (
         _prompt_chars,
         cross_validate,
         fit_engine_scale,

@@ -1,4 +1,4 @@
-"""flashrl/benchmarks/peers.py (`flashrl bench peers` / `seeds`): the report from synthetic metrics, the TRL
+"""flashrl/bench/peers.py (`flashrl bench peers` / `seeds`): the report from synthetic metrics, the TRL
 settings mapping, the child watcher on a real child process, and (slow) the TRL peer training the built-in
 tiny model for a few steps."""
 
@@ -12,20 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.benchmarks.peers import (
-    PeerConfigError,
+from flashrl.bench.peers.report import (
     Run,
-    _Watch,
-    child_command,
     markdown_table,
     paired_table,
     read_metrics,
     seeds_table,
     startup_offset,
     summarize,
-    trl_settings,
     write_results,
 )
+from flashrl.bench.peers.runner import _Watch, child_command
+from flashrl.bench.peers.trl_grpo import PeerConfigError, trl_settings
 from flashrl.config import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +170,19 @@ def test_trl_settings_refuse_what_trl_cannot_reproduce(override: str, key: str) 
         trl_settings(load(TINY, [override]))
 
 
+def test_trl_child_refuses_what_trl_cannot_reproduce(tmp_path: Path) -> None:
+    """The TRL program's own command line (what runner.py starts): a setting it cannot reproduce exits 2 naming
+    the key, before any training."""
+    pytest.importorskip("trl", reason="the [peers] extra (TRL) is not installed: pip install -e '.[peers]'")
+    from typer.testing import CliRunner
+
+    from flashrl.bench.peers.trl_grpo import trl_app
+
+    result = CliRunner().invoke(trl_app, [str(TINY), "--out", str(tmp_path / "trl"), "--set", "rollout.max_turns=2"])
+    assert result.exit_code == 2 and "rollout.max_turns" in result.output
+    assert not (tmp_path / "trl" / "metrics.jsonl").exists()
+
+
 def test_child_commands(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "sync-seed1"
     sync = child_command("sync", TINY, 1, 30, run_dir)
@@ -180,7 +191,7 @@ def test_child_commands(tmp_path: Path) -> None:
                                         "scheduler.queue_scheduling=false") for a in ("--set", s)]
     assert "scheduler.async_ratio=0" not in child_command("async", TINY, 0, None, run_dir)
     trl = child_command("trl", TINY, 2, None, run_dir)
-    assert trl[:4] == [sys.executable, "-m", "flashrl.benchmarks.peers", "trl"] and "run.seed=2" in trl
+    assert trl[:4] == [sys.executable, "-m", "flashrl.bench.peers.trl_grpo", str(TINY)] and "run.seed=2" in trl
     with pytest.raises(ValueError, match="mode"):
         child_command("tr", TINY, 0, None, run_dir)
 
@@ -208,7 +219,7 @@ def test_watch_times_lines_and_samples_memory(tmp_path: Path) -> None:
 def test_trl_peer_trains_the_tiny_model(tmp_path: Path) -> None:
     """The TRL peer on the built-in model of configs/tiny.toml (make test builds it first): 4 steps, eval every 2."""
     pytest.importorskip("trl", reason="the [peers] extra (TRL) is not installed: pip install -e '.[peers]'")
-    from flashrl.benchmarks.peers import run_trl
+    from flashrl.bench.peers.trl_grpo import run_trl
 
     out = tmp_path / "trl"
     summary = run_trl(TINY, ["run.steps=4", "run.eval_every=2", "trainer.warmup_steps=2"], out, threads=1)
@@ -233,7 +244,7 @@ def test_trl_peer_trains_the_tiny_model(tmp_path: Path) -> None:
 def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import asdict
 
-    from flashrl.benchmarks import peers
+    from flashrl.bench.peers import runner as peers
 
     out = tmp_path / "out"
     done = Run(mode="async", seed=0, name="async-seed0", returncode=0, startup_s=9.0, peak_mem_gib=5.5)
@@ -259,7 +270,7 @@ def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, m
 
 
 def test_report_only_assembles_kept_and_recovered_runs(tmp_path: Path) -> None:
-    from flashrl.benchmarks import peers
+    from flashrl.bench.peers import runner as peers
 
     out = tmp_path / "out"
     run_dir = out / "runs" / "async-seed2"  # the bench died after this run: metrics but no bench_run.json

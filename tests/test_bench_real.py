@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.bench import run_scenario
-from flashrl.benchmarks.real import BusyProbe, TrainOnlySuite, process_key
-from flashrl.benchmarks.scenario import (
+from flashrl.bench.real import BusyProbe, TrainOnlySuite, process_key
+from flashrl.bench.scenario import (
     BenchError,
     check_mode,
     find_scenario,
@@ -19,6 +18,7 @@ from flashrl.benchmarks.scenario import (
     shipped_scenarios,
     variant_config,
 )
+from flashrl.bench.sweep import run_scenario
 from flashrl.sim.clock import run_virtual
 from flashrl.wire.protocol import Generate, Generated
 
@@ -172,12 +172,14 @@ label = "tiny"
     assert list((tmp_path / "runs" / "bench_real" / "cluster0" / "logs").glob("engine0.log"))
 
 
-def test_calibrate_predicts_a_sync_run_from_its_own_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_predicts_a_sync_run_from_its_own_fit(tmp_path: Path) -> None:
     """A synchronous run whose steps are train 1.0 s + sync 0.2 s + a short generation: the fitted
     simulator must predict ~1.2 s/step, and the comparison must skip step 1 and steps beside an eval."""
     import msgspec
+    from typer.testing import CliRunner
 
-    from flashrl.benchmarks.calibrate import compared_steps, fit, main, predict
+    from flashrl.bench.calibrate import compared_steps, fit, predict
+    from flashrl.bench.cli import bench_app
     from flashrl.config import load, to_toml
 
     cfg = load(None, ["run.steps=6", "rollout.batch_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
@@ -196,14 +198,15 @@ def test_calibrate_predicts_a_sync_run_from_its_own_fit(tmp_path: Path, capsys: 
     assert p.steps == [2, 3, 5, 6] and p.measured_s == pytest.approx(1.25)
     assert 1.2 < p.predicted_s < 1.3  # train + sync, plus a few CPU decode steps of 8 short samples
     assert p.error == pytest.approx(p.predicted_s / 1.25 - 1)
-    assert main([str(tmp_path)]) == 0
-    assert "steps 2-3,5-6: error" in capsys.readouterr().out
+    result = CliRunner().invoke(bench_app, ["calibrate", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "steps 2-3,5-6: error" in result.output
 
 
 def test_calibrate_fits_no_slope_that_noise_would_set() -> None:
     """Near-equal batches on a noisy machine: the token count does not explain the train time, so the
     fit is a constant (a slope fitted to noise would make the simulator charge every token wrongly)."""
-    from flashrl.benchmarks.calibrate import fit
+    from flashrl.bench.calibrate import fit
 
     times = [1.1, 0.9, 1.3, 0.8, 1.2, 0.95, 1.05, 1.0]
     tokens = [440, 450, 445, 452, 441, 447, 449, 443]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.benchmarks.steptime import CpuSampler, role_of, startup, step_stats, table
+from flashrl.bench.steptime import CpuSampler, role_of, startup, step_stats, table
 
 
 def _record(step: int, step_s: float, train_s: float, sync_s: float, trainer_s: float) -> dict[str, float]:

@@ -46,8 +46,9 @@ LAYERS: list[str | tuple[str, ...]] = [
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),
     "flashrl.launch",
-    "flashrl.benchmarks",
-    "flashrl.bench",
+    # `flashrl bench` (one package), and apart from it the TRL peer program it starts as a child process:
+    # neither imports the other (the peer reproduces flashrl's run with TRL, it does not run flashrl's code)
+    ("flashrl.bench", "flashrl.bench.peers.trl_grpo"),
     "flashrl.cli",
     "envs",  # plug-ins on flashrl's public environment API; flashrl never imports them
 ]

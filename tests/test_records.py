@@ -1,5 +1,5 @@
 """Typed step records (flashrl.core.records): the metrics.jsonl line keeps the keys, in the order,
-that the benches and tools parse (flashrl/benchmarks/steptime.py, peers.py, chaos.py), and a line
+that the benches and tools parse (flashrl/bench/steptime.py, peers.py, chaos.py), and a line
 reads back into the same record (a checkpoint's pending record)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from flashrl.benchmarks.overhead import (
+from flashrl.bench.overhead import (
     GC_TUNED_THRESHOLDS,
     controller_rate,
     gc_settings,
@@ -153,7 +153,7 @@ def test_zmq_rate_sequential_and_concurrent_inline() -> None:
 def test_profile_names_the_controller_hot_spots() -> None:
     import os
 
-    from flashrl.benchmarks.overhead import profile_controller
+    from flashrl.bench.overhead import profile_controller
 
     text = profile_controller(8, 4, 2, 2, top=5)
     assert text.startswith("controller run 8x4, 2 engines, 2 steps:")

@@ -9,7 +9,7 @@
 
 Nothing here models time: no latency, no batching, no virtual clock. With these behind the real
 controller every CPU second of a run is the controller's, plus what these parts cost themselves
-(measured apart by ``flashrl.benchmarks.overhead.fixture_cost``). Use SimEngine
+(measured apart by ``flashrl.bench.overhead.fixture_cost``). Use SimEngine
 (flashrl/sim/engine.py) for anything that needs engine timing.
 
 Why ``generate`` yields once instead of returning at once: a real engine client's reply always

@@ -10,7 +10,7 @@ are the cost of one transfer to ONE engine. Reaching E engines takes a binomial-
 ceil(log2(E + 1)) rounds (each round every holder forwards the full weights to one new engine), so
 E engines cost ``broadcast_hop_s`` x (ceil(log2(E + 1)) - 1) more, plus ``sync_per_engine_s`` x E
 (per-engine handshake and RPC, serial at the controller): ``sync_extra_s(E)``. Both default to 0
-(the cost does not grow); flashrl/benchmarks/scenarios/profiles/h100_qwen3_8b.toml sets them (derivation in bench/README.md).
+(the cost does not grow); flashrl/bench/scenarios/profiles/h100_qwen3_8b.toml sets them (derivation in bench/README.md).
 
 ``per_token_s`` is the cost of one token (prompt + response, forward + backward) on ONE accelerator;
 ``gpus`` divides it, so a colocated synchronous baseline (every accelerator trains) and a split

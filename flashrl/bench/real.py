@@ -46,7 +46,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from flashrl.benchmarks.scenario import (
+from flashrl.bench.scenario import (
     PointOutcome,
     bar_cell,
     gain_versus,

@@ -1,7 +1,7 @@
 """Scenario files of ``flashrl bench``: their format, where they are found, and the config of each run.
 
     flashrl bench NAME|PATH --find_scenario--> a .toml file: PATH itself, or the shipped NAME.toml
-                            (package data: flashrl/benchmarks/scenarios/, so a non-editable install works)
+                            (package data: flashrl/bench/scenarios/, so a non-editable install works)
     --load_scenario--> Scenario (base config, sim model, baseline/flash overrides, points; a
                        ``profile`` merged from profiles/<profile>.toml beside the file, else shipped)
     --variant_config(scenario, point, "baseline"|"flash")--> (flashrl Config, SimModel) of one run
@@ -80,7 +80,7 @@ class BenchError(ValueError):
 
 
 def scenario_dir() -> Path:
-    """The shipped scenario files: package data of flashrl.benchmarks (``scenarios/*.toml`` and
+    """The shipped scenario files: package data of flashrl.bench (``scenarios/*.toml`` and
     ``scenarios/profiles/*.toml``, declared in pyproject.toml), so a non-editable install finds them too."""
     res = importlib.resources.files(__package__).joinpath("scenarios")
     if not isinstance(res, Path):  # a zipped install: nothing to glob

@@ -17,7 +17,6 @@ eval/accuracy logged.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -243,25 +242,3 @@ def run_algorithms_bench(losses: Sequence[str], ratios: Sequence[int], steps: in
             points.append(point)
     write_results(points, out)
     return points
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="flashrl bench algorithms", description=__doc__.split("\n")[0])
-    ap.add_argument("--losses", default="ppo,decoupled_ppo,tis,topr,cispo,gspo")
-    ap.add_argument("--ratios", default="0,2,8", help="async ratios; 0 (synchronous, the baseline) is always run")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", default="bench/results/algorithms")
-    ap.add_argument("--config", default="configs/tiny.toml")
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every run")
-    ap.add_argument("--timeout-s", type=float, default=None)
-    ap.add_argument("--resume", action="store_true", help="keep the runs in --out that completed --steps steps")
-    args = ap.parse_args(argv)
-    points = run_algorithms_bench(args.losses.split(","), [int(r) for r in args.ratios.split(",")], args.steps,
-                                  args.out, args.config, extra_sets=args.sets, timeout_s=args.timeout_s,
-                                  resume=args.resume)
-    print(markdown_table(points))
-    return 0 if all(p.returncode == 0 for p in points) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,7 +32,6 @@ compare two profiles only when taken one after the other on the same machine (``
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -365,31 +364,3 @@ def table(results: list[dict[str, Any]]) -> str:
         f"{r['evals'][-1][1]:.1%} (step {r['evals'][-1][0]})" if r["evals"] else "" for r in results)
         + (" | |" if len(results) == 2 else " |"))
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="flashrl bench steptime", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/tiny.toml")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--skip", type=int, default=5, help="leave the first N steps out of the statistics")
-    ap.add_argument("--label", default="steptime", help="results file name (OUT/LABEL.json, .md)")
-    ap.add_argument("--out", default="bench/results/steptime")
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override KEY=VALUE (repeatable)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is killed")
-    ap.add_argument("--python-path", default=None,
-                    help="PYTHONPATH of the profiled run: another checkout of flashrl (a before/after comparison)")
-    ap.add_argument("--compare", nargs="+", metavar="JSON", help="print a table of earlier profiles instead of running")
-    args = ap.parse_args(argv)
-    if args.compare:
-        results = [json.loads(Path(p).read_text()) for p in args.compare]
-        print(table(results), end="")
-        return 0
-    try:
-        result = run_profile(args.config, args.steps, args.label, Path(args.out), args.sets, args.skip, args.timeout,
-                             args.python_path)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        print(f"flashrl bench steptime: {e}", file=sys.stderr)
-        return 1
-    print(table([result]), end="")
-    print(f"bench steptime: {Path(args.out) / (args.label + '.json')}")
-    return 0

@@ -30,8 +30,8 @@ runs a young collection every few samples and a full one, which walks every live
 Noise: CPU time on a shared machine only ever grows with contention (caches, cores), so a controller
 point reports the best of ``repeats`` runs (as timeit does), with the median and the worst beside it.
 
-``python -m flashrl.benchmarks.overhead profile`` prints the hottest functions of one controller run
-(cProfile); ``... echo-server ADDR`` is the echo server process the ZeroMQ point starts.
+``flashrl bench controller-profile`` prints the hottest functions of one controller run (cProfile,
+``profile_controller``).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def _controller_rate_zmq(batch_prompts: int, group_size: int, engines: int, step
     trainer = InstantTrainer()
     addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(max(1, min(servers, engines)))]
     procs = [subprocess.Popen(
-        [sys.executable, "-c", f"from flashrl.benchmarks.overhead import instant_engine_server as s; s({a!r}, {tokens})"],
+        [sys.executable, "-c", f"from flashrl.bench.overhead import instant_engine_server as s; s({a!r}, {tokens})"],
         env={**os.environ, "OMP_NUM_THREADS": "1"}) for a in addrs]  # fmt: skip
     out: dict[str, float] = {}
 
@@ -422,7 +422,7 @@ def zmq_rate(n: int, concurrency: int = 64, server: Literal["process", "inline"]
     proc: subprocess.Popen[bytes] | None = None
     if server == "process":
         proc = subprocess.Popen(
-            [sys.executable, "-c", f"from flashrl.benchmarks.overhead import echo_server; echo_server({addr!r})"],
+            [sys.executable, "-c", f"from flashrl.bench.overhead import echo_server; echo_server({addr!r})"],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
 
@@ -577,19 +577,3 @@ def _plot(scn: Any, results: list[OverheadResult], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["echo-server"] and len(argv) == 2:
-        echo_server(argv[1])
-        return 0
-    if argv[:1] == ["profile"]:
-        args = [int(a) for a in argv[1:5]]
-        print(profile_controller(*args))
-        return 0
-    print("usage: python -m flashrl.benchmarks.overhead echo-server ADDR | profile [BATCH GROUP ENGINES STEPS]", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Simulator mode of ``flashrl bench``: each point's sync baseline and flash variant through the REAL controller.
 
-    for each point:  baseline config = base + point.set + baseline      (flashrl/benchmarks/scenario.py)
+    for each point:  baseline config = base + point.set + baseline      (flashrl/bench/scenario.py)
                      flash config    = base + point.set + flash + point.flash
                      run_variant(cfg) x 2: the REAL controller (flashrl.controller) with SimEngine x
                      engine.count, SimTrainer and the "sim" environment, on a VirtualEventLoop
@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from flashrl.benchmarks.scenario import (
+from flashrl.bench.scenario import (
     BenchError,
     PointOutcome,
     PointSpec,

@@ -25,9 +25,9 @@ step that ran beside an evaluation (the step after an eval record): the simulato
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,8 @@ from typing import Any
 import msgspec
 import tomllib
 
-from flashrl.benchmarks.scenario import SimModel
-from flashrl.benchmarks.simulate import run_variant
+from flashrl.bench.scenario import SimModel
+from flashrl.bench.simulate import run_variant
 from flashrl.config import Config, from_dict, load
 from flashrl.metrics import read_jsonl
 from flashrl.plugins import make_suite
@@ -73,7 +73,7 @@ def fit(records: list[dict], sigma: float = 1.0) -> dict[str, dict[str, float]]:
 
 
 def to_toml(profile: dict[str, dict[str, float]]) -> str:
-    out = ["# fitted by `flashrl bench calibrate` (see flashrl/benchmarks/calibrate.py for what is and is not fitted)"]
+    out = ["# fitted by `flashrl bench calibrate` (see flashrl/bench/calibrate.py for what is and is not fitted)"]
     for table, values in profile.items():
         out.append(f"[sim.{table}]")
         out += [f"{k} = {v:.6g}" for k, v in values.items()]
@@ -144,57 +144,42 @@ def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[s
                       sim_cpu_s=res.cpu_s)
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--cross":
-        cp = argparse.ArgumentParser(prog="flashrl bench calibrate --cross")
-        cp.add_argument("results", nargs="+", help="real-mode results.json files (bench/results/real_*/results.json)")
-        cp.add_argument("--fit", action="append", default=[], help="fit on this run only (<scenario>/<base|flash>); repeatable; default: each in turn")
-        cp.add_argument("--out", default="", help="write results.json and results.txt under this folder")
-        a = cp.parse_args(argv[1:])
-        try:
-            return cross_main(a.results, a.fit, a.out)
-        except (ValueError, OSError) as e:
-            print(f"flashrl bench calibrate --cross: {e}")
-            return 2
-    ap = argparse.ArgumentParser(prog="flashrl bench calibrate")
-    ap.add_argument("run_dir", help="a run directory holding metrics.jsonl (and config.toml for the prediction)")
-    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of response lengths (not identifiable from means)")
-    ap.add_argument("--out", default="", help="write the profile here instead of stdout")
-    ap.add_argument("--latency", default="", help="a profile TOML whose [sim.latency] the prediction uses (default: CPU_TINY_LATENCY)")
-    ap.add_argument("--no-predict", action="store_true", help="only fit; do not simulate the run")
-    args = ap.parse_args(argv)
-    run_dir = Path(args.run_dir)
+def calibrate_run(run_dir: Path, sigma: float = 1.0, out: str = "", latency_toml: str = "",
+                  predict_run: bool = True) -> int:
+    """``flashrl bench calibrate RUN_DIR``: fit a profile to the run's metrics.jsonl and (with its config.toml)
+    simulate the run with it; print or write the profile with the prediction as a comment. Exit code: 0, or 2
+    with the problem on stderr."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        print(f"flashrl bench calibrate: {path} not found: give a run directory from `flashrl run`")
+        print(f"flashrl bench calibrate: {path} not found: give a run directory from `flashrl run`", file=sys.stderr)
         return 2
     try:
-        profile = fit(read_jsonl(path), args.sigma)
+        profile = fit(read_jsonl(path), sigma)
     except ValueError as e:
-        print(f"flashrl bench calibrate: {e}")
+        print(f"flashrl bench calibrate: {e}", file=sys.stderr)
         return 2
     text = to_toml(profile)
-    if not args.no_predict and not (run_dir / "config.toml").is_file():
+    if predict_run and not (run_dir / "config.toml").is_file():
         text += f"# prediction skipped: {run_dir / 'config.toml'} not found (the simulator needs the run's config)\n"
-    elif not args.no_predict:
+    elif predict_run:
         latency = None
-        if args.latency:
-            latency = tomllib.loads(Path(args.latency).read_text()).get("sim", {}).get("latency")
+        if latency_toml:
+            latency = tomllib.loads(Path(latency_toml).read_text()).get("sim", {}).get("latency")
             if not latency:
-                print(f"flashrl bench calibrate: {args.latency} has no [sim.latency] table")
+                print(f"flashrl bench calibrate: {latency_toml} has no [sim.latency] table", file=sys.stderr)
                 return 2
         try:
             p = predict(run_dir, profile, latency)
         except ValueError as e:
-            print(f"flashrl bench calibrate: {e}")
+            print(f"flashrl bench calibrate: {e}", file=sys.stderr)
             return 2
         text += (
             f"# prediction: the simulator with this profile predicts {p.predicted_s:.3f} s/step; the run measured "
             f"{p.measured_s:.3f} s/step over steps {_ranges(p.steps)}: error {p.error:+.1%}\n"
         )
-    if args.out:
-        Path(args.out).write_text(text)
-        if not args.no_predict:
+    if out:
+        Path(out).write_text(text)
+        if predict_run:
             print(text.splitlines()[-1])  # the prediction line
     else:
         print(text, end="")

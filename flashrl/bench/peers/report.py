@@ -1,0 +1,360 @@
+"""The peers bench's results: one ``Run`` per (mode, seed), its numbers from a metrics.jsonl, the report files.
+
+Both sides write the same metrics keys (flashrl's metrics.jsonl; the TRL peer, trl_grpo.py, writes the
+same ones), so everything here reads either. Reported per run: time to 70/80/85% held-out accuracy
+(first eval at or above; training clock and whole process = start-up + training clock), trained
+samples/s over the whole training clock, the mean step time and its parts after ``WARMUP_STEPS``, peak
+memory (process tree), first/final/best accuracy and the worst dip after first reaching 80%. flashrl
+evaluates on its engines beside training; what its steps waited for an eval (``EVAL_WAIT``) is taken
+out of its training clock (``summarize``), as the TRL peer takes its eval time out of its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashrl.bench.steptime import engine_busy
+
+THRESHOLDS = (0.70, 0.80, 0.85)
+WARMUP_STEPS = 5  # steps left out of the mean step time (start-up transients)
+MODES = ("trl", "async", "sync")
+SYNC_SETS = ("scheduler.async_ratio=0", "scheduler.queue_scheduling=false")
+MODE_LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate, 1 process)", "async": "flashrl async (config as is)",
+              "sync": "flashrl sync (async_ratio 0, no queue scheduling)"}
+
+
+EVAL_WAIT = "time/sync/quiesce_s"  # flashrl: what a step waited for the held-out eval before its sync
+
+
+@dataclass
+class Run:
+    """One (mode, seed) run and what the bench read from it."""
+
+    mode: str
+    seed: int
+    name: str
+    returncode: int | None = None
+    log: str = ""
+    wall_s: float | None = None  # launch -> exit, measured here
+    startup_s: float | None = None  # launch -> training clock 0
+    train_s: float | None = None  # training clock at the last step
+    steps: int = 0
+    samples: int = 0
+    samples_per_s: float | None = None
+    peak_mem_gib: float | None = None  # process tree, sampled here
+    step_s: float | None = None
+    parts: dict[str, float] = field(default_factory=dict)  # mean seconds per step, by phase
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, accuracy, training clock)
+    time_to: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    first_acc: float | None = None
+    final_acc: float | None = None
+    best_acc: float | None = None
+    worst_dip: float | None = None  # largest drop below the running best after first reaching 80%
+    min_after_80: float | None = None
+    eval_wait_s: float = 0.0  # held-out evals' time taken out of the training clock (flashrl: waits for them)
+    # flashrl: the least busy engine thread's share of the wall time, mean over steps (stepping, commands, busy)
+    engine_busy: dict[str, float] = field(default_factory=dict)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as a list of records (blank or torn last lines skipped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def startup_offset(appeared: Sequence[tuple[float, float]]) -> float | None:
+    """Launch -> training clock 0, from (seconds after launch a record appeared, its time/elapsed_s) pairs.
+
+    A record appears at or after the moment it describes, so every difference is an upper bound; the
+    smallest is the estimate (its error is the polling interval plus the writer's delay)."""
+    diffs = [a - e for a, e in appeared]
+    return max(0.0, min(diffs)) if diffs else None
+
+
+def summarize(run: Run, records: list[dict[str, Any]]) -> None:
+    """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys)."""
+    steps = sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
+    # The training clock leaves held-out evals out, for both: TRL's evals run between its steps and
+    # its time/elapsed_s already excludes them; flashrl's run on the engines beside training, and what a
+    # step waited for one before its weights could go out (time/sync/quiesce_s) is taken out here.
+    clock, waited = {0: 0.0}, 0.0
+    for r in steps:
+        waited += float(r.get(EVAL_WAIT, 0.0))
+        clock[int(r["step"])] = float(r["time/elapsed_s"]) - waited
+    run.eval_wait_s = waited
+    evals = []
+    for r in records:
+        if r.get("eval/accuracy") is None:
+            continue
+        s = int(r["step"])
+        t = clock.get(s, float(r.get("time/elapsed_s", 0.0)))
+        evals.append((s, float(r["eval/accuracy"]), t))
+    evals.sort()
+    run.evals = evals
+    run.steps = max((int(r["step"]) for r in steps), default=0)
+    run.samples = int(sum(float(r.get("samples", 0)) for r in steps))
+    run.train_s = clock.get(run.steps) if run.steps else None
+    run.samples_per_s = run.samples / run.train_s if run.train_s else None
+    steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
+    if steady:
+        run.step_s = statistics.fmean(float(r["time/step_s"]) - float(r.get(EVAL_WAIT, 0.0))
+                                      for r in steady if "time/step_s" in r) if any(
+            "time/step_s" in r for r in steady) else None
+        keys = sorted({k for r in steady for k in r if k.startswith("time/") and k not in
+                       ("time/elapsed_s", "time/step_s", "time/eval_s", EVAL_WAIT)})
+        run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
+        run.engine_busy = engine_busy(steady)
+        rest = (run.step_s or 0.0) - sum(run.parts.values())
+        if run.step_s is not None and rest > 0.0005:  # flashrl: waiting for rollouts (generation not hidden)
+            run.parts["rest"] = rest
+    if evals:
+        run.first_acc, run.final_acc = evals[0][1], evals[-1][1]
+        run.best_acc = max(a for _, a, _ in evals)
+    run.time_to = {}
+    for thr in THRESHOLDS:
+        hit = next(((s, t) for s, a, t in evals if a >= thr - 1e-9), None)
+        run.time_to[f"{thr:.0%}"] = {
+            "step": hit[0] if hit else None,
+            "train_s": hit[1] if hit else None,
+            "process_s": hit[1] + run.startup_s if hit and run.startup_s is not None else None,
+        }
+    after = [a for s, a, _ in evals if run.time_to["80%"]["step"] is not None and s >= run.time_to["80%"]["step"]]
+    if after:
+        best, dip = after[0], 0.0
+        for a in after:
+            best = max(best, a)
+            dip = max(dip, best - a)
+        run.worst_dip, run.min_after_80 = dip, min(after)
+
+
+def seed_stats(runs: Sequence[Run], attr: str) -> tuple[float, float, float] | None:
+    """(mean, min, max) of ``attr`` over ``runs`` (those that have it)."""
+    xs = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
+    return (statistics.fmean(xs), min(xs), max(xs)) if xs else None
+
+
+def fmt(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _time_to(r: Run, thr: str, which: str) -> str:
+    t = r.time_to.get(thr) or {}
+    if t.get("step") is None:
+        return "not reached"
+    v = t.get(which)
+    return f"n/a (step {t['step']})" if v is None else f"{fmt(v)} s (step {t['step']})"
+
+
+def markdown_table(runs: Sequence[Run]) -> str:
+    """One column per run; rows for everything the bench reports."""
+    cols = [f"{r.mode} seed {r.seed}" for r in runs]
+    lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(runs)]
+
+    def row(label: str, cells: Sequence[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    for thr in (f"{t:.0%}" for t in THRESHOLDS):
+        row(f"time to {thr} held-out (training clock)", [_time_to(r, thr, "train_s") for r in runs])
+    for thr in (f"{t:.0%}" for t in THRESHOLDS):
+        row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
+    row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
+    row("steps / training clock", [f"{r.steps} / {fmt(r.train_s)} s" for r in runs])
+    row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode != "trl" else "(evals between steps)"
+                                                    for r in runs])
+    row("trained samples/s", [fmt(r.samples_per_s, "{:.0f}") for r in runs])
+    row("mean step time (after step 5, eval waits out)", [fmt(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
+    row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
+    row("engine thread busy: stepping + commands (mean over steps)",
+        [f"{r.engine_busy['stepping']:.0%} + {r.engine_busy['commands']:.0%} = {r.engine_busy['busy']:.0%}"
+         if r.engine_busy else ("n/a (one process)" if r.mode == "trl" else "n/a") for r in runs])
+    row("peak memory (process tree)", [fmt(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
+    row("held-out accuracy first -> final (best)",
+        [f"{fmt(r.first_acc, '{:.1%}')} -> {fmt(r.final_acc, '{:.1%}')} ({fmt(r.best_acc, '{:.1%}')})" for r in runs])
+    row("worst dip after reaching 80%", [fmt(r.worst_dip, "{:.1%}") for r in runs])
+    row("exit code / wall", [f"{r.returncode} / {fmt(r.wall_s)} s" for r in runs])
+    return "\n".join(lines) + "\n"
+
+
+def _t80(r: Run, key: str) -> Any:
+    """The run's first eval at >= 80%: its "step", "train_s" or "process_s" (None: never reached)."""
+    return (r.time_to.get("80%") or {}).get(key)
+
+
+def seeds_table(runs: Sequence[Run]) -> str:
+    """Per mode, over seeds: final accuracy, time to 80%, samples/s as mean (min..max)."""
+    lines = ["| mode | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to 80%, training clock | trained samples/s |",
+             "|---|---|---|---|---|---|"]
+    for mode in dict.fromkeys(r.mode for r in runs):
+        rs = [r for r in runs if r.mode == mode]
+        fin = seed_stats(rs, "final_acc")
+        dip = seed_stats(rs, "worst_dip")
+        sps = seed_stats(rs, "samples_per_s")
+        t80 = [_t80(r, "train_s") for r in rs]
+        reached = [t for t in t80 if t is not None]
+        t80s = (f"{statistics.fmean(reached):.1f} s ({min(reached):.1f}..{max(reached):.1f})" if reached else "n/a") + (
+            f", {len(reached)}/{len(rs)} reached" if len(reached) < len(rs) else "")
+        lines.append(
+            f"| {mode} | {','.join(str(r.seed) for r in rs)} | "
+            f"{'n/a' if fin is None else f'{fin[0]:.1%} ({fin[1]:.1%}..{fin[2]:.1%})'} | "
+            f"{'n/a' if dip is None else f'max {dip[2]:.1%}'} | {t80s} | "
+            f"{'n/a' if sps is None else f'{sps[0]:.0f} ({sps[1]:.0f}..{sps[2]:.0f})'} |")
+    return "\n".join(lines) + "\n"
+
+
+def mean_eval_acc(r: Run) -> float | None:
+    """Mean held-out accuracy over the run's evals after step 0: how fast it learned per step, over the whole run."""
+    accs = [a for step, a, _ in r.evals if step > 0]
+    return statistics.fmean(accs) if accs else None
+
+
+def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
+    """Each mode against ``baseline`` seed by seed, over the seeds both ran ("" if there are none).
+
+    Means over different seed subsets mislead (a mode that misses 80% on its hardest seed gets a better mean
+    time to 80%), so time to 80% is compared on the seeds both reached, with how many each side was sooner on,
+    and the seeds only one reached are named."""
+    base = {r.seed: r for r in runs if r.mode == baseline}
+    rows: list[str] = []
+    for mode in dict.fromkeys(r.mode for r in runs if r.mode != baseline):
+        pairs = [(base[r.seed], r) for r in runs if r.mode == mode and r.seed in base]
+        if not pairs:
+            continue
+        ratios = [m.samples_per_s / b.samples_per_s for b, m in pairs if m.samples_per_s and b.samples_per_s]
+        ratio_s = f"{statistics.fmean(ratios):.2f} mean ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "n/a"
+        steps = ", ".join("/".join("-" if _t80(r, "step") is None else str(_t80(r, "step")) for r in pair)
+                          for pair in pairs)
+        both = [(_t80(b, "train_s"), _t80(m, "train_s")) for b, m in pairs
+                if _t80(b, "train_s") is not None and _t80(m, "train_s") is not None]
+        if both:
+            sooner, later = sum(y < x for x, y in both), sum(y > x for x, y in both)
+            t80s = (f"{statistics.fmean(x for x, _ in both):.1f} s vs {statistics.fmean(y for _, y in both):.1f} s "
+                    f"({len(both)} seed{'s' if len(both) > 1 else ''}; {mode} sooner on {sooner}, later on {later})")
+        else:
+            t80s = "n/a (no seed both reached)"
+        only_base = [str(b.seed) for b, m in pairs if _t80(b, "step") is not None and _t80(m, "step") is None]
+        only_mode = [str(b.seed) for b, m in pairs if _t80(m, "step") is not None and _t80(b, "step") is None]
+        only_s = "; ".join(f"{who}: seeds {', '.join(ss)}" for who, ss in ((baseline, only_base), (mode, only_mode)) if ss)
+        accs = [(x, y) for x, y in ((mean_eval_acc(b), mean_eval_acc(m)) for b, m in pairs)
+                if x is not None and y is not None]
+        acc_s = f"{statistics.fmean(x for x, _ in accs):.1%} / {statistics.fmean(y for _, y in accs):.1%}" if accs else "n/a"
+        rows.append(f"| {mode} | {', '.join(str(b.seed) for b, _ in pairs)} | {ratio_s} | {steps} | {t80s} | "
+                    f"{only_s or 'none'} | {acc_s} |")
+    if not rows:
+        return ""
+    head = [f"| seed by seed against {baseline} | seeds | trained samples/s, mode / {baseline} | "
+            f"80% reached at step ({baseline} / mode; - = not reached) | time to 80%, training clock, on the seeds both "
+            f"reached | reached 80% only | mean held-out over the evals after step 0 ({baseline} / mode) |",
+            "|---|---|---|---|---|---|---|"]
+    return "\n".join(head + rows) + "\n"
+
+
+DIFFERENCES = """\
+What is the same: model folder (the built-in tiny model, float32, built by `ensure_model` for the seed),
+train prompts and their order (flashrl's DataStream for the seed), held-out split (the env's eval
+tasks) and verifier, group size, prompts per step, temperature (sampling and the loss's logprobs),
+max new tokens, AdamW (lr, weight decay, betas/eps defaults), the lr schedule (warm-up, decay) per training step,
+PPO clip, token-mean loss, std-scaled group advantages, no KL, grad clip 1.0, 2 optimizer steps per
+training step, held-out eval every run.eval_every steps (greedy, the same tasks and verifier).
+
+What differs:
+- Process layout: TRL is one process (generation with HF `generate` and training in turn, torch
+  threads = the cores); flashrl runs the controller, vLLM engines and the trainer rank as separate
+  processes ([engine] / [trainer] of the config).
+- Generation: TRL samples with HF `generate` (KV cache, the training weights themselves); flashrl with
+  vLLM (weights copied after every step, checksum-verified).
+- Off-policy: async flashrl trains on samples up to scheduler.async_ratio versions old (the loss's
+  importance ratio handles it); TRL and flashrl sync are on-policy (the second optimizer step of a
+  training step is one update behind, in both, against recomputed old logprobs).
+- Loss: with `algorithm.loss = "decoupled_ppo"` flashrl multiplies the clipped loss by a behaviour
+  importance weight min(pi_prox / pi_behav, w_max); TRL's clipped loss has none. On-policy data (TRL's,
+  flashrl sync's) has weight 1, so the losses are the same there; the weight acts on async flashrl's
+  stale samples only.
+- Mini-batches: TRL shuffles the 128 samples before splitting them into its 2 optimizer steps;
+  flashrl splits the batch in order (groups stay together) unless `trainer.shuffle = true`.
+- Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
+- Eval: flashrl evaluates on its engines beside training (the next weight sync waits for it); TRL's
+  eval runs in its process between steps. Neither training clock counts eval time: TRL's leaves out its
+  evals, flashrl's leaves out what its steps waited for an eval (`time/sync/quiesce_s`, its own row);
+  the eval's requests still share flashrl's engine with the rollouts.
+- Memory: peak resident memory of each run's process tree, sampled every 0.5 s by the bench (RSS sums
+  count shared pages once per process).
+- Start-up: from launch to the training clock's 0 (imports, model load, for flashrl also engine and
+  trainer start-up and the first weight sync); "whole process" = start-up + training clock.
+"""
+
+
+def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / f"results.{k}" for k in ("json", "csv", "md", "png")}
+    paths["json"].write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    cols = ["mode", "seed", "returncode", "wall_s", "startup_s", "train_s", "steps", "samples", "samples_per_s",
+            "peak_mem_gib", "step_s", "first_acc", "final_acc", "best_acc", "worst_dip"]
+    busy_cols = ["stepping", "commands", "busy"]
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*cols, *(f"t{t:.0%}_{k}" for t in THRESHOLDS for k in ("step", "train_s", "process_s")),
+                    *(f"engine_{k}" for k in busy_cols)])
+        for r in runs:
+            w.writerow([*(getattr(r, c) for c in cols),
+                        *((r.time_to.get(f"{t:.0%}") or {}).get(k) for t in THRESHOLDS for k in ("step", "train_s", "process_s")),
+                        *(r.engine_busy.get(k) for k in busy_cols)])
+    md = f"# {title}\n\n{notes}" + markdown_table(runs) + "\n"
+    if len({r.seed for r in runs}) > 1:
+        md += "Over seeds:\n\n" + seeds_table(runs) + "\n"
+    paired = paired_table(runs)
+    if paired:
+        md += "Seed by seed:\n\n" + paired + "\n"
+    if any(r.mode == "trl" for r in runs):
+        md += DIFFERENCES
+    paths["md"].write_text(md)
+    plot(runs, paths["png"])
+    return paths
+
+
+def plot(runs: Sequence[Run], path: Path) -> None:
+    """Held-out accuracy against the training clock and against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"trl": "tab:orange", "async": "tab:blue", "sync": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    seeds = sorted({r.seed for r in runs})
+    for r in runs:
+        if not r.evals:
+            continue
+        style = styles[seeds.index(r.seed) % len(styles)]
+        label = f"{r.mode} seed {r.seed}"
+        ax_t.plot([t for _, _, t in r.evals], [a for _, a, _ in r.evals], style, color=colors.get(r.mode), marker="o",
+                  ms=2, label=label)
+        ax_s.plot([s for s, _, _ in r.evals], [a for _, a, _ in r.evals], style, color=colors.get(r.mode), marker="o",
+                  ms=2, label=label)
+    ax_t.set(title="held-out accuracy vs training clock", xlabel="seconds", ylabel="eval/accuracy")
+    ax_s.set(title="held-out accuracy vs step", xlabel="step", ylabel="eval/accuracy")
+    for ax in (ax_t, ax_s):
+        ax.grid(alpha=0.3)
+        for thr in THRESHOLDS:
+            ax.axhline(thr, color="gray", lw=0.5, ls=":")
+    ax_s.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
