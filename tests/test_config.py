@@ -138,7 +138,7 @@ def test_cli_validate_rejects_bad_env_params() -> None:
 
 
 def test_config_and_env_params_errors_come_from_one_formatter() -> None:
-    """flashrl.validation.describe words both: the key path, the closest key, what the table accepts."""
+    """flashrl.config_errors.describe words both: the key path, the closest key, what the table accepts."""
     from flashrl.config import from_dict
     from flashrl.plugins import make_suite
 

@@ -685,7 +685,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from trl import GRPOConfig, GRPOTrainer
 
     from flashrl.config import load
-    from flashrl.core.schedule import scheduled_lr
+    from flashrl.core.lr_schedule import scheduled_lr
     from flashrl.models import ensure_model
     from flashrl.models.tiny import greedy_accuracy
     from flashrl.plugins import make_suite
