@@ -16,11 +16,11 @@ from flashrl.benchmarks.overhead import (
 )
 from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.sim.engine import EOS_ID
+from flashrl.sim.envs import SimTokenizer
 from flashrl.sim.instant import (
     InstantEngine,
     InstantSuite,
     InstantSuiteParams,
-    InstantTokenizer,
     InstantTrainer,
 )
 from flashrl.wire.protocol import Generate, WeightManifest
@@ -81,7 +81,7 @@ def test_suite_rewards_alternate_and_turns_end_the_episode() -> None:
 
 
 def test_tokenizer_cache_hands_out_fresh_lists() -> None:
-    tok = InstantTokenizer()
+    tok = SimTokenizer(cache=True)
     a = tok.encode("abc")
     a.append(99)
     assert tok.encode("abc") == [4, 5, 6]
@@ -98,7 +98,7 @@ def test_real_controller_on_instant_parts_trains_every_step() -> None:
     assert isinstance(trainer, TrainerClient)
 
     async def main() -> None:
-        summary = await Controller(cfg, InstantTokenizer(), suite, engines, trainer).run()
+        summary = await Controller(cfg, SimTokenizer(cache=True), suite, engines, trainer).run()
         assert summary.steps == 3 and summary.samples_trained == 36
 
     asyncio.run(main())
