@@ -8,7 +8,6 @@ import statistics
 import pytest
 
 from flashrl.env import EnvFailure
-from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LengthModel, SimEngine, steps_within, uniform
 from flashrl.sim.envs import DelayModel, SimEnvParams, SimSuite, SimTokenizer
@@ -24,11 +23,6 @@ def const(n: int) -> LengthModel:
 
 def req(i: int, prompt: int = 10, max_tokens: int = 1000) -> Generate:
     return Generate(request_id=f"r{i}", prompt_ids=[5] * prompt, max_tokens=max_tokens)
-
-
-def test_protocols_are_met() -> None:
-    assert isinstance(SimEngine("e0"), EngineClient)
-    assert isinstance(SimTrainer(), TrainerClient)
 
 
 def test_one_request_takes_prefill_plus_its_decode_steps() -> None:
