@@ -710,6 +710,8 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     env = suite.make_env()
 
     def correct(prompts: list[str], completions: list[str], task: list[int], **_: Any) -> list[float | None]:
+        times["step_samples"] += len(completions)  # what TRL generated and scored for this training step
+
         async def score() -> list[float | None]:  # the env's own verifier, as flashrl's rollouts score
             rewards: list[float | None] = []
             for c, i in zip(completions, task):
@@ -728,7 +730,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: scheduled_lr(cfg.trainer, steps, k // mb) / cfg.trainer.lr)
     metrics = (out / "metrics.jsonl").open("w")
     times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0,
-                             "lr": 0.0}
+                             "lr": 0.0, "step_samples": 0}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -775,7 +777,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             step = state.global_step // mb
             gen, step_s = times["step_gen_s"], now - times["t_step"]
             times["step_gen_s"] = 0.0
-            rec = {"step": step, "version": step, "samples": mb * args.per_device_train_batch_size,
+            # the samples scored during this step (counted, not mb x batch: a setting TRL reads differently shows)
+            samples, times["step_samples"] = times["step_samples"], 0
+            rec = {"step": step, "version": step, "samples": samples,
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
                    "time/elapsed_s": now - times["t0"] - times["eval_s"],
                    "lr": times["lr"]}
