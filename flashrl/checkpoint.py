@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 
 from flashrl.config import Config, ConfigError, load
-from flashrl.core.schedule import scheduled_lr
+from flashrl.core.lr_schedule import scheduled_lr
 
 log = logging.getLogger(__name__)
 

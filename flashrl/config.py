@@ -17,7 +17,7 @@ import msgspec
 import tomllib
 from msgspec import Meta
 
-from flashrl.validation import describe
+from flashrl.config_errors import describe
 
 
 class ConfigError(ValueError):

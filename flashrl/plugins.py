@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from flashrl.validation import describe
+from flashrl.config_errors import describe
 
 __all__ = [
     "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "PluginError", "entry_point_names", "env_name_problem", "load_object",

@@ -19,7 +19,7 @@ from flashrl.aio import (
     shielded,
     timeout,
 )
-from flashrl.sim.fake import run_virtual
+from flashrl.sim.clock import run_virtual
 
 
 def now() -> float:
@@ -173,7 +173,7 @@ def test_deadlines_expire_each_scope_exactly_on_one_timer_as_asyncio_timeout_wou
         await asyncio.gather(*tasks)
         return out
 
-    out = run_virtual(main)
+    out = run_virtual(main).result
     assert out == {"short": ("ok", 1.0), "long": ("timeout", 5.5), "late": ("timeout", 7.0), "quick": ("ok", 3.5)}
     assert len(d) == 0
 
@@ -301,7 +301,7 @@ def test_task_cancel_claims_only_its_own_cancel() -> None:
         assert a.cancelling() == 0
         return out
 
-    assert sorted(run_virtual(main)) == ["a: done 2.0", "a: mine, going on", "b: not mine"]
+    assert sorted(run_virtual(main).result) == ["a: done 2.0", "a: mine, going on", "b: not mine"]
 
 
 def test_task_cancel_under_an_expired_timeout_leaves_the_timeout_its_error() -> None:

@@ -116,8 +116,8 @@ def test_weight_sync_cost_rises_with_engine_count() -> None:
         await eng.close()
         return sent, r.seconds
 
-    (s1, l1), _, _ = run_virtual(lambda: sync(1))
-    (s64, l64), _, _ = run_virtual(lambda: sync(64))
+    s1, l1 = run_virtual(lambda: sync(1)).result
+    s64, l64 = run_virtual(lambda: sync(64)).result
     assert s64 - s1 == pytest.approx(0.4 * 6 + 0.63)  # 7 rounds vs 1, 63 more handshakes
     assert l64 - l1 == pytest.approx(s64 - s1)  # the engines sit in the same broadcast
 
@@ -159,7 +159,7 @@ def test_engine_ledger_records_cancelled_requests() -> None:
         await eng.close()
         return eng.ledger
 
-    ledger, _, _ = run_virtual(main)
+    ledger = run_virtual(main).result
     assert len(ledger) == 1 and ledger[0].finish == "abort" and ledger[0].request_id == "7-0.0.0"
     assert 0 < ledger[0].tokens < 1000
 

@@ -93,7 +93,9 @@ def test_busy_probe_counts_time_with_a_request_in_flight() -> None:
         await task
         return mid, probe.busy_s(loop.time()), probe.busy_s(10.0), inflight
 
-    (mid, end, later, inflight), virtual, _ = run_virtual(main)
+    run = run_virtual(main)
+    mid, end, later, inflight = run.result
+    virtual = run.virtual_s
     assert virtual == pytest.approx(6.0)
     assert mid == pytest.approx(1.5) and inflight == 2
     assert end == pytest.approx(4.0) and later == pytest.approx(4.0)  # idle time after the last request is not busy

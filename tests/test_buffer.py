@@ -12,7 +12,7 @@ from flashrl.controller.buffer import GroupState, SampleBuffer
 from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 from flashrl.env import Task
-from flashrl.sim.fake import run_virtual
+from flashrl.sim.clock import run_virtual
 
 
 def traj(group: int, index: int, version: int, reward: float = 0.0) -> Trajectory:
@@ -219,4 +219,4 @@ def test_waiters_wake_on_a_completed_group_not_on_every_sample() -> None:
         await w
         return seen
 
-    assert run_virtual(main) == ["woken with 1 complete"]
+    assert run_virtual(main).result == ["woken with 1 complete"]

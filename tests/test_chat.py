@@ -21,7 +21,8 @@ from flashrl.env import Task
 from flashrl.models.chat import ChatFormat, ChatTemplateError, stop_token_ids
 from flashrl.models.chat_model import build_chat_model
 from flashrl.models.tokenizer import load_tokenizer
-from flashrl.sim.fake import FakeEngine, run_virtual
+from flashrl.sim.clock import run_virtual
+from flashrl.sim.fake import FakeEngine
 from flashrl.wire.protocol import Generate
 
 SYSTEM = "You are a careful guesser."
@@ -140,7 +141,7 @@ def test_multiturn_rollout_with_a_chat_model_is_token_exact(model_dir: Path) -> 
     task = Task(id="guess-x", prompt="Guess 0-9:\n", answer="7")
     spec = RolloutSpec(task=task, group=0, index=0, temperature=1.0, seed_key=(0, 0), sample_id="0-0")
     ctx.router.take(0)
-    t = run_virtual(lambda: run_sample(ctx, spec, 0))
+    t = run_virtual(lambda: run_sample(ctx, spec, 0)).result
     assert t.status == "ok" and t.turns == 3 and t.correct
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Guess 0-9:\n"}]
     assert t.prompt_ids == _render(tok, msgs)

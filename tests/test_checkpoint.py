@@ -36,17 +36,17 @@ from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream
 from flashrl.core.records import StepRecord
 from flashrl.metrics import MetricsWriter, read_jsonl
+from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import (
-    CharTokenizer,
     FakeEngine,
+    FakeSuite,
+    FakeTokenizer,
     FakeTrainer,
-    ScriptedSuite,
     default_script,
-    run_virtual,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TOK = CharTokenizer()
+TOK = FakeTokenizer()
 
 
 def config(tmp: Path, **sections: Any) -> Config:
@@ -62,7 +62,7 @@ def with_run(cfg: Config, **run: Any) -> Config:
 class Run:
     """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.run_local."""
 
-    def __init__(self, cfg: Config, suite: ScriptedSuite, *, resume: Any = None, engines: int = 2,
+    def __init__(self, cfg: Config, suite: FakeSuite, *, resume: Any = None, engines: int = 2,
                  trainer: FakeTrainer | None = None, stop_at_s: float | None = None) -> None:
         self.cfg = cfg
         self.trainer = trainer or FakeTrainer(train_s=0.5)
@@ -90,7 +90,7 @@ class Run:
             return await self.controller.run()
 
         try:
-            return run_virtual(main)
+            return run_virtual(main).result
         finally:
             self.writer.close()
 
@@ -110,7 +110,7 @@ def sync_cfg(tmp: Path, **run: Any) -> Config:
 
 def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path) -> None:
     """async_ratio 0: stop at step 3, resume to 6 == 6 uninterrupted steps (prompts, samples, versions)."""
-    suite = lambda: ScriptedSuite(n_train=5, n_eval=3)  # noqa: E731  (5 prompts: the epoch ends mid-batch)
+    suite = lambda: FakeSuite(n_train=5, n_eval=3)  # noqa: E731  (5 prompts: the epoch ends mid-batch)
     ref = Run(sync_cfg(tmp_path / "a"), suite())
     ref.go()
 
@@ -140,7 +140,7 @@ def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: 
 def test_env_suite_counters_continue_across_a_resume(tmp_path: Path) -> None:
     """The suite's own counters (env/<name> in metrics.jsonl) are in the checkpoint: a resumed run's
     records continue them (here env/steps: one per rollout) instead of starting again from 0."""
-    suite = lambda: ScriptedSuite(n_train=5, n_eval=0)  # noqa: E731
+    suite = lambda: FakeSuite(n_train=5, n_eval=0)  # noqa: E731
     ref = Run(sync_cfg(tmp_path / "a", eval_every=0), suite())
     ref.go()
     cfg = sync_cfg(tmp_path / "b", steps=3, eval_every=0)
@@ -157,12 +157,12 @@ def test_env_suite_counters_continue_across_a_resume(tmp_path: Path) -> None:
 def test_dropped_uids_are_checkpointed_and_kept_on_resume(tmp_path: Path) -> None:
     """A group given up (dropped/groups_*) is named by uid in the checkpoint, and a resumed run keeps the list."""
     cfg = sync_cfg(tmp_path, steps=3, eval_every=0)
-    first = Run(cfg, ScriptedSuite(n_train=5, n_eval=0))
+    first = Run(cfg, FakeSuite(n_train=5, n_eval=0))
     first.go()
     r = prepare_resume(with_run(cfg, steps=6))
     assert r.state.dropped_uids == []
     r.state.dropped_uids = [97]  # as if uid 97 had been dropped before the checkpoint
-    Run(with_run(cfg, steps=6), ScriptedSuite(n_train=5, n_eval=0), resume=r).go()
+    Run(with_run(cfg, steps=6), FakeSuite(n_train=5, n_eval=0), resume=r).go()
     assert find_checkpoint(cfg.run_dir).state.dropped_uids == [97]
 
 
@@ -172,7 +172,7 @@ def epoch_check(stream: DataStream, uids: list[int], epochs: int) -> None:
     n = stream.size
     for e in range(epochs):
         ids = sorted(stream.task_of(u).id for u in uids if u // n == e)
-        assert ids == sorted(t.id for t in ScriptedSuite(n_train=n).train_tasks()), f"epoch {e}: {ids}"
+        assert ids == sorted(t.id for t in FakeSuite(n_train=n).train_tasks()), f"epoch {e}: {ids}"
 
 
 @pytest.mark.parametrize("stops", [1, 3])
@@ -181,7 +181,7 @@ def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops
     cfg = config(tmp_path, run={"steps": 20, "seed": 5, "eval_every": 0, "checkpoint_every": 3},
                  rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
                  scheduler={"async_ratio": 2, "queue_scheduling": True})
-    suite = lambda: ScriptedSuite(n_train=7, n_eval=2)  # noqa: E731  (7 prompts: 5+ epochs in 20 steps)
+    suite = lambda: FakeSuite(n_train=7, n_eval=2)  # noqa: E731  (7 prompts: 5+ epochs in 20 steps)
     records: list[dict[str, Any]] = []
     run = Run(cfg, suite(), stop_at_s=3.0)
     summary = run.go()
@@ -207,7 +207,7 @@ def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops
 def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = sync_cfg(tmp_path, steps=6)
     trainer = FakeTrainer(train_s=0.5)
-    run = Run(cfg, ScriptedSuite(n_train=5), trainer=trainer)
+    run = Run(cfg, FakeSuite(n_train=5), trainer=trainer)
     saves = []
     orig = trainer.save_checkpoint
 
@@ -232,7 +232,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, cap
 
 def _checkpointed_run(tmp: Path) -> Config:
     cfg = sync_cfg(tmp, steps=4, checkpoint_every=1, keep_checkpoints=2)
-    Run(cfg, ScriptedSuite(n_train=5)).go()
+    Run(cfg, FakeSuite(n_train=5)).go()
     return cfg
 
 
@@ -380,6 +380,6 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path: Path) ->
     assert r.step == 3
     assert prepare_run_dir(more, r) == 1  # step 4's line dropped from metrics.jsonl
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3", "step-4.abandoned"]
-    Run(more, ScriptedSuite(n_train=5), resume=r).go()
+    Run(more, FakeSuite(n_train=5), resume=r).go()
     assert [n for n, _ in list_checkpoints(root)] == [5, 6] and (root / "step-4.abandoned").is_dir()
     assert [x["step"] for x in read_jsonl(cfg.run_dir / "metrics.jsonl")] == list(range(1, 7))  # (no eval split: no step 0)

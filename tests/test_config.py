@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+import tomllib
 
 from flashrl.config import Config, ConfigError, load, to_toml
 
@@ -21,8 +24,24 @@ def write(tmp_path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
-    cfg = load(path)
-    assert isinstance(cfg, Config)
+    """It loads, and every value the file sets is the value the run gets (none dropped or replaced)."""
+    raw = tomllib.loads(path.read_text())
+    assert _missing(raw, msgspec.to_builtins(load(path))) == []
+
+
+def _missing(want: Any, got: Any, key: str = "") -> list[str]:
+    """Where ``got`` (a loaded config, as plain data) differs from the file's ``want``: ``want``'s tables may
+    leave keys out (defaults), every value it sets must be there as written."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return [f"{key}: a table in the file, {got!r} loaded"]
+        return [m for k, v in want.items() for m in _missing(v, got.get(k, _ABSENT), f"{key}.{k}".lstrip("."))]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [m for i, (w, g) in enumerate(zip(want, got)) for m in _missing(w, g, f"{key}[{i}]")]
+    return [] if got == want else [f"{key}: {want!r} in the file, {got!r} loaded"]
+
+
+_ABSENT = object()
 
 
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
@@ -138,7 +157,7 @@ def test_cli_validate_rejects_bad_env_params() -> None:
 
 
 def test_config_and_env_params_errors_come_from_one_formatter() -> None:
-    """flashrl.validation.describe words both: the key path, the closest key, what the table accepts."""
+    """flashrl.config_errors.describe words both: the key path, the closest key, what the table accepts."""
     from flashrl.config import from_dict
     from flashrl.plugins import make_suite
 

@@ -1,4 +1,4 @@
-"""The Controller end to end on fakes, on a virtual clock (flashrl.sim.fake.run_virtual).
+"""The Controller end to end on fakes, on a virtual clock (flashrl.sim.clock.run_virtual).
 
 Every run here is minutes of scheduled time that takes milliseconds; times asserted are exact.
 """
@@ -18,18 +18,17 @@ from flashrl.config import Config
 from flashrl.controller.controller import Controller, RunSummary
 from flashrl.controller.scheduler import DataStream, request_seed
 from flashrl.core.records import StepRecord
-from flashrl.sim.clock import run_virtual as run_on_virtual_time
+from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import (
-    CharTokenizer,
     FakeEngine,
+    FakeSuite,
+    FakeTokenizer,
     FakeTrainer,
-    ScriptedSuite,
     default_script,
-    run_virtual,
 )
 from flashrl.wire.protocol import Generate, TrainBatch, TrainSample
 
-TOK = CharTokenizer()
+TOK = FakeTokenizer()
 
 
 def config(**sections: Any) -> Config:
@@ -43,7 +42,7 @@ def run(c: Controller) -> tuple[RunSummary, set[asyncio.Task[Any]]]:
         summary = await c.run()
         return summary, {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
-    return run_virtual(main)
+    return run_virtual(main).result
 
 
 def long_tail(seed: int) -> Any:
@@ -69,7 +68,7 @@ def check_staleness(batches: list[TrainBatch], ratio: int) -> int:
 
 
 # --------------------------------------------------------------------------- the synchronous baseline
-async def hand_written_sync_loop(cfg: Config, suite: ScriptedSuite, engine: FakeEngine, trainer: FakeTrainer) -> None:
+async def hand_written_sync_loop(cfg: Config, suite: FakeSuite, engine: FakeEngine, trainer: FakeTrainer) -> None:
     """The textbook loop: admit a batch, generate every sample, train, sync, repeat."""
     data = DataStream(suite.train_tasks(), cfg.run.seed)
     for step in range(cfg.run.steps):
@@ -108,12 +107,12 @@ def test_sync_baseline_reproduces_the_synchronous_loop_exactly() -> None:
     step_s = lambda task, turn: (int(task.id[1:]) % 4) * 0.3  # noqa: E731  (completion order != admission order)
     engines = [FakeEngine(f"e{i}", default_script(token_s=0.1 * (i + 1)), sync_s=1.0) for i in range(3)]
     trainer = FakeTrainer(train_s=0.5)
-    c = Controller(cfg, TOK, ScriptedSuite(n_train=7, n_eval=3, step_s=step_s), engines, trainer)
+    c = Controller(cfg, TOK, FakeSuite(n_train=7, n_eval=3, step_s=step_s), engines, trainer)
     summary, left = run(c)
     assert summary.steps == 5 and left == set()
 
     ref_engine, ref_trainer = FakeEngine("ref"), FakeTrainer()
-    run_virtual(lambda: hand_written_sync_loop(cfg, ScriptedSuite(n_train=7, step_s=step_s), ref_engine, ref_trainer))
+    run_virtual(lambda: hand_written_sync_loop(cfg, FakeSuite(n_train=7, step_s=step_s), ref_engine, ref_trainer))
     assert len(trainer.batches) == 5
     assert trainer.batches == ref_trainer.batches  # same samples, same order, same versions
     assert all(v == b.step for b in trainer.batches for s in b.samples for v in s.versions)
@@ -130,7 +129,7 @@ def test_sync_baseline_waits_for_published_weights() -> None:
     )
     eng = FakeEngine("e0", long_tail(0))
     trainer = FakeTrainer(train_s=1.0)
-    run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer))
+    run(Controller(cfg, TOK, FakeSuite(), [eng], trainer))
     for r, t in zip(eng.requests, eng.request_times):
         uid = int(r.request_id.split("-")[0])
         step = uid // 2
@@ -162,7 +161,7 @@ def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group
     engines = [FakeEngine(f"e{i}", long_tail(seed + i), sync_s=0.5) for i in range(n_engines)]
     trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0), sync_s=0.3)
     records: list[dict[str, Any]] = []
-    c = Controller(cfg, TOK, ScriptedSuite(n_train=5), engines, trainer, on_step=lambda r: records.append(r.to_dict()))
+    c = Controller(cfg, TOK, FakeSuite(n_train=5), engines, trainer, on_step=lambda r: records.append(r.to_dict()))
     summary, left = run(c)
     assert left == set() and summary.steps == 8
     worst = check_staleness(trainer.batches, ratio)
@@ -187,7 +186,7 @@ def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
     eng = FakeEngine("e0", script)
     trainer = FakeTrainer()
     records: list[dict[str, Any]] = []
-    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], trainer, on_step=lambda r: records.append(r.to_dict())))
+    summary, _ = run(Controller(cfg, TOK, FakeSuite(), [eng], trainer, on_step=lambda r: records.append(r.to_dict())))
     assert summary.counters["stale/dropped_samples"] == 1
     assert check_staleness(trainer.batches, 1) <= 1
     trained = [s.sample_id for b in trainer.batches for s in b.samples]
@@ -204,7 +203,7 @@ def test_admission_fills_capacity_exactly(ratio: int, batch: int, queue: bool) -
     )
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
     trainer = FakeTrainer(train_s=100.0)  # nothing is trained (no slot freed) for 100 s
-    run(Controller(cfg, TOK, ScriptedSuite(n_train=50), [eng], trainer))
+    run(Controller(cfg, TOK, FakeSuite(n_train=50), [eng], trainer))
     first_publish = trainer.train_times[0] + 100.0
     uids = {r.request_id.split("-")[0] for r, t in zip(eng.requests, eng.request_times) if t < first_publish}
     assert len(uids) == (ratio + 1) * batch
@@ -218,7 +217,7 @@ def test_async_beats_sync_on_a_long_tail() -> None:
             scheduler={"async_ratio": ratio, "queue_scheduling": queue},
         )
         engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
-        summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), engines, FakeTrainer(train_s=1.0)))
+        summary, _ = run(Controller(cfg, TOK, FakeSuite(), engines, FakeTrainer(train_s=1.0)))
         return summary.elapsed_s
 
     sync, flash = elapsed(0, False), elapsed(2, True)
@@ -236,7 +235,7 @@ def test_eval_records_at_start_every_n_and_end() -> None:
     engines = [FakeEngine("e0", script), FakeEngine("e1", script)]
     records: list[dict[str, Any]] = []
     snaps = []
-    c = Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=0.5), on_step=lambda r: records.append(r.to_dict()))
+    c = Controller(cfg, TOK, FakeSuite(n_eval=4), engines, FakeTrainer(train_s=0.5), on_step=lambda r: records.append(r.to_dict()))
     c.on_step = lambda r: (records.append(r.to_dict()), snaps.append(c.snapshot()))
     summary, _ = run(c)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
@@ -259,7 +258,7 @@ def test_max_time_stops_the_run() -> None:
     cfg = config(run={"steps": 1000, "max_time_s": 5.5}, rollout={"group_size": 1, "batch_prompts": 1})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), [eng], FakeTrainer(), on_step=lambda r: records.append(r.to_dict())))
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=2), [eng], FakeTrainer(), on_step=lambda r: records.append(r.to_dict())))
     assert summary.stop_reason == "max_time" and left == set()
     # exactly one record per step (metrics.jsonl: one line per step), in order, step 0 = first eval
     assert [r["step"] for r in records] == list(range(summary.steps + 1))
@@ -282,7 +281,7 @@ def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -
                      rollout={"group_size": 1, "batch_prompts": 1})
         eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
         typed: list[StepRecord] = []
-        summary, _ = run(Controller(cfg, TOK, ScriptedSuite(n_eval=1), [eng], FakeTrainer(train_s=0.25),
+        summary, _ = run(Controller(cfg, TOK, FakeSuite(n_eval=1), [eng], FakeTrainer(train_s=0.25),
                                     on_step=typed.append))
         records = [r.to_dict() for r in typed]
         assert [r["step"] for r in records] == list(range(summary.steps + 1)), max_time
@@ -296,7 +295,7 @@ def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -
 def test_shutdown_aborts_inflight_closes_envs_leaves_no_task() -> None:
     cfg = config(run={"steps": 3}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 2})
     engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
-    suite = ScriptedSuite()
+    suite = FakeSuite()
     c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=0.2))
     summary, left = run(c)
     assert left == set()
@@ -310,7 +309,7 @@ def test_shutdown_aborts_inflight_closes_envs_leaves_no_task() -> None:
 def test_crash_propagates_after_cleanup(where: str) -> None:
     cfg = config(run={"steps": 5}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
-    suite = ScriptedSuite(n_train=4, crash=(lambda t, call: t.id == "t3") if where == "env" else None)
+    suite = FakeSuite(n_train=4, crash=(lambda t, call: t.id == "t3") if where == "env" else None)
     trainer = FakeTrainer(fail_at_step=2 if where == "trainer" else None)
     c = Controller(cfg, TOK, suite, engines, trainer)
 
@@ -320,7 +319,7 @@ def test_crash_propagates_after_cleanup(where: str) -> None:
         assert ("fake trainer failure at step 2" if where == "trainer" else "scripted env bug on t3") in str(ei.value)
         return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
-    assert run_virtual(main) == set()
+    assert run_virtual(main).result == set()
     assert c.status == "crashed"
     assert [e.inflight for e in engines] == [0, 0] and suite.closed == suite.opened
 
@@ -329,7 +328,7 @@ def test_dead_engine_mid_run_is_survived_and_skipped_at_sync() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     dying = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
     healthy = FakeEngine("e1", lambda r, v: ([ord("1")], 1.0))
-    c = Controller(cfg, TOK, ScriptedSuite(), [dying, healthy], FakeTrainer())
+    c = Controller(cfg, TOK, FakeSuite(), [dying, healthy], FakeTrainer())
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
     assert summary.counters["engine/deaths"] == 1
@@ -342,14 +341,14 @@ def test_dead_engine_mid_run_is_survived_and_skipped_at_sync() -> None:
 def test_failed_weight_load_is_a_loud_error() -> None:
     cfg = config(run={"steps": 3}, rollout={"group_size": 1, "batch_prompts": 1})
     engines = [FakeEngine("e0"), FakeEngine("bad", update_ok=False)]
-    c = Controller(cfg, TOK, ScriptedSuite(), engines, FakeTrainer())
+    c = Controller(cfg, TOK, FakeSuite(), engines, FakeTrainer())
     with pytest.raises(RuntimeError, match="engine bad failed to load weights version 1"):
         run(c)
 
 
 def test_env_failures_are_retried_not_lost() -> None:
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
-    suite = ScriptedSuite(fail=lambda t, call: "crash" if call == 0 else None)
+    suite = FakeSuite(fail=lambda t, call: "crash" if call == 0 else None)
     trainer = FakeTrainer()
     summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], trainer))
     assert summary.steps == 4
@@ -362,7 +361,7 @@ async def test_runs_on_the_real_event_loop_clock_too() -> None:
     cfg = config(run={"steps": 3}, rollout={"group_size": 2, "batch_prompts": 2})
     engines = [FakeEngine(f"e{i}", default_script(token_s=0.001)) for i in range(2)]
     trainer = FakeTrainer(train_s=0.002)
-    summary = await Controller(cfg, TOK, ScriptedSuite(n_eval=2), engines, trainer).run()
+    summary = await Controller(cfg, TOK, FakeSuite(n_eval=2), engines, trainer).run()
     assert summary.steps == 3 and len(trainer.batches) == 3
     assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()
     check_staleness(trainer.batches, 2)
@@ -373,9 +372,9 @@ def test_held_step_record_is_emitted_when_the_run_crashes_while_waiting() -> Non
     cfg = config(run={"steps": 50, "max_time_s": 1000.0}, rollout={"group_size": 1, "batch_prompts": 1},
                  scheduler={"async_ratio": 0, "queue_scheduling": False})
     # sync loop: uid k is step k; the env of uid 3's task crashes (a bug) while step 3 waits for it
-    data = DataStream(ScriptedSuite().train_tasks(), cfg.run.seed)
+    data = DataStream(FakeSuite().train_tasks(), cfg.run.seed)
     bad = [data.next()[1].id for _ in range(4)][3]
-    suite = ScriptedSuite(crash=lambda t, call: t.id == bad)
+    suite = FakeSuite(crash=lambda t, call: t.id == bad)
     records: list[dict[str, Any]] = []
     c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
     with pytest.raises(ValueError, match=f"scripted env bug on {bad}"):
@@ -401,12 +400,12 @@ def test_snapshot_rates_and_busy_fraction_are_current_not_run_averages() -> None
                  scheduler={"async_ratio": 0, "queue_scheduling": False})
     eng = FakeEngine("e0", script)
     snaps: dict[int, Any] = {}
-    c = Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer(train_s=1.0))
+    c = Controller(cfg, TOK, FakeSuite(), [eng], FakeTrainer(train_s=1.0))
     before = c.snapshot()
     assert before.samples_per_s == 0.0 and before.engines[0].busy_fraction == 0.0
     c.on_step = lambda r: snaps.__setitem__(r.step, (c.snapshot(), r.to_dict()))
     # the loop clock does not start at 0 (a real loop's never does): windows count from run()'s start
-    summary = run_on_virtual_time(c.run, start=100.0)[0]
+    summary = run_virtual(c.run, start=100.0).result
     s2, _ = snaps[2]  # t = 4: less than a window since the start, so over 4 s
     assert s2.elapsed_s == 4.0
     assert s2.engines[0].busy_fraction == pytest.approx(2 / 4)
@@ -427,7 +426,7 @@ def test_snapshot_rates_and_busy_fraction_are_current_not_run_averages() -> None
 # --------------------------------------------------------------------------- environment suites
 def test_suite_counters_exported_and_suite_closed() -> None:
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
-    suite = ScriptedSuite(fail=lambda t, call: "crash" if call == 0 else None)
+    suite = FakeSuite(fail=lambda t, call: "crash" if call == 0 else None)
     records: list[dict[str, Any]] = []
     c = Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
     summary, _ = run(c)
@@ -445,7 +444,7 @@ def test_faulty_suite_counters_and_aclose_pass_through() -> None:
     from envs.faults import FaultySuite, parse_faults
 
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 3})
-    inner = ScriptedSuite()
+    inner = FakeSuite()
     suite = FaultySuite(inner, parse_faults({"crash": 0.3, "delay": {"kind": "constant", "seconds": 0.25}}), seed=1)
     records: list[dict[str, Any]] = []
     summary, _ = run(Controller(cfg, TOK, suite, [FakeEngine("e0")], FakeTrainer(), on_step=lambda r: records.append(r.to_dict())))
@@ -475,7 +474,7 @@ def test_engine_dead_before_the_sync_is_skipped_not_fatal() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     script = lambda r, v: ([ord("1")], 1.0)  # noqa: E731
     victim, healthy = FakeEngine("e0", script), FakeEngine("e1", script)
-    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], KillingTrainer(victim, at_version=2, train_s=0.5))
+    c = Controller(cfg, TOK, FakeSuite(), [victim, healthy], KillingTrainer(victim, at_version=2, train_s=0.5))
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
     assert summary.counters["weight_sync/found_dead_engines"] == 1
@@ -492,7 +491,7 @@ def test_all_engines_dead_at_the_sync_is_a_loud_error() -> None:
                  scheduler={"async_ratio": 0, "queue_scheduling": False})
     eng = FakeEngine("e0")
     with pytest.raises(RuntimeError, match="no live engine to publish weights version 2"):
-        run(Controller(cfg, TOK, ScriptedSuite(), [eng], KillingTrainer(eng, at_version=2)))
+        run(Controller(cfg, TOK, FakeSuite(), [eng], KillingTrainer(eng, at_version=2)))
 
 
 def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
@@ -509,7 +508,7 @@ def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
                  scheduler={"async_ratio": 1, "queue_scheduling": True})
     eng = FakeEngine("e0", script)
     trainer = FakeTrainer()
-    suite = ScriptedSuite(turns=3)
+    suite = FakeSuite(turns=3)
     summary, left = run(Controller(cfg, TOK, suite, [eng], trainer))
     assert summary.steps == 4 and left == set()
     assert summary.counters["rollout/aborted_stale"] == 1
@@ -528,7 +527,7 @@ def test_single_turn_stale_sample_is_left_to_the_buffer() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1},
                  scheduler={"async_ratio": 1, "queue_scheduling": True})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")] * 4, 3.5) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0))
-    summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer()))
+    summary, _ = run(Controller(cfg, TOK, FakeSuite(), [eng], FakeTrainer()))
     assert "rollout/aborted_stale" not in summary.counters
     assert summary.counters["stale/dropped_samples"] == 1
 
@@ -581,7 +580,7 @@ def test_dead_engine_is_restarted_caught_up_and_used_again(how: str) -> None:
     victim = FakeEngine("e0", script, die_at=2.5) if how == "during generation" else DiesInSync("e0", at_version=2)
     healthy = FakeEngine("e1", script)
     restarter = FakeRestarter(delay=3.0)
-    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], FakeTrainer(train_s=0.5), restarter=restarter)
+    c = Controller(cfg, TOK, FakeSuite(), [victim, healthy], FakeTrainer(train_s=0.5), restarter=restarter)
     summary, left = run(c)
     assert summary.steps == 10 and left == set()
     assert summary.counters["engine/deaths"] == 1 and summary.counters["engine/restarts"] == 1
@@ -598,7 +597,7 @@ def test_only_engine_dies_rollouts_wait_for_its_restart() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     only = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
     restarter = FakeRestarter(delay=5.0)
-    c = Controller(cfg, TOK, ScriptedSuite(), [only], FakeTrainer(train_s=0.5), restarter=restarter)
+    c = Controller(cfg, TOK, FakeSuite(), [only], FakeTrainer(train_s=0.5), restarter=restarter)
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
     assert summary.counters["engine/restarts"] == 1 and summary.counters.get("rollout/failed_engine_dead", 0) == 0
@@ -609,7 +608,7 @@ def test_engine_given_up_stays_down_and_the_run_goes_on() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     script = lambda r, v: ([ord("1")], 1.0)  # noqa: E731
     victim, healthy = FakeEngine("e0", script, die_at=2.5), FakeEngine("e1", script)
-    c = Controller(cfg, TOK, ScriptedSuite(), [victim, healthy], FakeTrainer(train_s=1.0), restarter=FakeRestarter(give_up=True))
+    c = Controller(cfg, TOK, FakeSuite(), [victim, healthy], FakeTrainer(train_s=1.0), restarter=FakeRestarter(give_up=True))
     summary, left = run(c)
     assert summary.steps == 6 and left == set()
     assert summary.counters["engine/gave_up"] == 1 and summary.counters.get("engine/restarts", 0) == 0
@@ -619,7 +618,7 @@ def test_engine_given_up_stays_down_and_the_run_goes_on() -> None:
 def test_all_engines_given_up_is_a_loud_error() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     only = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)
-    c = Controller(cfg, TOK, ScriptedSuite(), [only], FakeTrainer(), restarter=FakeRestarter(give_up=True))
+    c = Controller(cfg, TOK, FakeSuite(), [only], FakeTrainer(), restarter=FakeRestarter(give_up=True))
     with pytest.raises(RuntimeError, match="no live engine"):
         run(c)
 
@@ -654,7 +653,7 @@ def _overlap_run(overlap: bool, ratio: int = 2, steps: int = 6) -> tuple[RunSumm
     engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 0.1), sync_s=1.5) for i in range(2)]
     trainer = TimedTrainer(train_s=2.0, sync_s=1.0)
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=3), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=3), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
     assert left == set() and summary.steps == steps
     return summary, trainer, engines, records
 
@@ -704,7 +703,7 @@ def test_overlap_eval_tokens_come_only_from_the_evaluated_version(eval_s: float)
                  scheduler={"async_ratio": 2})
     engines = [Recording("e0"), Recording("e1")]
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=4), engines, FakeTrainer(train_s=1.0, sync_s=0.5),
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=4), engines, FakeTrainer(train_s=1.0, sync_s=0.5),
                                    on_step=lambda r: records.append(r.to_dict())))
     assert left == set() and summary.steps == 7
     evals = [(rid, v) for e in engines for rid, v in e.outputs if rid.startswith("eval")]
@@ -731,7 +730,7 @@ def test_sync_failure_ends_the_run_with_its_named_error(overlap: bool, where: st
     bad = FakeEngine("bad", update_ok=where != "engine")
     trainer = FailingSend(train_s=1.0, sync_s=0.5) if where == "trainer" else FakeTrainer(train_s=1.0, sync_s=0.5)
     engines = [FakeEngine("e0"), bad]
-    c = Controller(cfg, TOK, ScriptedSuite(), engines, trainer)
+    c = Controller(cfg, TOK, FakeSuite(), engines, trainer)
 
     async def main() -> set[asyncio.Task[Any]]:
         with pytest.raises(RuntimeError) as ei:
@@ -740,7 +739,7 @@ def test_sync_failure_ends_the_run_with_its_named_error(overlap: bool, where: st
         assert want in str(ei.value)
         return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
-    assert run_virtual(main) == set()
+    assert run_virtual(main).result == set()
     assert c.status == "crashed"
     assert c.version <= (1 if where == "engine" else 4)  # at most the step beside the failed sync was trained
 
@@ -754,7 +753,7 @@ def test_sync_mode_with_overlap_runs_to_completion_on_policy(overlap: bool) -> N
     engines = [FakeEngine(f"e{i}", long_tail(i), sync_s=0.5) for i in range(2)]
     trainer = FakeTrainer(train_s=1.0, sync_s=0.25)
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=2), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=2), engines, trainer, on_step=lambda r: records.append(r.to_dict())))
     assert left == set() and summary.steps == 6 and summary.stop_reason == "steps"
     assert all(v == b.step for b in trainer.batches for s in b.samples for v in s.versions)
     assert summary.counters.get("stale/dropped_samples", 0) == 0
@@ -768,7 +767,7 @@ def test_a_step_record_says_how_busy_the_least_busy_engine_was() -> None:
     occ = [{"stepping": 0.7, "commands": 0.25}, {"stepping": 0.5, "commands": 0.1}]
     engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 0.01), occupancy=occ[i]) for i in range(2)]
     records: list[dict[str, Any]] = []
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=3), engines, FakeTrainer(),
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=3), engines, FakeTrainer(),
                                    on_step=lambda r: records.append(r.to_dict())))
     assert left == set() and summary.steps == 3
     for r in records[1:]:

@@ -20,7 +20,7 @@ from flashrl.controller.controller import Controller
 from flashrl.controller.scheduler import DataStream
 from flashrl.env import EnvFailure
 from flashrl.plugins import PluginError, make_suite
-from flashrl.sim.fake import CharTokenizer, FakeEngine, FakeTrainer, default_script
+from flashrl.sim.fake import FakeEngine, FakeTokenizer, FakeTrainer, default_script
 
 ROWS = [{"id": f"p{i}", "q": f"{i}+{i}", "a": 2 * i, "level": i % 3} for i in range(20)]
 
@@ -193,7 +193,7 @@ async def test_controller_logs_reward_metrics_and_samples(tmp_path: Path) -> Non
     records: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
     engines = [FakeEngine("e0", default_script(token_s=0.001))]
-    ctl = Controller(c, CharTokenizer(), s, engines, FakeTrainer(train_s=0.002), on_step=lambda r: records.append(r.to_dict()), on_samples=samples.extend)
+    ctl = Controller(c, FakeTokenizer(), s, engines, FakeTrainer(train_s=0.002), on_step=lambda r: records.append(r.to_dict()), on_samples=samples.extend)
     summary = await ctl.run()
     assert summary.steps == 3
     steps = [r for r in records if r["step"] > 0]
@@ -215,7 +215,7 @@ async def test_a_raising_reward_is_retried_as_an_infrastructure_failure(tmp_path
     (tmp_path / "rw.py").write_text(textwrap.dedent(REWARD))
     s = suite(jsonl(tmp_path / "d.jsonl", ROWS), reward=f"{tmp_path}/rw.py:boom", eval_fraction=0)
     c = cfg(run={"steps": 1, "max_time_s": 5.0}, rollout={"group_size": 2, "batch_prompts": 1, "max_retries": 1})
-    ctl = Controller(c, CharTokenizer(), s, [FakeEngine("e0", default_script(token_s=0.001))], FakeTrainer())
+    ctl = Controller(c, FakeTokenizer(), s, [FakeEngine("e0", default_script(token_s=0.001))], FakeTrainer())
     summary = await ctl.run()
     assert summary.steps == 0 and summary.stop_reason == "max_time"  # nothing scored 0 was ever trained
     n = summary.counters["rollout/retry_env_reward_error"]

@@ -10,7 +10,7 @@ import pytest
 
 from envs import make_suite
 from envs.remote import WORKER_REPLIES, WORKER_REQUESTS, EnvReset, EnvStepped, RemoteSuite
-from flashrl.env import EnvFailure, Task
+from flashrl.env import EnvFailure, StepResult, Task
 from flashrl.wire.protocol import ProtocolError, encode
 
 TASK = Task(id="g", prompt="Guess 0-9:\n", answer="6")
@@ -126,5 +126,8 @@ async def test_exit_fault_ends_only_the_worker() -> None:
         await suite.aclose()
 
 
-def test_stepped_reply_type() -> None:
-    assert isinstance(WORKER_REPLIES.decode(encode(EnvStepped())), EnvStepped)
+def test_stepped_reply_crosses_the_wire_intact() -> None:
+    """A worker's step result reaches the suite as it left: the reply type and every field of the result."""
+    sent = EnvStepped(result=StepResult(observation=" obs ", reward=0.5, done=False, info={"correct": True, "n": 2}))
+    assert WORKER_REPLIES.decode(encode(sent)) == sent
+    assert WORKER_REPLIES.decode(encode(EnvStepped())) == EnvStepped()  # the defaults (omitted on the wire) too

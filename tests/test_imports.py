@@ -33,7 +33,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     # services every role uses
     "flashrl.procs",
     "flashrl.logging_setup",
-    "flashrl.validation",  # msgspec errors as key paths with the fix (config and env.params)
+    "flashrl.config_errors",  # msgspec errors as key paths with the fix (config and env.params)
     "flashrl.plugins",
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs

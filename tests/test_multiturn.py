@@ -15,10 +15,11 @@ from flashrl.config import Config
 from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.env import Task
-from flashrl.sim.fake import CharTokenizer, FakeEngine, run_virtual
+from flashrl.sim.clock import run_virtual
+from flashrl.sim.fake import FakeEngine, FakeTokenizer
 from flashrl.wire.protocol import Generate
 
-TOK = CharTokenizer()
+TOK = FakeTokenizer()
 TASK = Task(id="guess-x", prompt="Guess 0-9:\n", answer="7")
 
 
@@ -35,7 +36,7 @@ def _run(env_params: dict[str, Any], guesses: list[str], **rollout: Any) -> tupl
     )  # fmt: skip
     spec = RolloutSpec(task=TASK, group=0, index=0, temperature=1.0, seed_key=(0, 0), sample_id="0-0")
     ctx.router.take(0)
-    return run_virtual(lambda: run_sample(ctx, spec, 0)), eng, ctx
+    return run_virtual(lambda: run_sample(ctx, spec, 0)).result, eng, ctx
 
 
 def test_guess_episode_token_layout_with_delays() -> None:

@@ -16,14 +16,14 @@ from flashrl.controller.controller import Controller
 from flashrl.core.records import BatchStats, EvalStats, StepRecord
 from flashrl.env import StepResult
 from flashrl.metrics import MetricsWriter
+from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import (
-    CharTokenizer,
     FakeEngine,
+    FakeEnv,
+    FakeSuite,
+    FakeTokenizer,
     FakeTrainer,
-    ScriptedEnv,
-    ScriptedSuite,
     default_script,
-    run_virtual,
 )
 from flashrl.wire.protocol import TrainBatch, TrainResult, WeightManifest
 
@@ -55,7 +55,7 @@ class RichTrainer(FakeTrainer):
         return WeightManifest(version=version, timings={"gather_s": 0.001})
 
 
-class MetricEnv(ScriptedEnv):
+class MetricEnv(FakeEnv):
     async def step(self, action: str) -> StepResult:
         r = await super().step(action)
         if not r.done:
@@ -64,7 +64,7 @@ class MetricEnv(ScriptedEnv):
         return StepResult(reward=r.reward, done=True, info={**r.info, "metrics": {"format": 1.0, "mean": 0.3}})
 
 
-class MetricSuite(ScriptedSuite):
+class MetricSuite(FakeSuite):
     def make_env(self) -> MetricEnv:
         self.opened += 1
         return MetricEnv(self)
@@ -80,7 +80,7 @@ def _run(tmp_path: Path) -> tuple[list[StepRecord], list[dict[str, Any]]]:
             records.append(r)
             writer.write(r)
 
-        c = Controller(cfg, CharTokenizer(), MetricSuite(n_eval=2), [FakeEngine("e0", default_script(token_s=0.05))],
+        c = Controller(cfg, FakeTokenizer(), MetricSuite(n_eval=2), [FakeEngine("e0", default_script(token_s=0.05))],
                        RichTrainer(train_s=0.5), on_step=on_step)
         run_virtual(c.run)
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Rollout coroutines on fakes, on a virtual clock (flashrl.sim.fake.run_virtual): times are exact."""
+"""Rollout coroutines on fakes, on a virtual clock (flashrl.sim.clock.run_virtual): times are exact."""
 
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_group, r
 from flashrl.controller.scheduler import Router
 from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
-from flashrl.sim.fake import CharTokenizer, FakeEngine, ScriptedSuite, run_virtual
+from flashrl.sim.clock import run_virtual
+from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer
 from flashrl.wire.protocol import Generate, TrainSample
 
-TOK = CharTokenizer()
+TOK = FakeTokenizer()
 
 
 def config(**sections: Any) -> Config:
     return msgspec.convert(sections, Config)
 
 
-def make_ctx(cfg: Config, engines: list[FakeEngine], suite: ScriptedSuite) -> RolloutContext:
+def make_ctx(cfg: Config, engines: list[FakeEngine], suite: FakeSuite) -> RolloutContext:
     return RolloutContext(
         cfg=cfg,
         tokenizer=TOK,
@@ -59,12 +60,12 @@ def test_multi_turn_concatenates_token_ids_with_masks() -> None:
 
     cfg = config(rollout={"max_turns": 4, "max_new_tokens": 4}, model={"max_model_len": 64})
     eng = FakeEngine("e0", script)
-    suite = ScriptedSuite(turns=3)
+    suite = FakeSuite(turns=3)
     ctx = make_ctx(cfg, [eng], suite)
     task = suite.train_tasks()[3]  # prompt "t3?", answer "3"
     spec = RolloutSpec(task=task, group=0, index=0, temperature=1.0, seed_key=(0, 0), sample_id="0-0")
     ctx.router.take(0)
-    t = run_virtual(lambda: run_sample(ctx, spec, 0))
+    t = run_virtual(lambda: run_sample(ctx, spec, 0)).result
     g0, o1, g1, o2, g2 = TOK.encode("a0"), TOK.encode(" obs1 "), TOK.encode("a1"), TOK.encode(" obs2 "), TOK.encode("3")
     assert t.status == "ok" and t.turns == 3 and t.finish_reason == "stop"
     assert t.prompt_ids == TOK.encode("t3?")
@@ -87,15 +88,15 @@ def test_multi_turn_concatenates_token_ids_with_masks() -> None:
 def test_turn_and_length_limits() -> None:
     cfg = config(rollout={"max_turns": 2, "max_new_tokens": 8}, model={"max_model_len": 64})
     eng = FakeEngine("e0", lambda req, v: ([ord("x")] * 3, 1.0))
-    ctx = make_ctx(cfg, [eng], ScriptedSuite(turns=5))
-    ok, out = run_virtual(lambda: group(ctx, 1))
+    ctx = make_ctx(cfg, [eng], FakeSuite(turns=5))
+    ok, out = run_virtual(lambda: group(ctx, 1)).result
     assert ok and out[0].finish_reason == "max_turns" and out[0].turns == 2
     assert out[0].loss_mask[-3:] == [1, 1, 1]  # no observation after the last turn
 
     cfg = config(rollout={"max_turns": 50, "max_new_tokens": 8}, model={"max_model_len": 20})
     eng = FakeEngine("e0", lambda req, v: ([ord("x")] * req.max_tokens, 1.0))
-    ctx = make_ctx(cfg, [eng], ScriptedSuite(turns=50))
-    ok, out = run_virtual(lambda: group(ctx, 1))
+    ctx = make_ctx(cfg, [eng], FakeSuite(turns=50))
+    ok, out = run_virtual(lambda: group(ctx, 1)).result
     t = out[0]
     assert ok and t.finish_reason == "max_model_len"
     assert len(t.prompt_ids) + len(t.response_ids) == 20
@@ -105,14 +106,14 @@ def test_turn_and_length_limits() -> None:
 def test_redundancy_keeps_first_finishers_and_aborts_the_rest() -> None:
     cfg = config(scheduler={"replication": True})
     engines = [FakeEngine("e0", by_index([4, 1, 3, 2])), FakeEngine("e1", by_index([4, 1, 3, 2]))]
-    suite = ScriptedSuite()
+    suite = FakeSuite()
     ctx = make_ctx(cfg, engines, suite)
 
     async def main() -> tuple[bool, list[Trajectory], float]:
         ok, out = await group(ctx, need=2, extra=2)
         return ok, out, anyio.current_time()
 
-    ok, out, t = run_virtual(main)
+    ok, out, t = run_virtual(main).result
     assert ok and [x.index for x in out] == [1, 3]  # finish order
     assert t == 2.0  # did not wait for the slow ones
     aborted = sorted(engines[0].aborted + engines[1].aborted)
@@ -126,7 +127,7 @@ def test_redundancy_keeps_first_finishers_and_aborts_the_rest() -> None:
 def test_replication_spreads_requests(replication: bool, expected: list[int]) -> None:
     cfg = config(scheduler={"replication": replication})
     engines = [FakeEngine(f"e{i}") for i in range(4)]
-    ctx = make_ctx(cfg, engines, ScriptedSuite())
+    ctx = make_ctx(cfg, engines, FakeSuite())
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -141,9 +142,9 @@ def test_replication_spreads_requests(replication: bool, expected: list[int]) ->
 
 def test_env_failure_is_retried_and_counted() -> None:
     cfg = config(rollout={"max_retries": 2})
-    suite = ScriptedSuite(fail=lambda task, call: "crash" if call == 0 else None)
+    suite = FakeSuite(fail=lambda task, call: "crash" if call == 0 else None)
     ctx = make_ctx(cfg, [FakeEngine("e0"), FakeEngine("e1")], suite)
-    ok, out = run_virtual(lambda: group(ctx, need=3))
+    ok, out = run_virtual(lambda: group(ctx, need=3)).result
     assert ok and len(out) == 3
     # the three samples share one task: only the first env.step of that task fails
     assert ctx.counters["rollout/retry_env_crash"] == 1
@@ -153,10 +154,10 @@ def test_env_failure_is_retried_and_counted() -> None:
 
 def test_retries_exhausted_make_the_group_unfillable() -> None:
     cfg = config(rollout={"max_retries": 1})
-    suite = ScriptedSuite(fail=lambda task, call: "garbage")
+    suite = FakeSuite(fail=lambda task, call: "garbage")
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))
     ctx = make_ctx(cfg, [eng], suite)
-    ok, out = run_virtual(lambda: group(ctx, need=2))
+    ok, out = run_virtual(lambda: group(ctx, need=2)).result
     assert not ok and out == []
     assert ctx.counters["rollout/retry_env_garbage"] == 2  # each sample retried once
     assert 1 <= ctx.counters["rollout/failed_env_garbage"] <= 2  # the group gives up at the first hopeless one
@@ -166,14 +167,14 @@ def test_retries_exhausted_make_the_group_unfillable() -> None:
 
 def test_env_deadline_is_an_infrastructure_failure() -> None:
     cfg = config(rollout={"turn_timeout_s": 1.5, "max_retries": 1})
-    suite = ScriptedSuite(hang=lambda task, call: call == 0)
+    suite = FakeSuite(hang=lambda task, call: call == 0)
     ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], suite)
 
     async def main() -> tuple[bool, list[Trajectory], float]:
         ok, out = await group(ctx, need=1)
         return ok, out, anyio.current_time()
 
-    ok, out, t = run_virtual(main)
+    ok, out, t = run_virtual(main).result
     assert ok and out[0].attempts == 2
     assert ctx.counters["rollout/retry_env_timeout"] == 1
     assert t == 1.0 + 1.5 + 1.0  # generate, hung step cut at the deadline, second attempt's generate
@@ -182,8 +183,8 @@ def test_env_deadline_is_an_infrastructure_failure() -> None:
 def test_trajectory_deadline_fails_without_retry_and_aborts_the_request() -> None:
     cfg = config(rollout={"trajectory_timeout_s": 5.0, "max_retries": 3})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")], 100.0))
-    ctx = make_ctx(cfg, [eng], ScriptedSuite())
-    ok, out = run_virtual(lambda: group(ctx, need=1))
+    ctx = make_ctx(cfg, [eng], FakeSuite())
+    ok, out = run_virtual(lambda: group(ctx, need=1)).result
     assert not ok
     assert ctx.counters["rollout/failed_trajectory_timeout"] == 1
     assert len(eng.requests) == 1 and eng.aborted == ["0-0.0.0"] and eng.inflight == 0
@@ -193,13 +194,13 @@ def test_dead_engine_rollouts_move_to_another_engine() -> None:
     cfg = config(rollout={"max_retries": 1})
     dead = FakeEngine("e0", lambda r, v: ([ord("1")], 10.0), die_at=2.0)  # dies mid-request
     alive = FakeEngine("e1", lambda r, v: ([ord("1")], 10.0))
-    ctx = make_ctx(cfg, [dead, alive], ScriptedSuite())
+    ctx = make_ctx(cfg, [dead, alive], FakeSuite())
 
     async def main() -> tuple[bool, list[Trajectory], float]:
         ok, out = await group(ctx, need=4)
         return ok, out, anyio.current_time()
 
-    ok, out, t = run_virtual(main)
+    ok, out, t = run_virtual(main).result
     assert ok and len(out) == 4
     assert {x.engine for x in out} == {"e1"}
     assert ctx.counters["engine/deaths"] == 1 and ctx.counters["engine/retried_requests"] == 2
@@ -210,13 +211,13 @@ def test_dead_engine_rollouts_move_to_another_engine() -> None:
 def test_env_async_frees_the_engine_slot_during_env_steps() -> None:
     def elapsed(env_async: bool) -> float:
         cfg = config(rollout={"env_async": env_async}, engine={"max_num_seqs": 1})
-        ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], ScriptedSuite(step_s=1.0))
+        ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], FakeSuite(step_s=1.0))
 
         async def main() -> float:
             await group(ctx, need=2)
             return anyio.current_time()
 
-        return run_virtual(main)
+        return run_virtual(main).result
 
     # one slot, two rollouts of generate 1 s + env step 1 s
     assert elapsed(True) == 3.0  # B generates while A's env steps
@@ -224,7 +225,7 @@ def test_env_async_frees_the_engine_slot_during_env_steps() -> None:
 
 
 def test_env_bug_is_not_swallowed() -> None:
-    ctx = make_ctx(config(), [FakeEngine("e0")], ScriptedSuite(crash=lambda t, c: True))
+    ctx = make_ctx(config(), [FakeEngine("e0")], FakeSuite(crash=lambda t, c: True))
     with pytest.raises(BaseException) as ei:
         run_virtual(lambda: group(ctx, need=1))
     assert "scripted env bug" in repr(ei.value)
@@ -243,7 +244,7 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
 
     cfg = config(rollout={"max_turns": 3, "max_retries": 0}, scheduler={"async_ratio": 1})
     eng = FakeEngine("e0", lambda req, v: ([ord("3")], 1.0))
-    suite = ScriptedSuite(turns=3)
+    suite = FakeSuite(turns=3)
     ctx = make_ctx(cfg, [eng], suite)
     ctx.staleness = Staleness(cfg.scheduler.async_ratio)
     group = -1 if case == "eval" else 0
@@ -267,7 +268,7 @@ def test_stale_multi_turn_rollout_is_cancelled_and_restarted(case: str) -> None:
             await eng.update_weights(WeightManifest(version=1))
         return result[0]
 
-    t = run_virtual(main)
+    t = run_virtual(main).result
     assert t.status == "ok" and t.turns == 3 and t.reward == 1.0
     gen_versions = [v for v, m in zip(t.versions, t.loss_mask) if m]
     if case == "eval":
@@ -294,7 +295,7 @@ def test_trajectory_deadlines_expire_in_start_order_whatever_finished_before() -
         return [ord("1")], durations[(int(sid.split("-")[-1]), int(attempt))]
 
     cfg = config(rollout={"trajectory_timeout_s": 5.0, "max_retries": 1})
-    suite = ScriptedSuite(fail=lambda task, call: "crash" if task.id == "t0" and call == 0 else None)
+    suite = FakeSuite(fail=lambda task, call: "crash" if task.id == "t0" and call == 0 else None)
     eng = FakeEngine("e0", script)
     ctx = make_ctx(cfg, [eng], suite)
 
@@ -312,7 +313,7 @@ def test_trajectory_deadlines_expire_in_start_order_whatever_finished_before() -
                 tg.start_soon(one, k)
         return out
 
-    out = run_virtual(main)
+    out = run_virtual(main).result
     assert (out[2][0].status, out[2][1]) == ("ok", 2.0)
     assert (out[1][0].failure, out[1][1]) == ("trajectory_timeout", 5.0)
     # sample 0 failed its env step at 1 s and was retried: the retry's deadline is 1 + 5 s
@@ -328,7 +329,7 @@ def test_rollouts_cancelled_before_their_first_step_release_their_engine_counts(
     engine count): the group's cleanup releases it instead."""
     from flashrl.aio import cancel_and_wait
 
-    ctx = make_ctx(config(), [FakeEngine("e0"), FakeEngine("e1")], ScriptedSuite())
+    ctx = make_ctx(config(), [FakeEngine("e0"), FakeEngine("e1")], FakeSuite())
 
     async def main() -> list[Any]:
         engines = [ctx.router.pick() for _ in range(3)]
@@ -340,13 +341,13 @@ def test_rollouts_cancelled_before_their_first_step_release_their_engine_counts(
         await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))  # before any of them ran
         return tasks
 
-    tasks = run_virtual(main)
+    tasks = run_virtual(main).result
     assert all(t.cancelled() for t in tasks)
     assert ctx.router.inflight == [0, 0] and ctx.suite.opened == 0
 
 
 def test_a_bug_in_one_rollout_cancels_the_others_and_is_raised_from_the_group() -> None:
-    suite = ScriptedSuite(crash=lambda task, call: call == 1)  # the second env step of the task is a bug
+    suite = FakeSuite(crash=lambda task, call: call == 1)  # the second env step of the task is a bug
     eng = FakeEngine("e0", by_index([1.0, 2.0, 50.0]))
     ctx = make_ctx(config(), [eng], suite)
 
@@ -366,13 +367,13 @@ def test_a_prompt_is_tokenized_once_for_all_the_samples_that_share_it(monkeypatc
 
     calls: list[str] = []
 
-    class Counting(CharTokenizer):
+    class Counting(FakeTokenizer):
         def encode(self, text: str) -> list[int]:
             calls.append(text)
             return super().encode(text)
 
     cfg = config(rollout={"group_size": 4, "batch_prompts": 1})
-    ctx = RolloutContext(cfg=cfg, tokenizer=Counting(), suite=ScriptedSuite(), engines=[FakeEngine()],
+    ctx = RolloutContext(cfg=cfg, tokenizer=Counting(), suite=FakeSuite(), engines=[FakeEngine()],
                          router=Router(1, cfg.engine.max_num_seqs), version=lambda: 0)
     a, b = ctx.prompt_ids("12+3="), ctx.prompt_ids("12+3=")
     assert a == b == TOK.encode("12+3=") and calls == ["12+3="]

@@ -17,7 +17,10 @@ def test_sleeps_add_up_exactly_and_take_no_real_time() -> None:
             await asyncio.sleep(3600.0)  # 1000 simulated hours
         return asyncio.get_running_loop().time()
 
-    t, virtual, cpu = run_virtual(main)
+    run = run_virtual(main)
+    t = run.result
+    virtual = run.virtual_s
+    cpu = run.cpu_s
     assert t == 3_600_000.0
     assert virtual == 3_600_000.0
     assert cpu < 2.0
@@ -35,7 +38,9 @@ def test_concurrent_sleepers_finish_at_their_own_deadlines() -> None:
         await asyncio.gather(*(sleeper(i) for i in range(5)))
         return done
 
-    done, virtual, _ = run_virtual(main)
+    run = run_virtual(main)
+    done = run.result
+    virtual = run.virtual_s
     assert done == [(0.5, 4), (1.0, 3), (1.5, 2), (2.0, 1), (2.5, 0)]
     assert virtual == 2.5  # concurrent, not 7.5
 
@@ -53,7 +58,7 @@ def test_timeouts_and_anyio_use_virtual_time() -> None:
             await anyio.sleep(100.0)
         return timed_out, t1, anyio.current_time()
 
-    (timed_out, t1, t2), _, _ = run_virtual(main)
+    timed_out, t1, t2 = run_virtual(main).result
     assert timed_out
     assert t1 == 2.0
     assert t2 == 5.0
@@ -74,7 +79,7 @@ def test_same_program_same_trace() -> None:
             await asyncio.gather(*(worker(i) for i in range(10)))
             return out
 
-        return run_virtual(main)[0]
+        return run_virtual(main).result
 
     a, b = trace(), trace()
     assert a == b
@@ -94,7 +99,7 @@ def test_executor_runs_inline_in_zero_virtual_time() -> None:
         r = await asyncio.get_running_loop().run_in_executor(None, sum, [1, 2, 3])
         return r, asyncio.get_running_loop().time()
 
-    (r, t), _, _ = run_virtual(main)
+    r, t = run_virtual(main).result
     assert (r, t) == (6, 0.0)
 
 

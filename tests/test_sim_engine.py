@@ -8,7 +8,6 @@ import statistics
 import pytest
 
 from flashrl.env import EnvFailure
-from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LengthModel, SimEngine, steps_within, uniform
 from flashrl.sim.envs import DelayModel, SimEnvParams, SimSuite, SimTokenizer
@@ -26,18 +25,13 @@ def req(i: int, prompt: int = 10, max_tokens: int = 1000) -> Generate:
     return Generate(request_id=f"r{i}", prompt_ids=[5] * prompt, max_tokens=max_tokens)
 
 
-def test_protocols_are_met() -> None:
-    assert isinstance(SimEngine("e0"), EngineClient)
-    assert isinstance(SimTrainer(), TrainerClient)
-
-
 def test_one_request_takes_prefill_plus_its_decode_steps() -> None:
     async def main() -> tuple[float, list[int], str]:
         eng = SimEngine("e0", LAT, const(100))
         out = await eng.generate(req(0, prompt=10))
         return asyncio.get_running_loop().time(), out.token_ids, out.finish_reason
 
-    (t, ids, reason), _, _ = run_virtual(main)
+    t, ids, reason = run_virtual(main).result
     assert t == pytest.approx(10 * 0.0001 + 100 * (0.01 + 0.001))
     assert len(ids) == 100 and ids[-1] == 2 and reason == "stop"
 
@@ -47,7 +41,7 @@ def test_max_tokens_cuts_with_length() -> None:
         out = await SimEngine("e0", LAT, const(100)).generate(req(0, max_tokens=40))
         return len(out.token_ids), out.finish_reason
 
-    assert run_virtual(main)[0] == (40, "length")
+    assert run_virtual(main).result == (40, "length")
 
 
 def test_batch_capacity_queues_the_third_request() -> None:
@@ -64,7 +58,7 @@ def test_batch_capacity_queues_the_third_request() -> None:
         await asyncio.gather(*(one(i) for i in range(3)))
         return done
 
-    done, _, _ = run_virtual(main)
+    done = run_virtual(main).result
     t_pair = 50 * 0.012
     assert [r for r, _ in done] == ["r0", "r1", "r2"]
     assert done[0][1] == pytest.approx(t_pair) and done[1][1] == pytest.approx(t_pair)
@@ -84,7 +78,7 @@ def test_a_late_arrival_joins_at_the_next_step_boundary() -> None:
         assert len(out1.token_ids) == 10
         return t1, eng.busy_s
 
-    (t1, busy), _, _ = run_virtual(main)
+    t1, busy = run_virtual(main).result
     # 3 solo steps (0.033), then 7 steps of 2 (r0 finishes at 0.033 + 7 * 0.012), then r1 alone 3 steps
     assert t1 == pytest.approx(0.033 + 7 * 0.012 + 3 * 0.011)
     assert busy == pytest.approx(t1)
@@ -97,7 +91,7 @@ def test_attention_cost_grows_with_context() -> None:
         await SimEngine("e0", lat, const(200)).generate(req(0, prompt=100))
         return asyncio.get_running_loop().time()
 
-    t, _, _ = run_virtual(main)
+    t = run_virtual(main).result
     assert t == pytest.approx(sum(0.01 + 1e-5 * (100 + j) for j in range(200)))
 
 
@@ -122,7 +116,7 @@ def test_weight_update_pauses_and_versions_tokens() -> None:
         out = await gen
         return out.versions, upd.seconds, asyncio.get_running_loop().time()
 
-    (versions, seconds, t), _, _ = run_virtual(main)
+    versions, seconds, t = run_virtual(main).result
     assert versions == [0] * 31 + [1] * 69  # the step in progress finished on the old weights
     assert seconds == pytest.approx(0.005 + 0.5)
     assert t == pytest.approx(1.0 + 0.5)
@@ -139,7 +133,7 @@ def test_abort_returns_the_tokens_so_far() -> None:
         out = await gen
         return len(out.token_ids), out.finish_reason, eng.inflight
 
-    n, reason, inflight = run_virtual(main)[0]
+    n, reason, inflight = run_virtual(main).result
     assert reason == "abort" and inflight == 0
     assert n in (20, 21)  # at the boundary of step 20: the step may be counted either side
 
@@ -155,7 +149,7 @@ def test_cancelled_generate_frees_its_slot() -> None:
         await eng.generate(req(1, prompt=0))
         return asyncio.get_running_loop().time()
 
-    t, _, _ = run_virtual(main)
+    t = run_virtual(main).result
     assert t == pytest.approx(0.1 + 1.0)
 
 
@@ -172,7 +166,7 @@ def test_lengths_are_a_function_of_the_request_and_long_tailed() -> None:
         assert la == lb  # routing or order does not change a sample
         return la
 
-    la, _, _ = run_virtual(main)
+    la = run_virtual(main).result
     med = statistics.median(la)
     assert 430 < med < 570
     assert max(la) > 20 * med  # the long tail the H100 latency profile describes
@@ -186,7 +180,7 @@ def test_kv_capacity_holds_requests_back() -> None:
         await asyncio.gather(eng.generate(req(0, prompt=0)), eng.generate(req(1, prompt=0)))
         return asyncio.get_running_loop().time()
 
-    assert run_virtual(main)[0] == pytest.approx(2.0)  # 100 + 100 tokens do not fit in 150: serial
+    assert run_virtual(main).result == pytest.approx(2.0)  # 100 + 100 tokens do not fit in 150: serial
     with pytest.raises(ValueError, match="raise latency.kv_tokens"):
         run_virtual(lambda: SimEngine("e0", lat, const(200)).generate(req(0, prompt=0)))
 
@@ -205,7 +199,9 @@ def test_trainer_time_and_staleness() -> None:
         res = await tr.train_step(TrainBatch(step=1, samples=[s2]))
         return t_train, tr.history[1].staleness_max, res.metrics["staleness/mean"]
 
-    (t_train, smax, smean), virtual, _ = run_virtual(main)
+    run = run_virtual(main)
+    t_train, smax, smean = run.result
+    virtual = run.virtual_s
     assert t_train == pytest.approx(1.0 + 0.01 * 200 / 2)
     assert smax == 1 and smean == pytest.approx(1 / 3)
     assert virtual == pytest.approx(t_train + 0.75 + 1.0 + 0.01 * 4 / 2)
@@ -234,7 +230,7 @@ def test_env_delays_failures_and_turns_are_deterministic() -> None:
                     out.append((e.reason, loop.time() - t0))
             return out
 
-        return run_virtual(main)[0]
+        return run_virtual(main).result
 
     a = episode_trace()
     assert a == episode_trace()

@@ -14,13 +14,12 @@ from flashrl.bench.overhead import (
     overhead_config,
     zmq_rate,
 )
-from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.sim.engine import EOS_ID
+from flashrl.sim.envs import SimTokenizer
 from flashrl.sim.instant import (
     InstantEngine,
     InstantSuite,
     InstantSuiteParams,
-    InstantTokenizer,
     InstantTrainer,
 )
 from flashrl.wire.protocol import Generate, WeightManifest
@@ -29,7 +28,6 @@ from flashrl.wire.protocol import Generate, WeightManifest
 def test_engine_answers_with_fixed_tokens_and_loaded_version() -> None:
     async def main() -> None:
         e = InstantEngine("i0", tokens=5)
-        assert isinstance(e, EngineClient)
         a = await e.generate(Generate(request_id="a", prompt_ids=[7, 7], max_tokens=16))
         assert a.token_ids[-1] == EOS_ID and len(a.token_ids) == 5 and a.finish_reason == "stop"
         assert a.versions == [0] * 5 and a.logprobs == [-1.0] * 5 and a.request_id == "a"
@@ -81,7 +79,7 @@ def test_suite_rewards_alternate_and_turns_end_the_episode() -> None:
 
 
 def test_tokenizer_cache_hands_out_fresh_lists() -> None:
-    tok = InstantTokenizer()
+    tok = SimTokenizer(cache=True)
     a = tok.encode("abc")
     a.append(99)
     assert tok.encode("abc") == [4, 5, 6]
@@ -95,10 +93,9 @@ def test_real_controller_on_instant_parts_trains_every_step() -> None:
     suite = InstantSuite()
     engines = [InstantEngine(f"i{k}") for k in range(2)]
     trainer = InstantTrainer()
-    assert isinstance(trainer, TrainerClient)
 
     async def main() -> None:
-        summary = await Controller(cfg, InstantTokenizer(), suite, engines, trainer).run()
+        summary = await Controller(cfg, SimTokenizer(cache=True), suite, engines, trainer).run()
         assert summary.steps == 3 and summary.samples_trained == 36
 
     asyncio.run(main())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashrl.config import Config, TrainerConfig, from_dict
-from flashrl.core.schedule import scheduled_lr, warmup_lr
+from flashrl.core.lr_schedule import scheduled_lr, warmup_lr
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer, plan_micro_batches
 from flashrl.wire.protocol import TrainBatch, TrainSample

@@ -57,8 +57,9 @@ async def test_handler_error_is_per_request(pair) -> None:
     client, _, _ = pair
     with pytest.raises(RemoteError, match="Abort failed: RuntimeError: abort exploded"):
         await client.request(P.Abort(request_ids=["x"]), timeout=5)
-    # the peer is still healthy
-    assert isinstance(await client.request(P.Ping(), timeout=5), P.Pong)
+    # the peer is still healthy: the next request gets the handler's own answer
+    reply = await client.request(P.Ping(), timeout=5)
+    assert isinstance(reply, P.Pong) and reply.version == 7
 
 
 async def test_late_reply_to_an_abandoned_request_is_dropped_quietly(pair, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,7 +1,7 @@
 """Controller overhead: the real scheduling code against parts that answer at once, and the ZeroMQ path.
 
     controller:  Controller.run() on a plain asyncio loop with InstantEngine x E, InstantTrainer and
-                 InstantSuite/InstantTokenizer (flashrl/sim/instant.py): nothing waits, so the run's
+                 InstantSuite (flashrl/sim/instant.py), SimTokenizer(cache=True): nothing waits, so the run's
                  CPU is the controller's plus what those parts cost (``fixture_cost``, measured
                  apart and subtracted) -> generated and trained samples per CPU second, controller
                  CPU microseconds per generated sample
@@ -109,11 +109,11 @@ def controller_rate(batch_prompts: int, group_size: int, engines: int, steps: in
         return _controller_rate_zmq(batch_prompts, group_size, engines, steps, tokens=tokens, turns=turns,
                                     gc_mode=gc_mode, servers=servers)
     from flashrl.controller.controller import Controller
+    from flashrl.sim.envs import SimTokenizer
     from flashrl.sim.instant import (
         InstantEngine,
         InstantSuite,
         InstantSuiteParams,
-        InstantTokenizer,
         InstantTrainer,
     )
 
@@ -124,7 +124,7 @@ def controller_rate(batch_prompts: int, group_size: int, engines: int, steps: in
     out: dict[str, float] = {}
 
     async def main() -> None:
-        ctrl = Controller(cfg, InstantTokenizer(), suite, engs, trainer)
+        ctrl = Controller(cfg, SimTokenizer(cache=True), suite, engs, trainer)
         if gc_mode == "tuned":
             gc.freeze()  # config, tasks, controller: long-lived, never garbage
         gc0 = sum(s["collections"] for s in gc.get_stats())
@@ -212,7 +212,8 @@ def _controller_rate_zmq(batch_prompts: int, group_size: int, engines: int, step
                          gc_mode: GcMode, servers: int) -> dict[str, float]:
     from flashrl.controller.controller import Controller
     from flashrl.engine.client import EngineProcessClient
-    from flashrl.sim.instant import InstantSuite, InstantSuiteParams, InstantTokenizer, InstantTrainer
+    from flashrl.sim.envs import SimTokenizer
+    from flashrl.sim.instant import InstantSuite, InstantSuiteParams, InstantTrainer
     from flashrl.wire.transport import free_port
 
     cfg = overhead_config(batch_prompts, group_size, engines, steps, tokens=tokens, turns=turns)
@@ -228,7 +229,7 @@ def _controller_rate_zmq(batch_prompts: int, group_size: int, engines: int, step
         clients = [EngineProcessClient(f"instant{i}", addrs[i % len(addrs)], heartbeat_s=0) for i in range(engines)]
         try:
             await asyncio.wait_for(asyncio.gather(*(c.ping() for c in clients)), 60)  # servers up, clients connected
-            ctrl = Controller(cfg, InstantTokenizer(), suite, clients, trainer)
+            ctrl = Controller(cfg, SimTokenizer(cache=True), suite, clients, trainer)
             if gc_mode == "tuned":
                 gc.freeze()
             s0 = sum(_proc_cpu_s(p.pid) for p in procs)
@@ -280,18 +281,18 @@ def fixture_cost(tokens: int = 16, turns: int = 1, n: int = 4000) -> float:
     decode, step, encode the observation), env close; the trainer's share of a batch. Run in
     ``concurrency`` tasks so the engine's one loop turn per request costs what it costs in the run.
     """
+    from flashrl.sim.envs import SimTokenizer
     from flashrl.sim.instant import (
         InstantEngine,
         InstantSuite,
         InstantSuiteParams,
-        InstantTokenizer,
         InstantTrainer,
     )
     from flashrl.wire.protocol import Generate, TrainBatch, TrainSample
 
     suite = InstantSuite(InstantSuiteParams(turns=turns))
     eng = InstantEngine("fixture", tokens)
-    tok = InstantTokenizer()
+    tok = SimTokenizer(cache=True)
     trainer = InstantTrainer()
     tasks = suite.train_tasks()
     concurrency = 64

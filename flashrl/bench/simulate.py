@@ -211,7 +211,9 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         await main()
         loop_jumps.append(getattr(asyncio.get_running_loop(), "jumps", 0))
 
-    _, virtual, cpu = run_virtual(main_with_jumps)
+    run = run_virtual(main_with_jumps)
+    virtual = run.virtual_s
+    cpu = run.cpu_s
     hist = trainer.history
     if len(hist) <= warmup:
         raise BenchError(f"the run trained {len(hist)} steps, fewer than warmup+1 ({warmup + 1}); raise steps")

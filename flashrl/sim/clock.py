@@ -1,6 +1,6 @@
 """Virtual time for asyncio: an event loop whose clock jumps to the next timer when nothing is ready.
 
-    run_virtual(main) -> VirtualEventLoop
+    run_virtual(main) -> VirtualRun(result, virtual_s, cpu_s): main() on a VirtualEventLoop
       _run_once():  ready callbacks?  -> run them, time stands still
                     none ready        -> selector.select(timeout) jumps the clock by ``timeout``
                                          (to the earliest timer) and returns no I/O events
@@ -28,7 +28,8 @@ import selectors
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -121,11 +122,20 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         return fut
 
 
-def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], *, start: float = 0.0) -> tuple[T, float, float]:
-    """Run ``main()`` to completion on virtual time.
+@dataclass(frozen=True)
+class VirtualRun(Generic[T]):
+    """What ``run_virtual`` hands back: ``main()``'s result and what the run cost."""
 
-    Returns ``(result, virtual_seconds, cpu_seconds)``: how much simulated time passed and how much
-    CPU the process spent doing it (the simulator's cost).
+    result: T
+    virtual_s: float  # simulated seconds that passed (the loop's clock at the end minus ``start``)
+    cpu_s: float  # CPU seconds this process spent on the run (the simulator's own cost)
+
+
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], *, start: float = 0.0) -> VirtualRun[T]:
+    """Run ``main()`` to completion on virtual time; tasks still pending afterwards are cancelled.
+
+    The one entry to virtual time, for the tests (scripted fakes: minutes of scheduling in
+    milliseconds) and the bench (the simulator), which reads ``virtual_s`` and ``cpu_s``.
     """
     loop = VirtualEventLoop(start=start)
     cpu0 = time.process_time()
@@ -134,7 +144,7 @@ def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], *, start: float = 0.
         result = loop.run_until_complete(main())
         virtual = loop.time() - start
         _cancel_leftovers(loop)
-        return result, virtual, time.process_time() - cpu0
+        return VirtualRun(result, virtual, time.process_time() - cpu0)
     finally:
         asyncio.set_event_loop(None)
         loop.close()

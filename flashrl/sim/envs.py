@@ -31,15 +31,21 @@ SIM_CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 .:\n"
 
 
 class SimTokenizer:
-    """One token per character of SIM_CHARSET (ids from 4; 0..3 = pad, bos, eos, unk). Pure Python, fast."""
+    """One token per character of SIM_CHARSET (ids from 4; 0..3 = pad, bos, eos, unk). Pure Python, fast.
+
+    ``cache=True`` remembers each encoded text and hands out a fresh copy (the caller may keep or
+    extend it): for the overhead bench, whose prompts and observations repeat, so the tokenizer's
+    cost stays out of what it measures. Off by default: the simulator's texts rarely repeat.
+    """
 
     pad_token_id = 0
     bos_token_id = 1
     eos_token_id = 2
     unk_token_id = 3
 
-    def __init__(self, charset: str = SIM_CHARSET) -> None:
+    def __init__(self, charset: str = SIM_CHARSET, *, cache: bool = False) -> None:
         self.charset = charset
+        self._cache: dict[str, list[int]] | None = {} if cache else None
         self._ids = {ch: FIRST_TEXT_ID + i for i, ch in enumerate(charset)}
         self._chars = ["", "", "", "?"] + list(charset)
         self.vocab_size = len(self._chars)
@@ -53,6 +59,15 @@ class SimTokenizer:
         self._special = bytes([self.pad_token_id, self.bos_token_id, self.eos_token_id])
 
     def encode(self, text: str) -> list[int]:
+        cache = self._cache
+        if cache is not None:
+            ids = cache.get(text)
+            if ids is None:
+                ids = cache[text] = self._encode(text)
+            return list(ids)  # a fresh list: the caller may keep or extend it
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         get = self._ids.get
         return [get(ch, self.unk_token_id) for ch in text]
 

@@ -1,16 +1,15 @@
-"""Small scripted fakes of every part the controller talks to, plus a virtual-clock event loop.
+"""The Fake family: small scripted stand-ins of every part the controller talks to, for unit tests.
 
     Controller ──Generate──> FakeEngine     awaits a scripted duration on the loop clock; tokens are
                                             stamped with the version loaded when each was produced
                ──TrainBatch─> FakeTrainer   records batches; prepare/send weights on the loop clock
-               ──reset/step─> ScriptedEnv   (ScriptedSuite) reward = action starts with the answer
-    CharTokenizer: one id per character (ord), eos 0.
-    run_virtual(main): main() on flashrl.sim.clock's virtual-time loop (the clock jumps to the
-    next timer when nothing is ready), so a test of minutes of scheduling runs in milliseconds.
+               ──reset/step─> FakeEnv       (of a FakeSuite) reward = action starts with the answer
+    FakeTokenizer: one id per character (its code point), eos 0.
 
-These are supported product code for tests (and quick experiments), kept deliberately simple;
-the bench's latency models live in the simulator (flashrl/sim/engine.py and friends). They use
-only the event loop's clock, so they work on real time and on the virtual clock alike.
+Every behaviour is scripted (durations, failures, deaths, hangs), so a test states exactly what
+happens and asserts exact times and token layouts. They use only the event loop's clock, so they
+work on real time and on virtual time alike (``flashrl.sim.clock.run_virtual``: minutes of
+scheduling in milliseconds). Which stand-in family to use when: ``flashrl.sim``'s docstring.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import json
 import random
 import warnings
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar
 
 import anyio
 import msgspec
@@ -40,16 +39,13 @@ from flashrl.wire.protocol import (
 from flashrl.wire.transport import PeerDead
 
 __all__ = [
-    "CharTokenizer",
+    "FakeTokenizer",
     "FakeEngine",
     "FakeTrainer",
-    "ScriptedEnv",
-    "ScriptedSuite",
+    "FakeEnv",
+    "FakeSuite",
     "default_script",
-    "run_virtual",
 ]
-
-T = TypeVar("T")
 
 # script(request, engine version at arrival) -> (token ids, seconds to produce all of them)
 Script = Callable[[Generate, int], tuple[list[int], float]]
@@ -250,7 +246,7 @@ class FakeTrainer:
         pass
 
 
-class CharTokenizer:
+class FakeTokenizer:
     """One id per character (its code point); id 0 is EOS and decodes to nothing."""
 
     eos_token_id = 0
@@ -263,12 +259,12 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i != 0)
 
 
-class ScriptedParams(msgspec.Struct, forbid_unknown_fields=True):
-    pass
+class FakeSuiteParams(msgspec.Struct, forbid_unknown_fields=True):
+    """FakeSuite takes no ``[env.params]``: tests construct it directly."""
 
 
 @dataclass(eq=False)
-class ScriptedSuite:
+class FakeSuite:
     """An EnvSuite of arithmetic-free tasks: task i asks for the digit ``i % 10``.
 
     reward = 1.0 when the action starts with the answer. ``turns``: steps until done (observation
@@ -280,7 +276,7 @@ class ScriptedSuite:
     (counted in ``aclosed``), the suite-level resources a controller must release at shutdown.
     """
 
-    Params: ClassVar[type] = ScriptedParams
+    Params: ClassVar[type] = FakeSuiteParams
 
     n_train: int = 16
     n_eval: int = 0
@@ -304,16 +300,16 @@ class ScriptedSuite:
     def eval_tasks(self) -> Sequence[Task]:
         return self._tasks("e", self.n_eval)
 
-    def make_env(self) -> ScriptedEnv:
+    def make_env(self) -> FakeEnv:
         self.opened += 1
-        return ScriptedEnv(self)
+        return FakeEnv(self)
 
     async def aclose(self) -> None:
         self.aclosed += 1
 
 
-class ScriptedEnv:
-    def __init__(self, suite: ScriptedSuite) -> None:
+class FakeEnv:
+    def __init__(self, suite: FakeSuite) -> None:
         self.suite = suite
         self.task: Task | None = None
         self.turn = 0
@@ -352,11 +348,3 @@ class ScriptedEnv:
         if not self._closed:
             self._closed = True
             self.suite.closed += 1
-
-
-# --------------------------------------------------------------------------- virtual clock
-def run_virtual(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run ``main()`` to completion on virtual time (flashrl.sim.clock) and return its result."""
-    from flashrl.sim.clock import run_virtual as run_on_virtual_time
-
-    return run_on_virtual_time(main)[0]

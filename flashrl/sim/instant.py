@@ -5,7 +5,7 @@
                ──TrainBatch─> InstantTrainer counts samples and tokens; weights "sync" at once
                ──reset/step─> InstantSuite   fixed prompt text; step ends the episode (or returns a
                                              fixed observation until ``turns``), reward alternating 0/1
-    InstantTokenizer: SimTokenizer with an encode cache (the suite's texts repeat)
+    tokenizer: SimTokenizer(cache=True) (flashrl/sim/envs.py; the suite's texts repeat)
 
 Nothing here models time: no latency, no batching, no virtual clock. With these behind the real
 controller every CPU second of a run is the controller's, plus what these parts cost themselves
@@ -28,7 +28,6 @@ import msgspec
 
 from flashrl.env import StepResult, Task
 from flashrl.sim.engine import EOS_ID, FIRST_TEXT_ID
-from flashrl.sim.envs import SimTokenizer
 from flashrl.wire.protocol import (
     Generate,
     Generated,
@@ -39,7 +38,7 @@ from flashrl.wire.protocol import (
     WeightsUpdated,
 )
 
-__all__ = ["InstantEngine", "InstantEnv", "InstantSuite", "InstantSuiteParams", "InstantTokenizer", "InstantTrainer"]
+__all__ = ["InstantEngine", "InstantEnv", "InstantSuite", "InstantSuiteParams", "InstantTrainer"]
 
 
 class InstantEngine:
@@ -146,20 +145,6 @@ class InstantTrainer:
 
     async def close(self) -> None:
         self.closed = True
-
-
-class InstantTokenizer(SimTokenizer):
-    """SimTokenizer whose ``encode`` remembers each text (prompts and observations repeat here)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cache: dict[str, list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._cache.get(text)
-        if ids is None:
-            ids = self._cache[text] = super().encode(text)
-        return list(ids)  # a fresh list: the caller may keep or extend it
 
 
 class InstantSuiteParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

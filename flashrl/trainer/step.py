@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from flashrl.config import Config
-from flashrl.core.schedule import scheduled_lr
+from flashrl.core.lr_schedule import scheduled_lr
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
     PaddedBatch,
@@ -61,11 +61,11 @@ from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
 
-Plan = list[tuple[torch.Tensor, list[torch.Tensor]]]
+MicroBatchPlan = list[tuple[torch.Tensor, list[torch.Tensor]]]  # per mini-batch: (its sample indices, this rank's micro-batches)
 
 
 def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_batch: int,
-                       order: torch.Tensor | None = None) -> Plan:
+                       order: torch.Tensor | None = None) -> MicroBatchPlan:
     """Per mini-batch: its sample indices, and ``rank``'s micro-batches (index tensors, maybe empty).
 
     Mini-batches are contiguous slices of ``order`` (default: the batch in order, so groups stay
@@ -86,7 +86,7 @@ def plan_micro_batches(n: int, world: int, rank: int, mini_batches: int, micro_b
 ADVANTAGE_ONLY_LOSSES = frozenset({"ppo", "grpo", "decoupled_ppo", "tis", "cispo", "gspo"})
 
 
-def drop_inert(plan: Plan, inert: torch.Tensor) -> Plan:
+def drop_inert(plan: MicroBatchPlan, inert: torch.Tensor) -> MicroBatchPlan:
     """``plan`` without the ``inert`` samples [B] in its micro-batches; mini-batches (their loss divisors) and the
     number of micro-batches (each forward is a collective) stay as they are: an emptied micro-batch runs masked."""
     return [(mini, [idx[~inert[idx]] for idx in micros]) for mini, micros in plan]
@@ -388,7 +388,7 @@ class PolicyTrainer:
             self.comm.all_reduce(gamma)  # each row is non-zero on exactly one rank
         return gamma.cpu()
 
-    def _proximal(self, full: PaddedBatch, plan: Plan) -> tuple[dict[tuple[int, int], torch.Tensor],
+    def _proximal(self, full: PaddedBatch, plan: MicroBatchPlan) -> tuple[dict[tuple[int, int], torch.Tensor],
                                                                  dict[tuple[int, int], torch.Tensor]]:
         """No-grad logprobs of the step's starting weights: proximal (mini-batches 2..) and reference.
 
@@ -422,7 +422,7 @@ class PolicyTrainer:
             n = float(len(mini) * full.loss_mask.shape[-1])
         return max(n, 1.0)
 
-    def _update(self, prep: Prepared, plan: Plan, prox: dict[tuple[int, int], torch.Tensor],
+    def _update(self, prep: Prepared, plan: MicroBatchPlan, prox: dict[tuple[int, int], torch.Tensor],
                 ref: dict[tuple[int, int], torch.Tensor], current: int, timer: PhaseTimer) -> Accumulated:
         """Per mini-batch: forward + loss + backward per micro-batch, then clip and one optimizer step."""
         alg, full = self.cfg.algorithm, prep.full

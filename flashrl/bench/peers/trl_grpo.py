@@ -125,7 +125,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from trl import GRPOConfig, GRPOTrainer
 
     from flashrl.config import load
-    from flashrl.core.schedule import scheduled_lr
+    from flashrl.core.lr_schedule import scheduled_lr
     from flashrl.models import ensure_model
     from flashrl.models.tiny import greedy_accuracy
     from flashrl.plugins import make_suite
@@ -150,6 +150,8 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     env = suite.make_env()
 
     def correct(prompts: list[str], completions: list[str], task: list[int], **_: Any) -> list[float | None]:
+        times["step_samples"] += len(completions)  # what TRL generated and scored for this training step
+
         async def score() -> list[float | None]:  # the env's own verifier, as flashrl's rollouts score
             rewards: list[float | None] = []
             for c, i in zip(completions, task):
@@ -168,7 +170,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: scheduled_lr(cfg.trainer, steps, k // mb) / cfg.trainer.lr)
     metrics = (out / "metrics.jsonl").open("w")
     times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0,
-                             "lr": 0.0}
+                             "lr": 0.0, "step_samples": 0}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -215,7 +217,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             step = state.global_step // mb
             gen, step_s = times["step_gen_s"], now - times["t_step"]
             times["step_gen_s"] = 0.0
-            rec = {"step": step, "version": step, "samples": mb * args.per_device_train_batch_size,
+            # the samples scored during this step (counted, not mb x batch: a setting TRL reads differently shows)
+            samples, times["step_samples"] = times["step_samples"], 0
+            rec = {"step": step, "version": step, "samples": samples,
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
                    "time/elapsed_s": now - times["t0"] - times["eval_s"],
                    "lr": times["lr"]}
