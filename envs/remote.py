@@ -23,7 +23,7 @@ Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", work
 params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
 inside the workers). Tasks come from a copy of the inner suite built in the controller (data only).
 Messages are msgspec structs (below); nothing is pickled. Inside a run, workers start through the run's
-launcher (``flashrl.cluster.active()``: role "env", index = slot; logs in runs/<name>/logs/env<slot>.log;
+launcher (``flashrl.launch.active()``: role "env", index = slot; logs in runs/<name>/logs/env<slot>.log;
 CURVE keys when cluster.interface is off loopback); used on its own (no run), the pool starts them here
 as ``flashrl.procs`` children. Either way each leads its own process group and dies with the controller
 (parent-death signal plus a watchdog); call ``RemoteSuite.aclose()`` on shutdown.
@@ -48,7 +48,7 @@ import msgspec
 from msgspec import Meta
 
 from envs.faults import WORKER_ENV_VAR, validate_observation
-from flashrl import cluster
+from flashrl import launch
 from flashrl.env import Env, EnvFailure, StepResult, Task
 from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
@@ -123,7 +123,7 @@ WORKER_ARGV = ["python", "-m", "envs.remote"]  # for ``Launcher.spawn``; the spe
 class _Worker:
     """One slot's current process. ``generation`` increases with every replacement."""
 
-    def __init__(self, slot: int, generation: int, child: cluster.Proc, client: RpcClient) -> None:
+    def __init__(self, slot: int, generation: int, child: launch.Proc, client: RpcClient) -> None:
         self.slot = slot
         self.generation = generation
         self.child = child
@@ -151,7 +151,7 @@ class RemotePool:
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
         self._background: set[asyncio.Task[Any]] = set()
         # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
-        self._children: set[cluster.Proc] = set()
+        self._children: set[launch.Proc] = set()
         self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)
 
     @property
@@ -169,7 +169,7 @@ class RemotePool:
 
     async def _spawn(self, slot: int) -> _Worker:
         gen = next(self._generations)
-        run = cluster.active()
+        run = launch.active()
         if run is None:  # no run around this pool: ipc:// in its own folder
             bind = connect = f"ipc://{self._dir}/w{slot}-{gen}.sock"
         else:
@@ -180,7 +180,7 @@ class RemotePool:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         extra = {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), WORKER_ENV_VAR: "1",
                  **spec_env(spec)}
-        child: cluster.Proc
+        child: launch.Proc
         curve = None
         if run is None:
             child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, *WORKER_ARGV[1:]], None,
@@ -268,7 +268,7 @@ class RemotePool:
         self._finalizer()
 
 
-def _kill_all(children: set[cluster.Proc], path: str) -> None:
+def _kill_all(children: set[launch.Proc], path: str) -> None:
     for child in list(children):
         child.kill()
     shutil.rmtree(path, ignore_errors=True)

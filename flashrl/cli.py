@@ -77,8 +77,8 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     cfg = _load_or_exit(config, set_)
     _check_env_or_exit(cfg, config)
     if cfg.cluster.launcher == "slurm":  # the layout fits [cluster.slurm] (what --dry-run would refuse)
-        from flashrl.cluster import LaunchError
-        from flashrl.cluster.slurm import plan
+        from flashrl.launch import LaunchError
+        from flashrl.launch.slurm import plan
 
         try:
             plan(cfg)
@@ -120,7 +120,7 @@ def run(
                    f"(cluster.launcher is {cfg.cluster.launcher!r})", err=True)
         raise typer.Exit(code=2)
     _check_model_or_exit(cfg, config)
-    from flashrl.launch import main as launch_main
+    from flashrl.launch.driver import main as launch_main
 
     r = None
     if resume:
@@ -139,7 +139,7 @@ def run(
 
 def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> None:
     """cluster.launcher = "slurm" outside an allocation: the sbatch script (printed, in runs/<name>/slurm/), then sbatch."""
-    from flashrl.cluster import LaunchError, slurm
+    from flashrl.launch import LaunchError, slurm
 
     try:
         script, text = slurm.write_job(cfg, resume=resume)
@@ -207,7 +207,7 @@ def node(
 ) -> None:
     """One node of a SLURM job (job.sbatch runs it): this node's agent; on node 0 also the controller."""
     cfg = _load_or_exit(config, [])
-    from flashrl.cluster import slurm
+    from flashrl.launch import slurm
 
     if prepare:
         from flashrl.models import ModelPathError, ensure_model

@@ -40,11 +40,14 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.metrics",
     "flashrl.interfaces",
     "flashrl.checkpoint",  # the run's checkpoint folders and the controller's state in them
-    "flashrl.cluster",  # launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys
+    # the launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys; the
+    # package minus its two upper modules below (processes, driver)
+    "flashrl.launch",
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),
-    "flashrl.launch",
+    "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher
+    "flashrl.launch.driver",  # `flashrl run`: the one entry of a run
     "flashrl.benchmarks",
     "flashrl.bench",
     "flashrl.cli",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.cluster import LaunchError, slurm
 from flashrl.config import Config, load
+from flashrl.launch import LaunchError, slurm
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.transport import free_port
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flashrl.cluster import slurm
 from flashrl.config import load
 from flashrl.engine.server import EngineSpec
+from flashrl.launch import slurm
 from flashrl.wire.spec import spec_in
 from flashrl.wire.transport import free_port
 

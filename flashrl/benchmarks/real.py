@@ -194,7 +194,7 @@ class ClusterPool:
         A fresh cluster first runs ``warm_cfg`` (one step) so no measured variant pays the one-time
         costs (vLLM's first batch, the trainer's first step).
         """
-        from flashrl.launch import local_cluster
+        from flashrl.launch.processes import local_cluster
         from flashrl.models import ensure_model
         from flashrl.models.tokenizer import load_tokenizer
 

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from flashrl.cluster.base import Proc
 from flashrl.engine.server import EngineSpec
+from flashrl.launch.base import Proc
 from flashrl.procs import Child
 from flashrl.wire.protocol import (
     ENGINE_REPLIES,

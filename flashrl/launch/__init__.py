@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashrl.cluster.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
+from flashrl.launch.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
 from flashrl.wire.keys import CurveKeys
 
 if TYPE_CHECKING:
@@ -22,14 +22,14 @@ if TYPE_CHECKING:
 __all__ = ["Active", "CurveKeys", "Endpoint", "LaunchError", "Launcher", "Proc", "Role", "activate", "active",
            "make_launcher", "proc_name"]
 
-_REMOTE = {"ray": ("flashrl.cluster.ray", "RayLauncher", "ray"), "slurm": ("flashrl.cluster.slurm", "SlurmLauncher", "")}
+_REMOTE = {"ray": ("flashrl.launch.ray", "RayLauncher", "ray"), "slurm": ("flashrl.launch.slurm", "SlurmLauncher", "")}
 
 
 def make_launcher(cfg: Config, run_dir: str | Path) -> Launcher:
     """The launcher ``cfg.cluster.launcher`` names, built for ``run_dir`` (nothing starts yet)."""
     kind = cfg.cluster.launcher
     if kind == "local":
-        from flashrl.cluster.local import LocalLauncher
+        from flashrl.launch.local import LocalLauncher
 
         return LocalLauncher(run_dir, cfg.cluster.interface)
     if kind not in _REMOTE:

@@ -1,6 +1,6 @@
 """A private local Ray instance (``cluster.ray.address = ""``) as a supervised child of the driver.
 
-    driver (flashrl run)                         python -m flashrl.cluster.ray_head   (Child.spawn: session leader)
+    driver (flashrl run)                         python -m flashrl.launch.ray_head   (Child.spawn: session leader)
       Child.spawn(...)                             procs.child_init(whole_session=True)
       waits for "Ray runtime started" (deadline)     `ray start --head --block --port=P ...` (same session;
       ray.init(address=<TEMP>/ray_current_cluster)                  it setpgid()s itself, Ray's daemons follow it)
@@ -56,7 +56,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashrl.cluster.ray_head")
+    ap = argparse.ArgumentParser(prog="python -m flashrl.launch.ray_head")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--num-cpus", type=int, required=True)
     ap.add_argument("--temp-dir", required=True)

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, interface_host, proc_name, tcp_url
-from flashrl.cluster.local import KEYS_FILE
+from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, interface_host, proc_name, tcp_url
+from flashrl.launch.local import KEYS_FILE
 from flashrl.procs import Child, exit_text, group_alive, stop_ladder, tail
 from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
 from flashrl.wire.protocol import (

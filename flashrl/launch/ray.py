@@ -65,9 +65,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
-from flashrl.cluster.ray_head import READY
-from flashrl.cluster.ray_proc import (
+from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
+from flashrl.launch.ray_head import READY
+from flashrl.launch.ray_proc import (
     CALL_TIMEOUT_S,
     RayProc,
     RemoteProcActor,
@@ -219,7 +219,7 @@ class RayLauncher:
 
     def _start_head(self) -> str:
         """A private instance for this run (cluster.ray.address = ""): `ray start --head` under a supervised
-        child (flashrl.cluster.ray_head) that dies with this process and takes every Ray daemon along; logical
+        child (flashrl.launch.ray_head) that dies with this process and takes every Ray daemon along; logical
         CPUs enough for what the run asks (thread counts are set by engine.threads / trainer.threads, not by
         Ray), GPUs as detected, no dashboard. Its GCS address once it answers, or LaunchError."""
         need = self.requested().get("CPU", 0.0)
@@ -230,7 +230,7 @@ class RayLauncher:
         log_path = self.run_dir / "logs" / "ray-head.log"
         self._head_tmp = tempfile.mkdtemp(prefix="flashrl-ray-")  # short: Ray's socket paths live under it
         address_file = Path(self._head_tmp) / "ray_current_cluster"
-        cmd = [sys.executable, "-m", "flashrl.cluster.ray_head", f"--port={port}",
+        cmd = [sys.executable, "-m", "flashrl.launch.ray_head", f"--port={port}",
                f"--num-cpus={max(os.cpu_count() or 1, math.ceil(need))}", "--ports", *map(str, others),
                f"--temp-dir={self._head_tmp}"]
         start = log_path.stat().st_size if log_path.exists() else 0
