@@ -78,7 +78,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     _check_env_or_exit(cfg, config)
     if cfg.cluster.launcher == "slurm":  # the layout fits [cluster.slurm] (what --dry-run would refuse)
         from flashrl.launch import LaunchError
-        from flashrl.launch.slurm import plan
+        from flashrl.launch.slurm_job import plan
 
         try:
             plan(cfg)
@@ -139,15 +139,15 @@ def run(
 
 def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> None:
     """cluster.launcher = "slurm" outside an allocation: the sbatch script (printed, in runs/<name>/slurm/), then sbatch."""
-    from flashrl.launch import LaunchError, slurm
+    from flashrl.launch import LaunchError, slurm_job
 
     try:
-        script, text = slurm.write_job(cfg, resume=resume)
+        script, text = slurm_job.write_job(cfg, resume=resume)
         typer.echo(text)
         if dry_run:
             typer.echo(f"# written to {script} (not submitted: --dry-run)", err=True)
             return
-        job = slurm.submit(cfg, script)
+        job = slurm_job.submit(cfg, script)
     except LaunchError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
@@ -207,7 +207,7 @@ def node(
 ) -> None:
     """One node of a SLURM job (job.sbatch runs it): this node's agent; on node 0 also the controller."""
     cfg = _load_or_exit(config, [])
-    from flashrl.launch import slurm
+    from flashrl.launch import slurm_job, slurm_node
 
     if prepare:
         from flashrl.models import ModelPathError, ensure_model
@@ -217,10 +217,10 @@ def node(
         except ModelPathError as e:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
-        slurm.prepare_keys(cfg)
+        slurm_job.prepare_keys(cfg)
         typer.echo(f"flashrl: model {model}")
         raise typer.Exit(code=0)
-    code = slurm.node_main(cfg, config, node_id, resume)
+    code = slurm_node.node_main(cfg, config, node_id, resume)
     raise typer.Exit(code=code)
 
 

@@ -60,7 +60,7 @@ def with_run(cfg: Config, **run: Any) -> Config:
 
 
 class Run:
-    """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.run_local."""
+    """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.driver.run_local."""
 
     def __init__(self, cfg: Config, suite: ScriptedSuite, *, resume: Any = None, engines: int = 2,
                  trainer: FakeTrainer | None = None, stop_at_s: float | None = None) -> None:

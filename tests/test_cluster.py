@@ -240,3 +240,19 @@ def test_device_auto_without_a_gpu_driver_is_cpu_without_importing_torch(monkeyp
     assert processes.resolve_device(cfg) == ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.engine.device = "cuda"
     assert processes.resolve_device(cfg) == "cuda"
+
+
+def test_a_private_ray_head_needs_a_ray_with_token_auth() -> None:
+    """cluster.ray.address = "": the private head runs with RAY_AUTH_MODE=token (Ray >= 2.52); an older Ray
+    is refused at start with the version to install, as pyproject's floor says."""
+    import re
+
+    from flashrl.launch.ray_head import MIN_RAY, check_version
+
+    assert MIN_RAY == (2, 52)
+    assert check_version("2.52.0") is None and check_version("2.60.0") is None and check_version("3.0.0rc1") is None
+    why = check_version("2.51.1")
+    assert why is not None and "Ray >= 2.52" in why and "Ray 2.51.1" in why and "pip install" in why
+    assert check_version("2.40.0") is not None
+    floor = re.search(r'ray\[default\]>=([\d.]+)', (ROOT / "pyproject.toml").read_text())
+    assert floor is not None and tuple(int(x) for x in floor.group(1).split(".")) == MIN_RAY
