@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -248,9 +248,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
 
     try:
         async with supervised() as tasks:
-            tokenizer_load = tasks.create_task(_helper("the tokenizer load", asyncio.to_thread(load)),
+            tokenizer_load = tasks.create_task(_helper("the tokenizer load", asyncio.to_thread, load),
                                                name="tokenizer-load")
-            sampler = tasks.create_task(_helper("the memory sampler", mem.run()), name="memory-sampler")
+            sampler = tasks.create_task(_helper("the memory sampler", mem.run), name="memory-sampler")
             summary = await _train(cfg, resume, hooks, tasks, tokenizer_load, model_path, suite, launcher, mem, dash, t0)
             sampler.cancel()  # the run is over: the group ends once its helpers have
         return summary
@@ -258,11 +258,12 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         dash.stop()
 
 
-async def _helper(what: str, work: Awaitable[Any]) -> Any:
-    """Await a helper task of the run; its failure is raised as "<what> failed: <error>" (the cause kept),
-    so the run's error says which part of it broke."""
+async def _helper(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """A helper task of the run: ``await fn(*args)``; its failure is raised as "<what> failed: <error>" (the
+    cause kept), so the run's error says which part of it broke. (``fn`` is called here, not by the caller:
+    a task cancelled before it starts leaves no coroutine behind un-awaited.)"""
     try:
-        return await work
+        return await fn(*args)
     except Exception as e:
         raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
 
@@ -318,7 +319,7 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
                 dash.update(controller.snapshot())
                 await asyncio.sleep(0.25)
 
-        refresher = tasks.create_task(_helper("the dashboard refresher", refresh()), name="dashboard")
+        refresher = tasks.create_task(_helper("the dashboard refresher", refresh), name="dashboard")
         try:
             result = await controller.run()
         finally:
