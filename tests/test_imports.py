@@ -32,6 +32,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.wire",
     # services every role uses
     "flashrl.procs",
+    "flashrl.workers",  # the worker-process pool (remote env workers, process rewards)
     "flashrl.logging_setup",
     "flashrl.validation",  # msgspec errors as key paths with the fix (config and env.params)
     "flashrl.plugins",
