@@ -158,9 +158,10 @@ def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> Non
 def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
     """Build (once, cached) the model a config names; for builtin:tiny, warm-start it on the task."""
     cfg = _load_or_exit(config, set_)
-    from flashrl.models import ensure_model
+    from flashrl.models import Progress, ensure_model
 
-    path = ensure_model(cfg)
+    # every phase of a build on stderr (a bar on a terminal, a line each otherwise); the path on stdout
+    path = ensure_model(cfg, progress=Progress.for_stderr("init-model"))
     typer.echo(str(path))
 
 
@@ -210,10 +211,10 @@ def node(
     from flashrl.launch import slurm_job, slurm_node
 
     if prepare:
-        from flashrl.models import ModelPathError, ensure_model
+        from flashrl.models import ModelPathError, Progress, ensure_model
 
         try:
-            model = ensure_model(cfg)
+            model = ensure_model(cfg, progress=Progress.for_stderr("flashrl node --prepare"))
         except ModelPathError as e:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
