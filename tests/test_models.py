@@ -303,12 +303,13 @@ def test_a_build_reports_every_phase_as_plain_lines_without_a_terminal(tmp_path:
     """`flashrl init-model` piped or in a log: a line as each phase starts and one as it ends (count, the
     last loss / accuracy, seconds), so minutes of warm-start are never silent; the model is the same."""
     import io
+    import math
     import re
 
     from flashrl.models import Progress
 
     out = io.StringIO()
-    progress = Progress("init-model", out)
+    progress = Progress("init-model", out, every_s=math.inf)  # no periodic line: the count below is exact
     assert not progress.live  # a StringIO is no terminal
     path = ensure_model(_cfg(tmp_path), SMALL, QUICK, progress=progress)
     lines = out.getvalue().splitlines()
@@ -326,6 +327,7 @@ def test_a_build_reports_every_phase_as_plain_lines_without_a_terminal(tmp_path:
                         r"probe accuracy \d\.\d{3}", done[3]), done[3]
     report = json.loads((path / "flashrl_warmstart.json").read_text())
     assert done[4].endswith(f"10 problems, accuracy {report['eval_accuracy']:.3f}")
+    assert re.fullmatch(r"init-model: loading the model: done in \d+\.\d s; parameters \d+", done[2]), done[2]
     assert ensure_model(_cfg(tmp_path / "quiet"), SMALL, QUICK).name == path.name  # no progress: the same model
     quiet = io.StringIO()
     ensure_model(_cfg(tmp_path), SMALL, QUICK, progress=Progress("init-model", quiet))
@@ -334,6 +336,7 @@ def test_a_build_reports_every_phase_as_plain_lines_without_a_terminal(tmp_path:
 
 def test_progress_on_a_terminal_draws_bars_and_says_when_a_phase_failed() -> None:
     import io
+    import re
 
     from flashrl.models import Progress
 
@@ -351,4 +354,10 @@ def test_progress_on_a_terminal_draws_bars_and_says_when_a_phase_failed() -> Non
         raise RuntimeError("out of memory")
     assert plain.getvalue().splitlines()[-1].startswith("init-model: warm-start: failed in ")
     assert plain.getvalue().splitlines()[-1].endswith("; 3 of 10 steps, loss 1.250")
+    # a long phase without a terminal says where it is every every_s seconds, with the time left
+    chatty = io.StringIO()
+    with Progress("init-model", chatty, every_s=0.0).phase("warm-start", total=10) as p:
+        p.advance(5, loss=0.75)
+    assert re.fullmatch(r"init-model: warm-start: 5 of 10 steps, loss 0\.750, about \d+ s left",
+                        chatty.getvalue().splitlines()[1])
 

@@ -134,9 +134,8 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
         try:
             log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
             with _one_torch_thread():
-                with progress.phase("building the untrained model", unit="models") as phase:
+                with progress.phase("building the untrained model"):
                     build_untrained(tmp, seed=cfg.run.seed, spec=spec)
-                    phase.advance(1)
                 report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
                                     log=log.info, suite=suite, progress=progress)
             report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,

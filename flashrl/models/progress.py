@@ -8,8 +8,8 @@
 
 On a terminal each phase is a rich progress bar (steps done of the total, the latest fields, time
 elapsed and left). Without one (a log file, CI) each phase writes one line when it starts and one
-when it ends, with its count, its last fields and its duration: nothing redraws, and a phase that
-runs for minutes says so up front. ``Progress.off()`` reports nothing (the run's own dashboard
+when it ends, with its count, its last fields and its duration, and every ``every_s`` seconds in
+between a line with where it is and the time left: nothing redraws, and nothing is silent for long. ``Progress.off()`` reports nothing (the run's own dashboard
 shows the model's preparation instead). A phase that raises still ends its bar and writes
 "failed after N s".
 """
@@ -29,6 +29,14 @@ def _fmt(fields: dict[str, Any]) -> str:
         name = k.replace("_", " ")
         out.append(f"{name} {v:.3f}" if isinstance(v, float) else f"{name} {v}")
     return ", ".join(out)
+
+
+def _left(p: Phase) -> str:
+    """", about N s left" from the pace so far, when the phase has a total and has begun."""
+    if p.total is None or not p.done or p.done >= p.total:
+        return ""
+    left = (time.monotonic() - p.t0) / p.done * (p.total - p.done)
+    return f", about {left / 60:.0f} min left" if left >= 120 else f", about {left:.0f} s left"
 
 
 class Phase:
@@ -69,7 +77,8 @@ class Phase:
 class Progress:
     """Phases of long work, shown on ``out``: ``live`` a rich bar per phase, else plain lines (or nothing)."""
 
-    def __init__(self, what: str, out: TextIO | None = None, *, live: bool | None = None, enabled: bool = True) -> None:
+    def __init__(self, what: str, out: TextIO | None = None, *, live: bool | None = None, enabled: bool = True,
+                 every_s: float = 30.0) -> None:
         from rich.console import Console
 
         self.what = what  # the prefix of every plain line, e.g. "init-model"
@@ -77,7 +86,9 @@ class Progress:
         self.console = Console(file=self.out)
         self.live = self.console.is_terminal if live is None else live
         self.enabled = enabled
+        self.every_s = every_s  # plain lines: how often a long phase says where it is
         self._bar: Any = None
+        self._said = 0.0  # when the last plain line was written
 
     @classmethod
     def for_stderr(cls, what: str) -> Progress:
@@ -90,6 +101,7 @@ class Progress:
     def line(self, text: str) -> None:
         if self.enabled:
             print(f"{self.what}: {text}", file=self.out, flush=True)
+            self._said = time.monotonic()
 
     @contextlib.contextmanager
     def phase(self, name: str, total: int | None = None, unit: str = "steps") -> Iterator[Phase]:
@@ -136,6 +148,8 @@ class Progress:
     def _update(self, p: Phase) -> None:
         if self._bar is not None and p._task is not None:
             self._bar.update(p._task, completed=p.done, total=p.total, info=_fmt(p.fields))
+        elif self.enabled and not self.live and time.monotonic() - self._said >= self.every_s:
+            self.line(f"{p.name}: {p.summary()}{_left(p)}")
 
     def _stop_bar(self, p: Phase) -> None:
         if self._bar is not None:

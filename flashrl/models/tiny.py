@@ -390,10 +390,10 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    with progress.phase("loading the model", unit="models") as phase:
+    with progress.phase("loading the model") as phase:
         tok = load_tokenizer(model_dir)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        phase.advance(1, parameters=sum(p.numel() for p in model.parameters()))
+        phase.note(parameters=sum(p.numel() for p in model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     if isinstance(suite, Demonstrating):
         steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log, progress)
