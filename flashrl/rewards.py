@@ -219,7 +219,8 @@ class _RewardProc:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(Exception):  # its loop may be gone (a pool used again from a new loop)
+                self.proc.stdin.close()
 
     async def exited(self) -> int | None:
         return await self.proc.wait()

@@ -12,7 +12,7 @@ Calls go one way: driver -> processes -> a launcher. A launcher places processes
 addresses; it never imports the driver, the controller or the roles (engine and trainer clients
 import its ``base`` for the ``Proc``/``Launcher`` types). This module stays light: importing
 flashrl.launch.base runs it, from below the roles. ``active()`` lets code started later in a run
-(remote env workers, flashrl.workers) start its processes through the same launcher. ray.py and
+(remote env workers, envs/remote.py) start its processes through the same launcher. ray.py and
 slurm.py are imported only when chosen (their packages are optional extras); the per-run CURVE
 keys they write are flashrl/wire/keys.py's.
 """

@@ -5,9 +5,9 @@
       -> run_local: launcher = make_launcher(cfg) (cluster.launcher: local | ray | slurm); preflight
       -> ensure_model (built-in model built once, cached); the env suite
       -> processes.local_cluster: E engine processes + R trainer ranks through the launcher, ready, joined
-      -> one asyncio.TaskGroup holds every task of the run:
-           Controller.run() (rollouts, training loop, weight sync, eval; its own group inside)
-           + dashboard refresher + memory sampler + tokenizer load + one watcher per engine process
+      -> every task of the run is in a task group (aio.supervised), none loose:
+           run_local's: Controller.run() (its own group inside) + dashboard refresher + memory
+           sampler + tokenizer load; local_cluster's (nested): one watcher per engine process
          a task that crashes cancels the others and the run fails with that task's error, named
       -> the final policy as a Hugging Face folder: runs/<name>/final/ (trainer rank 0, atomic)
       -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL;
