@@ -209,7 +209,7 @@ async def test_run_closes_the_launcher_when_the_model_cannot_be_prepared(tmp_pat
             closed.append(True)
             await super().close()
 
-    def no_model(cfg: object) -> str:
+    def no_model(cfg: object, **kw: object) -> str:
         raise RuntimeError("no model here")
 
     monkeypatch.setattr(driver, "make_launcher", lambda cfg, run_dir: Recording(run_dir))

@@ -66,7 +66,7 @@ def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
         yield [], NoTrainer()
 
     monkeypatch.setattr(driver, "local_cluster", no_processes)
-    monkeypatch.setattr(models, "ensure_model", lambda cfg: str(tmp_path / "model"))
+    monkeypatch.setattr(models, "ensure_model", lambda cfg, **kw: str(tmp_path / "model"))
     monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *a: object())
     monkeypatch.setattr(controller, "Controller", ForeverController)
     ForeverController.instances = []

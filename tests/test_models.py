@@ -354,6 +354,12 @@ def test_progress_on_a_terminal_draws_bars_and_says_when_a_phase_failed() -> Non
         raise RuntimeError("out of memory")
     assert plain.getvalue().splitlines()[-1].startswith("init-model: warm-start: failed in ")
     assert plain.getvalue().splitlines()[-1].endswith("; 3 of 10 steps, loss 1.250")
+    # `flashrl run`: the lines go to the dashboard's status instead (never a bar over its live view)
+    said: list[str] = []
+    with Progress("preparing model", io.StringIO(), live=True, say=said.append).phase("warm-start", total=2) as p:
+        p.advance(2, loss=0.25)
+    assert said[0] == "preparing model: warm-start (up to 2 steps) ..."
+    assert re.fullmatch(r"preparing model: warm-start: done in \d+\.\d s; 2 steps, loss 0\.250", said[-1])
     # a long phase without a terminal says where it is every every_s seconds, with the time left
     chatty = io.StringIO()
     with Progress("init-model", chatty, every_s=0.0).phase("warm-start", total=10) as p:

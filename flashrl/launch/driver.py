@@ -221,7 +221,7 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     task's failure goes unseen and none leaves the run hanging.
     """
     from flashrl.dashboard import Dashboard
-    from flashrl.models import ensure_model
+    from flashrl.models import Progress, ensure_model
     from flashrl.models.tokenizer import load_tokenizer
     from flashrl.plugins import make_suite
 
@@ -234,7 +234,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     dash.start()
     try:
         dash.status(f"preparing model {cfg.model.path}")
-        model_path = Path(await asyncio.to_thread(ensure_model, cfg))
+        # a first run builds the built-in model (minutes): its phases show on the status line as they go
+        shown = Progress(f"preparing model {cfg.model.path}", say=dash.status, every_s=10.0)
+        model_path = Path(await asyncio.to_thread(ensure_model, cfg, progress=shown))
         suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()

@@ -9,8 +9,8 @@
 On a terminal each phase is a rich progress bar (steps done of the total, the latest fields, time
 elapsed and left). Without one (a log file, CI) each phase writes one line when it starts and one
 when it ends, with its count, its last fields and its duration, and every ``every_s`` seconds in
-between a line with where it is and the time left: nothing redraws, and nothing is silent for long. ``Progress.off()`` reports nothing (the run's own dashboard
-shows the model's preparation instead). A phase that raises still ends its bar and writes
+between a line with where it is and the time left: nothing redraws, and nothing is silent for long. ``Progress.off()`` reports nothing; ``say=``
+sends the plain lines elsewhere (`flashrl run`: the dashboard's status line, from the build's thread). A phase that raises still ends its bar and writes
 "failed after N s".
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 
@@ -78,13 +78,14 @@ class Progress:
     """Phases of long work, shown on ``out``: ``live`` a rich bar per phase, else plain lines (or nothing)."""
 
     def __init__(self, what: str, out: TextIO | None = None, *, live: bool | None = None, enabled: bool = True,
-                 every_s: float = 30.0) -> None:
+                 every_s: float = 30.0, say: Callable[[str], None] | None = None) -> None:
         from rich.console import Console
 
         self.what = what  # the prefix of every plain line, e.g. "init-model"
         self.out = out if out is not None else sys.stderr
         self.console = Console(file=self.out)
-        self.live = self.console.is_terminal if live is None else live
+        self.say = say  # plain lines go here instead of ``out`` (a run's dashboard status line)
+        self.live = (self.console.is_terminal if live is None else live) and say is None
         self.enabled = enabled
         self.every_s = every_s  # plain lines: how often a long phase says where it is
         self._bar: Any = None
@@ -100,7 +101,10 @@ class Progress:
 
     def line(self, text: str) -> None:
         if self.enabled:
-            print(f"{self.what}: {text}", file=self.out, flush=True)
+            if self.say is not None:
+                self.say(f"{self.what}: {text}")
+            else:
+                print(f"{self.what}: {text}", file=self.out, flush=True)
             self._said = time.monotonic()
 
     @contextlib.contextmanager
