@@ -370,16 +370,17 @@ async def supervised() -> AsyncIterator[asyncio.TaskGroup]:
     caller's ``except SomeError`` still matches; several different errors stay a BaseExceptionGroup.
     The error keeps its own cause (``raise ... from``) and traceback.
     """
+    lone: BaseException | None = None
     try:
         async with asyncio.TaskGroup() as tg:
             yield tg
     except BaseExceptionGroup as eg:
         errors = [e for e in _leaves(eg) if not isinstance(e, asyncio.CancelledError)]
-        if errors and len({(type(e), str(e)) for e in errors}) == 1:
-            err = errors[0]
-            err.__suppress_context__ = True  # the group is only the wrapper: not "during handling of ..."
-            raise err  # noqa: B904 - its __cause__ (if any) is kept on purpose
-        raise
+        if not errors or len({(type(e), str(e)) for e in errors}) > 1:
+            raise
+        lone = errors[0]
+    if lone is not None:
+        raise lone  # outside the except: its own __cause__ and __context__ stay (the group was only a wrapper)
 
 
 def _leaves(e: BaseException) -> list[BaseException]:
