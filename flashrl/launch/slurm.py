@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the launcher asks each agent which processes exited
 
+
 # =========================================================================== the controller's launcher
 async def _nothing() -> None:
     """The ladder's escalation for a RemoteProc: StopProc follows it either way."""

@@ -39,6 +39,7 @@ HEAD_ENV = "FLASHRL_SLURM_HEAD"  # set by node 0's agent on the controller it st
 SCRIPT = "job.sbatch"
 CONFIG = "config.toml"
 
+
 # =========================================================================== host lists
 def expand_hostlist(spec: str) -> list[str]:
     """SLURM's host list syntax -> host names, in order: ``node[01-03,07],gpu5`` -> node01 node02 node03
@@ -396,4 +397,3 @@ def prepare_keys(cfg: Config) -> None:
     except KeyFileError:
         write_keys(cfg)
         print(f"flashrl: CURVE keys: {path} (written, 0600)", flush=True)
-

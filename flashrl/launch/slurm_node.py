@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 SIGNAL_GRACE_S = 45.0  # another node, SIGTERM (scancel): how long it waits for node 0's NodeShutdown
 CONTROLLER_STOP_S = 60.0  # node 0, SIGTERM: the controller's grace to checkpoint and stop (driver.STOP_GRACE_S + shutdown)
 
+
 # =========================================================================== the node agent
 class NodeAgent:
     """`flashrl node` on one node: serves NODE_REQUESTS, starts/stops/reports that node's processes."""
@@ -315,4 +316,3 @@ async def _shutdown(client: RpcClient, timeout_s: float) -> None:
         log.warning("%s: shutdown not confirmed: %s", client.name, e)
     finally:
         await client.close()
-
