@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from flashrl.cluster.base import primary_address
+from flashrl.launch.base import primary_address
 from flashrl.wire import protocol as P
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.transport import RpcClient, RpcServer, free_port, local_address

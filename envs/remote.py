@@ -7,7 +7,7 @@
       RemoteEnv.step(action) (same worker: the episode lives there)
         request(EnvStep, timeout=call_timeout_s) ------------------>  env.step(action) -> EnvStepped
                                      <---- EnvObservation / EnvStepped / Error(kind="env:<reason>")
-      supervisor task per worker: awaits the process's exit
+      supervisor task per worker (flashrl.workers.WorkerPool, the pool process rewards use too):
         exit -> every pending call of that worker fails (EnvFailure "crash") -> respawn in the slot
 
 Failure rules (per call; each raises ``EnvFailure`` so the controller retries the rollout elsewhere):
@@ -23,7 +23,7 @@ Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", work
 params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
 inside the workers). Tasks come from a copy of the inner suite built in the controller (data only).
 Messages are msgspec structs (below); nothing is pickled. Inside a run, workers start through the run's
-launcher (``flashrl.cluster.active()``: role "env", index = slot; logs in runs/<name>/logs/env<slot>.log;
+launcher (``flashrl.launch.active()``: role "env", index = slot; logs in runs/<name>/logs/env<slot>.log;
 CURVE keys when cluster.interface is off loopback); used on its own (no run), the pool starts them here
 as ``flashrl.procs`` children. Either way each leads its own process group and dies with the controller
 (parent-death signal plus a watchdog); call ``RemoteSuite.aclose()`` on shutdown.
@@ -48,7 +48,7 @@ import msgspec
 from msgspec import Meta
 
 from envs.faults import WORKER_ENV_VAR, validate_observation
-from flashrl import cluster
+from flashrl import launch
 from flashrl.env import Env, EnvFailure, StepResult, Task
 from flashrl.plugins import make_suite
 from flashrl.procs import Child, child_init
@@ -56,6 +56,7 @@ from flashrl.wire.keys import CurveKeys
 from flashrl.wire.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
 from flashrl.wire.spec import read_spec_or_exit, spec_env
 from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer
+from flashrl.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m envs.remote` from any cwd
@@ -120,56 +121,39 @@ WORKER_ARGV = ["python", "-m", "envs.remote"]  # for ``Launcher.spawn``; the spe
 
 
 # --------------------------------------------------------------------------- controller side
-class _Worker:
-    """One slot's current process. ``generation`` increases with every replacement."""
-
-    def __init__(self, slot: int, generation: int, child: cluster.Proc, client: RpcClient) -> None:
-        self.slot = slot
-        self.generation = generation
-        self.child = child
-        self.proc = child.proc if isinstance(child, Child) else None  # local processes only (tests signal them)
-        self.client = client
-        self.sessions = 0
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.alive = True
-        self.supervisor: asyncio.Task[None] | None = None
-
-
 class RemotePool:
-    """Worker processes, started on first use, each supervised and replaced when it exits."""
+    """The env worker processes: a flashrl.workers.WorkerPool (every slot started up front, supervised,
+    replaced at once when it exits; many sessions per worker, the least loaded first) whose workers
+    are reached through an RpcClient each."""
 
     def __init__(self, params: RemoteParams, seed: int, eval_size: int) -> None:
         self.params = params
         self.seed = seed
         self.eval_size = eval_size
-        self.counters: Counter[str] = Counter()
-        self._slots: list[_Worker | None] = [None] * params.workers
-        self._generations = itertools.count()
         self._sessions = itertools.count(1)
-        self._start_lock: asyncio.Lock | None = None
-        self._closing = False
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
-        self._background: set[asyncio.Task[Any]] = set()
+        self.workers: WorkerPool[RpcClient] = WorkerPool(
+            "env worker", params.workers, start=self._spawn, ready=self._ping, on_exit=self._exited,
+            failure=EnvFailure, eager=True, startup_timeout_s=params.startup_timeout_s)
         # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
-        self._children: set[cluster.Proc] = set()
+        self._children: set[launch.Proc] = set()
         self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)
 
     @property
+    def counters(self) -> Counter[str]:
+        """spawned, exits, restarts, killed:<reason> (the pool's) and rejected:<reason> (observations)."""
+        return self.workers.counters
+
+    @property
     def pids(self) -> list[int]:
-        """Process ids of the current workers (slot order; tests kill them on purpose)."""
-        return [w.proc.pid for w in self._slots if w is not None and w.alive and w.proc is not None]
+        """Process ids of the current local workers (slot order; tests kill them on purpose)."""
+        return [w.proc.pid for w in self.workers.workers() if isinstance(w.proc, Child)]
 
     async def start(self) -> None:
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
-        async with self._start_lock:
-            for slot, w in enumerate(self._slots):
-                if w is None and not self._closing:
-                    self._slots[slot] = await self._spawn(slot)
+        await self.workers.start()
 
-    async def _spawn(self, slot: int) -> _Worker:
-        gen = next(self._generations)
-        run = cluster.active()
+    async def _spawn(self, slot: int, gen: int) -> tuple[launch.Proc, RpcClient]:
+        run = launch.active()
         if run is None:  # no run around this pool: ipc:// in its own folder
             bind = connect = f"ipc://{self._dir}/w{slot}-{gen}.sock"
         else:
@@ -180,7 +164,7 @@ class RemotePool:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         extra = {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), WORKER_ENV_VAR: "1",
                  **spec_env(spec)}
-        child: cluster.Proc
+        child: launch.Proc
         curve = None
         if run is None:
             child = Child.spawn(f"env worker {slot}.{gen}", [sys.executable, *WORKER_ARGV[1:]], None,
@@ -189,86 +173,41 @@ class RemotePool:
             child = await run.launcher.spawn("env", slot, WORKER_ARGV, extra, run.logs / f"env{slot}.log")
             curve = run.launcher.curve.client() if run.launcher.curve is not None else None
         self._children.add(child)
-        client = RpcClient(connect, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}", curve=curve)
-        w = _Worker(slot, gen, child, client)
-        w.supervisor = asyncio.get_running_loop().create_task(self._supervise(w), name=f"env-worker-{slot}.{gen}-supervisor")
-        self.counters["spawned"] += 1
-        return w
+        return child, RpcClient(connect, WORKER_REPLIES, name=f"env-worker-{slot}.{gen}", curve=curve)
 
-    async def _supervise(self, w: _Worker) -> None:
-        """Wait for the first ping, then for the process to exit; on exit fail its calls and respawn."""
-        loop = asyncio.get_running_loop()
-        born = loop.time()
-        ping = loop.create_task(w.client.request(Ping(), timeout=self.params.startup_timeout_s))
-        exited = loop.create_task(w.child.exited())
-        await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if ping.done() and ping.exception() is None:
-            w.ready.set_result(None)
-        else:
-            if not ping.done():
-                ping.cancel()
-            err = ping.exception() if ping.done() and not ping.cancelled() else None
-            w.ready.set_exception(EnvFailure("crash", f"env worker {w.slot} did not start ({err or 'it exited'})"))
-            w.ready.exception()  # mark retrieved: nobody may be waiting on this worker yet
-            w.child.kill()
-        code = await exited
-        w.alive = False
-        await w.child.reap_group()  # anything the worker started (e.g. sandboxed code) goes with it
-        self._children.discard(w.child)
-        await w.client.close()  # pending calls get PeerDead -> EnvFailure("crash")
-        if self._closing:
-            return
-        self.counters["exits"] += 1
-        log.warning("env worker %d.%d exited with code %s; replacing it", w.slot, w.generation, code)
-        if loop.time() - born < 1.0:  # dying at start-up: do not spin
-            await asyncio.sleep(1.0)
-        if not self._closing and self._slots[w.slot] is w:
-            self._slots[w.slot] = await self._spawn(w.slot)
-            self.counters["restarts"] += 1
+    async def _ping(self, client: RpcClient) -> None:
+        await client.request(Ping(), timeout=self.params.startup_timeout_s)
 
-    async def acquire(self) -> _Worker:
+    async def _exited(self, w: Worker[RpcClient]) -> None:
+        child: launch.Proc = w.proc  # type: ignore[assignment]  # what _spawn returned
+        await child.reap_group()  # anything the worker started (e.g. sandboxed code) goes with it
+        self._children.discard(child)
+        await w.handle.close()  # pending calls get PeerDead -> EnvFailure("crash")
+
+    async def acquire(self) -> Worker[RpcClient]:
         """The ready worker with the fewest open sessions (waits for one that is starting)."""
-        await self.start()
-        live = [w for w in self._slots if w is not None and w.alive]
-        if not live:
-            raise EnvFailure("crash", "no env worker is alive (all are restarting)")
-        ready = [w for w in live if w.ready.done() and w.ready.exception() is None]
-        w = min(ready or live, key=lambda x: x.sessions)
-        await asyncio.shield(w.ready)
-        w.sessions += 1
-        return w
+        return await self.workers.acquire()
 
-    def kill(self, w: _Worker, reason: str) -> None:
-        """Kill ``w``'s process; its supervisor replaces it."""
-        if w.alive:
-            self.counters[f"killed:{reason}"] += 1
-            w.child.kill()
+    def release(self, w: Worker[RpcClient]) -> None:
+        self.workers.release(w)
+
+    def kill(self, w: Worker[RpcClient], reason: str) -> None:
+        """Kill ``w``'s process (counted as killed:<reason>); the pool replaces it."""
+        self.workers.kill(w, reason)
 
     def new_session(self) -> int:
         return next(self._sessions)
 
     def background(self, coro: Any) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
+        self.workers.background(coro)
 
     async def aclose(self) -> None:
         """Kill every worker and wait for them; idempotent."""
-        self._closing = True
-        workers = [w for w in self._slots if w is not None]
-        for w in workers:
-            w.child.kill()
-        for w in workers:
-            if w.supervisor is not None:
-                with contextlib.suppress(BaseException):
-                    await w.supervisor
-            await w.client.close()
-        for t in list(self._background):
-            t.cancel()
+        await self.workers.aclose()
         self._finalizer()
 
 
-def _kill_all(children: set[cluster.Proc], path: str) -> None:
+def _kill_all(children: set[launch.Proc], path: str) -> None:
     for child in list(children):
         child.kill()
     shutil.rmtree(path, ignore_errors=True)
@@ -279,7 +218,7 @@ class RemoteEnv:
 
     def __init__(self, pool: RemotePool) -> None:
         self.pool = pool
-        self.worker: _Worker | None = None
+        self.worker: Worker[RpcClient] | None = None
         self.generation = -1
         self.session = 0
 
@@ -290,7 +229,7 @@ class RemoteEnv:
         if not w.alive or w.generation != self.generation:
             raise EnvFailure("crash", f"env worker {w.slot} was replaced; the episode is lost")
         try:
-            return await w.client.request(msg, timeout=self.pool.params.call_timeout_s)
+            return await w.handle.request(msg, timeout=self.pool.params.call_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
             self.pool.kill(w, "timeout")
             raise EnvFailure("timeout", f"env worker {w.slot} took over {self.pool.params.call_timeout_s:g}s; replaced") from None
@@ -301,7 +240,7 @@ class RemoteEnv:
             raise EnvFailure(reason, str(e)) from None
         except asyncio.CancelledError:
             # The caller's own deadline: tell the worker to stop this session's call.
-            self.pool.background(_quiet(w.client.request(EnvClose(session=self.session), timeout=5.0)))
+            self.pool.background(_quiet(w.handle.request(EnvClose(session=self.session), timeout=5.0)))
             raise
 
     def _valid(self, text: str) -> str:
@@ -332,9 +271,9 @@ class RemoteEnv:
         w, self.worker = self.worker, None
         if w is None:
             return
-        w.sessions -= 1
+        self.pool.release(w)
         if w.alive and w.generation == self.generation:
-            await _quiet(w.client.request(EnvClose(session=self.session), timeout=5.0))
+            await _quiet(w.handle.request(EnvClose(session=self.session), timeout=5.0))
 
     async def close(self) -> None:
         await self._release()

@@ -11,6 +11,7 @@
     TaskCancel(task)       a cancel of a task that can tell itself apart from every other cancel
     cancel_and_wait(tasks) cancel tasks and wait until every one has ended; a cancel of the waiter
                            is raised only after that
+    supervised()           ``asyncio.TaskGroup`` that raises a lone failure as itself, not as a group
 
 Why these exist: the controller runs one task per rollout and nothing else (no per-sample helper
 tasks, streams or cancel scopes), and most env calls and cleanups finish without ever suspending.
@@ -26,11 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import math
+import sys
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
     "Deadline",
@@ -42,6 +48,7 @@ __all__ = [
     "cancel_and_wait",
     "first_step",
     "shielded",
+    "supervised",
     "timeout",
 ]
 
@@ -353,3 +360,30 @@ async def cancel_and_wait(tasks: Sequence[asyncio.Task[Any]],
         pending = [t for t in pending if not t.done()]
     if cancelled:
         raise asyncio.CancelledError
+
+
+@contextlib.asynccontextmanager
+async def supervised() -> AsyncIterator[asyncio.TaskGroup]:
+    """``async with supervised() as tg:`` is ``async with asyncio.TaskGroup() as tg:`` (a task that fails
+    cancels the body and every other task; the block ends only when every task has ended) whose
+    failure is raised as the error itself when there is one (or one seen by several tasks), so the
+    caller's ``except SomeError`` still matches; several different errors stay a BaseExceptionGroup.
+    The error keeps its own cause (``raise ... from``) and traceback.
+    """
+    lone: BaseException | None = None
+    try:
+        async with asyncio.TaskGroup() as tg:
+            yield tg
+    except BaseExceptionGroup as eg:
+        errors = [e for e in _leaves(eg) if not isinstance(e, asyncio.CancelledError)]
+        if not errors or len({(type(e), str(e)) for e in errors}) > 1:
+            raise
+        lone = errors[0]
+    if lone is not None:
+        raise lone  # outside the except: its own __cause__ and __context__ stay (the group was only a wrapper)
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]

@@ -78,8 +78,8 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     cfg = _load_or_exit(config, set_)
     _check_env_or_exit(cfg, config)
     if cfg.cluster.launcher == "slurm":  # the layout fits [cluster.slurm] (what --dry-run would refuse)
-        from flashrl.cluster import LaunchError
-        from flashrl.cluster.slurm import plan
+        from flashrl.launch import LaunchError
+        from flashrl.launch.slurm_job import plan
 
         try:
             plan(cfg)
@@ -121,7 +121,7 @@ def run(
                    f"(cluster.launcher is {cfg.cluster.launcher!r})", err=True)
         raise typer.Exit(code=2)
     _check_model_or_exit(cfg, config)
-    from flashrl.launch import main as launch_main
+    from flashrl.launch.driver import main as launch_main
 
     r = None
     if resume:
@@ -140,15 +140,15 @@ def run(
 
 def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> None:
     """cluster.launcher = "slurm" outside an allocation: the sbatch script (printed, in runs/<name>/slurm/), then sbatch."""
-    from flashrl.cluster import LaunchError, slurm
+    from flashrl.launch import LaunchError, slurm_job
 
     try:
-        script, text = slurm.write_job(cfg, resume=resume)
+        script, text = slurm_job.write_job(cfg, resume=resume)
         typer.echo(text)
         if dry_run:
             typer.echo(f"# written to {script} (not submitted: --dry-run)", err=True)
             return
-        job = slurm.submit(cfg, script)
+        job = slurm_job.submit(cfg, script)
     except LaunchError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
@@ -159,9 +159,10 @@ def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> Non
 def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
     """Build (once, cached) the model a config names; for builtin:tiny, warm-start it on the task."""
     cfg = _load_or_exit(config, set_)
-    from flashrl.models import ensure_model
+    from flashrl.models import Progress, ensure_model
 
-    path = ensure_model(cfg)
+    # every phase of a build on stderr (a bar on a terminal, a line each otherwise); the path on stdout
+    path = ensure_model(cfg, progress=Progress.for_stderr("init-model"))
     typer.echo(str(path))
 
 
@@ -223,20 +224,20 @@ def node(
 ) -> None:
     """One node of a SLURM job (job.sbatch runs it): this node's agent; on node 0 also the controller."""
     cfg = _load_or_exit(config, [])
-    from flashrl.cluster import slurm
+    from flashrl.launch import slurm_job, slurm_node
 
     if prepare:
-        from flashrl.models import ModelPathError, ensure_model
+        from flashrl.models import ModelPathError, Progress, ensure_model
 
         try:
-            model = ensure_model(cfg)
+            model = ensure_model(cfg, progress=Progress.for_stderr("flashrl node --prepare"))
         except ModelPathError as e:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
-        slurm.prepare_keys(cfg)
+        slurm_job.prepare_keys(cfg)
         typer.echo(f"flashrl: model {model}")
         raise typer.Exit(code=0)
-    code = slurm.node_main(cfg, config, node_id, resume)
+    code = slurm_node.node_main(cfg, config, node_id, resume)
     raise typer.Exit(code=code)
 
 

@@ -111,7 +111,7 @@ class TrainerClient(Protocol):
 
 @runtime_checkable
 class EngineRestarter(Protocol):
-    """Restarts engine processes (the launcher's side; launch.EnginePool for a local run)."""
+    """Restarts engine processes (the launcher's side; launch.processes.EnginePool for a local run)."""
 
     async def restart(self, i: int) -> EngineClient:
         """Replace dead engine ``i``: kill what is left of it, back off, start a new process, wait until it

@@ -15,7 +15,7 @@
 
 The ladder exists once, ``stop_ladder``: the orderly ``shutdown()`` and its grace, then ``escalate()``,
 which is how the process is reached: ``Child`` signals its group here (SIGTERM, wait, SIGKILL, wait);
-a process on a Ray node (cluster/ray_proc.py) or a SLURM node (cluster/slurm.py) asks the ``Child``
+a process on a Ray node (launch/ray_proc.py) or a SLURM node (launch/slurm.py) asks the ``Child``
 that holds it there to do the same.
 
 Why both a parent-death signal and a watchdog: PR_SET_PDEATHSIG reaches only the child itself (not

@@ -18,11 +18,12 @@ Where it runs (``RewardRunner``): an ``async def`` function runs on the controll
 must not block: it awaits); a plain function runs in a thread pool ("thread") or in worker
 processes ("process": the default for ``math``, whose timeout uses SIGALRM and so needs a process's
 main thread). Every call has a deadline (``timeout_s``); a process worker past it is killed and
-replaced. Failures are not rewards: a function that raises, returns something else than a float
-or a dict with ``reward``, times out or kills its worker raises ``RewardFailed`` (reason
-"reward_error" / "reward_timeout" / "reward_crash", with the traceback), which the dataset
-environment turns into an infrastructure failure (EnvFailure): the rollout is retried and the
-failure counted, never scored 0.
+replaced (flashrl.workers.WorkerPool, the pool the remote environment's workers use too). Failures
+are not rewards: a function that raises, returns something else than a float or a dict with
+``reward``, times out or kills its worker raises ``RewardFailed`` (reason "reward_error" /
+"reward_timeout" / "reward_crash", with the traceback), which the dataset environment turns into
+an infrastructure failure (EnvFailure): the rollout is retried and the failure counted, never
+scored 0.
 
 Process workers (``python -m flashrl.rewards``) speak msgspec JSON lines over their stdin/stdout
 (nothing is pickled); a worker's own prints go to its stderr. They die with the controller
@@ -51,6 +52,7 @@ import msgspec
 
 from flashrl.plugins import PluginError, is_reference, load_object
 from flashrl.procs import PARENT_ENV, child_init
+from flashrl.workers import Worker, WorkerPool
 
 __all__ = ["BUILTIN_REWARDS", "RewardFailed", "RewardOptions", "RewardResult", "RewardRunner", "make_reward_fn"]
 
@@ -206,36 +208,45 @@ _REPLY = msgspec.json.Decoder(_Reply)
 _ENC = msgspec.json.Encoder()
 
 
-class _Worker:
+class _RewardProc:
+    """A reward worker process (flashrl.workers.WorkerProc): its own session, pipes to this process."""
+
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self.pid = proc.pid
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(Exception):  # its loop may be gone (a pool used again from a new loop)
+                self.proc.stdin.close()
+
+    async def exited(self) -> int | None:
+        return await self.proc.wait()
 
 
 class _ProcessPool:
-    """``workers`` processes computing one reward each at a time; lazily started, replaced when killed."""
+    """``workers`` processes computing one reward each at a time (flashrl.workers.WorkerPool: capacity 1,
+    started on demand); one past its deadline is killed (counted) and replaced on the next call."""
 
     def __init__(self, spec: str, opts: RewardOptions, workers: int, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
         self.opts = opts
-        self.size = workers
-        self.start_timeout_s = start_timeout_s
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._spawned = 0
-        self._all: set[_Worker] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Task[Any]] = set()  # draining a cancelled call's reply
-        self._reaping: set[asyncio.Task[Any]] = set()  # waiting for a killed worker's exit
-        self._changed: asyncio.Future[None] | None = None
-        self.counters = {"workers_started": 0, "workers_killed": 0}
+        self.pool: WorkerPool[asyncio.subprocess.Process] = WorkerPool(
+            f"reward worker for {spec!r}", workers, start=self._spawn, ready=self._ready,
+            failure=lambda reason, detail: RewardFailed(f"reward_{reason}", detail),
+            capacity=1, eager=False, startup_timeout_s=start_timeout_s)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        c = self.pool.counters
+        return {"workers_started": c["spawned"], "workers_killed": c["killed:timeout"]}
 
     def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._all]
+        return [w.handle.pid for w in self.pool.workers()]
 
-    async def _spawn(self) -> _Worker:
+    async def _spawn(self, slot: int, generation: int) -> tuple[_RewardProc, asyncio.subprocess.Process]:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
@@ -244,138 +255,70 @@ class _ProcessPool:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True,
             limit=1 << 24,
         )
-        w = _Worker(proc)
-        self._all.add(w)
-        self.counters["workers_started"] += 1
+        return _RewardProc(proc), proc
+
+    @staticmethod
+    async def _ready(proc: asyncio.subprocess.Process) -> None:
+        """The worker's first line says it loaded the reward (or why it could not)."""
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
         try:
-            assert proc.stdout is not None
-            async with asyncio.timeout(self.start_timeout_s):
-                line = await proc.stdout.readline()
             reply = _REPLY.decode(line) if line else _Reply(error="it exited before answering")
-        except (TimeoutError, msgspec.DecodeError) as e:
-            reply = _Reply(error=f"no ready line ({type(e).__name__})")
-        except BaseException:
-            self._discard(w, count=False)  # _acquire gives the slot back
-            raise
+        except msgspec.DecodeError as e:
+            reply = _Reply(error=f"no ready line ({e})")
         if not reply.ready:
-            self._discard(w, count=False)
-            raise RewardFailed("reward_crash", f"reward worker for {self.spec!r} did not start: {reply.error}")
-        return w
-
-    def _discard(self, w: _Worker, count: bool = True) -> None:
-        w.kill()
-        if w.proc.stdin is not None:
-            w.proc.stdin.close()
-        self._all.discard(w)
-        if count:
-            self._spawned -= 1
-        self._wake()
-        task = asyncio.get_running_loop().create_task(w.proc.wait())  # reap it
-        self._reaping.add(task)
-        task.add_done_callback(self._reaping.discard)
-
-    async def _acquire(self) -> _Worker:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # first use (or a new loop, in tests): start over
-            self._loop, self._idle, self._spawned, self._all = loop, asyncio.Queue(), 0, set()
-        assert self._idle is not None
-        while True:
-            if not self._idle.empty():
-                return self._idle.get_nowait()
-            if self._spawned < self.size:
-                self._spawned += 1
-                try:
-                    return await self._spawn()
-                except BaseException:
-                    self._spawned -= 1
-                    self._wake()
-                    raise
-            self._changed = loop.create_future()  # a worker comes back, or a slot frees
-            await self._changed
-
-    def _wake(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-
-    def _release(self, w: _Worker) -> None:
-        if self._idle is not None:
-            self._idle.put_nowait(w)
-        self._wake()
+            raise RuntimeError(reply.error)
 
     async def call(self, row: dict[str, Any], response: str, timeout_s: float) -> RewardResult:
-        w = await self._acquire()
-        assert w.proc.stdin is not None and w.proc.stdout is not None
+        w = await self.pool.acquire()
+        proc = w.handle
+        assert proc.stdin is not None and proc.stdout is not None
         try:
-            w.proc.stdin.write(_ENC.encode(_Call(row=row, response=response)) + b"\n")
+            proc.stdin.write(_ENC.encode(_Call(row=row, response=response)) + b"\n")
             async with asyncio.timeout(timeout_s):
-                await w.proc.stdin.drain()
-                line = await w.proc.stdout.readline()
+                await proc.stdin.drain()
+                line = await proc.stdout.readline()
         except TimeoutError:
-            self.counters["workers_killed"] += 1
-            self._discard(w)
+            self.pool.kill(w, "timeout")
             raise RewardFailed("reward_timeout", f"reward {self.spec!r} took longer than {timeout_s} s; its worker "
-                                                 f"(pid {w.proc.pid}) was killed and will be replaced") from None
+                                                 f"(pid {proc.pid}) was killed and will be replaced") from None
         except asyncio.CancelledError:
-            self._drain_later(w, timeout_s)  # the reply still comes: read it before reusing the worker
+            self.pool.background(self._drain(w, timeout_s))  # the reply still comes: read it before reusing the worker
             raise
         except (BrokenPipeError, ConnectionResetError):
             line = b""
         except BaseException:
-            self._discard(w)
+            self.pool.kill(w)
             raise
         if not line:
-            self._discard(w)
-            code = w.proc.returncode
+            self.pool.kill(w)
+            code = await proc.wait()
             raise RewardFailed("reward_crash", f"the reward worker running {self.spec!r} died (exit code {code}); "
                                                "it will be replaced")
         try:
             reply = _REPLY.decode(line)
         except msgspec.DecodeError as e:
-            self._discard(w)
+            self.pool.kill(w)
             raise RewardFailed("reward_crash", f"the reward worker sent garbage ({e}); it was replaced") from None
-        self._release(w)
+        self.pool.release(w)
         if reply.error:
             raise RewardFailed(reply.reason or "reward_error", reply.error)
         assert reply.result is not None
         return reply.result
 
-    def _drain_later(self, w: _Worker, timeout_s: float) -> None:
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    line = await w.proc.stdout.readline()  # type: ignore[union-attr]
-            except (Exception, asyncio.CancelledError):
-                line = b""
-            if line and self._idle is not None:
-                self._release(w)
-            else:
-                self._discard(w)
-
-        task = asyncio.get_running_loop().create_task(drain())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _drain(self, w: Worker[asyncio.subprocess.Process], timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                line = await w.handle.stdout.readline()  # type: ignore[union-attr]
+        except (Exception, asyncio.CancelledError):
+            line = b""
+        if line:
+            self.pool.release(w)
+        else:
+            self.pool.kill(w)
 
     async def aclose(self) -> None:
-        for t in list(self._background):
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await asyncio.gather(*self._reaping, return_exceptions=True)
-        workers = list(self._all)
-        self._all.clear()
-        for w in workers:
-            if w.proc.stdin is not None:
-                with contextlib.suppress(Exception):
-                    w.proc.stdin.close()
-        for w in workers:
-            try:
-                async with asyncio.timeout(2.0):
-                    await w.proc.wait()
-            except TimeoutError:
-                w.kill()
-                await w.proc.wait()
-        self._spawned = 0
-        self._idle = None
-        self._loop = None
+        await self.pool.aclose()
 
 
 # --------------------------------------------------------------------------- the runner

@@ -17,6 +17,7 @@ from flashrl.aio import (
     cancel_and_wait,
     first_step,
     shielded,
+    supervised,
     timeout,
 )
 from flashrl.sim.clock import run_virtual
@@ -353,3 +354,32 @@ def test_cancel_and_wait_releases_never_started_tasks_and_waits_for_cleanups() -
         assert t2.done() and now() == 2.0
 
     run_virtual(main)
+
+
+async def test_supervised_raises_a_lone_failure_as_itself_and_several_as_a_group() -> None:
+    async def fail(e: BaseException) -> None:
+        await asyncio.sleep(0)
+        raise e
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    cause = KeyError("why")
+    err = RuntimeError("the sampler failed")
+    err.__cause__ = cause
+    other: asyncio.Task[None] | None = None
+    with pytest.raises(RuntimeError, match="the sampler failed") as info:
+        async with supervised() as tg:
+            other = tg.create_task(forever())
+            tg.create_task(fail(err))
+            await forever()  # the body is cancelled too
+    assert info.value is err and info.value.__cause__ is cause  # itself, its cause kept
+    assert other is not None and other.cancelled()  # every other task ended
+    with pytest.raises(ValueError, match="body"):  # the body's own error, as itself
+        async with supervised():
+            raise ValueError("body")
+    with pytest.raises(ExceptionGroup) as group:  # noqa: F821 - Python >= 3.11 (TaskGroup)  # two different failures: both, as a group
+        async with supervised() as tg:
+            tg.create_task(fail(ValueError("a")))
+            tg.create_task(fail(OSError("b")))
+    assert sorted(type(e).__name__ for e in group.value.exceptions) == ["OSError", "ValueError"]

@@ -128,21 +128,21 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
     from transformers import AutoModelForCausalLM
 
     from envs import make_suite
-    from flashrl import launch
     from flashrl.controller import Controller
-    from flashrl.launch import local_cluster
+    from flashrl.launch import processes
+    from flashrl.launch.processes import local_cluster
     from flashrl.models.export import export_run
     from flashrl.models.tokenizer import load_tokenizer
 
     # The engine starts from other weights (another seed) than the trainer: what a weight that never
     # synced, or synced under a wrong name, looks like to the metric.
     other = build_chat_model(tmp_path / "other", seed=1)
-    options = launch.engine_spec
+    options = processes.engine_spec
 
     def options_other(*args, **kwargs):
         return msgspec.structs.replace(options(*args, **kwargs), model=str(other))
 
-    monkeypatch.setattr(launch, "engine_spec", options_other)  # the name the launcher's EnginePool calls
+    monkeypatch.setattr(processes, "engine_spec", options_other)  # the name the launcher's EnginePool calls
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(CONFIG.format(out=tmp_path / "runs", model=chat_dir))
     cfg = load(cfg_path, ["run.steps=2", "run.dashboard=off", "run.name=wrong"])

@@ -60,7 +60,7 @@ def with_run(cfg: Config, **run: Any) -> Config:
 
 
 class Run:
-    """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.run_local."""
+    """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.driver.run_local."""
 
     def __init__(self, cfg: Config, suite: FakeSuite, *, resume: Any = None, engines: int = 2,
                  trainer: FakeTrainer | None = None, stop_at_s: float | None = None) -> None:
@@ -370,7 +370,7 @@ def test_continue_metrics_drops_lines_after_the_checkpoint_and_a_torn_line(tmp_p
 def test_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path: Path) -> None:
     """--resume PATH to step-3 while step-4 exists: step-4 is kept as step-4.abandoned, never overwritten
     or resumed by accident; the run dir is prepared by the same function a restart after a failure uses."""
-    from flashrl.launch import prepare_run_dir
+    from flashrl.launch.driver import prepare_run_dir
 
     cfg = _checkpointed_run(tmp_path)
     root = cfg.run_dir / "checkpoints"

@@ -1,4 +1,4 @@
-"""flashrl/cluster: per-run CURVE keys and the local launcher, with real files and real processes."""
+"""flashrl/launch (the launchers): per-run CURVE keys and the local launcher, with real files and real processes."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flashrl import cluster
-from flashrl.cluster import LaunchError, Proc, make_launcher
-from flashrl.cluster.base import interface_host, primary_address
-from flashrl.cluster.local import LocalLauncher
+from flashrl import launch
 from flashrl.config import ConfigError, load
+from flashrl.launch import LaunchError, Proc, make_launcher
+from flashrl.launch.base import interface_host, primary_address
+from flashrl.launch.local import LocalLauncher
 from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
 from tests.helpers import first_json_line, process_gone
 
@@ -167,7 +167,7 @@ def test_cluster_config_and_make_launcher(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match=r"cluster.launcher: invalid value 'k8s'.*'local', 'ray', 'slurm'"):
         load(None, ["cluster.launcher=k8s"])
     # a launcher whose module is not there (yet): a LaunchError naming it, nothing started
-    monkeypatch.setitem(cluster._REMOTE, "slurm", ("flashrl.cluster.no_such_launcher", "X", ""))
+    monkeypatch.setitem(launch._REMOTE, "slurm", ("flashrl.launch.no_such_launcher", "X", ""))
     with pytest.raises(LaunchError, match="no slurm launcher yet.*no_such_launcher"):
         make_launcher(load(None, ["cluster.launcher=slurm"]), tmp_path)
     # a launcher whose optional package is missing: the extra to install
@@ -175,7 +175,7 @@ def test_cluster_config_and_make_launcher(tmp_path: Path, monkeypatch: pytest.Mo
     fake.mkdir()
     (fake / "fake_launcher_mod.py").write_text("import no_such_package_for_flashrl\n")
     monkeypatch.syspath_prepend(str(fake))
-    monkeypatch.setitem(cluster._REMOTE, "ray", ("fake_launcher_mod", "X", "ray"))
+    monkeypatch.setitem(launch._REMOTE, "ray", ("fake_launcher_mod", "X", "ray"))
     with pytest.raises(LaunchError, match=r"needs the no_such_package_for_flashrl package: pip install 'flashrl\[ray\]'"):
         make_launcher(load(None, ["cluster.launcher=ray"]), tmp_path)
     sys.modules.pop("fake_launcher_mod", None)
@@ -199,7 +199,8 @@ async def test_run_closes_the_launcher_when_the_model_cannot_be_prepared(tmp_pat
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher is preflighted (e.g. a private Ray instance started) before the model is prepared: a failure
     in between still closes it."""
-    from flashrl import launch, models
+    from flashrl import models
+    from flashrl.launch import driver
 
     closed: list[bool] = []
 
@@ -208,14 +209,14 @@ async def test_run_closes_the_launcher_when_the_model_cannot_be_prepared(tmp_pat
             closed.append(True)
             await super().close()
 
-    def no_model(cfg: object) -> str:
+    def no_model(cfg: object, **kw: object) -> str:
         raise RuntimeError("no model here")
 
-    monkeypatch.setattr(launch, "make_launcher", lambda cfg, run_dir: Recording(run_dir))
+    monkeypatch.setattr(driver, "make_launcher", lambda cfg, run_dir: Recording(run_dir))
     monkeypatch.setattr(models, "ensure_model", no_model)
     cfg = load(None, [f"run.output_dir={tmp_path}", "run.dashboard=off"])
     with pytest.raises(RuntimeError, match="no model here"):
-        await launch.run_local(cfg)
+        await driver.run_local(cfg)
     assert closed == [True]
 
 
@@ -224,18 +225,34 @@ def test_device_auto_without_a_gpu_driver_is_cpu_without_importing_torch(monkeyp
     sooner); with one, torch.cuda decides (here: no CUDA -> cpu); an explicit device is kept."""
     import subprocess
 
-    code = ("import sys\nfrom flashrl import launch\nfrom flashrl.config import Config\n"
-            "launch._gpu_device_nodes = lambda: []\n"
-            "print(launch.resolve_device(Config()), 'torch' in sys.modules)\n")
+    code = ("import sys\nfrom flashrl.launch import processes\nfrom flashrl.config import Config\n"
+            "processes._gpu_device_nodes = lambda: []\n"
+            "print(processes.resolve_device(Config()), 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PYPATH}, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["cpu", "False"]
-    from flashrl import launch
+    from flashrl.launch import processes
 
     cfg = load(ROOT / "configs" / "tiny.toml")
-    monkeypatch.setattr(launch, "_gpu_device_nodes", lambda: ["/dev/nvidiactl"])
+    monkeypatch.setattr(processes, "_gpu_device_nodes", lambda: ["/dev/nvidiactl"])
     import torch
 
-    assert launch.resolve_device(cfg) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert processes.resolve_device(cfg) == ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.engine.device = "cuda"
-    assert launch.resolve_device(cfg) == "cuda"
+    assert processes.resolve_device(cfg) == "cuda"
+
+
+def test_a_private_ray_head_needs_a_ray_with_token_auth() -> None:
+    """cluster.ray.address = "": the private head runs with RAY_AUTH_MODE=token (Ray >= 2.52); an older Ray
+    is refused at start with the version to install, as pyproject's floor says."""
+    import re
+
+    from flashrl.launch.ray_head import MIN_RAY, check_version
+
+    assert MIN_RAY == (2, 52)
+    assert check_version("2.52.0") is None and check_version("2.60.0") is None and check_version("3.0.0rc1") is None
+    why = check_version("2.51.1")
+    assert why is not None and "Ray >= 2.52" in why and "Ray 2.51.1" in why and "pip install" in why
+    assert check_version("2.40.0") is not None
+    floor = re.search(r'ray\[default\]>=([\d.]+)', (ROOT / "pyproject.toml").read_text())
+    assert floor is not None and tuple(int(x) for x in floor.group(1).split(".")) == MIN_RAY

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from flashrl.cluster.base import LaunchError, primary_address
+from flashrl.launch.base import LaunchError, primary_address
 from flashrl.metrics import read_jsonl
 from flashrl.wire import protocol as P
 

@@ -37,7 +37,7 @@ def _flashrl_run(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen[byt
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """The run dies with this test process even if pytest is killed (procs.child_init in launch.main)."""
+    """The run dies with this test process even if pytest is killed (procs.child_init in launch.driver.main)."""
     return dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()), **extra)
 
 

@@ -36,7 +36,7 @@ def test_math_reward_scores_a_boxed_gsm8k_answer() -> None:
 
 
 def test_engines_get_their_own_gpus_when_there_are_enough() -> None:
-    from flashrl.launch import engine_gpu
+    from flashrl.launch.processes import engine_gpu
 
     eight = [str(k) for k in range(8)]
     assert [engine_gpu(i, 4, 4, eight) for i in range(4)] == ["4", "5", "6", "7"]  # trainer ranks hold 0-3

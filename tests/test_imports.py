@@ -32,6 +32,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.wire",
     # services every role uses
     "flashrl.procs",
+    "flashrl.workers",  # the worker-process pool (remote env workers, process rewards)
     "flashrl.logging_setup",
     "flashrl.config_errors",  # msgspec errors as key paths with the fix (config and env.params)
     "flashrl.plugins",
@@ -41,11 +42,14 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.metrics",
     "flashrl.interfaces",
     "flashrl.checkpoint",  # the run's checkpoint folders and the controller's state in them
-    "flashrl.cluster",  # launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys
+    # the launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys; the
+    # package minus its two upper modules below (processes, driver)
+    "flashrl.launch",
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),
-    "flashrl.launch",
+    "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher
+    "flashrl.launch.driver",  # `flashrl run`: the one entry of a run
     # `flashrl bench` (one package), and apart from it the TRL peer program it starts as a child process:
     # neither imports the other (the peer reproduces flashrl's run with TRL, it does not run flashrl's code)
     ("flashrl.bench", "flashrl.bench.peers.trl_grpo"),

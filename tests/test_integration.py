@@ -38,7 +38,7 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
     advanced, checksums enforced."""
     from envs import make_suite
     from flashrl.controller import Controller
-    from flashrl.launch import local_cluster
+    from flashrl.launch.processes import local_cluster
     from flashrl.models.tiny import build_untrained
     from flashrl.models.tokenizer import load_tokenizer
 

@@ -297,3 +297,73 @@ def test_remote_wrapped_env_warm_starts_on_the_env_it_wraps(tmp_path: Path, monk
     report = json.loads((ensure_model(cfg, SMALL) / "flashrl_warmstart.json").read_text())
     # multi-turn demonstrations of the wrapped game (their report has the sampled success), its overrides
     assert report["steps"] == 2 and "eval_success_sampled" in report
+
+
+def test_a_build_reports_every_phase_as_plain_lines_without_a_terminal(tmp_path: Path) -> None:
+    """`flashrl init-model` piped or in a log: a line as each phase starts and one as it ends (count, the
+    last loss / accuracy, seconds), so minutes of warm-start are never silent; the model is the same."""
+    import io
+    import math
+    import re
+
+    from flashrl.models import Progress
+
+    out = io.StringIO()
+    progress = Progress("init-model", out, every_s=math.inf)  # no periodic line: the count below is exact
+    assert not progress.live  # a StringIO is no terminal
+    path = ensure_model(_cfg(tmp_path), SMALL, QUICK, progress=progress)
+    lines = out.getvalue().splitlines()
+    assert all(line.startswith("init-model: ") for line in lines) and len(lines) == 10
+    starts = [line for line in lines if line.endswith(" ...")]
+    assert starts == ["init-model: loading the tasks of env arithmetic ...",
+                      "init-model: building the untrained model ...",
+                      "init-model: loading the model ...",
+                      "init-model: warm-start (up to 4 steps) ...",
+                      "init-model: held-out accuracy (greedy) (up to 10 problems) ..."]
+    done = [line for line in lines if " done in " in line]
+    assert re.fullmatch(r"init-model: loading the tasks of env arithmetic: done in \d+\.\d s; 50 tasks, held out 10",
+                        done[0])
+    assert re.fullmatch(r"init-model: warm-start: done in \d+\.\d s; 4 steps, loss \d+\.\d{3}, "
+                        r"probe accuracy \d\.\d{3}", done[3]), done[3]
+    report = json.loads((path / "flashrl_warmstart.json").read_text())
+    assert done[4].endswith(f"10 problems, accuracy {report['eval_accuracy']:.3f}")
+    assert re.fullmatch(r"init-model: loading the model: done in \d+\.\d s; parameters \d+", done[2]), done[2]
+    assert ensure_model(_cfg(tmp_path / "quiet"), SMALL, QUICK).name == path.name  # no progress: the same model
+    quiet = io.StringIO()
+    ensure_model(_cfg(tmp_path), SMALL, QUICK, progress=Progress("init-model", quiet))
+    assert quiet.getvalue() == ""  # cached: nothing to report
+
+
+def test_progress_on_a_terminal_draws_bars_and_says_when_a_phase_failed() -> None:
+    import io
+    import re
+
+    from flashrl.models import Progress
+
+    out = io.StringIO()
+    progress = Progress("init-model", out, live=True)
+    with progress.phase("warm-start", total=10) as p:
+        for _ in range(4):
+            p.advance(1, loss=0.5)
+        p.finish()
+    text = out.getvalue()
+    assert "init-model: warm-start" in text and "4/4" in text and "loss 0.500" in text
+    plain = io.StringIO()
+    with pytest.raises(RuntimeError), Progress("init-model", plain).phase("warm-start", total=10) as p:
+        p.advance(3, loss=1.25)
+        raise RuntimeError("out of memory")
+    assert plain.getvalue().splitlines()[-1].startswith("init-model: warm-start: failed in ")
+    assert plain.getvalue().splitlines()[-1].endswith("; 3 of 10 steps, loss 1.250")
+    # `flashrl run`: the lines go to the dashboard's status instead (never a bar over its live view)
+    said: list[str] = []
+    with Progress("preparing model", io.StringIO(), live=True, say=said.append).phase("warm-start", total=2) as p:
+        p.advance(2, loss=0.25)
+    assert said[0] == "preparing model: warm-start (up to 2 steps) ..."
+    assert re.fullmatch(r"preparing model: warm-start: done in \d+\.\d s; 2 steps, loss 0\.250", said[-1])
+    # a long phase without a terminal says where it is every every_s seconds, with the time left
+    chatty = io.StringIO()
+    with Progress("init-model", chatty, every_s=0.0).phase("warm-start", total=10) as p:
+        p.advance(5, loss=0.75)
+    assert re.fullmatch(r"init-model: warm-start: 5 of 10 steps, loss 0\.750, about \d+ s left",
+                        chatty.getvalue().splitlines()[1])
+

@@ -34,9 +34,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from flashrl.cluster import LaunchError, make_launcher
-from flashrl.cluster.ray import RayLauncher
 from flashrl.config import Config
+from flashrl.launch import LaunchError, make_launcher
+from flashrl.launch.ray import RayLauncher
 from flashrl.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ DRIVER = """
 import asyncio, json, sys
 from pathlib import Path
 import msgspec
-from flashrl.cluster.ray import RayLauncher
+from flashrl.launch.ray import RayLauncher
 from flashrl.config import Config
 run = Path(sys.argv[2])
 cfg = msgspec.convert({"cluster": {"launcher": "ray", "ray": json.loads(sys.argv[1])}}, Config)

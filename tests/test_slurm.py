@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.cluster import LaunchError, slurm
 from flashrl.config import Config, load
+from flashrl.launch import LaunchError, slurm, slurm_job, slurm_node
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.transport import free_port
 
@@ -68,7 +68,7 @@ def cfg_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> Con
     ("", []),
 ])
 def test_hostlist_expands(spec: str, hosts: list[str]) -> None:
-    assert slurm.expand_hostlist(spec) == hosts
+    assert slurm_job.expand_hostlist(spec) == hosts
 
 
 @pytest.mark.parametrize(("spec", "why"), [
@@ -81,20 +81,20 @@ def test_hostlist_expands(spec: str, hosts: list[str]) -> None:
 ])
 def test_hostlist_errors_name_the_problem(spec: str, why: str) -> None:
     with pytest.raises(ValueError, match=r"host list .*" + why.replace("[", r"\[").replace("]", r"\]")):
-        slurm.expand_hostlist(spec)
+        slurm_job.expand_hostlist(spec)
 
 
 def test_node_hosts_from_env_without_scontrol() -> None:
-    assert slurm.node_hosts({"SLURM_JOB_NODELIST": "n[1-2]"}, scontrol=False) == ["n1", "n2"]
+    assert slurm_job.node_hosts({"SLURM_JOB_NODELIST": "n[1-2]"}, scontrol=False) == ["n1", "n2"]
     with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST is not set"):
-        slurm.node_hosts({}, scontrol=False)
+        slurm_job.node_hosts({}, scontrol=False)
     with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST: host list"):
-        slurm.node_hosts({"SLURM_JOB_NODELIST": "n[1-"}, scontrol=False)
+        slurm_job.node_hosts({"SLURM_JOB_NODELIST": "n[1-"}, scontrol=False)
 
 
 # ---------------------------------------------------------------------------- layout
 def test_auto_gpu_layout_packs_trainer_ranks_then_engines(tmp_path: Path) -> None:
-    p = slurm.plan(cfg_of(tmp_path, GPU_4NODE))
+    p = slurm_job.plan(cfg_of(tmp_path, GPU_4NODE))
     assert p.ranks == [list(range(8)), list(range(8, 16)), [], []]
     assert p.engines == [[], [], list(range(8)), list(range(8, 16))]
     r9 = p.place("trainer", 9)
@@ -112,7 +112,7 @@ engines = [3]
 [[cluster.slurm.layout]]
 engines = [0, 1, 2]
 """
-    p = slurm.plan(cfg_of(tmp_path, text))
+    p = slurm_job.plan(cfg_of(tmp_path, text))
     assert p.place("engine", 3).node == 0 and p.place("engine", 3).gpus == (4,)  # after the 4 trainer GPUs
     assert p.place("trainer", 2).gpus == (0, 1, 2, 3) and p.place("trainer", 2).local_rank == 2
     assert p.place("engine", 1).node == 1 and p.place("engine", 1).gpus == (1,)
@@ -122,7 +122,7 @@ engines = [0, 1, 2]
 def test_cpu_layout_puts_engines_off_node_0(tmp_path: Path) -> None:
     cfg = load(ROOT / "configs" / "tiny.toml", ["cluster.launcher=slurm", "cluster.slurm.nodes=2", "cluster.interface=auto",
                                                "engine.count=2"])
-    p = slurm.plan(cfg)
+    p = slurm_job.plan(cfg)
     assert p.ranks == [[0], []] and p.engines == [[], [0, 1]]
     assert p.describe(0) == "controller (rendezvous); trainer rank 0"
 
@@ -154,7 +154,7 @@ def test_cpu_layout_puts_engines_off_node_0(tmp_path: Path) -> None:
 ])
 def test_layout_errors_name_keys_and_numbers(tmp_path: Path, overrides: list[str], extra: str, message: str) -> None:
     with pytest.raises(LaunchError) as e:
-        slurm.plan(cfg_of(tmp_path, GPU_4NODE + extra, overrides))
+        slurm_job.plan(cfg_of(tmp_path, GPU_4NODE + extra, overrides))
     assert message in str(e.value)
 
 
@@ -189,7 +189,7 @@ def test_dry_run_needs_the_slurm_launcher(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- (a) the script: reviewed snapshot
 def render_4node(tmp_path: Path) -> str:
     cfg = cfg_of(tmp_path, GPU_4NODE)
-    return slurm.render_script(cfg, slurm.plan(cfg), config_path="/shared/flashrl/runs/qwen-4node/slurm/config.toml",
+    return slurm_job.render_script(cfg, slurm_job.plan(cfg), config_path="/shared/flashrl/runs/qwen-4node/slurm/config.toml",
                                run_dir="/shared/flashrl/runs/qwen-4node", workdir="/shared/flashrl",
                                python="/shared/flashrl/.venv/bin/python")
 
@@ -259,8 +259,8 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
     seen exited; a restart is a new spawn; a client without the run's keys is not answered; close() leaves nothing."""
     port = free_port()
     cfg = _agent_cfg(tmp_path, port)
-    keys = slurm.write_keys(cfg)
-    monkeypatch.setenv(slurm.HEAD_ENV, "1")
+    keys = slurm_job.write_keys(cfg)
+    monkeypatch.setenv(slurm_job.HEAD_ENV, "1")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.[1-2]")
     monkeypatch.delenv("FLASHRL_CURVE_KEYS", raising=False)
 
@@ -268,7 +268,7 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
         from flashrl.wire.protocol import NODE_REQUESTS
         from flashrl.wire.transport import RpcServer
 
-        agents = [slurm.NodeAgent(cfg, n, keys) for n in range(2)]
+        agents = [slurm_node.NodeAgent(cfg, n, keys) for n in range(2)]
         servers = [RpcServer(f"tcp://0.0.0.0:{a.port}", NODE_REQUESTS, a.handle, name=f"a{n}", curve=keys.server())
                    for n, a in enumerate(agents)]
         serving = [asyncio.create_task(s.serve()) for s in servers]
@@ -316,7 +316,7 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
 
 
 def test_launcher_outside_a_job_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(slurm.HEAD_ENV, raising=False)
+    monkeypatch.delenv(slurm_job.HEAD_ENV, raising=False)
     with pytest.raises(LaunchError, match="not the controller of a flashrl SLURM job"):
         slurm.SlurmLauncher(_agent_cfg(tmp_path, 29400), tmp_path).preflight()
 
@@ -333,7 +333,7 @@ def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path)
     """Node 0 gone (never came, or stopped heartbeating): a node's agent stops what it started and exits 1."""
     port = free_port()
     cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=2"])
-    keys = slurm.write_keys(cfg)
+    keys = slurm_job.write_keys(cfg)
     cfg_path = tmp_path / "c.toml"
     from flashrl.config import to_toml
 
@@ -454,7 +454,7 @@ def test_node_0_without_the_other_agents_starts_no_controller(tmp_path: Path) ->
     """Node 1's agent never answers: node 0 says which node, host and port, starts no controller, exits 1."""
     port = free_port()
     cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=3"])
-    slurm.write_keys(cfg)
+    slurm_job.write_keys(cfg)
     from flashrl.config import to_toml
 
     cfg_path = tmp_path / "c.toml"
@@ -481,7 +481,7 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
 
     port = free_port()
     cfg = _agent_cfg(tmp_path, port)
-    keys = slurm.write_keys(cfg)
+    keys = slurm_job.write_keys(cfg)
     from flashrl.config import to_toml
     from flashrl.wire.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawn, Spawned
     from flashrl.wire.transport import RpcClient

@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flashrl.cluster import slurm
 from flashrl.config import load
 from flashrl.engine.server import EngineSpec
+from flashrl.launch import slurm_job
 from flashrl.wire.spec import spec_in
 from flashrl.wire.transport import free_port
 
@@ -64,7 +64,7 @@ def render(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     run_dir = tmp_path / "runs" / "two"
-    slurm.write_keys(load(run_dir / "slurm" / "config.toml"))
+    slurm_job.write_keys(load(run_dir / "slurm" / "config.toml"))
     return run_dir / "slurm" / "job.sbatch", run_dir
 
 

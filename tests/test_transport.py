@@ -134,7 +134,7 @@ def test_non_loopback_needs_curve() -> None:
 
 # --------------------------------------------------------------------------- CURVE off loopback
 def _non_loopback_ip() -> str:
-    from flashrl.cluster.base import LaunchError, primary_address
+    from flashrl.launch.base import LaunchError, primary_address
 
     try:
         return primary_address()

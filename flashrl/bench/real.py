@@ -2,7 +2,7 @@
 
     real_*.toml scenarios (mode = "real") --scenario.load_scenario--> points; each: baseline cfg, flash cfg
     ClusterPool.get(cfg): the cluster it holds when the process config matches (process_key), else
-        stop it and start one: launch.local_cluster -> engine.count vLLM engines + the trainer group
+        stop it and start one: launch.processes.local_cluster -> engine.count vLLM engines + the trainer group
         (logs under <run.output_dir>/bench_real/cluster<k>/logs); a fresh cluster first runs one
         throw-away step of the point's baseline (vLLM's first-batch warm-up, the trainer's first step)
     for variant in (baseline, flash), in this order, on the same cluster when the pool allows:
@@ -194,7 +194,7 @@ class ClusterPool:
         A fresh cluster first runs ``warm_cfg`` (one step) so no measured variant pays the one-time
         costs (vLLM's first batch, the trainer's first step).
         """
-        from flashrl.launch import local_cluster
+        from flashrl.launch.processes import local_cluster
         from flashrl.models import ensure_model
         from flashrl.models.tokenizer import load_tokenizer
 

@@ -1,6 +1,6 @@
 """Controller side of an engine process: spawn it, wait for it, talk to it, stop it.
 
-    launch.EnginePool: launcher.spawn("engine", i, ENGINE_ARGV, engine_extra_env(opts)) -> EngineProcess
+    launch.processes.EnginePool: launcher.spawn("engine", i, ENGINE_ARGV, engine_extra_env(opts)) -> EngineProcess
                        (the EngineSpec travels in the environment: FLASHRL_SPEC, flashrl/wire/spec.py)
     spawn_engine(opts) -> EngineProcess ------ procs.Child (python -m flashrl.engine.server, own process group;
                                                the standalone local helper of tests and benches)
@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from flashrl.cluster.base import Proc
 from flashrl.engine.server import EngineSpec
+from flashrl.launch.base import Proc
 from flashrl.procs import Child
 from flashrl.wire.protocol import (
     ENGINE_REPLIES,

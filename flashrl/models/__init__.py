@@ -28,10 +28,11 @@ from pathlib import Path
 import msgspec
 
 from flashrl.env import Wrapping
+from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
-__all__ = ["BUILTIN_TINY", "ModelPathError", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+__all__ = ["BUILTIN_TINY", "ModelPathError", "Progress", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
 WARMSTART_FILE = "flashrl_warmstart.json"
@@ -89,11 +90,13 @@ def _is_built(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / WARMSTART_FILE).is_file()
 
 
-def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None) -> Path:
+def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None,
+                 progress: Progress | None = None) -> Path:
     """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once.
 
     ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()``,
-    ``WarmStart()``); they are part of the cache key.
+    ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
+    phase of a build shown as it runs (progress.py); None: only the log.
     """
     if cfg.model.path != BUILTIN_TINY:
         p = Path(cfg.model.path).expanduser()
@@ -121,16 +124,20 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
             return final
         from flashrl.plugins import make_suite
 
-        suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
-        if isinstance(suite, Wrapping):  # a wrapper (remote) warm-starts on what it wraps
-            suite = suite.task_suite
+        progress = progress or Progress.off()
+        with progress.phase(f"loading the tasks of env {cfg.env.name}", unit="tasks") as phase:
+            suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
+            if isinstance(suite, Wrapping):  # a wrapper (remote) warm-starts on what it wraps
+                suite = suite.task_suite
+            phase.advance(len(suite.train_tasks()), held_out=len(suite.eval_tasks()))
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
         try:
             log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
             with _one_torch_thread():
-                build_untrained(tmp, seed=cfg.run.seed, spec=spec)
+                with progress.phase("building the untrained model"):
+                    build_untrained(tmp, seed=cfg.run.seed, spec=spec)
                 report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
-                                    log=log.info, suite=suite)
+                                    log=log.info, suite=suite, progress=progress)
             report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
                        "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
             (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))

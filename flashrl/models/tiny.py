@@ -27,6 +27,7 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.env import Demonstrating, states_integer
+from flashrl.models.progress import Phase, Progress
 from flashrl.models.tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
 # vLLM CPU attention head sizes (vllm/v1/attention/backends/cpu_attn.py).
@@ -179,9 +180,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
     return out
 
 
-def greedy_accuracy(model, tok, tasks, max_new_tokens: int, batch: int = 256) -> float:
+def greedy_accuracy(model, tok, tasks, max_new_tokens: int, batch: int = 256, phase: Phase | None = None) -> float:
     """Fraction of ``tasks`` whose greedy answer states the task's integer answer (flashrl.env.states_integer,
-    the arithmetic env's verifier)."""
+    the arithmetic env's verifier). ``phase``: advanced by each task scored, with the accuracy so far."""
     if not tasks:
         return 0.0
     correct = 0
@@ -189,6 +190,8 @@ def greedy_accuracy(model, tok, tasks, max_new_tokens: int, batch: int = 256) ->
         chunk = tasks[start:start + batch]
         outs = generate(model, [tok.encode(t.prompt) for t in chunk], max_new_tokens, tok.eos_token_id, tok.pad_token_id)
         correct += sum(states_integer(tok.decode(o), t.answer) for o, t in zip(outs, chunk))
+        if phase is not None:
+            phase.advance(len(chunk), accuracy=correct / (start + len(chunk)))
     return correct / len(tasks)
 
 
@@ -308,11 +311,18 @@ def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int,
     return asyncio.run(episodes())
 
 
-def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log) -> tuple[int, float]:
+def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log, progress: Progress) -> tuple[int, float]:
     """The warm-start's supervised loop: each step trains on ``next_batch()`` (input_ids, attention_mask,
     labels) with the lr warm-up/decay of ``ws`` and gradient clip 1.0; every ``check_every`` steps
     ``probe()`` (greedy) is logged as ``what``, and training stops once it reaches ``target_accuracy``
-    at or past ``min_steps``. Returns (steps, last probe value)."""
+    at or past ``min_steps``. Returns (steps, last probe value). ``progress``: one phase, a step each."""
+    with progress.phase("warm-start", total=ws.max_steps) as phase:
+        step, probe_acc = _sft_steps(model, opt, ws, next_batch, probe, what, log, phase)
+        phase.finish(step)
+    return step, probe_acc
+
+
+def _sft_steps(model, opt, ws: WarmStart, next_batch, probe, what: str, log, phase: Phase) -> tuple[int, float]:
     import torch
 
     probe_acc, step = 0.0, 0
@@ -330,9 +340,11 @@ def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log) -> t
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        phase.advance(1, loss=loss.item())
         if step % ws.check_every == 0 or step == ws.max_steps:
             model.eval()
             probe_acc = probe()
+            phase.note(**{what: probe_acc})
             if log:
                 log(f"warm-start step {step}: loss {loss.item():.3f} {what} {probe_acc:.3f}")
             if probe_acc >= ws.target_accuracy and step >= ws.min_steps:
@@ -340,7 +352,7 @@ def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log) -> t
     return step, probe_acc
 
 
-def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[int, float]:
+def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log, progress: Progress) -> tuple[int, float]:
     """Imitate ``suite.demonstration`` episodes (multi-turn); returns (steps, greedy probe success)."""
     train = list(suite.train_tasks())
     probe = train[: ws.probe_size]
@@ -354,17 +366,17 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[
     def success() -> float:
         return sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
 
-    return _sft_loop(model, opt, ws, next_batch, success, "probe success (greedy)", log)
+    return _sft_loop(model, opt, ws, next_batch, success, "probe success (greedy)", log, progress)
 
 
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
-               log=None, suite=None) -> dict:
+               log=None, suite=None, progress: Progress | None = None) -> dict:
     """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
 
     Deterministic for a seed on one thread (the caller sets torch threads). Report keys: eval_accuracy
     (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds; for a ``suite`` that demonstrates
     (flashrl.env.Demonstrating: multi-turn teacher episodes) also eval_success_sampled and eval_reward_sampled
-    (temperature 1, what the RL rollouts start from).
+    (temperature 1, what the RL rollouts start from). ``progress``: its phases (load, warm-start, eval).
     """
     import random
     import time
@@ -374,22 +386,28 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
 
     from flashrl.models.tokenizer import load_tokenizer
 
+    progress = progress or Progress.off()
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with progress.phase("loading the model") as phase:
+        tok = load_tokenizer(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        phase.note(parameters=sum(p.numel() for p in model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     if isinstance(suite, Demonstrating):
-        steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log)
+        steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log, progress)
         model.eval()
         eval_tasks = list(suite.eval_tasks())
         sample = [suite.demonstration(t, random.Random(seed)) for t in eval_tasks[:64]]
         max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
         max_turns = max(len(d.turns) for d in sample)
-        greedy = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns)
-        gen = torch.Generator().manual_seed(seed)
-        sampled = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns, temperature=1.0, generator=gen)
+        with progress.phase("held-out episodes, greedy and sampled", unit="episodes") as phase:
+            greedy = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns)
+            phase.advance(len(eval_tasks), success=sum(c for _, c in greedy) / max(len(eval_tasks), 1))
+            gen = torch.Generator().manual_seed(seed)
+            sampled = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns, temperature=1.0, generator=gen)
+            phase.advance(len(eval_tasks), success_sampled=sum(c for _, c in sampled) / max(len(eval_tasks), 1))
         model.save_pretrained(str(model_dir), safe_serialization=True)
         n = max(len(eval_tasks), 1)
         return {"eval_accuracy": sum(c for _, c in greedy) / n, "probe_accuracy": probe_acc, "steps": steps,
@@ -406,9 +424,10 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
         return sft_batch(tok, batch)
 
     step, probe_acc = _sft_loop(model, opt, ws, next_batch, lambda: greedy_accuracy(model, tok, probe, max_new),
-                                "probe accuracy", log)
+                                "probe accuracy", log, progress)
     model.eval()
-    eval_acc = greedy_accuracy(model, tok, list(eval_tasks), max_new)
+    with progress.phase("held-out accuracy (greedy)", total=len(eval_tasks), unit="problems") as phase:
+        eval_acc = greedy_accuracy(model, tok, list(eval_tasks), max_new, phase=phase)
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return {"eval_accuracy": eval_acc, "probe_accuracy": probe_acc, "steps": step,
             "seconds": round(time.perf_counter() - t0, 2)}

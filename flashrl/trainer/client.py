@@ -23,8 +23,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from flashrl.cluster.base import Launcher, Proc
 from flashrl.config import Config
+from flashrl.launch.base import Launcher, Proc
 from flashrl.procs import Child, exited_within, tail
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.wire import protocol
@@ -92,7 +92,7 @@ class TrainerGroup:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         owned = None
         if launcher is None:
-            from flashrl.cluster.local import LocalLauncher
+            from flashrl.launch.local import LocalLauncher
 
             launcher = owned = LocalLauncher(run_dir, cfg.cluster.interface)
             launcher.preflight()

@@ -1,6 +1,6 @@
 """A private local Ray instance (``cluster.ray.address = ""``) as a supervised child of the driver.
 
-    driver (flashrl run)                         python -m flashrl.cluster.ray_head   (Child.spawn: session leader)
+    driver (flashrl run)                         python -m flashrl.launch.ray_head   (Child.spawn: session leader)
       Child.spawn(...)                             procs.child_init(whole_session=True)
       waits for "Ray runtime started" (deadline)     `ray start --head --block --port=P ...` (same session;
       ray.init(address=<TEMP>/ray_current_cluster)                  it setpgid()s itself, Ray's daemons follow it)
@@ -31,6 +31,21 @@ from flashrl import procs
 
 READY = "Ray runtime started"  # what `ray start` prints once the head answers
 STOP_S = 10.0  # how long `ray start` gets to stop its daemons on SIGTERM before the session is SIGKILLed
+MIN_RAY = (2, 52)  # RAY_AUTH_MODE=token (the head's token of its own, below) came with Ray 2.52
+
+
+def check_version(version: str) -> str | None:
+    """Why Ray ``version`` cannot run a private head (its token authentication is missing), else None."""
+    parts = []
+    for p in version.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) >= MIN_RAY:
+        return None
+    want = ".".join(map(str, MIN_RAY))
+    return (f"cluster.ray.address = \"\" starts a private Ray instance with token authentication, which needs "
+            f"Ray >= {want}; this Python has Ray {version}: pip install 'ray[default]>={want}' (or set "
+            "cluster.ray.address to a running Ray cluster)")
 
 
 def ray_cli() -> str:
@@ -56,7 +71,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashrl.cluster.ray_head")
+    ap = argparse.ArgumentParser(prog="python -m flashrl.launch.ray_head")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--num-cpus", type=int, required=True)
     ap.add_argument("--temp-dir", required=True)

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashrl.cluster.base import (
+from flashrl.launch.base import (
     Endpoint,
     LaunchError,
     Proc,

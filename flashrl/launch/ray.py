@@ -1,5 +1,7 @@
 """The Ray launcher: a run's engines and trainer ranks placed on a Ray cluster, one small actor per process.
 
+Over 600 lines because it is one class (RayLauncher) whose parts share its connection and placement state.
+
     controller (the Ray driver)                              a Ray node
       preflight(): connect (or start a private instance);
         what the run asks vs what the cluster has -> LaunchError, before anything starts
@@ -65,9 +67,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from flashrl.cluster.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
-from flashrl.cluster.ray_head import READY
-from flashrl.cluster.ray_proc import (
+from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
+from flashrl.launch.ray_head import READY, check_version
+from flashrl.launch.ray_proc import (
     CALL_TIMEOUT_S,
     RayProc,
     RemoteProcActor,
@@ -132,7 +134,7 @@ class RayLauncher:
     # ------------------------------------------------------------------ what the run asks for
     def _on_cuda(self) -> bool:
         """Engines on cuda: engine.device, or for "auto" whether this (the controller's) machine sees a GPU,
-        the rule the engines' own device follows (launch.resolve_device). On a cluster whose driver node has
+        the rule the engines' own device follows (processes.resolve_device). On a cluster whose driver node has
         no GPU, set engine.device = "cuda" (and trainer.backend = "nccl")."""
         if self.cfg.engine.device != "auto":
             return self.cfg.engine.device == "cuda"
@@ -219,9 +221,12 @@ class RayLauncher:
 
     def _start_head(self) -> str:
         """A private instance for this run (cluster.ray.address = ""): `ray start --head` under a supervised
-        child (flashrl.cluster.ray_head) that dies with this process and takes every Ray daemon along; logical
+        child (flashrl.launch.ray_head) that dies with this process and takes every Ray daemon along; logical
         CPUs enough for what the run asks (thread counts are set by engine.threads / trainer.threads, not by
         Ray), GPUs as detected, no dashboard. Its GCS address once it answers, or LaunchError."""
+        too_old = check_version(ray.__version__)
+        if too_old:
+            raise LaunchError(too_old)
         need = self.requested().get("CPU", 0.0)
         ports: set[int] = set()
         while len(ports) < 4:
@@ -230,7 +235,7 @@ class RayLauncher:
         log_path = self.run_dir / "logs" / "ray-head.log"
         self._head_tmp = tempfile.mkdtemp(prefix="flashrl-ray-")  # short: Ray's socket paths live under it
         address_file = Path(self._head_tmp) / "ray_current_cluster"
-        cmd = [sys.executable, "-m", "flashrl.cluster.ray_head", f"--port={port}",
+        cmd = [sys.executable, "-m", "flashrl.launch.ray_head", f"--port={port}",
                f"--num-cpus={max(os.cpu_count() or 1, math.ceil(need))}", "--ports", *map(str, others),
                f"--temp-dir={self._head_tmp}"]
         start = log_path.stat().st_size if log_path.exists() else 0

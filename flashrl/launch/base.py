@@ -1,6 +1,6 @@
 """The launcher interface: what every launcher (local, Ray, SLURM) gives the run.
 
-    launch.local_cluster(cfg, ...)
+    launch.processes.local_cluster(cfg, ...)
       launcher = make_launcher(cfg, run_dir)      local | ray | slurm, by cfg.cluster.launcher
       launcher.preflight()                        LaunchError before anything starts
       await launcher.start()

@@ -1,8 +1,20 @@
-"""Launchers: where a run's processes start (this machine, a Ray cluster, a SLURM allocation).
+"""Launching a run: where its processes start and how `flashrl run` drives them. One entry per job:
 
-``make_launcher(cfg, run_dir)`` picks one by ``cfg.cluster.launcher``; base.py holds the interface
-(``Launcher``, ``Proc``, ``Endpoint``, ``LaunchError``), local.py the default; the per-run CURVE
-keys they write are flashrl/wire/keys.py's. ray.py and slurm.py are imported only when chosen (their packages are optional extras).
+    driver.main(cfg, resume)      `flashrl run`: the whole run, every launcher (the one entry of a run)
+    processes.local_cluster(...)  the engine pool + trainer group of a run, started through a launcher
+    make_launcher(cfg, run_dir)   the launcher cfg.cluster.launcher names (this module):
+      base.py                     the interface (Launcher, Proc, Endpoint, LaunchError), addresses
+      local.py                    every process on this machine (the default)
+      ray.py (+ ray_head.py, ray_proc.py)   placement groups on a Ray cluster, or a private Ray head
+      slurm.py (+ slurm_job.py, slurm_node.py)  an sbatch job: the script, the node agents, the launcher
+
+Calls go one way: driver -> processes -> a launcher. A launcher places processes and reports
+addresses; it never imports the driver, the controller or the roles (engine and trainer clients
+import its ``base`` for the ``Proc``/``Launcher`` types). This module stays light: importing
+flashrl.launch.base runs it, from below the roles. ``active()`` lets code started later in a run
+(remote env workers, envs/remote.py) start its processes through the same launcher. ray.py and
+slurm.py are imported only when chosen (their packages are optional extras); the per-run CURVE
+keys they write are flashrl/wire/keys.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashrl.cluster.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
+from flashrl.launch.base import Endpoint, Launcher, LaunchError, Proc, Role, proc_name
 from flashrl.wire.keys import CurveKeys
 
 if TYPE_CHECKING:
@@ -22,14 +34,14 @@ if TYPE_CHECKING:
 __all__ = ["Active", "CurveKeys", "Endpoint", "LaunchError", "Launcher", "Proc", "Role", "activate", "active",
            "make_launcher", "proc_name"]
 
-_REMOTE = {"ray": ("flashrl.cluster.ray", "RayLauncher", "ray"), "slurm": ("flashrl.cluster.slurm", "SlurmLauncher", "")}
+_REMOTE = {"ray": ("flashrl.launch.ray", "RayLauncher", "ray"), "slurm": ("flashrl.launch.slurm", "SlurmLauncher", "")}
 
 
 def make_launcher(cfg: Config, run_dir: str | Path) -> Launcher:
     """The launcher ``cfg.cluster.launcher`` names, built for ``run_dir`` (nothing starts yet)."""
     kind = cfg.cluster.launcher
     if kind == "local":
-        from flashrl.cluster.local import LocalLauncher
+        from flashrl.launch.local import LocalLauncher
 
         return LocalLauncher(run_dir, cfg.cluster.interface)
     if kind not in _REMOTE:
@@ -59,7 +71,7 @@ _ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("flashrl
 
 
 def activate(launcher: Launcher, logs: Path) -> contextvars.Token[Active | None]:
-    """Make ``launcher`` the one ``active()`` returns in this task and the tasks it starts (launch.local_cluster)."""
+    """Make ``launcher`` the one ``active()`` returns in this task and the tasks it starts (launch.processes.local_cluster)."""
     return _ACTIVE.set(Active(launcher, logs))
 
 

@@ -1,0 +1,388 @@
+"""The run driver, the one entry of `flashrl run`: ``main(cfg, resume)`` runs a config to its end.
+
+    flashrl run config.toml  ->  main(cfg, resume)          (every launcher; on SLURM node 0 runs it)
+      -> prepare_run_dir, logging; restart from the latest checkpoint on a crash (run.auto_resume)
+      -> run_local: launcher = make_launcher(cfg) (cluster.launcher: local | ray | slurm); preflight
+      -> ensure_model (built-in model built once, cached); the env suite
+      -> processes.local_cluster: E engine processes + R trainer ranks through the launcher, ready, joined
+      -> every task of the run is in a task group (aio.supervised), none loose:
+           run_local's: Controller.run() (its own group inside) + dashboard refresher + memory
+           sampler + tokenizer load; local_cluster's (nested): one watcher per engine process
+         a task that crashes cancels the others and the run fails with that task's error, named
+      -> the final policy as a Hugging Face folder: runs/<name>/final/ (trainer rank 0, atomic)
+      -> shutdown: close -> cancel -> wait; every child gets Shutdown, then SIGTERM, then SIGKILL;
+         launcher.close() (whatever it started is gone, on every node)
+
+Ctrl-C / SIGTERM: the first asks the controller to finish its step and checkpoint, a second (or
+STOP_GRACE_S) cancels the main task; the ``finally`` blocks stop every child within the deadline.
+The calls go one way: driver -> processes -> launcher (flashrl/launch/__init__.py); the launchers
+never call back, and this module and the controller are the same for every launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from flashrl.aio import supervised
+from flashrl.checkpoint import Resume
+from flashrl.config import Config, to_toml
+from flashrl.core.records import StepRecord
+from flashrl.launch import Launcher, LaunchError, make_launcher
+from flashrl.launch.processes import local_cluster
+from flashrl.procs import child_init, paused_gc
+
+if TYPE_CHECKING:
+    from flashrl.dashboard import Dashboard
+
+log = logging.getLogger("flashrl.launch")
+
+STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM: finish the step and checkpoint within this, else cancel
+
+
+class MemorySampler:
+    """Peak resident memory of the whole run: this process plus every descendant (engines, trainer, vLLM cores)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak_bytes = 0
+        self.last_bytes = 0
+
+    def sample(self) -> int:
+        import psutil
+
+        total = 0
+        procs = [self._proc]
+        with contextlib.suppress(psutil.Error):
+            procs += self._proc.children(recursive=True)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        self.last_bytes = total
+        self.peak_bytes = max(self.peak_bytes, total)
+        return total
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(interval_s)
+
+
+def main(cfg: Config, resume: Resume | None = None) -> int:
+    """Run ``cfg``; returns the process exit code (0 ok, 1 failure, 2 the launcher cannot do what cfg asks,
+    130 interrupted).
+
+    ``resume``: a checkpoint from ``checkpoint.prepare_resume(cfg, path)`` (verified, config checked):
+    the run continues from it (trainer state, data position, metrics.jsonl up to its step).
+    """
+    from flashrl.logging_setup import setup_logging
+
+    child_init("flashrl run")  # started by a supervisor (a test, a chaos bench) that sets FLASHRL_PARENT_PID: die with it
+    run_dir = cfg.run_dir
+    dropped = prepare_run_dir(cfg, resume)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    setup_logging(run_dir, "controller", cfg.run.log_level)
+    if resume is not None:
+        log.info("resuming from %s (step %d); metrics.jsonl continues after step %d (%d later line(s) dropped)",
+                 resume.path, resume.step, resume.state.metrics_through, dropped)
+    resumes = 0
+    while True:
+        try:
+            summary = asyncio.run(_main_with_signals(cfg, resume))
+        except KeyboardInterrupt:
+            print("interrupted: all processes stopped", file=sys.stderr)
+            return 130
+        except LaunchError as e:  # the launcher cannot do what the config asks: nothing was started
+            log.error("launch error: %s", e)
+            print(f"launch error: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # a crash is reported once, loudly, after cleanup
+            log.exception("run failed")
+            print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
+            if resumes >= cfg.run.auto_resume:
+                return 1
+            resume = _auto_resume(cfg, resumes + 1)
+            if resume is None:
+                return 1
+            resumes += 1
+            continue
+        break
+    if summary is None:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    _print_summary(summary)
+    if (summary.get("result") or {}).get("stop_reason") == "interrupted":
+        ck = summary["result"].get("last_checkpoint")
+        where = f"checkpoint {ck} written; continue with `flashrl run CONFIG --resume`" if ck else "no checkpoint written"
+        print(f"interrupted: all processes stopped; {where}", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _auto_resume(cfg: Config, attempt: int) -> Resume | None:
+    """run.auto_resume: every child is stopped by now; find the latest checkpoint and get the run folder
+    ready to continue from it (None, said on stderr, when there is none to resume)."""
+    from flashrl.checkpoint import CheckpointError, prepare_resume
+
+    try:
+        resume = prepare_resume(cfg)
+    except CheckpointError as e:
+        print(f"run.auto_resume: cannot resume: {e}", file=sys.stderr)
+        return None
+    dropped = prepare_run_dir(cfg, resume)
+    msg = (f"run.auto_resume: restarting from {resume.path} (step {resume.step}), attempt {attempt} of "
+           f"{cfg.run.auto_resume}; {dropped} later metrics line(s) dropped")
+    log.warning(msg)
+    print(msg, file=sys.stderr)
+    return resume
+
+
+def prepare_run_dir(cfg: Config, resume: Resume | None) -> int:
+    """Get ``runs/<name>/`` ready for a run: fresh, or continuing ``resume``. Returns the metrics lines dropped.
+
+    Fresh: earlier metrics/samples .jsonl and checkpoints/ are renamed aside (kept, never mixed in).
+    Resume: metrics.jsonl and samples.jsonl are cut back to the checkpoint's step, killed saves are
+    removed and newer checkpoints set aside (checkpoint.prepare_folder). Restarting after a failure in
+    the same process (run.auto_resume) is ``r = checkpoint.prepare_resume(cfg)``, this, ``run_local(cfg, r)``.
+    """
+    from flashrl.checkpoint import continue_metrics, prepare_folder
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = run_dir / "checkpoints"
+    if resume is not None:
+        # metrics.jsonl (and samples.jsonl) continue: lines written after the checkpoint are dropped
+        dropped = continue_metrics(run_dir / "metrics.jsonl", resume)
+        continue_metrics(run_dir / "samples.jsonl", resume, through=resume.step)
+        prepare_folder(ckpts, resume)
+        return dropped
+    for stem in ("metrics", "samples"):
+        old = run_dir / f"{stem}.jsonl"
+        if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
+            old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
+    if ckpts.exists():  # ... and the earlier checkpoints (resume them with --resume PATH)
+        ckpts.rename(run_dir / f"checkpoints.{int(time.time())}")
+    return 0
+
+
+async def _main_with_signals(cfg: Config, resume: Resume | None = None) -> dict[str, Any] | None:
+    """Run with Ctrl-C / SIGTERM handled: the first asks the controller to finish its step and checkpoint
+    (bounded by STOP_GRACE_S), a second one (or the bound) cancels at once; children are stopped either way."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    stopped = {"by": ""}
+    hooks: dict[str, Any] = {}
+
+    def _stop(signame: str) -> None:
+        first = not stopped["by"]
+        stopped["by"] = signame
+        controller = hooks.get("controller")
+        if first and controller is not None and (controller.status == "running"
+                                                 or controller.status.startswith("checkpointing")):
+            log.warning("%s received: finishing the current step, writing a checkpoint, shutting down "
+                        "(again to stop at once)", signame)
+            controller.request_stop()
+            loop.call_later(STOP_GRACE_S, task.cancel)
+            return
+        log.warning("%s received: shutting down", signame)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _stop, sig.name)
+    try:
+        return await run_local(cfg, resume, hooks=hooks)
+    except asyncio.CancelledError:
+        if stopped["by"]:
+            return None
+        raise
+
+
+async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start engines and trainer, run the controller, always stop every child.
+
+    Every task of the run lives in one task group (aio.supervised): the controller, the dashboard
+    refresher, the memory sampler, the tokenizer load and (inside local_cluster) the engine watchers.
+    One that crashes cancels the rest and the run fails with its error, naming it (``_helper``): no
+    task's failure goes unseen and none leaves the run hanging.
+    """
+    from flashrl.dashboard import Dashboard
+    from flashrl.models import Progress, ensure_model
+    from flashrl.models.tokenizer import load_tokenizer
+    from flashrl.plugins import make_suite
+
+    t0 = time.monotonic()
+    run_dir = cfg.run_dir
+    launcher = make_launcher(cfg, run_dir)
+    launcher.preflight()  # what the launcher cannot do fails now, before the model is built or anything starts
+    mem = MemorySampler()
+    dash = Dashboard.for_config(cfg.run.dashboard)
+    dash.start()
+    try:
+        dash.status(f"preparing model {cfg.model.path}")
+        # a first run builds the built-in model (minutes): its phases show on the status line as they go
+        shown = Progress(f"preparing model {cfg.model.path}", say=dash.status, every_s=10.0)
+        model_path = Path(await asyncio.to_thread(ensure_model, cfg, progress=shown))
+        suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+    except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
+        dash.stop()
+        await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
+        raise
+    # The tokenizer loads while the engines and trainer start (importing transformers alone takes seconds,
+    # which used to delay every spawn); a tokenizer error ends the run at once, before the first request.
+    def load() -> Any:
+        with paused_gc():  # transformers + torch: 3.3 s -> ~2 s of CPU the engines and trainer also want
+            return load_tokenizer(model_path, cfg.model.chat_template, cfg.model.system_prompt)
+
+    try:
+        async with supervised() as tasks:
+            tokenizer_load = tasks.create_task(_helper("the tokenizer load", asyncio.to_thread, load),
+                                               name="tokenizer-load")
+            sampler = tasks.create_task(_helper("the memory sampler", mem.run), name="memory-sampler")
+            summary = await _train(cfg, resume, hooks, tasks, tokenizer_load, model_path, suite, launcher, mem, dash, t0)
+            sampler.cancel()  # the run is over: the group ends once its helpers have
+        return summary
+    finally:
+        dash.stop()
+
+
+async def _helper(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """A helper task of the run: ``await fn(*args)``; its failure is raised as "<what> failed: <error>" (the
+    cause kept), so the run's error says which part of it broke. (``fn`` is called here, not by the caller:
+    a task cancelled before it starts leaves no coroutine behind un-awaited.)"""
+    try:
+        return await fn(*args)
+    except Exception as e:
+        raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | None, tasks: asyncio.TaskGroup,
+                 tokenizer_load: asyncio.Task[Any], model_path: Path, suite: Any, launcher: Launcher,
+                 mem: MemorySampler, dash: Dashboard, t0: float) -> dict[str, Any]:
+    """run_local's middle: the processes up, the controller run, the final policy written; the summary."""
+    from flashrl.checkpoint import CheckpointWriter
+    from flashrl.controller.controller import Controller
+    from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
+
+    run_dir = cfg.run_dir
+    async with local_cluster(cfg, model_path, run_dir, dash.status, resume=resume.trainer_dir if resume else None,
+                             launcher=launcher, preflighted=True) as (engines, trainer):
+        clients = [e.client for e in engines]
+        tokenizer = await tokenizer_load
+        writer = MetricsWriter(
+            run_dir / "metrics.jsonl",
+            tensorboard_dir=run_dir / "tensorboard" if cfg.log.tensorboard else None,
+            wandb_run=open_wandb(run_dir, cfg.run.name, cfg.log.wandb_project, cfg.log.wandb_mode,
+                                 msgspec.to_builtins(cfg)) if cfg.log.wandb else None,
+        )
+        samples_out = SamplesWriter(run_dir / "samples.jsonl")
+        history: list[StepRecord] = []
+
+        def on_step(record: StepRecord) -> None:
+            record = msgspec.structs.replace(record, memory_gib=round(mem.last_bytes / 2**30, 3))
+            writer.write(record)
+            history.append(record)
+            dash.step(record)
+
+        checkpoints = CheckpointWriter(run_dir / "checkpoints", trainer, to_toml(cfg), cfg.run.keep_checkpoints,
+                                       last_step=resume.step if resume else None)
+        restarter = engines if cfg.engine.max_restarts > 0 else None
+        controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write,
+                                restarter=restarter,
+                                checkpoints=checkpoints,
+                                resume=resume.state if resume else None)
+        if hooks is not None:
+            hooks["controller"] = controller
+        if resume is not None:
+            dash.status(f"resumed from step {resume.step} ({resume.path})")
+        # The controller holds many small per-token lists; default GC thresholds make full collections
+        # walk them constantly (~30% of controller CPU in bench/results/controller_overhead). Freeze the
+        # start-up objects and collect less often; this process only.
+        gc.freeze()
+        gc_thresholds = gc.get_threshold()
+        gc.set_threshold(50_000, 20, 100)
+
+        async def refresh() -> None:
+            while True:
+                dash.update(controller.snapshot())
+                await asyncio.sleep(0.25)
+
+        refresher = tasks.create_task(_helper("the dashboard refresher", refresh), name="dashboard")
+        try:
+            result = await controller.run()
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(Exception):
+                dash.update(controller.snapshot())
+            writer.close()
+            samples_out.close()
+            # Frozen objects are never collected, not even at exit: native extensions loaded at
+            # start-up (triton, via the tokenizer's torch) would then report them as leaked.
+            gc.unfreeze()
+            gc.set_threshold(*gc_thresholds)
+        mem.sample()
+        before = [(int(a), float(b)) for a, b in resume.state.eval_history
+                  if a <= resume.state.metrics_through] if resume else []
+        summary = _summary(cfg, history, result, time.monotonic() - t0, mem.peak_bytes, evals_before=before)
+        if getattr(result, "stop_reason", "steps") != "interrupted":
+            # The final policy as a Hugging Face folder (`flashrl export` copies it out).
+            dash.status("writing the final policy")
+            await trainer.save_model(run_dir / "final", replace=True)
+            summary["final_policy"] = str(run_dir / "final")
+        return summary
+
+
+def _summary(cfg: Config, history: list[StepRecord], result: Any, wall_s: float, peak: int,
+             evals_before: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+    # a resumed run's evals continue those in the checkpoint (its metrics.jsonl lines up to it)
+    evals = list(evals_before or []) + [(r.step, r.eval.accuracy) for r in history if r.eval is not None]
+    return {
+        "run": cfg.run.name,
+        "steps": max((r.step for r in history), default=0),
+        "wall_s": round(wall_s, 1),
+        "peak_mem_gib": round(peak / 2**30, 3),
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if evals else None,
+        "eval_best": max((a for _, a in evals), default=None),
+        "evals": evals,
+        "pid": os.getpid(),
+        "resumed_from": getattr(result, "resumed_from", None),
+        "checkpoints": getattr(result, "checkpoints", 0),
+        "checkpoint_s": round(getattr(result, "checkpoint_s", 0.0), 3),
+        # of the training time (the controller's elapsed_s: start-up and model building excluded)
+        "checkpoint_share": round(getattr(result, "checkpoint_s", 0.0) / result.segment_s, 5)
+        if getattr(result, "segment_s", 0) else 0.0,
+        "result": msgspec.to_builtins(result) if result is not None else None,
+    }
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    evals = s.get("evals") or []
+    # with the steps: a run stopped early reports its last eval, which may be an old one (even step 0's)
+    acc = (f"held-out accuracy {evals[0][1]:.1%} -> {evals[-1][1]:.1%} (evals of steps {evals[0][0]} -> {evals[-1][0]})"
+           if evals else "no eval")
+    res = s.get("result") or {}
+    ck = f"; {s['checkpoints']} checkpoint(s) in {s['checkpoint_s']:.1f}s ({s['checkpoint_share']:.1%} of training time)"
+    if res.get("last_checkpoint"):
+        ck += f", latest {res['last_checkpoint']}"
+    if (res.get("counters") or {}).get("checkpoint/failed"):
+        ck += f"; {res['counters']['checkpoint/failed']} checkpoint(s) FAILED (see the log)"
+    resumed = f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") is not None else ""
+    print(
+        f"done: {s['run']} {s['steps']} steps{resumed} in {s['wall_s']:.0f}s; {acc}; "
+        f"peak memory {s['peak_mem_gib']:.2f} GiB (all processes){ck}"
+    )

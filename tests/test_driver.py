@@ -1,0 +1,127 @@
+"""flashrl/launch/driver.py: every task of `flashrl run` is supervised. A helper that crashes (the
+dashboard refresher, the memory sampler, the tokenizer load) ends the run at once with its error,
+named, and the controller is cancelled: nothing hangs, nothing fails unseen.
+
+The processes are stand-ins (``local_cluster`` yields no engines and a trainer that records what it is
+asked), so these tests start no process and open no socket; the controller is a stand-in that would
+run forever unless cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from flashrl.config import Config, load
+from flashrl.launch import driver
+
+DEADLINE_S = 20.0  # the run must fail well within this; a hang fails the test instead of stalling it
+
+
+class ForeverController:
+    """Stands in for controller.Controller: run() waits until cancelled (a long run), and says so."""
+
+    instances: list[ForeverController] = []
+    snapshot_error: Exception | None = None
+
+    def __init__(self, cfg: Config, *args: Any, **kwargs: Any) -> None:
+        self.cancelled = False
+        self.status = "running"
+        ForeverController.instances.append(self)
+
+    async def run(self) -> Any:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+    def snapshot(self) -> Any:
+        from flashrl.metrics import Snapshot
+
+        if ForeverController.snapshot_error is not None:
+            raise ForeverController.snapshot_error
+        return Snapshot()
+
+
+class NoTrainer:
+    async def save_model(self, path: Path, replace: bool = False) -> None:
+        raise AssertionError("a failed run writes no final policy")
+
+
+@pytest.fixture
+def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
+    from flashrl import models
+    from flashrl.controller import controller
+    from flashrl.models import tokenizer
+
+    @asynccontextmanager
+    async def no_processes(*args: Any, **kwargs: Any) -> AsyncIterator[tuple[list[Any], NoTrainer]]:
+        yield [], NoTrainer()
+
+    monkeypatch.setattr(driver, "local_cluster", no_processes)
+    monkeypatch.setattr(models, "ensure_model", lambda cfg, **kw: str(tmp_path / "model"))
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *a: object())
+    monkeypatch.setattr(controller, "Controller", ForeverController)
+    ForeverController.instances = []
+    ForeverController.snapshot_error = None
+    return load(None, [f"run.output_dir={tmp_path}", "run.dashboard=off"])
+
+
+async def test_a_crashing_dashboard_refresher_fails_the_run_loudly(stand_ins: Config) -> None:
+    ForeverController.snapshot_error = ValueError("refresher boom")
+    with pytest.raises(RuntimeError, match=r"the dashboard refresher failed: ValueError: refresher boom") as err:
+        await asyncio.wait_for(driver.run_local(stand_ins), DEADLINE_S)
+    assert isinstance(err.value.__cause__, ValueError)  # the original error (and its traceback) is kept
+    assert [c.cancelled for c in ForeverController.instances] == [True]  # the controller was stopped, not left
+
+
+async def test_a_crashing_memory_sampler_fails_the_run_loudly(stand_ins: Config,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: driver.MemorySampler) -> int:
+        raise OSError("sampler boom")
+
+    monkeypatch.setattr(driver.MemorySampler, "sample", broken)
+    with pytest.raises(RuntimeError, match=r"the memory sampler failed: OSError: sampler boom"):
+        await asyncio.wait_for(driver.run_local(stand_ins), DEADLINE_S)
+    # the sampler's first sample may fail before the controller was even built; if built, it was stopped
+    assert all(c.cancelled for c in ForeverController.instances)
+
+
+async def test_a_failing_tokenizer_load_fails_the_run_at_once(stand_ins: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrl.models import tokenizer
+
+    def no_tokenizer(*args: Any) -> Any:
+        raise FileNotFoundError("tokenizer.json")
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", no_tokenizer)
+    with pytest.raises(RuntimeError, match=r"the tokenizer load failed: FileNotFoundError: tokenizer.json"):
+        await asyncio.wait_for(driver.run_local(stand_ins), DEADLINE_S)
+    assert ForeverController.instances == []  # it failed before the controller was built
+
+
+async def test_no_helper_is_left_running_when_the_run_ends(stand_ins: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A controller that finishes: run_local returns (the sampler is stopped, the group ends) and the
+    summary is the controller's; every task it started has ended."""
+    from flashrl.controller import controller
+
+    class Result(msgspec.Struct):
+        stop_reason: str = "interrupted"  # no final policy to write (NoTrainer refuses)
+        segment_s: float = 0.3
+
+    class Done(ForeverController):
+        async def run(self) -> Any:
+            await asyncio.sleep(0.3)  # the refresher and the sampler get to run
+            return Result()
+
+    monkeypatch.setattr(controller, "Controller", Done)
+    before = asyncio.all_tasks()
+    summary = await asyncio.wait_for(driver.run_local(stand_ins), DEADLINE_S)
+    assert summary["run"] == stand_ins.run.name and "final_policy" not in summary
+    assert asyncio.all_tasks() - before == set()
