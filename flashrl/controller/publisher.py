@@ -199,7 +199,7 @@ class WeightPublisher:
 
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
         """One engine's part of a sync. An engine that dies meanwhile only drops out (its request
-        fails at once: launch.py fails a dead process's client), never fails or stalls the sync."""
+        fails at once: the launcher fails a dead process's client), never fails or stalls the sync."""
         engine = self.engines[i]
         try:
             r = await engine.update_weights(manifest)
