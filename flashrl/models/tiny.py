@@ -267,6 +267,43 @@ def teacher_answers(tasks, slip: float, rng) -> list:
     return out
 
 
+# A demonstration batch wider than this is split into length-sorted micro-batches (``demo_batches``): the
+# scratchpad task's batches mix ~20-token responses with ~200-token ones, and one right-padded batch spent
+# ~5x its real tokens on padding. Narrower batches (every other demonstrating task) stay one batch, on the
+# exact code path they were built with.
+_PACK_FROM = 64
+_PACK_TOKENS = 1024  # padded tokens per micro-batch
+
+
+def batch_loss(model, batch):
+    """The supervised loss of ``batch``: one (input_ids, attention_mask, labels), or a list of them (micro-batches
+    of one batch), then the mean over all their label tokens, as one batch of them would have it."""
+    if isinstance(batch, tuple):
+        ids, mask, lab = batch
+        return model(input_ids=ids, attention_mask=mask, labels=lab).loss
+    counts = [int((lab[:, 1:] != -100).sum()) for _, _, lab in batch]  # the causal LM loss's shifted labels
+    total = sum(counts)
+    return sum(model(input_ids=ids, attention_mask=mask, labels=lab).loss * (n / total)
+               for (ids, mask, lab), n in zip(batch, counts))
+
+
+def demo_batches(tok, demos):  # -> (input_ids, attention_mask, labels) or a list of them
+    """``demo_batch``, split into length-sorted micro-batches of at most ``_PACK_TOKENS`` padded tokens when
+    the one batch would be wider than ``_PACK_FROM`` (``batch_loss`` weighs them back into one batch's loss)."""
+    lengths = [len(tok.encode(d.prompt)) + sum(len(tok.encode(a)) + 1 + len(tok.encode(o)) for a, o in d.turns)
+               for d in demos]
+    if max(lengths) <= _PACK_FROM:
+        return demo_batch(tok, demos)
+    order = sorted(range(len(demos)), key=lambda i: -lengths[i])
+    parts: list[list[int]] = []
+    for i in order:  # longest first: a micro-batch's width is its first member's length
+        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= _PACK_TOKENS:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return [demo_batch(tok, [demos[i] for i in part]) for part in parts]
+
+
 def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
     """Right-padded multi-turn teacher episodes (flashrl.env.Demo): labels on every action and the EOS
     closing its turn; the prompt and the observations get none (the rollout's loss mask, exactly)."""
@@ -334,8 +371,7 @@ def _sft_loop(model, opt, ws: WarmStart, next_batch, probe, what: str, log) -> t
             scale *= 1.0 - step / ws.max_steps
         for group in opt.param_groups:
             group["lr"] = ws.lr * scale
-        ids, mask, lab = next_batch()
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        loss = batch_loss(model, next_batch())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -360,7 +396,7 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log) -> tuple[
     max_turns = max(len(d.turns) for d in sample)
 
     def next_batch():
-        return demo_batch(tok, [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))])
+        return demo_batches(tok, [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))])
 
     def success() -> float:
         return sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
