@@ -151,11 +151,13 @@ class ScratchpadSuite:
     """Seeded, disjoint train/held-out splits of heavy-tailed column additions (module docstring)."""
 
     Params: ClassVar[type] = ScratchpadParams
-    # The built-in model's warm-start (flashrl.models.WarmStart overrides). Batches of 32 (a batch pads
-    # to its longest response, up to ~230 tokens); a probe of 128 train problems every 100 steps, and
-    # stop at 45% greedy probe success (the teacher itself is exact on ~70% of the probe).
-    WARM_START: ClassVar[dict[str, Any]] = {"batch": 32, "max_steps": 1500, "check_every": 100, "probe_size": 128,
-                                            "target_accuracy": 0.45}
+    # The built-in model's warm-start (flashrl.models.WarmStart overrides): batches of 32 (the long ones
+    # cost ~10x a short one even as micro-batches); a greedy probe of 128 train problems every 100 steps;
+    # stop once 35% of the probe is exactly right (the teacher itself is on ~70%: RL has the slipped
+    # carries and the model's own copying errors to fix). Seed 0: the probe read 1.6% at step 600,
+    # 4.7% at 700 and 10% at 800 (loss 0.23), still rising.
+    WARM_START: ClassVar[dict[str, Any]] = {"batch": 32, "max_steps": 2000, "check_every": 100, "probe_size": 128,
+                                            "target_accuracy": 0.35}
 
     def __init__(self, params: ScratchpadParams, seed: int = 0, eval_size: int = 400) -> None:
         if params.min_digits > params.max_digits:

@@ -258,8 +258,8 @@ def test_demo_batches_split_wide_batches_into_micro_batches_with_the_same_loss(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from flashrl.env import Demo
     import flashrl.models.tiny as tiny
+    from flashrl.env import Demo
     from flashrl.models.tiny import _PACK_FROM, batch_loss, demo_batch, demo_batches
 
     monkeypatch.setattr(tiny, "_PACK_TOKENS", 128)
