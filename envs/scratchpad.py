@@ -17,10 +17,13 @@ column just added and the digits of the sum found so far; the last line is the s
 A problem with d columns has d lines of about 2d characters each, so the response grows as
 1.5 d^2: 19 tokens at d=2, 142 at d=8, 207 at d=10 (with the end-of-sequence token). The number
 of columns is drawn from a power law, ``P(d) ~ (d - min_digits + 1) ** -size_exponent`` for
-min_digits <= d <= max_digits (default 2..10, exponent 2: 65% two-column problems, 1.8% with 9 or
-10), so most responses are short and about one in a hundred is 9x the median or longer: the long
-tail that holds a synchronous batch hostage. Both operands are uniform in [0, 10**d), so one of them
-may have fewer digits (it then drops out of the lines early, as 85 does above).
+min_digits <= d <= max_digits (default 2..10, exponent 1.8: 60% two-column problems, 2.6% with 9
+or 10), so most responses are short and a few in a hundred are 9-11x the median: the long tail that
+holds a synchronous batch hostage. (With exponent 2, 1.8% with 9 or 10, the warm-started model's
+p99/median on seed 0's 400 held-out problems was 8.2, too close to 8 to hold on every seed; with
+1.8 the task's own answers give p99/median 9.1 on those problems and 10.4 on the training split.)
+Both operands are uniform in [0, 10**d), so one of them may have fewer digits (it then drops out of
+the lines early, as 85 does above).
 
 The verifier is exact, and by default (``check_scratchpad``) it checks the whole response, not only
 the answer: reward 1 when the text up to the end-of-sequence mark, with trailing whitespace stripped,
@@ -66,7 +69,7 @@ class ScratchpadParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     min_digits: Annotated[int, Meta(ge=1, le=20, description="fewest columns of a problem")] = 2
     max_digits: Annotated[int, Meta(ge=1, le=20, description="most columns of a problem")] = 10
     size_exponent: Annotated[float, Meta(ge=0, le=10, description=(
-        "P(columns = d) ~ (d - min_digits + 1) ** -size_exponent: 0 = uniform sizes, larger = fewer long problems"))] = 2.0
+        "P(columns = d) ~ (d - min_digits + 1) ** -size_exponent: 0 = uniform sizes, larger = fewer long problems"))] = 1.8
     check_scratchpad: Annotated[bool, Meta(description=(
         "reward only the exact written-out addition (true) or any response whose last line is the sum (false)"))] = True
     teacher_carry_slip: Annotated[float, Meta(ge=0, le=1, description=(

@@ -115,10 +115,12 @@ def test_a_size_class_too_small_for_its_share_raises_naming_the_fix() -> None:
 
 
 def test_size_distribution_is_the_power_law() -> None:
+    assert size_weights(ScratchpadParams(size_exponent=0.0, max_digits=5)) == pytest.approx({2: .25, 3: .25, 4: .25, 5: .25})
     w = size_weights(ScratchpadParams())
     assert sorted(w) == list(range(2, 11)) and abs(sum(w.values()) - 1) < 1e-12
-    assert w[2] == pytest.approx(1 / sum(k**-2 for k in range(1, 10)))
-    assert w[3] == pytest.approx(w[2] / 4) and w[10] == pytest.approx(w[2] / 81)
+    assert w[2] == pytest.approx(1 / sum(k**-1.8 for k in range(1, 10)))
+    assert w[3] == pytest.approx(w[2] / 2**1.8) and w[10] == pytest.approx(w[2] / 9**1.8)
+    assert w[2] > 0.55 and w[9] + w[10] > 0.02  # the median problem has 2 columns; the tail holds p99
     counts = Counter(t.meta["digits"] for t in ScratchpadSuite(ScratchpadParams(), seed=0, eval_size=400).train_tasks())
     for d, pd in w.items():  # 5000 draws: within 4 standard deviations of the expected count
         assert abs(counts[d] - 5000 * pd) < 4 * (5000 * pd * (1 - pd)) ** 0.5 + 1, (d, counts[d])
@@ -133,7 +135,7 @@ def test_demonstrations_have_the_long_tail_the_task_promises() -> None:
         lengths = sorted(len(suite.demonstration(t, rng).turns[0][0]) + 1 for t in split)
         n = len(lengths)
         p50, p99 = lengths[n // 2], lengths[int(0.99 * n)]
-        assert p50 == 19 and p99 / p50 >= 8, (p50, p99)
+        assert p50 == 19 and p99 / p50 >= 9, (p50, p99)
         assert lengths[-1] <= 224
     assert response_tokens(10**10 - 1, 10**10 - 1) == 207 <= 224
 
