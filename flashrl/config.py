@@ -52,7 +52,7 @@ class ModelConfig(Section):
 
 
 class EnvConfig(Section):
-    name: Annotated[str, Meta(min_length=1, description="a built-in environment (arithmetic, countdown, guess, code, dataset, remote), a plug-in of the entry-point group flashrl.envs, or your own class: 'package.module:Class' or './file.py:Class'")] = "arithmetic"
+    name: Annotated[str, Meta(min_length=1, description="a built-in environment (arithmetic, scratchpad, countdown, guess, code, dataset, remote), a plug-in of the entry-point group flashrl.envs, or your own class: 'package.module:Class' or './file.py:Class'")] = "arithmetic"
     params: Annotated[dict[str, Any], Meta(description="environment-specific options, checked by the environment's own struct")] = {}
     eval_size: Annotated[int, Meta(ge=1, description="held-out tasks per evaluation")] = 200
 

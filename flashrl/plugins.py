@@ -46,6 +46,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "code": "envs.code:CodeSuite",  # sandboxed code execution
     "remote": "envs.remote:RemoteSuite",  # any env in worker processes behind ZeroMQ
     "dataset": "envs.dataset:DatasetSuite",  # rows of a JSONL / Parquet / CSV file or a `datasets` folder
+    "scratchpad": "envs.scratchpad:ScratchpadSuite",  # column addition written out: the long-tail task
 }
 ENTRY_POINT_GROUP = "flashrl.envs"
 _SUITE_METHODS = ("train_tasks", "eval_tasks", "make_env")

@@ -226,6 +226,63 @@ def test_demo_batch_labels_actions_and_their_eos_only(untrained: Path) -> None:
     assert mask[1].sum().item() == p + 2
 
 
+def test_generate_with_kv_cache_matches_the_prefix_recompute(untrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past _CACHE_FROM new tokens generate keeps a KV cache; it must decode what the recompute decodes,
+    greedy and seeded-sampled, with left-padded prompts of different lengths and rows that stop early."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import flashrl.models.tiny as tiny
+
+    tok = load_tokenizer(untrained)
+    model = AutoModelForCausalLM.from_pretrained(str(untrained), dtype=torch.float32).eval()
+    with torch.no_grad():  # sharpen the random init: its near-uniform logits would hide a wrong position or mask
+        for p in model.parameters():
+            p.mul_(4.0)
+    prompts = [tok.encode(p) for p in ("12+3=", "347+85=", "9+9=", "1234567+89=")]
+    runs = {}
+    for cached in (True, False):
+        monkeypatch.setattr(tiny, "_CACHE_FROM", 8 if cached else 10**9)
+        greedy = tiny.generate(model, prompts, 40, tok.eos_token_id, tok.pad_token_id)
+        sampled = tiny.generate(model, prompts, 40, tok.eos_token_id, tok.pad_token_id, temperature=1.0,
+                                generator=torch.Generator().manual_seed(0))
+        runs[cached] = (greedy, sampled)
+    assert runs[True] == runs[False]
+    assert any(len(o) < 40 for o in runs[True][1])  # some sampled row stopped at its EOS: masking exercised
+
+
+def test_demo_batches_split_wide_batches_into_micro_batches_with_the_same_loss(
+        untrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch wider than _PACK_FROM tokens is trained as length-sorted micro-batches whose weighted losses
+    sum to the one batch's loss (and gradient); a narrow batch stays the one batch it always was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import flashrl.models.tiny as tiny
+    from flashrl.env import Demo
+    from flashrl.models.tiny import _PACK_FROM, batch_loss, demo_batch, demo_batches
+
+    monkeypatch.setattr(tiny, "_PACK_TOKENS", 128)
+    tok = load_tokenizer(untrained)
+    model = AutoModelForCausalLM.from_pretrained(str(untrained), dtype=torch.float32)
+    short = [Demo(prompt=f"{i}+{i}=", turns=[(str(2 * i), "")]) for i in range(6)]
+    assert isinstance(demo_batches(tok, short), tuple)
+    wide = short + [Demo(prompt="1+1=", turns=[("2" * (_PACK_FROM - 2), "")]), Demo(prompt="9=", turns=[("9" * 40, "")])]
+    parts = demo_batches(tok, wide)
+    assert isinstance(parts, list) and len(parts) > 1
+    assert sorted(int(m.sum()) for _, m, _ in parts for m in m) == sorted(int(m.sum()) for m in demo_batch(tok, wide)[1])
+    assert all(ids.numel() <= 128 or ids.shape[0] == 1 for ids, _, _ in parts)
+    grads = []
+    for batch in (demo_batch(tok, wide), parts):
+        model.zero_grad(set_to_none=True)
+        loss = batch_loss(model, batch)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 class _Scripted:
     """A stand-in causal LM that always answers "5" then EOS, and records every context it is fed."""
 

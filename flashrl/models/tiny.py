@@ -90,9 +90,12 @@ def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = Non
 
 
 # --------------------------------------------------------------------------- torch helpers
-# Used by the warm-start below. Sequences here are a few dozen tokens,
-# so generation recomputes the whole (left-padded) prefix each step instead of keeping a KV cache:
-# simpler, and on this model size not slower.
+# Used by the warm-start below. For answers of a few tokens generation recomputes the whole (left-padded)
+# prefix each step instead of keeping a KV cache: simpler, and on this model size not slower. Past
+# ``_CACHE_FROM`` new tokens (the scratchpad task's responses run to ~200) the O(T^2) recompute made one
+# 128-problem probe take minutes, so ``generate`` keeps a KV cache there; the threshold keeps the short
+# tasks' builds (arithmetic, guess, countdown) on the exact code path they were built with.
+_CACHE_FROM = 32
 
 
 class WarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -160,9 +163,17 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
     ids, mask, pos = left_pad(prompts, pad_id)
     out: list[list[int]] = [[] for _ in prompts]
     alive = torch.ones(len(prompts), dtype=torch.bool)
+    cached = max_new_tokens > _CACHE_FROM
+    past = None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :]
+            if cached:  # forward only the new token against the keys/values of the ones before
+                fresh = ids if past is None else ids[:, -1:]
+                res = model(input_ids=fresh, attention_mask=mask, position_ids=pos[:, -fresh.shape[1]:],
+                            past_key_values=past, use_cache=True)
+                past, logits = res.past_key_values, res.logits[:, -1, :]
+            else:
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :]
             if temperature > 0:
                 probs = torch.softmax(logits.float() / temperature, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -259,6 +270,43 @@ def teacher_answers(tasks, slip: float, rng) -> list:
     return out
 
 
+# A demonstration batch wider than this is split into length-sorted micro-batches (``demo_batches``): the
+# scratchpad task's batches mix ~20-token responses with ~200-token ones, and one right-padded batch spent
+# ~5x its real tokens on padding. Narrower batches (every other demonstrating task) stay one batch, on the
+# exact code path they were built with.
+_PACK_FROM = 64
+_PACK_TOKENS = 1024  # padded tokens per micro-batch
+
+
+def batch_loss(model, batch):
+    """The supervised loss of ``batch``: one (input_ids, attention_mask, labels), or a list of them (micro-batches
+    of one batch), then the mean over all their label tokens, as one batch of them would have it."""
+    if isinstance(batch, tuple):
+        ids, mask, lab = batch
+        return model(input_ids=ids, attention_mask=mask, labels=lab).loss
+    counts = [int((lab[:, 1:] != -100).sum()) for _, _, lab in batch]  # the causal LM loss's shifted labels
+    total = sum(counts)
+    return sum(model(input_ids=ids, attention_mask=mask, labels=lab).loss * (n / total)
+               for (ids, mask, lab), n in zip(batch, counts))
+
+
+def demo_batches(tok, demos):  # -> (input_ids, attention_mask, labels) or a list of them
+    """``demo_batch``, split into length-sorted micro-batches of at most ``_PACK_TOKENS`` padded tokens when
+    the one batch would be wider than ``_PACK_FROM`` (``batch_loss`` weighs them back into one batch's loss)."""
+    lengths = [len(tok.encode(d.prompt)) + sum(len(tok.encode(a)) + 1 + len(tok.encode(o)) for a, o in d.turns)
+               for d in demos]
+    if max(lengths) <= _PACK_FROM:
+        return demo_batch(tok, demos)
+    order = sorted(range(len(demos)), key=lambda i: -lengths[i])
+    parts: list[list[int]] = []
+    for i in order:  # longest first: a micro-batch's width is its first member's length
+        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= _PACK_TOKENS:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return [demo_batch(tok, [demos[i] for i in part]) for part in parts]
+
+
 def demo_batch(tok, demos):  # -> (input_ids, attention_mask, labels)
     """Right-padded multi-turn teacher episodes (flashrl.env.Demo): labels on every action and the EOS
     closing its turn; the prompt and the observations get none (the rollout's loss mask, exactly)."""
@@ -333,8 +381,7 @@ def _sft_steps(model, opt, ws: WarmStart, next_batch, probe, what: str, log, pha
             scale *= 1.0 - step / ws.max_steps
         for group in opt.param_groups:
             group["lr"] = ws.lr * scale
-        ids, mask, lab = next_batch()
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        loss = batch_loss(model, next_batch())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -361,7 +408,7 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log, progress:
     max_turns = max(len(d.turns) for d in sample)
 
     def next_batch():
-        return demo_batch(tok, [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))])
+        return demo_batches(tok, [suite.demonstration(t, rng) for t in rng.sample(train, min(ws.batch, len(train)))])
 
     def success() -> float:
         return sum(c for _, c in play_episodes(model, tok, suite, probe, max_new, max_turns)) / len(probe)
