@@ -81,6 +81,13 @@ class SchedulerConfig(Section):
     async_ratio: Annotated[int, Meta(ge=0, le=64, description="max policy versions a trained sample may lag (0 = synchronous)")] = 2
     queue_scheduling: Annotated[bool, Meta(description="refill engine slots as samples finish (off = batch barrier)")] = True
     replication: Annotated[bool, Meta(description="spread a prompt's samples over engines (off = one engine per prompt)")] = True
+    stale: Annotated[Literal["drop", "wait", "partial"], Meta(description=(
+        "what happens to a sample too old for the bound (flashrl/core/staleness.py states each mode's guarantee): "
+        "drop = dropped and its prompt redrawn (trained data biased toward short answers; for comparison); "
+        "wait = nothing dropped, a step is held until the groups it leaves behind can still be trained within "
+        "async_ratio versions of their first token (strict bound); partial = nothing dropped or held, generation "
+        "goes on under new weights, each token keeps its own version and behaviour logprob and the loss corrects "
+        "it per token (bound: a group is trained within async_ratio versions of completing)"))] = "drop"
 
 
 class EngineConfig(Section):

@@ -131,7 +131,7 @@ class Controller:
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
         # THE staleness rule of this run: the buffer applies it (and advances next_step as it hands
         # out batches), the rollouts' early abort and the step records read it.
-        self.staleness = Staleness(cfg.scheduler.async_ratio)
+        self.staleness = Staleness(cfg.scheduler.async_ratio, mode=cfg.scheduler.stale)
         self.buffer = SampleBuffer(
             group_size=cfg.rollout.group_size,
             batch_prompts=cfg.rollout.batch_prompts,
@@ -139,6 +139,7 @@ class Controller:
             ordered=not cfg.scheduler.queue_scheduling,
             filter_ties=cfg.algorithm.filter_ties,
             counters=self.counters,
+            version=lambda: self.published.version,  # wait's deadlines, partial's bound (set just below)
         )
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)
