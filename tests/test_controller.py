@@ -823,9 +823,13 @@ def test_drop_mode_drops_on_the_same_long_tail() -> None:
     for seed in range(4):
         cfg = config(run={"steps": 8, "seed": seed}, rollout={"group_size": 2, "batch_prompts": 2, "max_new_tokens": 4},
                      scheduler={"async_ratio": 1, "stale": "drop"})
+        records: list[dict[str, Any]] = []
         summary, _ = run(Controller(cfg, TOK, ScriptedSuite(n_train=5), [FakeEngine("e0", long_tail(seed), sync_s=0.5)],
-                                    FakeTrainer(train_s=0.5, sync_s=0.3)))
+                                    FakeTrainer(train_s=0.5, sync_s=0.3), on_step=lambda r: records.append(r.to_dict())))
         dropped += summary.counters["stale/dropped_samples"]
+        # each step's line says what it dropped since the previous one: they add up to the run's counters
+        assert sum(r["dropped/samples"] for r in records if "samples" in r) == summary.counters["stale/dropped_samples"]
+        assert sum(r["dropped/tokens"] for r in records if "samples" in r) == summary.counters["stale/dropped_tokens"] > 0
     assert dropped > 0
 
 
@@ -852,10 +856,13 @@ def test_a_response_spanning_two_weight_updates_is_trained_with_the_engines_vers
         return ([ord("7")] * 10, 10.0) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0)
 
     cfg = config(run={"steps": 12}, rollout={"group_size": 1, "batch_prompts": 1, "max_new_tokens": 10},
-                 scheduler={"async_ratio": 2, "stale": mode})
+                 scheduler={"async_ratio": 2, "stale": mode}, log={"samples_per_step": 1})
     eng = RecordingEngine("e0", script)
     trainer = FakeTrainer(train_s=1.0)
-    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_train=9), [eng], trainer))
+    records: list[dict[str, Any]] = []
+    lines: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_train=9), [eng], trainer,
+                                   on_step=lambda r: records.append(r.to_dict()), on_samples=lines.extend))
     assert summary.steps == 12 and left == set()
     trained = {s.sample_id: (b.step, s) for b in trainer.batches for s in b.samples}
     step, sample = trained["1-0"]
@@ -870,3 +877,17 @@ def test_a_response_spanning_two_weight_updates_is_trained_with_the_engines_vers
     else:
         assert step - got.versions[-1] <= 2 and step > 2  # trained within the bound of its completion
     assert "stale/dropped_samples" not in summary.counters
+    # its lineage, in samples.jsonl and in its step's metrics.jsonl line
+    line = next(ln for ln in lines if ln["sample_id"] == "1-0")
+    first, last = got.versions[0], got.versions[-1]
+    assert line["step"] == step + 1 and line["response_tokens"] == 10
+    assert (line["version_first"], line["version_last"], line["updates_spanned"]) == (first, last, last - first)
+    assert line["interrupted"] is True and line["restarts"] == 0 and line["staleness"] == step - first
+    assert line["token_staleness_mean"] == pytest.approx(step - sum(got.versions) / 10)
+    rec = next(r for r in records if r["step"] == step + 1)
+    assert rec["tokens/trained"] == 10 and rec["len/trained_mean"] == 10.0
+    assert rec["lineage/updates_spanned_mean"] == last - first and rec["lineage/interrupted_frac"] == 1.0
+    assert rec["staleness/token_mean"] == pytest.approx(step - sum(got.versions) / 10)
+    assert all(r["dropped/samples"] == 0 and r["dropped/tokens"] == 0 for r in records if "samples" in r)
+    others = [ln for ln in lines if ln["sample_id"] != "1-0"]
+    assert others and not any(ln["interrupted"] for ln in others)  # 1 s samples ran between two updates
