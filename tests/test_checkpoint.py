@@ -182,7 +182,7 @@ def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops
     """async_ratio 2, interrupted (request_stop, as on Ctrl-C) ``stops`` times with rollouts in flight."""
     cfg = config(tmp_path, run={"steps": 20, "seed": 5, "eval_every": 0, "checkpoint_every": 3},
                  rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
-                 scheduler={"async_ratio": 2, "queue_scheduling": True})
+                 scheduler={"async_ratio": 2, "queue_scheduling": True, "stale": "drop"})
     suite = lambda: ScriptedSuite(n_train=7, n_eval=2)  # noqa: E731  (7 prompts: 5+ epochs in 20 steps)
     records: list[dict[str, Any]] = []
     run = Run(cfg, suite(), stop_at_s=3.0)

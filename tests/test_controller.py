@@ -155,7 +155,7 @@ def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group
     cfg = config(
         run={"steps": 8, "seed": seed},
         rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4},
-        scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+        scheduler={"async_ratio": ratio, "queue_scheduling": queue, "stale": "drop"},
         weight_sync={"overlap": overlap},
     )
     # the sync takes a while (0.5 s engines, 0.3 s trainer): with overlap it runs beside the next step
@@ -178,7 +178,7 @@ def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
     cfg = config(
         run={"steps": 6},
         rollout={"group_size": 1, "batch_prompts": 1},
-        scheduler={"async_ratio": 1, "queue_scheduling": True},
+        scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"},
     )
     # prompt uid 1's first sample: 4 tokens over 3.5 s (first token at 0.875 s, version 0); others 1 s
     def script(r: Generate, v: int) -> tuple[list[int], float]:
@@ -506,7 +506,7 @@ def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
         return [ord("1")], (10.0 if r.request_id == "1-0.0.1" else 1.0)
 
     cfg = config(run={"steps": 4}, rollout={"group_size": 1, "batch_prompts": 1, "max_turns": 3, "max_retries": 0},
-                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"})
     eng = FakeEngine("e0", script)
     trainer = FakeTrainer()
     suite = ScriptedSuite(turns=3)
@@ -526,7 +526,7 @@ def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
 def test_single_turn_stale_sample_is_left_to_the_buffer() -> None:
     """Its first-token version is known only once it is done: no early abort (see rollout.py)."""
     cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1},
-                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")] * 4, 3.5) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0))
     summary, _ = run(Controller(cfg, TOK, ScriptedSuite(), [eng], FakeTrainer()))
     assert "rollout/aborted_stale" not in summary.counters
@@ -825,7 +825,7 @@ def test_drop_mode_drops_on_the_same_long_tail() -> None:
                      scheduler={"async_ratio": 1, "stale": "drop"})
         records: list[dict[str, Any]] = []
         summary, _ = run(Controller(cfg, TOK, ScriptedSuite(n_train=5), [FakeEngine("e0", long_tail(seed), sync_s=0.5)],
-                                    FakeTrainer(train_s=0.5, sync_s=0.3), on_step=lambda r: records.append(r.to_dict())))
+                                    FakeTrainer(train_s=0.5, sync_s=0.3), on_step=lambda r, out=records: out.append(r.to_dict())))
         dropped += summary.counters["stale/dropped_samples"]
         # each step's line says what it dropped since the previous one: they add up to the run's counters
         assert sum(r["dropped/samples"] for r in records if "samples" in r) == summary.counters["stale/dropped_samples"]
