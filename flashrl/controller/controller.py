@@ -11,8 +11,9 @@ loops and shutdown; each other job is a part of its own, wired here:
       waits: buffer.changed()              ^   |              rollouts -> engines (Router)
       admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
                                            |   v
-    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
-      waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the last sync
+    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task (stale = drop)
+      waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating),
+             the trainer, the eval of the current weights, the last sync
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
          multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
          rollout.py), instead of letting them finish
