@@ -891,3 +891,25 @@ def test_a_response_spanning_two_weight_updates_is_trained_with_the_engines_vers
     assert all(r["dropped/samples"] == 0 and r["dropped/tokens"] == 0 for r in records if "samples" in r)
     others = [ln for ln in lines if ln["sample_id"] != "1-0"]
     assert others and not any(ln["interrupted"] for ln in others)  # 1 s samples ran between two updates
+
+
+class WeighingTrainer(FakeTrainer):
+    """Reports a per-sample behaviour weight as a real trainer does (here: the sample's length, to tell them apart)."""
+
+    async def train_step(self, batch: TrainBatch) -> Any:
+        r = await super().train_step(batch)
+        return msgspec.structs.replace(r, sample_iw=[float(len(s.response_ids)) for s in batch.samples])
+
+
+def test_samples_jsonl_carries_each_trained_samples_importance_ratio() -> None:
+    cfg = config(run={"steps": 3}, rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
+                 log={"samples_per_step": 6})
+    lines: list[dict[str, Any]] = []
+    run(Controller(cfg, TOK, ScriptedSuite(), [FakeEngine("e0")], WeighingTrainer(), on_samples=lines.extend))
+    train = [ln for ln in lines if ln["kind"] == "train"]
+    assert len(train) == 18
+    assert all(ln["importance_ratio"] == float(ln["response_tokens"]) for ln in train)
+    # a trainer that does not report it: null, not a made-up number
+    lines.clear()
+    run(Controller(cfg, TOK, ScriptedSuite(), [FakeEngine("e0")], FakeTrainer(), on_samples=lines.extend))
+    assert all(ln["importance_ratio"] is None for ln in lines if ln["kind"] == "train")

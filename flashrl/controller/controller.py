@@ -416,7 +416,9 @@ class Controller:
             wait_s += await self.publisher.wait()
         now = self._clock()
         if self.on_samples is not None and self.cfg.log.samples_per_step:
-            self.on_samples(self.ledger.train_lines(s + 1, batch))
+            # the trainer's per-sample behaviour weights, in the batch's sample order (empty: not reported)
+            iw = dict(zip((t.sample_id for t in samples), result.sample_iw))
+            self.on_samples(self.ledger.train_lines(s + 1, batch, iw))
         record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
                                          elapsed=self._clock() - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
         self.publisher.attach(pending, record)

@@ -178,8 +178,8 @@ class Ledger:
         tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts)
         and, for a trained sample (``kind`` "train", trained at step ``step - 1``), ``staleness``
         (trained step - version_first) and ``token_staleness_mean`` (over its tokens, each its own
-        version). The per-sample importance ratio is not here: the trainer reports it per step only
-        (metrics.jsonl ``iw/mean``, ``iw/max``)."""
+        version). A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
+        pi_prox / pi_behav, as the trainer reported it."""
         decode = self.tokenizer.decode
         first, last, vsum = _lineage(t)
         n = t.n_generated
@@ -197,11 +197,15 @@ class Ledger:
             line["token_staleness_mean"] = (step - 1) - vsum / n if n else 0.0
         return line
 
-    def train_lines(self, step: int, batch: list[Group]) -> list[dict[str, Any]]:
+    def train_lines(self, step: int, batch: list[Group], iw: dict[str, float | None] | None = None) -> list[dict[str, Any]]:
         """log.samples_per_step lines of a trained batch, spread over its groups: the first sample of each
-        group, then the second, ..."""
+        group, then the second, ... ``iw``: the trainer's mean behaviour weight per sample id
+        (TrainResult.sample_iw), written as ``importance_ratio`` (null: not reported)."""
         picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
-        return [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
+        lines = [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
+        for line in lines:
+            line["importance_ratio"] = (iw or {}).get(line["sample_id"])
+        return lines
 
     def emit(self, record: StepRecord) -> None:
         self.emitted_through = max(self.emitted_through, record.step)
