@@ -73,7 +73,7 @@ def test_token_ledger_classifies_a_hand_built_run() -> None:
 
 
 def test_sync_wastes_nothing_and_flash_counts_its_stale_drops(tmp_path: Path) -> None:
-    scn = scenario(LengthModel(dist="lognormal", median=200, sigma=1.5), steps=8)
+    scn = scenario(LengthModel(dist="lognormal", median=200, sigma=1.5), steps=8, scheduler={"stale": "drop"})
     res = run_point(scn, scn.points[0], 0, tmp_path)
     assert res.base.ledger.waste_share == 0.0 and res.base.ledger.generated > 0
     # Every token the sync baseline generated in the window was trained (window accounting is exact here).
@@ -86,7 +86,7 @@ def test_sync_wastes_nothing_and_flash_counts_its_stale_drops(tmp_path: Path) ->
 
 
 def test_length_matched_baseline_caps_sync_at_flash_longest(tmp_path: Path) -> None:
-    scn = scenario(LengthModel(dist="lognormal", median=200, sigma=1.5), steps=8)
+    scn = scenario(LengthModel(dist="lognormal", median=200, sigma=1.5), steps=8, scheduler={"stale": "drop"})
     res = run_point(scn, scn.points[0], 0, tmp_path)
     assert res.lm is not None and res.lm_cap == res.flash.ledger.longest_trained
     assert res.lm_cap < res.base.ledger.longest_trained  # flash never trained the longest sync responses
@@ -96,6 +96,9 @@ def test_length_matched_baseline_caps_sync_at_flash_longest(tmp_path: Path) -> N
     assert res.lm_speedup < res.speedup  # ... so flash gains less against it
     cfg, _ = variant_config(scn, scn.points[0], "baseline")
     assert length_matched(cfg, 123).rollout.max_new_tokens == 123
+    # partial (the default) drops nothing: flash trains the longest responses too, no length bias to match
+    part = run_point(scenario(LengthModel(dist="lognormal", median=200, sigma=1.5), steps=8), scn.points[0], 0, tmp_path)
+    assert part.flash_longest == part.base_longest and part.lm is part.base and part.flash_waste == 0.0
 
 
 def test_weight_sync_cost_rises_with_engine_count() -> None:

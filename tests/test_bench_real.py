@@ -163,7 +163,8 @@ label = "tiny"
         assert run.turns == 1.0
         assert run.counters["env/calls"] >= 2 * 8 * 3  # reset + reward step of every trained sample, all delayed
     assert res.base.staleness_max == 0  # the sync baseline trains only on-policy samples
-    assert 0 <= res.flash.staleness_max <= 2  # versions restarted at 0 and the bound held
+    assert 0 <= res.flash.staleness_max  # versions restarted at 0
+    assert res.flash.counters.get("stale/over_bound_groups", 0) == 0  # the default mode's bound held (core/staleness.py)
     assert math.isfinite(res.speedup) and math.isfinite(res.token_speedup)
     assert res.token_speedup == pytest.approx(res.flash.tokens_per_s / res.base.tokens_per_s)
     assert res.speedup == pytest.approx(res.flash.samples_per_s / res.base.samples_per_s)

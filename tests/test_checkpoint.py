@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -63,10 +64,11 @@ class Run:
     """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.driver.run_local."""
 
     def __init__(self, cfg: Config, suite: FakeSuite, *, resume: Any = None, engines: int = 2,
-                 trainer: FakeTrainer | None = None, stop_at_s: float | None = None) -> None:
+                 trainer: FakeTrainer | None = None, stop_at_s: float | None = None, script: Any = None) -> None:
         self.cfg = cfg
         self.trainer = trainer or FakeTrainer(train_s=0.5)
-        self.engines = [FakeEngine(f"e{i}", default_script(token_s=0.05 * (i + 1)), sync_s=0.2) for i in range(engines)]
+        self.engines = [FakeEngine(f"e{i}", script or default_script(token_s=0.05 * (i + 1)), sync_s=0.2)
+                        for i in range(engines)]
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         metrics = cfg.run_dir / "metrics.jsonl"
         if resume is not None:
@@ -180,7 +182,7 @@ def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops
     """async_ratio 2, interrupted (request_stop, as on Ctrl-C) ``stops`` times with rollouts in flight."""
     cfg = config(tmp_path, run={"steps": 20, "seed": 5, "eval_every": 0, "checkpoint_every": 3},
                  rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
-                 scheduler={"async_ratio": 2, "queue_scheduling": True})
+                 scheduler={"async_ratio": 2, "queue_scheduling": True, "stale": "drop"})
     suite = lambda: FakeSuite(n_train=7, n_eval=2)  # noqa: E731  (7 prompts: 5+ epochs in 20 steps)
     records: list[dict[str, Any]] = []
     run = Run(cfg, suite(), stop_at_s=3.0)
@@ -202,6 +204,44 @@ def test_async_resume_trains_every_prompt_of_an_epoch_once(tmp_path: Path, stops
     lines = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [x["step"] for x in lines] == list(range(21))  # no duplicate, no missing step
     assert max(x["staleness/max"] for x in lines if x["step"]) <= 2
+
+
+def tail_script(req: Any, version: int) -> tuple[list[int], float]:
+    """One sample in four takes 4-8 s, the others 0.2-0.6 s (a long tail that makes drop mode drop)."""
+    rng = random.Random(req.seed)
+    n = rng.randint(1, req.max_tokens)
+    return [ord("1")] * n, rng.uniform(4, 8) if rng.random() < 0.25 else rng.uniform(0.2, 0.6)
+
+
+@pytest.mark.parametrize("mode", ["drop", "wait", "partial"])
+def test_resume_loses_none_of_the_lineage_bookkeeping(tmp_path: Path, mode: str) -> None:
+    """Interrupted with rollouts in flight, then resumed: metrics.jsonl's per-step dropped/samples,
+    dropped/tokens and tokens/trained add up to the run's totals (nothing counted twice or lost across
+    the resume), wait keeps its strict bound and nothing is dropped outside drop."""
+    cfg = config(tmp_path, run={"steps": 14, "seed": 2, "eval_every": 0, "checkpoint_every": 2},
+                 rollout={"group_size": 2, "batch_prompts": 2, "max_new_tokens": 6},
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": mode})
+    suite = lambda: FakeSuite(n_train=9, n_eval=0)  # noqa: E731
+    first = Run(cfg, suite(), stop_at_s=9.0, script=tail_script)
+    s1 = first.go()
+    assert s1.stop_reason == "interrupted" and 2 < s1.steps < 14
+    r = find_checkpoint(cfg.run_dir)
+    second = Run(cfg, suite(), resume=r, script=tail_script)
+    s2 = second.go()
+    assert s2.steps == 14 and s2.resumed_from == s1.steps
+    lines = [x for x in read_jsonl(cfg.run_dir / "metrics.jsonl") if "samples" in x]
+    assert [x["step"] for x in lines] == list(range(1, 15))
+    c = s2.counters
+    assert sum(x["dropped/samples"] for x in lines) == c.get("stale/dropped_samples", 0) + c.get("rollout/aborted_stale", 0)
+    assert sum(x["dropped/tokens"] for x in lines) == c.get("stale/dropped_tokens", 0)
+    assert sum(x["tokens/trained"] for x in lines) == s2.tokens_trained
+    if mode == "drop":
+        assert r.state.counters.get("stale/dropped_samples", 0) > 0  # drops on both sides of the resume
+        assert c["stale/dropped_samples"] > r.state.counters["stale/dropped_samples"]
+    else:
+        assert sum(x["dropped/samples"] for x in lines) == 0 and "stale/over_bound_groups" not in c
+    if mode == "wait":
+        assert max(x["staleness/max"] for x in lines) <= 1
 
 
 def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -154,7 +154,7 @@ def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group
     cfg = config(
         run={"steps": 8, "seed": seed},
         rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4},
-        scheduler={"async_ratio": ratio, "queue_scheduling": queue},
+        scheduler={"async_ratio": ratio, "queue_scheduling": queue, "stale": "drop"},
         weight_sync={"overlap": overlap},
     )
     # the sync takes a while (0.5 s engines, 0.3 s trainer): with overlap it runs beside the next step
@@ -177,7 +177,7 @@ def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
     cfg = config(
         run={"steps": 6},
         rollout={"group_size": 1, "batch_prompts": 1},
-        scheduler={"async_ratio": 1, "queue_scheduling": True},
+        scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"},
     )
     # prompt uid 1's first sample: 4 tokens over 3.5 s (first token at 0.875 s, version 0); others 1 s
     def script(r: Generate, v: int) -> tuple[list[int], float]:
@@ -505,7 +505,7 @@ def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
         return [ord("1")], (10.0 if r.request_id == "1-0.0.1" else 1.0)
 
     cfg = config(run={"steps": 4}, rollout={"group_size": 1, "batch_prompts": 1, "max_turns": 3, "max_retries": 0},
-                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"})
     eng = FakeEngine("e0", script)
     trainer = FakeTrainer()
     suite = FakeSuite(turns=3)
@@ -525,7 +525,7 @@ def test_multi_turn_sample_too_stale_is_aborted_early_and_restarted() -> None:
 def test_single_turn_stale_sample_is_left_to_the_buffer() -> None:
     """Its first-token version is known only once it is done: no early abort (see rollout.py)."""
     cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1},
-                 scheduler={"async_ratio": 1, "queue_scheduling": True})
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "drop"})
     eng = FakeEngine("e0", lambda r, v: ([ord("1")] * 4, 3.5) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0))
     summary, _ = run(Controller(cfg, TOK, FakeSuite(), [eng], FakeTrainer()))
     assert "rollout/aborted_stale" not in summary.counters
@@ -775,3 +775,140 @@ def test_a_step_record_says_how_busy_the_least_busy_engine_was() -> None:
         assert r["engine/busy"] == pytest.approx(0.6)
         assert not any(k.startswith("time/sync/occupancy") for k in r)
     assert StepRecord.from_dict(records[1]).to_dict() == records[1]
+
+
+# --------------------------------------------------------------------------- stale modes: wait and partial
+@settings(max_examples=25, deadline=None)
+@given(
+    ratio=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 3),
+    group=st.integers(1, 3),
+    n_engines=st.integers(1, 3),
+    queue=st.booleans(),
+    redundancy=st.integers(0, 1),
+    overlap=st.booleans(),
+    turns=st.integers(1, 2),
+)
+def test_wait_never_trains_a_sample_past_the_bound_and_never_drops_one(
+        ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool, redundancy: int, overlap: bool,
+        turns: int) -> None:
+    cfg = config(
+        run={"steps": 8, "seed": seed},
+        rollout={"group_size": group, "batch_prompts": batch, "redundancy": redundancy, "max_new_tokens": 4,
+                 "max_turns": turns},
+        scheduler={"async_ratio": ratio, "queue_scheduling": queue, "stale": "wait"},
+        weight_sync={"overlap": overlap},
+    )
+    engines = [FakeEngine(f"e{i}", long_tail(seed + i), sync_s=0.5) for i in range(n_engines)]
+    trainer = FakeTrainer(train_s=random.Random(seed).uniform(0.1, 1.0), sync_s=0.3)
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, FakeSuite(n_train=5, turns=turns), engines, trainer,
+                   on_step=lambda r: records.append(r.to_dict()))
+    summary, left = run(c)
+    assert left == set() and summary.steps == 8
+    worst = check_staleness(trainer.batches, ratio)
+    assert max(r["staleness/max"] for r in records) == worst <= ratio
+    for name in ("stale/dropped_samples", "stale/dropped_tokens", "rollout/aborted_stale", "stale/over_bound_groups"):
+        assert name not in summary.counters, (name, summary.counters)
+    assert [len(b.samples) for b in trainer.batches] == [batch * group] * 8
+    groups = [s.group for b in trainer.batches for s in b.samples]
+    assert len(set(groups)) == 8 * batch
+
+
+def test_drop_mode_drops_on_the_same_long_tail() -> None:
+    """The long tail of the wait test does make drop mode drop samples: that test is not vacuous."""
+    dropped = 0
+    for seed in range(4):
+        cfg = config(run={"steps": 8, "seed": seed}, rollout={"group_size": 2, "batch_prompts": 2, "max_new_tokens": 4},
+                     scheduler={"async_ratio": 1, "stale": "drop"})
+        records: list[dict[str, Any]] = []
+        summary, _ = run(Controller(cfg, TOK, FakeSuite(n_train=5), [FakeEngine("e0", long_tail(seed), sync_s=0.5)],
+                                    FakeTrainer(train_s=0.5, sync_s=0.3), on_step=lambda r, out=records: out.append(r.to_dict())))
+        dropped += summary.counters["stale/dropped_samples"]
+        # each step's line says what it dropped since the previous one: they add up to the run's counters
+        assert sum(r["dropped/samples"] for r in records if "samples" in r) == summary.counters["stale/dropped_samples"]
+        assert sum(r["dropped/tokens"] for r in records if "samples" in r) == summary.counters["stale/dropped_tokens"] > 0
+    assert dropped > 0
+
+
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that keeps every answer it returned (what the trainer must be given, token by token)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.answers: dict[str, Any] = {}
+
+    async def generate(self, req: Generate) -> Any:
+        out = await super().generate(req)
+        self.answers[req.request_id] = out
+        return out
+
+
+@pytest.mark.parametrize("mode", ["wait", "partial"])
+def test_a_response_spanning_two_weight_updates_is_trained_with_the_engines_versions_and_logprobs(mode: str) -> None:
+    """uid 1's only sample generates 10 tokens over 10 s while other steps are trained and published
+    (every other sample takes 1 s): its tokens carry at least versions 0, 1 and 2 and the behaviour
+    logprobs the engine returned, and the trainer gets exactly those, token by token (no drop, no
+    regeneration). wait holds step 2 for it (its deadline); partial trains on without it."""
+    def script(r: Generate, v: int) -> tuple[list[int], float]:
+        return ([ord("7")] * 10, 10.0) if r.request_id.startswith("1-0.") else ([ord("1")], 1.0)
+
+    cfg = config(run={"steps": 12}, rollout={"group_size": 1, "batch_prompts": 1, "max_new_tokens": 10},
+                 scheduler={"async_ratio": 2, "stale": mode}, log={"samples_per_step": 1})
+    eng = RecordingEngine("e0", script)
+    trainer = FakeTrainer(train_s=1.0)
+    records: list[dict[str, Any]] = []
+    lines: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_train=9), [eng], trainer,
+                                   on_step=lambda r: records.append(r.to_dict()), on_samples=lines.extend))
+    assert summary.steps == 12 and left == set()
+    trained = {s.sample_id: (b.step, s) for b in trainer.batches for s in b.samples}
+    step, sample = trained["1-0"]
+    got = eng.answers["1-0.0.0"]  # one attempt, one turn: nothing was regenerated
+    assert [r.request_id for r in eng.requests if r.request_id.startswith("1-0.")] == ["1-0.0.0"]
+    assert len(set(got.versions)) >= 3 and got.versions == sorted(got.versions)  # spans two updates or more
+    assert sample.response_ids == got.token_ids
+    assert sample.versions == got.versions and sample.behav_logp == got.logprobs
+    assert sample.loss_mask == [1] * 10
+    if mode == "wait":
+        assert step == 2 and set(got.versions) == {0, 1, 2}  # held at its deadline: s - version_start <= 2
+    else:
+        assert step - got.versions[-1] <= 2 and step > 2  # trained within the bound of its completion
+    assert "stale/dropped_samples" not in summary.counters
+    # its lineage, in samples.jsonl and in its step's metrics.jsonl line
+    line = next(ln for ln in lines if ln["sample_id"] == "1-0")
+    first, last = got.versions[0], got.versions[-1]
+    assert line["step"] == step + 1 and line["response_tokens"] == 10
+    assert (line["version_first"], line["version_last"], line["updates_spanned"]) == (first, last, last - first)
+    assert line["interrupted"] is True and line["restarts"] == 0 and line["staleness"] == step - first
+    assert line["token_staleness_mean"] == pytest.approx(step - sum(got.versions) / 10)
+    rec = next(r for r in records if r["step"] == step + 1)
+    assert rec["tokens/trained"] == 10 and rec["len/trained_mean"] == 10.0
+    assert rec["lineage/updates_spanned_mean"] == last - first and rec["lineage/interrupted_frac"] == 1.0
+    assert rec["staleness/token_mean"] == pytest.approx(step - sum(got.versions) / 10)
+    assert all(r["dropped/samples"] == 0 and r["dropped/tokens"] == 0 for r in records if "samples" in r)
+    others = [ln for ln in lines if ln["sample_id"] != "1-0"]
+    assert others and not any(ln["interrupted"] for ln in others)  # 1 s samples ran between two updates
+
+
+class WeighingTrainer(FakeTrainer):
+    """Reports a per-sample behaviour weight as a real trainer does (here: the sample's length, to tell them apart)."""
+
+    async def train_step(self, batch: TrainBatch) -> Any:
+        r = await super().train_step(batch)
+        return msgspec.structs.replace(r, sample_iw=[float(len(s.response_ids)) for s in batch.samples])
+
+
+def test_samples_jsonl_carries_each_trained_samples_importance_ratio() -> None:
+    cfg = config(run={"steps": 3}, rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 6},
+                 log={"samples_per_step": 6})
+    lines: list[dict[str, Any]] = []
+    run(Controller(cfg, TOK, FakeSuite(), [FakeEngine("e0")], WeighingTrainer(), on_samples=lines.extend))
+    train = [ln for ln in lines if ln["kind"] == "train"]
+    assert len(train) == 18
+    assert all(ln["importance_ratio"] == float(ln["response_tokens"]) for ln in train)
+    # a trainer that does not report it: null, not a made-up number
+    lines.clear()
+    run(Controller(cfg, TOK, FakeSuite(), [FakeEngine("e0")], FakeTrainer(), on_samples=lines.extend))
+    assert all(ln["importance_ratio"] is None for ln in lines if ln["kind"] == "train")

@@ -91,6 +91,14 @@ def test_render_queues_staleness_and_times() -> None:
     assert "5.87e-05" in line_with(render_text(make_snapshot(lr=5.87e-5)), "lr ")
 
 
+def test_render_shows_the_last_batch_lineage() -> None:
+    text = render_text(make_snapshot(trained_tokens=4096, trained_len_mean=128.0, dropped_samples=3, dropped_tokens=900,
+                                     updates_spanned_mean=0.25, interrupted_frac=0.125))
+    assert "4096 / 128.0" in line_with(text, "trained tokens / length")
+    assert "3 / 900" in line_with(text, "dropped samples / tokens")
+    assert "0.25 / 12%" in line_with(text, "updates spanned / interrupted")
+
+
 def test_render_learning_curves_show_latest_and_first() -> None:
     text = render_text(make_snapshot())
     reward = line_with(text, "reward ")

@@ -102,7 +102,8 @@ def test_engine_and_trainer_group_train_and_sync(tmp_path: Path) -> None:
     steps = [r for r in records if r.get("step", 0) >= 1 and "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["staleness/max"] <= 1
+        # the default mode (scheduler.stale = partial): nothing dropped, its bound held (core/staleness.py)
+        assert r["dropped/samples"] == 0 and "count/stale/over_bound_groups" not in r
         # 2 prompts x 4 samples, each rewarded 0 or 1 by the exact verifier
         assert r["samples"] == 8 and r["reward/mean"] * 8 == pytest.approx(round(r["reward/mean"] * 8))
         assert r["time/weight_sync_s"] > 0

@@ -27,7 +27,8 @@ from flashrl.sim.fake import (
 )
 from flashrl.wire.protocol import TrainBatch, TrainResult, WeightManifest
 
-# The keys of the dict-built records before typed records (main at 313dd95, the same run as below).
+# The keys of the dict-built records before typed records (main at 313dd95, the same run as below), plus the
+# lineage keys after response_len/mean (tokens/trained ... lineage/interrupted_frac).
 EVAL_ONLY = ["step", "version", "eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean",
              "time/eval_s"]
 TRAINED = [
@@ -35,7 +36,8 @@ TRAINED = [
     "train/staleness/max", "step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s",
     "time/train_s", "time/weight_sync_s", "time/elapsed_s", "samples", "samples_per_s", "tokens_per_s",
     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "turns/mean",
-    "response_len/mean", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
+    "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens", "staleness/token_mean",
+    "lineage/updates_spanned_mean", "lineage/interrupted_frac", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
     "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/quiesce_s", "time/sync/wait_s",
     "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s",
 ]
@@ -123,7 +125,8 @@ def test_every_optional_part_has_its_key() -> None:
         "loss", "train/time/checkpoint_s", "step", "version", "reward/mean", "staleness/mean", "staleness/max",
         "time/step_s", "time/train_s", "time/weight_sync_s", "time/elapsed_s", "samples", "samples_per_s",
         "tokens_per_s", "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s",
-        "turns/mean", "response_len/mean", "count/checkpoint/failed", "env/delay_s", "prompt_uids",
+        "turns/mean", "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
+        "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "count/checkpoint/failed", "env/delay_s", "prompt_uids",
         "time/sync/quiesce_s", "time/sync/engine/load_s", "engine/stepping", "engine/commands", "engine/busy",
         "time/checkpoint_s", "eval/accuracy", "eval/reward_mean",
         "time/eval_s", "mem/total_gib",

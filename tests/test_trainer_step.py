@@ -6,8 +6,10 @@ collectives, checkpoints and the weight sync). These tests never call init_proce
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -228,3 +230,21 @@ def test_samples_with_zero_advantage_are_left_out_with_the_same_update(model_pat
     assert sum(rows_skip) < sum(rows_full) / 2, (rows_skip, rows_full)
     _, rows_ent, _, _ = run(True, entropy_coef=0.01)
     assert sum(rows_ent) == sum(rows_full)
+
+
+def test_each_sample_reports_its_mean_behaviour_weight(model_path: Path) -> None:
+    """TrainResult.sample_iw: per sample, mean over its generated tokens of pi_prox / pi_behav, with the
+    engine's logprobs exactly the model's (1.0) or each token's 0.5 lower (e^0.5), in batch order, also
+    across mini-batches (the proximal pass) and whatever filter_ties masks."""
+    torch.manual_seed(0)
+    t = PolicyTrainer(_cfg(mini_batches=2), _model(model_path), torch.device("cpu"))
+    base = _batch(0)
+    samples = []
+    for k, s in enumerate(base.samples):
+        own = t.compute_logprobs(s.prompt_ids, s.response_ids)  # the trainer's own (temperature 0.7) logprobs
+        shift = 0.5 if k % 3 == 0 else 0.0
+        samples.append(msgspec.structs.replace(s, behav_logp=[x - shift for x in own]))
+    r = t.train_step(TrainBatch(step=0, samples=samples))
+    assert r is not None and len(r.sample_iw) == len(samples)
+    for k, w in enumerate(r.sample_iw):
+        assert w == pytest.approx(math.exp(0.5) if k % 3 == 0 else 1.0, rel=1e-3), k
