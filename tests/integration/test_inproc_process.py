@@ -2,7 +2,8 @@
 tests/integration/test_engine_process.py): requests finish after their steps, commands land between steps, a raising step
 fails everything waiting, a halted engine never steps again.
 
-The tests here start real processes or open sockets; the unit tests (none of either) are tests/unit/test_inproc.py."""
+Here the pause/abort tests: an abort answers with vLLM's FinishReason, and importing vLLM starts processes
+(platform and cpuinfo probes run `uname` and `file`); the unit tests (none of either) are tests/unit/test_inproc.py."""
 
 from __future__ import annotations
 
