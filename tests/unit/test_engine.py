@@ -1,4 +1,4 @@
-"""The engine process: options, load accounting, the ZeroMQ boundary, and (slow) a real vLLM engine.
+"""The engine process, the parts that need no process: options, the spec it reads, load accounting.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_engine_process.py."""
 

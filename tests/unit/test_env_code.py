@@ -1,4 +1,4 @@
-"""envs/code.py: reward = fraction of tests passed, answers run in the sandbox.
+"""envs/code.py, the parts that run no sandbox: extracting and grading an answer's code.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_env_code_process.py."""
 

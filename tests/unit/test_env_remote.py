@@ -1,4 +1,4 @@
-"""envs/remote.py: envs in worker processes; dead and hung workers are replaced; no pickle.
+"""envs/remote.py, the parts that need no worker process: its messages cross the wire intact, without pickle.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_env_remote_process.py."""
 

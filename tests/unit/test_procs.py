@@ -1,4 +1,4 @@
-"""procs.py: the one child-process supervisor, with real processes (fast: plain python children).
+"""procs.py, the parts that need no child process: the paused-gc helper.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_procs_process.py."""
 

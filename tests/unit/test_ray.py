@@ -1,5 +1,4 @@
-"""The Ray launcher on Ray's own multi-node test cluster (ray.cluster_utils.Cluster: two raylets on this
-machine with different resources, so placement across "nodes" is real):
+"""The Ray launcher, the parts that need no Ray cluster: bundles, requests and config errors.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_ray_process.py."""
 

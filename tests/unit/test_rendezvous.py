@@ -1,4 +1,4 @@
-"""flashrl/wire/rendezvous.py: torch.distributed stores and gloo sockets listen on the master address only.
+"""flashrl/wire/rendezvous.py, the parts that need no socket: which addresses are loopback.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_rendezvous_process.py."""
 

@@ -1,5 +1,5 @@
-"""Rewards by name or reference (flashrl/rewards.py): built-ins, user functions (sync, async, by file or
-module), where they run (loop, threads, worker processes), and failures that are never a 0.
+"""Rewards by name or reference (flashrl/rewards.py), the parts that run in this process: built-ins, user
+functions by file, result coercion, and the errors of bad references.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_rewards_process.py."""
 

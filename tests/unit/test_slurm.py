@@ -1,7 +1,6 @@
-"""The SLURM launcher (issue 11, item 3): host lists, the layout and its errors, the rendered script
-(snapshot), `flashrl run --launcher slurm` (dry run, no sbatch), and the node agent with the controller's
-SlurmLauncher over real CURVE sockets and real processes. The 2-node run of the embedded default from
-the script's own per-node commands is in tests/integration/test_slurm_run.py (slow).
+"""The SLURM launcher (issue 11, item 3), the parts that need no process: host lists, the layout and its
+errors, the rendered script (snapshot). The 2-node run of the embedded default from the script's own
+per-node commands is tests/integration/test_slurm_run.py (slow).
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_slurm_process.py."""
 

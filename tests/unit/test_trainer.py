@@ -1,4 +1,4 @@
-"""The trainer: FSDP2 ranks on gloo with the built-in tiny model.
+"""The trainer, the parts that need no process group: how samples are dealt to ranks, mini- and micro-batches.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_trainer_process.py."""
 

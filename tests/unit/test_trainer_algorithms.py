@@ -1,4 +1,4 @@
-"""Every policy loss, AsyPPO mini-critics and attention-rhythm credit through the real trainer.
+"""The policy losses, the parts that need no process group: the loss list is the config's literal.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_trainer_algorithms_process.py."""
 

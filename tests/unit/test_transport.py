@@ -1,4 +1,4 @@
-"""ZeroMQ channels over real loopback sockets: multiplexing, errors, malformed frames, dead peers.
+"""ZeroMQ channels, the parts that need no socket: off loopback a channel needs CURVE.
 
 The unit tests (no process, no socket); those that start real processes or open sockets are tests/integration/test_transport_process.py."""
 
