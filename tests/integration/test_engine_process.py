@@ -32,7 +32,7 @@ from flashrl.wire.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Gen
 from flashrl.wire.transport import PeerDead, RemoteError, RpcClient, RpcServer, free_port
 from flashrl.wire.weights import build_manifest
 
-# --------------------------------------------------------------------------- unit
+# --------------------------------------------------------------------------- over loopback ZeroMQ, no engine
 
 
 def test_the_stat_logger_feeds_the_meter_and_replaces_vllms_prometheus_logger() -> None:
