@@ -44,17 +44,6 @@ setup = ["module load cuda/12.4"]
 """
 
 
-# ---------------------------------------------------------------------------- (c) host lists
-@pytest.mark.parametrize(("spec", "hosts"), [
-    ("node01", ["node01"]),
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("a[8-11]", ["a8", "a9", "a10", "a11"]),
-    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
-    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
-    ("gpu-[1,3]-ib,login", ["gpu-1-ib", "gpu-3-ib", "login"]),
-    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
-    ("", []),
-])
 def cfg_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> Config:
     p = tmp_path / "c.toml"
     p.write_text(text)
@@ -76,6 +65,17 @@ def _agent_cfg(tmp_path: Path, port: int, nodes: int = 2, extra: list[str] | Non
     ])
 
 
+# ---------------------------------------------------------------------------- (c) host lists
+@pytest.mark.parametrize(("spec", "hosts"), [
+    ("node01", ["node01"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),
+    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
+    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+    ("gpu-[1,3]-ib,login", ["gpu-1-ib", "gpu-3-ib", "login"]),
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+    ("", []),
+])
 def test_hostlist_expands(spec: str, hosts: list[str]) -> None:
     assert slurm_job.expand_hostlist(spec) == hosts
 
