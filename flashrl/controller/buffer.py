@@ -8,7 +8,7 @@
                               drop(): unfillable group, or all rewards tied (filter_ties)  ──> TRAINED / DROPPED
                                                                                             (slot freed)
 
-Invariants (each is checked where it can break; tests/test_buffer.py exercises them):
+Invariants (each is checked where it can break; tests/unit/test_buffer.py exercises them):
 
 The staleness rule itself (capacity, fresh, the step still to come) is flashrl/core/staleness.py's;
 the buffer applies it, sharing the run's one ``Staleness`` object with the rollouts' early abort.
