@@ -223,6 +223,12 @@ class FakeTrainer:
         return WeightManifest(version=version)
 
     async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        # like the real trainer (trainer/worker.py claim_send): only the version just prepared, or the
+        # one sent last (a restarted engine's catch-up); a prepared one that a later prepare replaced is gone
+        last = self.prepared[-1] if self.prepared else None
+        if version != last and (not self.sent or version != self.sent[-1]):
+            raise RuntimeError(f"SendWeights({version}): prepared {last}, last sent "
+                               f"{self.sent[-1] if self.sent else None}; send PrepareWeights({version}) first")
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
 
