@@ -527,9 +527,13 @@ class Controller:
         run() has ended, the clock stops at its end, so they read as they were at the end.
         """
         now = self._clock()
-        return self.ledger.snapshot(now=now, elapsed=max(now - self._t0, 0.0), version=self.version, status=self.status,
+        snap = self.ledger.snapshot(now=now, elapsed=max(now - self._t0, 0.0), version=self.version, status=self.status,
                                     engines=self.engines, engine_versions=self.engine_versions, router=self.router,
                                     buffer=self.buffer, last_sync_s=self.publisher.last_sync_s)
+        if self._ran:  # the evals exist once run() started
+            snap.eval_s, snap.eval_trainer_wait_s = self.evals.total_s, self.evals.trainer_wait_s
+            snap.eval_gen_wait_s, snap.eval_running = self.evals.gen_wait_s, self.evals.running
+        return snap
 
 
 def _leaves(e: BaseException) -> list[BaseException]:
