@@ -774,6 +774,19 @@ def test_an_eval_longer_than_the_staleness_bound_makes_the_trainer_wait_and_says
     assert first["time/eval/gen_wait_s"] > 0.0 and summary.eval_gen_wait_s >= first["time/eval/gen_wait_s"]
 
 
+@pytest.mark.parametrize("eval_s", [1.1 + 0.05 * k for k in range(30)])
+def test_an_eval_ending_during_a_prepare_does_not_send_the_version_it_replaces(eval_s: float) -> None:
+    """The eval may end while the train loop prepares the version that supersedes the deferred one:
+    the deferred one must not be sent then (the trainer no longer holds it: SendWeights would fail)."""
+    cfg = config(run={"steps": 6, "eval_every": 0}, rollout={"group_size": 2, "batch_prompts": 2},
+                 scheduler={"async_ratio": 2})
+    engines = [FakeEngine("e0", lambda r, v: ([ord("1")] * 3, eval_s if r.request_id.startswith("eval") else 0.2))]
+    trainer = FakeTrainer(train_s=1.0, sync_s=0.05, prepare_s=0.1)
+    summary, left = run(Controller(cfg, TOK, ScriptedSuite(n_eval=1), engines, trainer))
+    assert left == set() and summary.steps == 6
+    assert trainer.sent == engines[0].updates and trainer.sent[-1] == 6
+
+
 def test_evals_closer_than_one_eval_queue_and_each_sees_one_version() -> None:
     """eval_every 1 with evals of 2.5 s (> a step): each eval waits for the one before; the version it
     evaluates is pinned (never skipped) and every one of its tokens is from that version."""

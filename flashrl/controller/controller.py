@@ -381,9 +381,9 @@ class Controller:
                         not self._older_eval() or self.version - checkpoint_due > self.staleness.async_ratio):
                     checkpoint_due = None
                     await self._checkpoint(held)  # its time shows in the next step's time/step_s
-            # The last weights reach the engines before the end (eval, checkpoint). Ctrl-C / SIGTERM: no
-            # final eval, but a running one ends first (a record of older weights than the checkpoint's
-            # could not wait in it); a step record still waiting for its eval goes into the checkpoint.
+            # Every eval started ends, and the last weights reach the engines, before the end (the final
+            # eval, the checkpoint). Ctrl-C / SIGTERM: no final eval, but a running one ends first: its
+            # record, of older weights than the checkpoint's, could not wait in it (ledger.state).
             if stop == "interrupted":
                 if held is not None:
                     self.publisher.release(held)

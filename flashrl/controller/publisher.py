@@ -28,7 +28,8 @@ runs, no newer version is loaded, so every eval token is from v, and the train l
         replaces it); its batch frees its slots, and its record goes out, with u+1's sync
         (``time/sync/skipped`` = 1: no sync of its own; counted as ``weight_sync/skipped_versions``)
     unhold(v) ──> the deferred version's sync starts at once: one sync to the newest prepared
-        weights, like a restarted engine's catch-up (supervisor.py)
+        weights, like a restarted engine's catch-up (supervisor.py); during a prepare (which
+        replaces the deferred version in the trainer) the prepared one goes instead, from start()
 
 A deferred version that a queued eval will evaluate (``hold`` of a version not yet loaded: evals
 closer together than one eval's time) is pinned: never superseded, so ``wait()`` waits for it
@@ -122,6 +123,7 @@ class WeightPublisher:
         # versions held for evals, oldest first: [0] is loaded and being evaluated, the rest queued
         self._holds: deque[int] = deque()
         self._synced = asyncio.Event()  # set (and replaced) after each finished broadcast
+        self._preparing = False  # a PrepareWeights is in flight (the trainer no longer holds the deferred version)
 
     @property
     def holds(self) -> tuple[int, ...]:
@@ -138,7 +140,11 @@ class WeightPublisher:
         """The trainer's gather + pack + checksums of ``version`` (``prepare_s``: the round trip;
         ``trainer/*``: its parts). The previous sync must be done (the trainer refuses otherwise)."""
         t0 = self._clock()
-        manifest = await self.trainer.prepare_weights(version)
+        self._preparing = True  # the deferred version is being replaced: unhold must not send it now
+        try:
+            manifest = await self.trainer.prepare_weights(version)
+        finally:
+            self._preparing = False
         phases = {"prepare_s": self._clock() - t0}
         phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
         return msgspec.structs.replace(manifest, timings={}), phases  # engines need no trainer timings
@@ -209,7 +215,8 @@ class WeightPublisher:
         assert self._holds and self._holds[0] == version, (version, list(self._holds))
         self._holds.popleft()
         p = self.pending
-        if p is not None and p.deferred:
+        # a prepare in flight replaces the deferred version: start() sends the new one, at once
+        if p is not None and p.deferred and not self._preparing:
             self._spawn_sync(p)
 
     async def loaded(self, version: int) -> None:
