@@ -9,7 +9,9 @@ For each eval_every (0 = off: only step 0 and the final eval) it runs
 one), then reads the run's metrics.jsonl and prints one table row per run:
 
     step_s          mean time/step_s after WARMUP steps (the trainer's wall clock per step)
-    eval_s          the evals' wall time, summed (time/eval_s)
+    train_s         mean time/train_s (the trainer's own step: how loaded the machine was)
+    evals           the evals' wall time summed (time/eval_s), per eval, and their mean share of the
+                    tokens generated while they ran (eval/engine_share; newer trees)
     trainer_wait_s  what the train loop waited for evals: time/eval_wait_s (this tree) or
                     time/sync/quiesce_s (before evals ran off the training path), summed over steps
     gen_wait_s      seconds training generation sat idle while an eval ran (time/eval/gen_wait_s; newer trees)
@@ -62,6 +64,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "to80_wall_s": wall.get(to80[0], 0.0) if to80 else None,
         "to80_train_s": train_clock.get(to80[0], 0.0) if to80 else None,
         "final_acc": evals[-1][1] if evals else None,
+        "eval_mean_s": statistics.fmean(float(r["time/eval_s"]) for r in records if "time/eval_s" in r)
+        if any("time/eval_s" in r for r in records) else None,
+        "engine_share": statistics.fmean(float(r["eval/engine_share"]) for r in records if "eval/engine_share" in r)
+        if any("eval/engine_share" in r for r in records) else None,
+        "train_s": statistics.fmean(float(r["time/train_s"]) for r in steps) if steps else None,
     }
 
 
@@ -70,12 +77,14 @@ def fmt(v: Any, spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| run | eval_every | steps | step_s | eval_s (sum) | trainer wait s (% wall) | gen wait s | wall s | "
-           "80% at step | 80% wall s | 80% train s | final acc |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| run | eval_every | steps | step_s | train_s | evals: sum s / mean s / engine share | trainer wait s (% wall) | "
+           "gen wait s | wall s | 80% at step | 80% wall s | 80% train s | final acc |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = 100 * r["trainer_wait_s"] / r["wall_s"] if r["wall_s"] else 0.0
-        out.append(f"| {r['label']} | {r['every']} | {r['steps']} | {fmt(r['step_s'], '.3f')} | {r['eval_s']:.1f} | "
+        evals = f"{r['eval_s']:.1f} / {fmt(r.get('eval_mean_s'), '.2f')} / {fmt(r.get('engine_share'), '.2f')}"
+        out.append(f"| {r['label']} | {r['every']} | {r['steps']} | {fmt(r['step_s'], '.3f')} | "
+                   f"{fmt(r.get('train_s'), '.3f')} | {evals} | "
                    f"{r['trainer_wait_s']:.2f} ({share:.1f}%) | {r['gen_wait_s']:.2f} | {fmt(r['wall_s'], '.1f')} | "
                    f"{fmt(r['to80_step'], 'd')} | {fmt(r['to80_wall_s'], '.1f')} | {fmt(r['to80_train_s'], '.1f')} | "
                    f"{fmt(r['final_acc'], '.3f')} |")
@@ -92,7 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="after")
     ap.add_argument("--set", action="append", default=[], help="more config overrides, KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run, at most")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: one row per run folder already in --out (<label>-every<E>/metrics.jsonl)")
     args = ap.parse_args(argv)
+    if args.collect:
+        rows = []
+        for m in sorted(Path(args.out).glob("*-every*/metrics.jsonl")):
+            label, _, every = m.parent.name.rpartition("-every")
+            records = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+            rows.append({"label": label, "every": int(every), **summarize(records)})
+        rows.sort(key=lambda r: (r["every"] == 0, r["every"], r["label"]))
+        print(json.dumps(rows, indent=1) if args.label == "json" else table(rows))
+        return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tree = Path(args.tree).resolve()
