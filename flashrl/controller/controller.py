@@ -299,11 +299,12 @@ class Controller:
                 g = b.admit(uid, task, loop.time())
                 self._launch(g, g.need)
             # no training rollout generating while an eval runs: generation waits for the eval's end
-            idle = b.generating == 0 and self.evals.running
-            t0 = loop.time()
-            await b.changed()
-            if idle:
-                self.evals.charge_generation(loop.time() - t0)
+            if b.generating == 0 and self.evals.running:
+                self.evals.generation_idle()
+            try:
+                await b.changed()
+            finally:
+                self.evals.generation_resumed()
 
     def _launch(self, g: Group, need: int) -> None:
         extra = self.cfg.rollout.redundancy

@@ -73,6 +73,7 @@ class Evals:
         self.gen_wait_s = 0.0
         self._blocked_since: float | None = None  # the train loop waits for the running eval since then
         self._blocked_acc = 0.0  # seconds of the current wait charged so far
+        self._idle_since: float | None = None  # no training rollout generating, during an eval, since then
 
     def start(self, record: StepRecord, version: int) -> None:
         """Evaluate ``version`` into ``record`` (no held-out tasks: the record goes out as it is)."""
@@ -119,8 +120,19 @@ class Evals:
         self.trainer_wait_s += seconds
         self._blocked_acc += seconds
 
-    def charge_generation(self, seconds: float) -> None:
-        """No training rollout was generating for ``seconds`` while the running eval ran."""
+    def generation_idle(self) -> None:
+        """No training rollout is generating while an eval runs (the admission loop waits from now)."""
+        self._idle_since = self._clock()
+
+    def generation_resumed(self) -> None:
+        """The admission loop's wait ended: its idle seconds up to now (or the eval's end) are charged."""
+        self._charge_idle()
+
+    def _charge_idle(self) -> None:
+        if self._idle_since is None:
+            return
+        seconds = self._clock() - self._idle_since
+        self._idle_since = None
         if self._running is not None:
             self._running.gen_wait_s += seconds
         self.gen_wait_s += seconds
@@ -158,6 +170,7 @@ class Evals:
         ev.eval_s = self._clock() - t0
         self.total_s += ev.eval_s
         self._charge_blocked()  # a wait of the train loop for this eval ends here
+        self._charge_idle()  # so does idle generation because of it
         self._running = None
         record.eval = ev
         self.ledger.emit(record)
