@@ -130,6 +130,15 @@ def format_plain(s: Snapshot) -> str:
 # the rich view (pure)
 
 
+def eval_cost_text(s: Snapshot) -> tuple[str, str, str]:
+    """What the held-out evals cost so far: ``4 in 1.2s`` (+ `` running`` while one runs); what the train
+    loop waited for them, ``0.05s (0.4%)`` (of the elapsed time); how long no training rollout was
+    generating while one ran, ``0.01s``."""
+    share = s.eval_trainer_wait_s / s.elapsed_s if s.elapsed_s > 0 else 0.0
+    evals = f"{len(s.eval_history)} in {s.eval_s:.1f}s" + (" running" if s.eval_running else "")
+    return evals, f"{s.eval_trainer_wait_s:.2f}s ({share:.1%})", f"{s.eval_gen_wait_s:.2f}s"
+
+
 def _header(s: Snapshot) -> Text:
     t = Text()
     t.append(s.run_name or "flashrl", style="bold")
@@ -176,6 +185,11 @@ def _pipeline_table(s: Snapshot) -> Table:
     table.add_row("updates spanned / interrupted", f"{s.updates_spanned_mean:.2f} / {s.interrupted_frac:.0%}")
     table.add_row("step time", f"{s.step_s:.2f}s")
     table.add_row("weight sync", f"{s.weight_sync_s:.2f}s")
+    if s.eval_history or s.eval_running:
+        evals, wait, idle = eval_cost_text(s)
+        table.add_row("evals", evals)
+        table.add_row("eval: trainer wait", wait)
+        table.add_row("eval: gen idle", idle)
     if s.lr is not None:
         table.add_row("lr", f"{s.lr:.2e}")
     if s.mismatch_kl is not None:

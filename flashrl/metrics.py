@@ -75,6 +75,12 @@ class Snapshot(msgspec.Struct, kw_only=True):
     counters: dict[str, int] = {}
     status: str = "starting"
     resumed_from: int | None = None  # the checkpoint step this run resumed from
+    # what the held-out evals cost so far (controller/evals.py): their wall time, summed; what the train loop
+    # waited because of them; how long no training rollout was generating while one ran; one running now
+    eval_s: float = 0.0
+    eval_trainer_wait_s: float = 0.0
+    eval_gen_wait_s: float = 0.0
+    eval_running: bool = False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ Where the numbers come from (all in the run's own records; nothing is estimated)
   ``step_time_s`` (the whole step inside the trainer); ``time/train/transport_s`` (the request's trip:
   controller encode, ZeroMQ, fan-out, decode, reply); the sync's parts ``time/sync/*`` (trainer gather
   and pack + checksums, the round trip, the broadcast until every engine answered, and the slowest
-  engine's pause, receive, verify, load, rpc, resume); ``time/sync/quiesce_s`` (waiting for an eval's
-  in-flight tokens before a sync); ``time/sync/wait_s`` (waiting for a weight sync: with
+  engine's pause, receive, verify, load, rpc, resume); ``time/eval_wait_s`` (what the step waited for
+  held-out evals; ``time/sync/quiesce_s`` in runs from before evals ran off the training path);
+  ``time/sync/wait_s`` (waiting for a weight sync: with
   weight_sync.overlap the broadcast and loads run beside the next step's training and only what is
   left of them when that step is done is on the path; serial, all of them).
 - CPU per process (``cpu``): every 0.5 s this bench reads the user + system CPU time of every process
@@ -59,7 +60,8 @@ ROWS: list[tuple[str, str]] = [
     ("      metric reductions", "time/trainer/metrics_s"),
     ("      critics", "time/trainer/critics_s"),
     ("      other", "derived/trainer_other_s"),
-    ("  eval quiesce", "time/sync/quiesce_s"),
+    ("  waiting for held-out evals", "time/eval_wait_s"),
+    ("  eval quiesce (runs before evals left the training path)", "time/sync/quiesce_s"),
     ("  waiting for a weight sync (on the step's path)", "time/sync/wait_s"),
     ("  weight sync (beside the next step when weight_sync.overlap)", "time/weight_sync_s"),
     ("    prepare call", "time/sync/prepare_s"),
@@ -91,7 +93,7 @@ def _derived(r: dict[str, Any]) -> dict[str, float]:
     out = dict(r)
     if "time/step_s" in r and "time/train_s" in r:
         out["derived/wait_s"] = max(0.0, r["time/step_s"] - r["time/train_s"] - sync_on_path(r)
-                                    - r.get("time/sync/quiesce_s", 0.0))
+                                    - r.get("time/sync/quiesce_s", 0.0) - r.get("time/eval_wait_s", 0.0))
     if "step_time_s" in r and any(k in r for k in TRAINER_PHASES):
         out["derived/trainer_other_s"] = max(0.0, r["step_time_s"] - sum(r.get(k, 0.0) for k in TRAINER_PHASES))
     return out

@@ -13,12 +13,13 @@ loops and shutdown; each other job is a part of its own, wired here:
                                            |   v
     train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task (stale = drop)
       waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating),
-             the trainer, the eval of the current weights, the last sync
+             the trainer, the last sync (never for an eval: evals.py)
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
          multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
          rollout.py), instead of letting them finish
       1. trainer.train_step(batch)  (beside it: the sync of version v, started by the previous step)
-      2. wait for that sync (time/sync/wait_s; its error raises here), and for a running eval
+      2. wait for that sync (time/sync/wait_s; its error raises here; a version an eval holds back
+         is not waited for: publisher.py)
       3. manifest = publisher.prepare(v+1)  (gather + pack: it reads the weights before the next
          step changes them)
       4. version = v+1; publisher.start(v+1): the sync runs as a task of the group
@@ -26,11 +27,13 @@ loops and shutdown; each other job is a part of its own, wired here:
          engine holds v+1, buffer.mark_trained(batch) frees the batch's admission slots (the
          staleness bound; a prompt admitted into them generates with v+1)
       5. the step's record goes out (ledger.emit -> on_step) once its sync is done; an eval starts
-         when due (step 0, every run.eval_every, the end)
+         when due (step 0, every run.eval_every, the end): it holds the engines at its version while
+         the trainer goes on (evals.py; what the loop waited because of it: time/eval_wait_s)
     watch task: supervisor.watch (engines reported dead, a dead trainer rank)
 
 Checkpoints (``checkpoints=`` a checkpoint.CheckpointWriter): after every run.checkpoint_every-th
-step, at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
+step (postponed while an eval of older weights runs, by at most async_ratio + 1 steps, then waiting
+for it), at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
 batch being waited for is given up), the train loop writes the ledger's state + the trainer's DCP
 state, after the running sync; a failed write is logged and counted (``checkpoint/failed``) and
 training goes on. ``resume=`` a ControllerState continues a run: same version, counters and
@@ -164,6 +167,7 @@ class Controller:
         # Checkpoints (flashrl/checkpoint.py): a CheckpointWriter, or None (no checkpoints: tests, bench).
         self.checkpoints = checkpoints
         self._stop_requested = False
+        self._eval_wait = 0.0  # what the loop waited because of evals since the last step (time/eval_wait_s)
         if resume is not None:
             self._restore(resume)
 
@@ -237,11 +241,15 @@ class Controller:
             await self._close_suite()
         self.status = "done"
         checkpoints = self.checkpoints
-        return self.ledger.summary(
+        summary = self.ledger.summary(
             version=self.version, elapsed=self._clock() - self._t0, stop=stop,  # the clock stopped at the run's end
             checkpoints=checkpoints.saved if checkpoints is not None else 0,
             checkpoint_s=checkpoints.seconds if checkpoints is not None else 0.0,
         )
+        summary.eval_s = self.evals.total_s
+        summary.eval_trainer_wait_s = self.evals.trainer_wait_s
+        summary.eval_gen_wait_s = self.evals.gen_wait_s
+        return summary
 
     async def _close_suite(self) -> None:
         """``await suite.aclose()`` when the suite has one (flashrl.env.Closable): shielded and bounded, never
@@ -292,7 +300,13 @@ class Controller:
                 uid, task = self.stream.next()
                 g = b.admit(uid, task, loop.time())
                 self._launch(g, g.need)
-            await b.changed()
+            # no training rollout generating while an eval runs: generation waits for the eval's end
+            if b.generating == 0 and self.evals.running:
+                self.evals.generation_idle()
+            try:
+                await b.changed()
+            finally:
+                self.evals.generation_resumed()
 
     def _launch(self, g: Group, need: int) -> None:
         extra = self.cfg.rollout.redundancy
@@ -339,6 +353,7 @@ class Controller:
         # A step record without an eval, held (only when a deadline is set) until the next batch is
         # in hand: should the deadline come first, the final eval goes into it, not into a 2nd line.
         held: StepRecord | None = None
+        checkpoint_due: int | None = None  # the step a checkpoint is postponed from (an eval was running)
         try:
             for s in range(self.version, cfg.run.steps):
                 batch = None if self._stop_requested else await self._next_batch(s, deadline)
@@ -348,7 +363,8 @@ class Controller:
                 if held is not None:
                     self.publisher.release(held)
                     held = None
-                record = await self._train_step(s, batch, last_end)
+                eval_wait, self._eval_wait = self._eval_wait, 0.0
+                record = await self._train_step(s, batch, last_end, eval_wait)
                 last_end = now = self._clock()
                 final = s + 1 == cfg.run.steps or now >= deadline
                 if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
@@ -361,21 +377,26 @@ class Controller:
                     stop = "max_time"
                     break
                 if every and self.version % every == 0 and not final and not self._stop_requested:
+                    checkpoint_due = self.version
+                # An eval of older weights than a checkpoint's cannot wait in it (ledger.state: a resumed
+                # run evaluates its own weights): the checkpoint is postponed while one runs, not for long.
+                if checkpoint_due is not None and (
+                        not self._older_eval() or self.version - checkpoint_due > self.staleness.async_ratio):
+                    checkpoint_due = None
                     await self._checkpoint(held)  # its time shows in the next step's time/step_s
-            await self.publisher.wait()  # the last weights reach the engines before the end (eval, checkpoint)
+            # Every eval started ends, and the last weights reach the engines, before the end (the final
+            # eval, the checkpoint). Ctrl-C / SIGTERM: no final eval, but a running one ends first: its
+            # record, of older weights than the checkpoint's, could not wait in it (ledger.state).
             if stop == "interrupted":
-                # Ctrl-C / SIGTERM: no final eval. A step record still waiting for its eval goes into
-                # the checkpoint; the resumed run evaluates those same weights and writes it then.
                 if held is not None:
                     self.publisher.release(held)
                     held = None
-            else:
-                if held is not None:
-                    # Stopped by max_time while waiting for a batch: evaluate the final weights, in the
-                    # record of the step that made them.
-                    self.evals.start(held, self.version)
-                    held = None
-                await self.evals.quiesce()
+            elif held is not None:
+                # Stopped by max_time while waiting for a batch: evaluate the final weights, in the
+                # record of the step that made them.
+                self.evals.start(held, self.version)
+                held = None
+            await self._drain()
             await self._checkpoint(None)
         finally:
             if held is not None:  # crashed or cancelled while waiting: the step still gets its line
@@ -391,7 +412,16 @@ class Controller:
         self._stop_requested = True
         self.buffer.wake()
 
-    async def _train_step(self, s: int, batch: list[Group], last_end: float) -> StepRecord:
+    def _older_eval(self) -> bool:
+        """Whether an eval of older weights than the trainer's runs (or waits to)."""
+        return any(v < self.version for v in self.publisher.holds)
+
+    async def _drain(self) -> None:
+        """Wait for every eval started and then for the newest version on the engines."""
+        await self.evals.quiesce()
+        await self.publisher.flush()
+
+    async def _train_step(self, s: int, batch: list[Group], last_end: float, eval_wait_s: float) -> StepRecord:
         """Train ``batch`` as step ``s`` and start publishing version s+1; the step's record.
 
         weight_sync.overlap (default): the sync of s+1 (the broadcast and every engine's load) runs
@@ -403,9 +433,12 @@ class Controller:
         t0 = self._clock()
         result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
         train_s = self._clock() - t0
-        wait_s = await self.publisher.wait()  # version s on every engine (it ran beside this step's training)
-        tq = self._clock()
-        await self.evals.quiesce()  # eval tokens must all come from the weights being evaluated
+        p = self.publisher.pending
+        if p is not None and p.deferred and p.pinned:  # an eval due for it waits for the running one
+            self.evals.trainer_blocked()
+        # version s on every engine (it ran beside this step's training), unless an eval holds it back
+        wait_s = await self.publisher.wait()
+        eval_wait_s += self.evals.trainer_unblocked()
         t1 = self._clock()
         manifest, phases = await self.publisher.prepare(s + 1)
         # now, before rollouts are dispatched to a dead engine meanwhile
@@ -420,11 +453,16 @@ class Controller:
             iw = dict(zip((t.sample_id for t in samples), result.sample_iw))
             self.on_samples(self.ledger.train_lines(s + 1, batch, iw))
         record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
-                                         elapsed=self._clock() - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
+                                         elapsed=self._clock() - self._t0, sync={"wait_s": wait_s, **phases})
+        assert record.batch is not None
+        record.batch.eval_wait_s = eval_wait_s
         self.publisher.attach(pending, record)
         return record
 
     async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
+        """The batch of ``step`` (None: stopped or past the deadline). ``self._eval_wait``: the part of
+        the wait an eval caused: while the engines are held at a version too old for this step
+        (staleness.oldest(step) above it), no sample can be fresh before the eval ends."""
         try:
             async with asyncio.timeout_at(deadline if math.isfinite(deadline) else None):
                 while not self._stop_requested:
@@ -436,7 +474,13 @@ class Controller:
                         # cancel the rollouts this already makes too stale, rather than finish them.
                         self.ctx.abort_stale()
                         return batch
-                    await self.buffer.changed()
+                    held = self.publisher.held
+                    if held is not None and self.staleness.oldest(step) > held:
+                        self.evals.trainer_blocked()
+                    try:
+                        await self.buffer.changed()
+                    finally:
+                        self._eval_wait += self.evals.trainer_unblocked()
                 return None
         except TimeoutError:
             return None
@@ -447,7 +491,15 @@ class Controller:
         counted (``checkpoint/failed``) and survived: the previous checkpoint stays the latest."""
         if self.checkpoints is None or self.version == 0:
             return
-        await self.publisher.wait()  # a checkpoint's weights are the engines' too (a resumed run publishes them)
+        # A checkpoint's weights are the engines' too (a resumed run publishes them), and no eval of
+        # older weights runs (its record could not wait in the checkpoint: ledger.state); an eval of
+        # this version may (its record waits in the checkpoint, pending_eval).
+        if self._older_eval():
+            self.evals.trainer_blocked()
+            await self._drain()
+            self._eval_wait += self.evals.trainer_unblocked()  # an eval-caused wait of the next step
+        else:
+            await self.publisher.wait()
         state = self.state(held)
         status, self.status = self.status, f"checkpointing step {state.step}"
         try:
@@ -480,9 +532,13 @@ class Controller:
         run() has ended, the clock stops at its end, so they read as they were at the end.
         """
         now = self._clock()
-        return self.ledger.snapshot(now=now, elapsed=max(now - self._t0, 0.0), version=self.version, status=self.status,
+        snap = self.ledger.snapshot(now=now, elapsed=max(now - self._t0, 0.0), version=self.version, status=self.status,
                                     engines=self.engines, engine_versions=self.engine_versions, router=self.router,
                                     buffer=self.buffer, last_sync_s=self.publisher.last_sync_s)
+        if self._ran:  # the evals exist once run() started
+            snap.eval_s, snap.eval_trainer_wait_s = self.evals.total_s, self.evals.trainer_wait_s
+            snap.eval_gen_wait_s, snap.eval_running = self.evals.gen_wait_s, self.evals.running
+        return snap
 
 
 def _leaves(e: BaseException) -> list[BaseException]:

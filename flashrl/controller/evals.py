@@ -1,17 +1,30 @@
-"""Evals: one greedy rollout per held-out task, on exactly the weights of the version evaluated.
+"""Evals: one greedy rollout per held-out task, on exactly the weights of the version evaluated,
+off the training path: the trainer never waits for an eval while it has fresh samples to train.
 
-    train loop ──start(record, version)──> eval task in the run's task group (step 0, every
-                                           run.eval_every, the last step)
-      eval task: waits for the weight sync of ``version`` (publisher.wait) ──> one rollout per
-                 held-out task (rollout.run_group, need 1, rollout.eval_temperature), through the same
-                 Router as training rollouts ──> accuracy into the record ──> ledger.emit(record)
-    train loop ──quiesce()──> waits for a running eval before the next weight sync, a checkpoint
-                              and the end of the run
+    train loop ──start(record, version)──> publisher.hold(version) + eval task in the run's task group
+                                           (step 0, every run.eval_every, the last step)
+      eval task: waits for the eval before it (if any) and for ``version`` on every engine
+                 (publisher.loaded) ──> one rollout per held-out task (rollout.run_group, need 1,
+                 rollout.eval_temperature), through the same Router as training rollouts ──> accuracy
+                 and its cost into the record ──> ledger.emit(record) ──> publisher.unhold(version):
+                 the newest version the trainer made meanwhile loads at once (one sync)
+    train loop ──quiesce()──> waits for every eval started, only before a checkpoint and at the end
+
+Why the trainer need not wait: while the eval holds the engines at v, training rollouts go on
+generating with v (tagged v), and the trainer takes them for up to async_ratio steps beyond v (the
+staleness bound, core/staleness.py, unchanged); only past that does it wait, for samples of the
+version loaded when the eval ends. What an eval cost goes into its record (core/records.py
+EvalStats): ``eval_s`` its wall time, ``trainer_wait_s`` what the train loop waited because of it
+(a batch that could not be fresh before the eval ended, or a sync queued behind it),
+``gen_wait_s`` how long no training rollout was generating while it ran, and ``engine_share``
+its tokens' share of all tokens generated while it ran.
 
 Invariants: every eval token comes from the evaluated weights (the eval starts once every live
-engine holds ``version``, and the next sync waits for it to finish: ``quiesce``); at most one eval
-runs at a time; the record it completes is emitted exactly once, by the eval (``record`` names it
-while it runs, so a checkpoint written meanwhile stores it as pending). A failed eval rollout counts
+engine holds ``version``, and no newer version is loaded before it ends: publisher.hold; a token of
+another version is counted, ``eval/mixed_versions``, and logged as an error); evals run one at a
+time, in version order (one due while another runs waits for it, and its version is pinned in the
+publisher); the record an eval completes is emitted exactly once, by the eval (``record`` names the
+newest while it runs, so a checkpoint written meanwhile stores it as pending). A failed eval rollout counts
 as wrong (``eval/failed``). Eval rollouts use group ids ``-1 - task position`` (never a training
 uid: no staleness watch, seeds of their own) and their samples go to the eval's own list, never to
 the buffer.
@@ -20,6 +33,7 @@ the buffer.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -31,6 +45,8 @@ from flashrl.controller.types import Trajectory, metric_means
 from flashrl.core.records import EvalStats, StepRecord
 
 __all__ = ["Evals"]
+
+log = logging.getLogger(__name__)
 
 
 class Evals:
@@ -48,8 +64,16 @@ class Evals:
         self._clock = clock
         self._spawn = spawn
         self._on_samples = on_samples
-        self.record: StepRecord | None = None  # the record the running eval will complete
-        self._done: asyncio.Event | None = None
+        self.record: StepRecord | None = None  # the record the newest eval started will complete
+        self._done: asyncio.Event | None = None  # set when the newest eval started has ended
+        self._running: EvalStats | None = None  # the running eval's stats: its costs accumulate here
+        # the run's totals over every finished eval (the run summary's, the dashboard's)
+        self.total_s = 0.0
+        self.trainer_wait_s = 0.0
+        self.gen_wait_s = 0.0
+        self._blocked_since: float | None = None  # the train loop waits for the running eval since then
+        self._blocked_acc = 0.0  # seconds of the current wait charged so far
+        self._idle_since: float | None = None  # no training rollout generating, during an eval, since then
 
     def start(self, record: StepRecord, version: int) -> None:
         """Evaluate ``version`` into ``record`` (no held-out tasks: the record goes out as it is)."""
@@ -57,38 +81,102 @@ class Evals:
             if record.step > 0:
                 self.publisher.release(record)
             return
+        prev = self._done
         done = asyncio.Event()
         self._done = done
         self.record = record
-        self._spawn(self._eval(version, record, done), f"eval v{version}")
+        self.publisher.hold(version)  # now: a version made before the eval begins must not load
+        self._spawn(self._eval(version, record, prev, done), f"eval v{version}")
+
+    @property
+    def running(self) -> bool:
+        """Whether an eval is running or due (started and not ended)."""
+        return self._done is not None and not self._done.is_set()
 
     async def quiesce(self) -> None:
-        """Wait for the running eval, if any."""
+        """Wait for every eval started (they end in order: the newest last)."""
         if self._done is not None:
             await self._done.wait()
 
-    async def _eval(self, version: int, record: StepRecord, done: asyncio.Event) -> None:
+    def trainer_blocked(self) -> None:
+        """The train loop starts a wait that only the running eval's end can end (a batch no sample can
+        be fresh for, a sync queued behind it)."""
+        self._blocked_since = self._clock()
+
+    def trainer_unblocked(self) -> float:
+        """That wait ended: the seconds of it the eval caused (up to the eval's end; after it, the loop
+        waits for generation as it does without evals), charged to the eval and the run's total."""
+        self._charge_blocked()
+        out, self._blocked_acc = self._blocked_acc, 0.0
+        return out
+
+    def _charge_blocked(self) -> None:
+        if self._blocked_since is None:
+            return
+        seconds = self._clock() - self._blocked_since
+        self._blocked_since = None
+        if self._running is not None:
+            self._running.trainer_wait_s += seconds
+        self.trainer_wait_s += seconds
+        self._blocked_acc += seconds
+
+    def generation_idle(self) -> None:
+        """No training rollout is generating while an eval runs (the admission loop waits from now)."""
+        self._idle_since = self._clock()
+
+    def generation_resumed(self) -> None:
+        """The admission loop's wait ended: its idle seconds up to now (or the eval's end) are charged."""
+        self._charge_idle()
+
+    def _charge_idle(self) -> None:
+        if self._idle_since is None:
+            return
+        seconds = self._clock() - self._idle_since
+        self._idle_since = None
+        if self._running is not None:
+            self._running.gen_wait_s += seconds
+        self.gen_wait_s += seconds
+
+    async def _eval(self, version: int, record: StepRecord, prev: asyncio.Event | None, done: asyncio.Event) -> None:
         results: list[Trajectory] = []
+        if prev is not None:
+            await prev.wait()  # one eval at a time: the engines hold one version
         t0 = self._clock()
-        await self.publisher.wait()  # every engine holds ``version`` before the first eval request
+        ev = self._running = EvalStats(accuracy=0.0, reward_mean=0.0)
+        await self.publisher.loaded(version)  # every engine holds ``version`` before the first eval request
         assert self.publisher.published.version == version, (self.publisher.published.version, version)
+        tokens0 = sum(m.total for m in self.ctx.token_rates)
         async with asyncio.TaskGroup() as tg:
             for k, task in enumerate(self.tasks):
                 tg.create_task(self._eval_one(k, task, version, results), name=f"eval {k}")
+        mixed = [t.sample_id for t in results if any(v != version for v, m in zip(t.versions, t.loss_mask) if m)]
+        if mixed:  # the publisher's hold failed: say so loudly, the accuracy is not of one version
+            self.ledger.counters["eval/mixed_versions"] += len(mixed)
+            log.error("eval of version %d: %d rollouts have tokens of another version (e.g. %s)", version, len(mixed), mixed[0])
         n = len(self.tasks)
         acc = sum(t.correct for t in results) / n  # a failed eval rollout counts as wrong
         self.ledger.eval_history.append((record.step, acc))
         self.ledger.counters["eval/failed"] += n - len(results)
-        ev = EvalStats(accuracy=acc, reward_mean=sum(t.reward for t in results) / n, reward_metrics=metric_means(results))
+        ev.accuracy = acc
+        ev.reward_mean = sum(t.reward for t in results) / n
+        ev.reward_metrics = metric_means(results)
+        generated = sum(m.total for m in self.ctx.token_rates) - tokens0
+        if self.ctx.token_rates and generated > 0:
+            ev.engine_share = sum(t.n_generated for t in results) / generated
         m = self.cfg.log.eval_samples
         if self._on_samples is not None and m:
             firsts = sorted(results, key=lambda t: -1 - t.group)[:m]  # the same held-out tasks every time
             self._on_samples([self.ledger.sample_line("eval", record.step, t, self.tasks[-1 - t.group]) for t in firsts])
         ev.eval_s = self._clock() - t0
+        self.total_s += ev.eval_s
+        self._charge_blocked()  # a wait of the train loop for this eval ends here
+        self._charge_idle()  # so does idle generation because of it
+        self._running = None
         record.eval = ev
         self.ledger.emit(record)
         if self.record is record:
             self.record = None
+        self.publisher.unhold(version)  # after the emit: the records a deferred sync carries are later steps
         done.set()
 
     async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory]) -> None:

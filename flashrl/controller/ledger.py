@@ -66,6 +66,11 @@ class RunSummary(msgspec.Struct, kw_only=True):
     checkpoints: int = 0  # checkpoints written by this run
     checkpoint_s: float = 0.0  # seconds the train loop spent writing them
     last_checkpoint: str | None = None  # the newest checkpoint folder written (None: none, or the last failed)
+    # what the held-out evals cost (controller/evals.py): their wall time, summed; what the train loop
+    # waited because of them; how long no training rollout was generating while one ran
+    eval_s: float = 0.0
+    eval_trainer_wait_s: float = 0.0
+    eval_gen_wait_s: float = 0.0
 
 
 class RunMeters:

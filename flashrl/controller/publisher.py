@@ -19,12 +19,37 @@ engine answered ok with that version: a bad load is never served. An engine that
 its load during a sync only drops out of it (handed to the supervisor, which restarts it when it
 can); without a restarter a failed load ends the run (a bad sync is never served). A step's record
 goes out only with its sync's times: ``release(record)`` emits it now, or when its sync is done.
+
+Evals hold the engines' weights (``hold(v)`` .. ``unhold(v)``, evals.py): while an eval of version v
+runs, no newer version is loaded, so every eval token is from v, and the train loop does not wait:
+
+    start(u > v) while held ──> deferred: no broadcast, no task; the trainer keeps the prepared u
+    start(u+1) while u is deferred ──> u is superseded (never sent: the trainer's PrepareWeights
+        replaces it); its batch frees its slots, and its record goes out, with u+1's sync
+        (``time/sync/skipped`` = 1: no sync of its own; counted as ``weight_sync/skipped_versions``)
+    unhold(v) ──> the deferred version's sync starts at once: one sync to the newest prepared
+        weights, like a restarted engine's catch-up (supervisor.py); during a prepare (which
+        replaces the deferred version in the trainer) the prepared one goes instead, from start()
+
+A deferred version that a queued eval will evaluate (``hold`` of a version not yet loaded: evals
+closer together than one eval's time) is pinned: never superseded, so ``wait()`` waits for it
+(the train loop cannot prepare the next version before it is sent).
+
+Why this shape (measured on configs/tiny.toml, bench/results/evals): the trainer's wait for evals
+went from 11% of wall time to 0.13%, since an eval (0.4-1.5 s there) rarely outlasts the
+async_ratio + 1 steps the trainer can take on samples of v. Receiving versions beside the eval and
+deferring only the engine's load would hide at most the catch-up sync after it (~35 ms there), at
+the cost of an engine change and a second copy of the weights on the engine; evals at a higher
+priority would end the hold sooner but take the same engine time from training rollouts (an eval's
+tokens are already ~70% of the engine's output while it runs: eval/engine_share). The catch-up is
+one sync however long the eval took, and the staleness bound is the only limit on how far the
+trainer goes meanwhile (core/staleness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -48,17 +73,28 @@ class PendingSync:
     """A weight sync started by the train loop: the version, the batch that made it, and the step
     record that gets its times (emitted by the sync when the loop released it before it was done)."""
 
-    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "engine", "emit")
+    __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "engine", "emit", "manifest", "t0",
+                 "carried", "pinned", "spawned")
 
     def __init__(self, version: int, batch: list[Group]) -> None:
         self.version = version
         self.batch = batch
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # None while deferred (an eval holds older weights)
         self.record: BatchStats | None = None
         self.step_record: StepRecord | None = None
         self.phases: dict[str, float] | None = None  # set when done
         self.engine: dict[str, float] = {}  # the least busy engine's occupancy, reported by this sync
         self.emit = False
+        self.manifest: WeightManifest | None = None  # kept while deferred
+        self.t0 = 0.0  # when its prepare began
+        self.carried: list[PendingSync] = []  # superseded versions, done (batches freed, records out) with this one
+        self.pinned = False  # a queued eval evaluates this version: never superseded
+        self.spawned = asyncio.Event()  # its task exists
+
+    @property
+    def deferred(self) -> bool:
+        """Prepared, but held back by an eval of an older version (not sending yet)."""
+        return self.task is None
 
 
 class WeightPublisher:
@@ -89,13 +125,31 @@ class WeightPublisher:
         self.last_sync_s = 0.0  # the last finished sync's time/weight_sync_s (the dashboard's)
         self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
         self._engine_occupancy: list[dict[str, float]] = []  # the current sync's engines: busy since the last
+        # versions held for evals, oldest first: [0] is loaded and being evaluated, the rest queued
+        self._holds: deque[int] = deque()
+        self._synced = asyncio.Event()  # set (and replaced) after each finished broadcast
+        self._preparing = False  # a PrepareWeights is in flight (the trainer no longer holds the deferred version)
+
+    @property
+    def holds(self) -> tuple[int, ...]:
+        """The versions held for evals, oldest (the one loaded) first."""
+        return tuple(self._holds)
+
+    @property
+    def held(self) -> int | None:
+        """The version an eval holds the engines at (None: no eval runs; newer versions load as made)."""
+        return self._holds[0] if self._holds else None
 
     # ------------------------------------------------------------------ the train loop's calls
     async def prepare(self, version: int) -> tuple[WeightManifest, dict[str, float]]:
         """The trainer's gather + pack + checksums of ``version`` (``prepare_s``: the round trip;
         ``trainer/*``: its parts). The previous sync must be done (the trainer refuses otherwise)."""
         t0 = self._clock()
-        manifest = await self.trainer.prepare_weights(version)
+        self._preparing = True  # the deferred version is being replaced: unhold must not send it now
+        try:
+            manifest = await self.trainer.prepare_weights(version)
+        finally:
+            self._preparing = False
         phases = {"prepare_s": self._clock() - t0}
         phases.update({f"trainer/{k}": v for k, v in manifest.timings.items()})
         return msgspec.structs.replace(manifest, timings={}), phases  # engines need no trainer timings
@@ -103,20 +157,77 @@ class WeightPublisher:
     def start(self, version: int, batch: list[Group], manifest: WeightManifest, t0: float) -> PendingSync:
         """Start the sync of a prepared ``version`` (made by ``batch``; ``t0``: when its prepare began)."""
         p = PendingSync(version, batch)
-        p.task = self._spawn(self._publish(p, manifest, t0), f"sync v{version}")
+        p.manifest, p.t0 = manifest, t0
+        prev = self.pending
+        if prev is not None and prev.deferred:
+            # never sent (the train loop prepared ``version`` over it): it is done with this sync
+            assert not prev.pinned, f"version {prev.version} is pinned for an eval and was superseded"
+            p.carried = [*prev.carried, prev]
+            prev.carried = []
+            self.counters["weight_sync/skipped_versions"] += 1
         self.pending = p
+        held = self.held
+        if held is None or version <= held:
+            self._spawn_sync(p)
         return p
 
+    def _spawn_sync(self, p: PendingSync) -> None:
+        assert p.manifest is not None
+        p.task = self._spawn(self._publish(p, p.manifest, p.t0), f"sync v{p.version}")
+        p.manifest = None
+        p.spawned.set()
+
     async def wait(self) -> float:
-        """Wait for the train loop's last sync (its error raises here); the seconds waited."""
+        """Wait for the train loop's last sync (its error raises here); the seconds waited. A version
+        deferred by an eval is not waited for (the next version supersedes it), unless an eval is
+        queued for it (pinned: it is sent when the running eval ends)."""
         p = self.pending
-        if p is None or p.task is None:
+        if p is None or (p.deferred and not p.pinned):
             return 0.0
         t0 = self._clock()
+        await p.spawned.wait()
+        assert p.task is not None
         if not p.task.done():
             await asyncio.wait([p.task])  # not ``await task``: a cancel of this waiter must not cancel the sync
         p.task.result()
         return self._clock() - t0
+
+    async def flush(self) -> float:
+        """Wait until the last version the train loop made is on the engines (a deferred one is sent
+        when the eval holding it back ends: call after evals.quiesce)."""
+        p = self.pending
+        if p is not None and p.deferred and not self._holds:
+            self._spawn_sync(p)
+        if p is not None and p.deferred:
+            p.pinned = True
+        return await self.wait()
+
+    # ------------------------------------------------------------------ evals
+    def hold(self, version: int) -> None:
+        """An eval of ``version`` is due: once ``version`` is loaded, no newer one is until ``unhold``.
+        ``version`` is the train loop's newest (its sync started, or deferred by a running eval: then
+        pinned, and loaded when the evals before it end)."""
+        if self._holds and version <= self._holds[-1]:
+            raise RuntimeError(f"eval of version {version} after one of {self._holds[-1]}: evals go in version order")
+        p = self.pending
+        if self._holds:
+            assert p is not None and p.version == version and p.deferred, (version, p and p.version)
+            p.pinned = True
+        self._holds.append(version)
+
+    def unhold(self, version: int) -> None:
+        """The eval of ``version`` ended: the newest prepared version (or the next eval's) loads now."""
+        assert self._holds and self._holds[0] == version, (version, list(self._holds))
+        self._holds.popleft()
+        p = self.pending
+        # a prepare in flight replaces the deferred version: start() sends the new one, at once
+        if p is not None and p.deferred and not self._preparing:
+            self._spawn_sync(p)
+
+    async def loaded(self, version: int) -> None:
+        """Wait until the engines hold ``version`` (or newer: held, they never do during its eval)."""
+        while self.published.version < version:
+            await self._synced.wait()
 
     def attach(self, p: PendingSync, record: StepRecord) -> None:
         """``record`` (the step that made ``p``'s version) gets the sync's times, now or when it is done."""
@@ -129,10 +240,12 @@ class WeightPublisher:
     def release(self, record: StepRecord) -> None:
         """Emit ``record`` now, or when the sync it carries the times of is done."""
         p = self.pending
-        if p is not None and p.step_record is record and p.phases is None:
-            p.emit = True
-        else:
-            self._emit(record)
+        if p is not None and p.phases is None:  # p's sync also carries the versions it superseded
+            for q in (p, *p.carried):
+                if q.step_record is record:
+                    q.emit = True
+                    return
+        self._emit(record)
 
     async def sync_now(self, version: int) -> dict[str, float]:
         """Publish ``version`` to every live engine, here and now (a resumed run's first weights)."""
@@ -149,6 +262,15 @@ class WeightPublisher:
         if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
             least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
             p.engine = {**least, "busy": min(1.0, sum(least.values()))}
+        for q in p.carried:  # superseded versions: their batches' slots, their records (in step order)
+            self._on_synced(q.batch)
+            q.phases = {"weight_sync_s": 0.0, "skipped": 1.0}
+            if q.record is not None:
+                _add_sync(q.record, q.phases, p.engine)  # its interval's engine: the carrier's covers it
+                q.record.counters = dict(sorted(self.counters.items()))
+                if q.emit and q.step_record is not None:
+                    self._emit(q.step_record)
+        p.carried = []
         self._on_synced(p.batch)
         self.last_sync_s = self._clock() - t0  # prepare + broadcast + loads: the sync's own time
         phases["weight_sync_s"] = self.last_sync_s
@@ -190,6 +312,8 @@ class WeightPublisher:
                 ) from None
             self.published.manifest = manifest
             self.published.version = version
+            self._synced.set()
+            self._synced = asyncio.Event()
             skipped = len(self.engines) - len(self.router.live)
             if skipped:
                 self.counters["weight_sync/skipped_dead_engines"] += skipped

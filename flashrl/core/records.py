@@ -19,8 +19,15 @@ controller counters, the suite's counters and the weight-sync phases.
     len/trained_mean dropped/samples dropped/tokens staleness/token_mean lineage/updates_spanned_mean
     lineage/interrupted_frac
     reward/<metric> count/<counter> env/<counter> prompt_uids time/train/transport_s
-    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s eval/accuracy eval/reward_mean eval/reward/<metric>
-    time/eval_s mem/total_gib
+    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s eval/accuracy
+    eval/reward_mean eval/reward/<metric> time/eval_s time/eval/trainer_wait_s time/eval/gen_wait_s
+    eval/engine_share mem/total_gib
+
+What evals cost: ``time/eval_wait_s`` (every trained step) is what that step's train loop waited
+because of an eval (controller/evals.py); an eval's own line adds its wall time (``time/eval_s``),
+what the train loop waited because of it (``time/eval/trainer_wait_s``), how long no training
+rollout was generating while it ran (``time/eval/gen_wait_s``) and its share of the tokens generated
+while it ran (``eval/engine_share``).
 
 A trainer metric whose name the record uses itself (``OWN_KEYS``: "samples", "reward/mean", ...)
 is written as ``train/<name>``; a reward metric whose ``reward/<name>`` is an own key as
@@ -44,7 +51,7 @@ OWN_KEYS = frozenset(
      "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy",
      "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "prompt_uids",
      "time/checkpoint_s", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
-     "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac"}
+     "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "time/eval_wait_s"}
 )
 
 # BatchStats' fixed fields and their metrics.jsonl keys, in line order.
@@ -125,6 +132,7 @@ class BatchStats(msgspec.Struct, kw_only=True):
     # stepping (vLLM's step), commands (adding requests, aborts, weight loads), busy (their sum)
     engine: dict[str, float] = {}
     checkpoint_s: float | None = None  # the checkpoint written before this step
+    eval_wait_s: float = 0.0  # what this step waited because of an eval (a batch that could not be fresh before it ended)
 
 
 class EvalStats(msgspec.Struct, kw_only=True):
@@ -133,7 +141,10 @@ class EvalStats(msgspec.Struct, kw_only=True):
     accuracy: float
     reward_mean: float
     reward_metrics: dict[str, float] = {}
-    eval_s: float = 0.0
+    eval_s: float = 0.0  # wall time, from its first request's readiness to its result
+    trainer_wait_s: float = 0.0  # the train loop's waits because of this eval
+    gen_wait_s: float = 0.0  # seconds no training rollout was generating while it ran
+    engine_share: float | None = None  # its tokens / every token generated while it ran (None: not metered)
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -168,12 +179,17 @@ class StepRecord(msgspec.Struct, kw_only=True):
             out.update({f"engine/{k}": v for k, v in b.engine.items()})
             if b.checkpoint_s is not None:
                 out["time/checkpoint_s"] = b.checkpoint_s
+            out["time/eval_wait_s"] = b.eval_wait_s
         if self.eval is not None:
             e = self.eval
             out["eval/accuracy"] = e.accuracy
             out["eval/reward_mean"] = e.reward_mean
             out.update({_metric_key("eval/reward/", k): v for k, v in e.reward_metrics.items()})
             out["time/eval_s"] = e.eval_s
+            out["time/eval/trainer_wait_s"] = e.trainer_wait_s
+            out["time/eval/gen_wait_s"] = e.gen_wait_s
+            if e.engine_share is not None:
+                out["eval/engine_share"] = e.engine_share
         if self.memory_gib is not None:
             out["mem/total_gib"] = self.memory_gib
         return out
@@ -208,12 +224,20 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 fixed["transport_s"] = v
             elif k == "time/checkpoint_s":
                 fixed["checkpoint_s"] = v
+            elif k == "time/eval_wait_s":
+                fixed["eval_wait_s"] = v
             elif k == "eval/accuracy":
                 ev["accuracy"] = v
             elif k == "eval/reward_mean":
                 ev["reward_mean"] = v
             elif k == "time/eval_s":
                 ev["eval_s"] = v
+            elif k == "time/eval/trainer_wait_s":
+                ev["trainer_wait_s"] = v
+            elif k == "time/eval/gen_wait_s":
+                ev["gen_wait_s"] = v
+            elif k == "eval/engine_share":
+                ev["engine_share"] = v
             elif k == "mem/total_gib":
                 memory = v
             elif k.startswith("eval/reward/"):

@@ -54,6 +54,14 @@ Users, all through one ``Staleness`` object per run (the controller's, shared):
                 on), so a multi-turn rollout is cancelled instead of finished (controller/rollout.py)
     metrics     lag_stats(step, version_starts) -> (mean, max): the staleness/* of a step record
 
+Evals and the bound: a held-out eval of version v holds the engines at v until it ends
+(controller/publisher.py hold), so training rollouts meanwhile start at v too. Nothing here changes
+for them: step s still takes only version_start >= oldest(s), so the trainer goes on for at most
+async_ratio steps beyond v on samples of v and then waits, for samples of the version loaded when
+the eval ends (that wait is the eval's ``time/eval_wait_s``). Admission slots stay bounded too: a
+batch frees its slots only once a newer version is on the engines. Eval rollouts are never trained
+and never watched for early abort.
+
 Pure: no sockets, torch, tasks or clocks.
 """
 

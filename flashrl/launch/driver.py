@@ -366,6 +366,9 @@ def _summary(cfg: Config, history: list[StepRecord], result: Any, wall_s: float,
         # of the training time (the controller's elapsed_s: start-up and model building excluded)
         "checkpoint_share": round(getattr(result, "checkpoint_s", 0.0) / result.segment_s, 5)
         if getattr(result, "segment_s", 0) else 0.0,
+        # what the evals stalled, of the training time (controller/evals.py)
+        "eval_wait_share": round(getattr(result, "eval_trainer_wait_s", 0.0) / result.segment_s, 5)
+        if getattr(result, "segment_s", 0) else 0.0,
         "result": msgspec.to_builtins(result) if result is not None else None,
     }
 
@@ -381,6 +384,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         ck += f", latest {res['last_checkpoint']}"
     if (res.get("counters") or {}).get("checkpoint/failed"):
         ck += f"; {res['counters']['checkpoint/failed']} checkpoint(s) FAILED (see the log)"
+    if evals and res.get("eval_s"):
+        acc += (f"; evals {res['eval_s']:.1f}s, trainer waited {res.get('eval_trainer_wait_s', 0.0):.1f}s for them "
+                f"({s.get('eval_wait_share', 0.0):.1%} of training time), generation idle "
+                f"{res.get('eval_gen_wait_s', 0.0):.1f}s")
     resumed = f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") is not None else ""
     print(
         f"done: {s['run']} {s['steps']} steps{resumed} in {s['wall_s']:.0f}s; {acc}; "

@@ -193,9 +193,12 @@ class FakeTrainer:
     raises RuntimeError from that train_step (to test crash propagation).
     """
 
-    def __init__(self, *, train_s: float = 0.0, sync_s: float = 0.0, fail_at_step: int | None = None) -> None:
+    def __init__(self, *, train_s: float = 0.0, sync_s: float = 0.0, fail_at_step: int | None = None,
+                 prepare_s: float = 0.0) -> None:
         self.train_s = train_s
         self.sync_s = sync_s
+        self.prepare_s = prepare_s
+        self._preparing: int | None = None
         self.fail_at_step = fail_at_step
         self.batches: list[TrainBatch] = []
         self.dead: BaseException | None = None  # never dies (TrainerClient.dead)
@@ -215,10 +218,23 @@ class FakeTrainer:
         return TrainResult(step=batch.step, metrics={"loss": -sum(rewards) / max(len(rewards), 1), "samples": float(len(rewards))})
 
     async def prepare_weights(self, version: int) -> WeightManifest:
+        # like the real trainer: the previous prepared version is gone from the prepare's start
+        if self.prepare_s:  # (0: no await at all, as the tests written before it expect)
+            self._preparing = version
+            try:
+                await anyio.sleep(self.prepare_s)
+            finally:
+                self._preparing = None
         self.prepared.append(version)
         return WeightManifest(version=version)
 
     async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        # like the real trainer (trainer/worker.py claim_send): only the version just prepared, or the
+        # one sent last (a restarted engine's catch-up); a prepared one that a later prepare replaced is gone
+        last = self.prepared[-1] if self.prepared and self._preparing is None else None
+        if version != last and (not self.sent or version != self.sent[-1]):
+            raise RuntimeError(f"SendWeights({version}): prepared {last}, last sent "
+                               f"{self.sent[-1] if self.sent else None}; send PrepareWeights({version}) first")
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
 

@@ -99,6 +99,16 @@ def test_render_shows_the_last_batch_lineage() -> None:
     assert "0.25 / 12%" in line_with(text, "updates spanned / interrupted")
 
 
+def test_render_shows_what_evals_cost() -> None:
+    """Evals so far, their time, and what they stalled: the train loop (and its share of the run), generation."""
+    text = render_text(make_snapshot(eval_s=1.25, eval_trainer_wait_s=0.5, eval_gen_wait_s=0.25, eval_running=True))
+    assert "2 in 1.2s running" in line_with(text, "evals")
+    share = 0.5 / make_snapshot().elapsed_s
+    assert f"0.50s ({share:.1%})" in line_with(text, "eval: trainer wait")
+    assert "0.25s" in line_with(text, "eval: gen idle")
+    assert "eval:" not in render_text(make_snapshot(eval_history=[]))  # no eval yet: no rows
+
+
 def test_render_learning_curves_show_latest_and_first() -> None:
     text = render_text(make_snapshot())
     reward = line_with(text, "reward ")
@@ -258,3 +268,15 @@ def test_rich_status_and_step_record() -> None:
     assert dash.last_record is rec
     dash.stop()
     assert "status    joining the weight-sync group\n" in out.getvalue()
+
+
+def test_run_summary_line_says_what_evals_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    """`flashrl run`'s last line: the evals' time, what the trainer waited for them (share of training), idle generation."""
+    from flashrl.launch.driver import _print_summary
+
+    s = {"run": "tiny", "steps": 100, "wall_s": 40.0, "peak_mem_gib": 2.0, "evals": [(0, 0.5), (100, 0.9)],
+         "checkpoints": 0, "checkpoint_s": 0.0, "checkpoint_share": 0.0, "eval_wait_share": 0.0125,
+         "result": {"eval_s": 8.1, "eval_trainer_wait_s": 0.25, "eval_gen_wait_s": 0.5, "counters": {}}}
+    _print_summary(s)
+    out = capsys.readouterr().out
+    assert "evals 8.1s, trainer waited 0.2s for them (1.2% of training time), generation idle 0.5s" in out

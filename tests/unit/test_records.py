@@ -28,9 +28,11 @@ from flashrl.sim.fake import (
 from flashrl.wire.protocol import TrainBatch, TrainResult, WeightManifest
 
 # The keys of the dict-built records before typed records (main at 313dd95, the same run as below), plus the
-# lineage keys after response_len/mean (tokens/trained ... lineage/interrupted_frac).
-EVAL_ONLY = ["step", "version", "eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean",
-             "time/eval_s"]
+# lineage keys after response_len/mean (tokens/trained ... lineage/interrupted_frac), and since evals run off the
+# training path, what an eval cost (time/eval_wait_s, time/eval/*, eval/engine_share) in place of the sync's wait
+# for it (time/sync/quiesce_s).
+EVAL_COST = ["time/eval_s", "time/eval/trainer_wait_s", "time/eval/gen_wait_s", "eval/engine_share"]
+EVAL_ONLY = ["step", "version", "eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", *EVAL_COST]
 TRAINED = [
     "loss", "train/samples", "train/reward/mean", "reward/std", "step_time_s", "mismatch/kl", "time/trainer/forward_s",
     "train/staleness/max", "step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s",
@@ -38,10 +40,10 @@ TRAINED = [
     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "turns/mean",
     "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens", "staleness/token_mean",
     "lineage/updates_spanned_mean", "lineage/interrupted_frac", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
-    "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/quiesce_s", "time/sync/wait_s",
-    "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s",
+    "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/wait_s",
+    "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s", "time/eval_wait_s",
 ]
-EVALUATED = TRAINED + ["eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", "time/eval_s"]
+EVALUATED = TRAINED + ["eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", *EVAL_COST]
 
 
 class RichTrainer(FakeTrainer):
@@ -54,7 +56,9 @@ class RichTrainer(FakeTrainer):
         return TrainResult(step=r.step, metrics={**r.metrics, **extra})
 
     async def prepare_weights(self, version: int) -> WeightManifest:
-        return WeightManifest(version=version, timings={"gather_s": 0.001})
+        m = await super().prepare_weights(version)
+        m.timings = {"gather_s": 0.001}
+        return m
 
 
 class MetricEnv(FakeEnv):
@@ -117,8 +121,9 @@ def test_every_optional_part_has_its_key() -> None:
                        response_len_mean=10.0, trainer={"loss": 0.1, "time/checkpoint_s": 3.0},
                        counters={"checkpoint/failed": 0}, env_counters={"delay_s": 0.5},
                        prompt_uids=[3, 4], sync={"quiesce_s": 0.0, "engine/load_s": 0.01},
-                       engine={"stepping": 0.6, "commands": 0.3, "busy": 0.9}, checkpoint_s=1.5)
-    rec = StepRecord(step=5, version=5, batch=batch, eval=EvalStats(accuracy=0.75, reward_mean=0.7, eval_s=2.0),
+                       engine={"stepping": 0.6, "commands": 0.3, "busy": 0.9}, checkpoint_s=1.5, eval_wait_s=0.25)
+    rec = StepRecord(step=5, version=5, batch=batch, eval=EvalStats(accuracy=0.75, reward_mean=0.7, eval_s=2.0,
+                                                                  trainer_wait_s=0.25, gen_wait_s=0.5, engine_share=0.4),
                      memory_gib=4.85)
     line = rec.to_dict()
     assert list(line) == [
@@ -128,8 +133,8 @@ def test_every_optional_part_has_its_key() -> None:
         "turns/mean", "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
         "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "count/checkpoint/failed", "env/delay_s", "prompt_uids",
         "time/sync/quiesce_s", "time/sync/engine/load_s", "engine/stepping", "engine/commands", "engine/busy",
-        "time/checkpoint_s", "eval/accuracy", "eval/reward_mean",
-        "time/eval_s", "mem/total_gib",
+        "time/checkpoint_s", "time/eval_wait_s", "eval/accuracy", "eval/reward_mean",
+        "time/eval_s", "time/eval/trainer_wait_s", "time/eval/gen_wait_s", "eval/engine_share", "mem/total_gib",
     ]
     assert StepRecord.from_dict(msgspec.json.decode(msgspec.json.encode(line))) == rec
 

@@ -5,7 +5,7 @@ same ones), so everything here reads either. Reported per run: time to 70/80/85%
 (first eval at or above; training clock and whole process = start-up + training clock), trained
 samples/s over the whole training clock, the mean step time and its parts after ``WARMUP_STEPS``, peak
 memory (process tree), first/final/best accuracy and the worst dip after first reaching 80%. flashrl
-evaluates on its engines beside training; what its steps waited for an eval (``EVAL_WAIT``) is taken
+evaluates on its engines beside training; what its steps waited for an eval (``eval_wait``) is taken
 out of its training clock (``summarize``), as the TRL peer takes its eval time out of its own.
 """
 
@@ -30,7 +30,14 @@ MODE_LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate, 1 process)", "async": 
               "sync": "flashrl sync (async_ratio 0, no queue scheduling)"}
 
 
-EVAL_WAIT = "time/sync/quiesce_s"  # flashrl: what a step waited for the held-out eval before its sync
+# flashrl: what a step waited for held-out evals (time/eval_wait_s), or, in runs from before evals ran
+# off the training path, for the eval before its weight sync (time/sync/quiesce_s)
+EVAL_WAITS = ("time/eval_wait_s", "time/sync/quiesce_s")
+
+
+def eval_wait(r: dict[str, Any]) -> float:
+    """Seconds a flashrl step record waited for held-out evals."""
+    return sum(float(r.get(k, 0.0)) for k in EVAL_WAITS)
 
 
 @dataclass
@@ -93,10 +100,10 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
     steps = sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
     # The training clock leaves held-out evals out, for both: TRL's evals run between its steps and
     # its time/elapsed_s already excludes them; flashrl's run on the engines beside training, and what a
-    # step waited for one before its weights could go out (time/sync/quiesce_s) is taken out here.
+    # step waited for one (eval_wait) is taken out here.
     clock, waited = {0: 0.0}, 0.0
     for r in steps:
-        waited += float(r.get(EVAL_WAIT, 0.0))
+        waited += eval_wait(r)
         clock[int(r["step"])] = float(r["time/elapsed_s"]) - waited
     run.eval_wait_s = waited
     evals = []
@@ -114,11 +121,11 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
     run.samples_per_s = run.samples / run.train_s if run.train_s else None
     steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
     if steady:
-        run.step_s = statistics.fmean(float(r["time/step_s"]) - float(r.get(EVAL_WAIT, 0.0))
+        run.step_s = statistics.fmean(float(r["time/step_s"]) - eval_wait(r)
                                       for r in steady if "time/step_s" in r) if any(
             "time/step_s" in r for r in steady) else None
-        keys = sorted({k for r in steady for k in r if k.startswith("time/") and k not in
-                       ("time/elapsed_s", "time/step_s", "time/eval_s", EVAL_WAIT)})
+        keys = sorted({k for r in steady for k in r if k.startswith("time/") and not k.startswith("time/eval")
+                       and k not in ("time/elapsed_s", "time/step_s", *EVAL_WAITS)})
         run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
         run.engine_busy = engine_busy(steady)
         rest = (run.step_s or 0.0) - sum(run.parts.values())
@@ -289,9 +296,9 @@ What differs:
 - Mini-batches: TRL shuffles the 128 samples before splitting them into its 2 optimizer steps;
   flashrl splits the batch in order (groups stay together) unless `trainer.shuffle = true`.
 - Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
-- Eval: flashrl evaluates on its engines beside training (the next weight sync waits for it); TRL's
+- Eval: flashrl evaluates on its engines beside training (the trainer goes on meanwhile); TRL's
   eval runs in its process between steps. Neither training clock counts eval time: TRL's leaves out its
-  evals, flashrl's leaves out what its steps waited for an eval (`time/sync/quiesce_s`, its own row);
+  evals, flashrl's leaves out what its steps waited for an eval (`time/eval_wait_s`, its own row);
   the eval's requests still share flashrl's engine with the rollouts.
 - Memory: peak resident memory of each run's process tree, sampled every 0.5 s by the bench (RSS sums
   count shared pages once per process).
