@@ -4,7 +4,8 @@
       InitWeightSync -> collective_rpc("flashrl_init_weight_sync", args) -> join_group(rank 1 + i)
       UpdateWeights  -> [a thread of its own: the engine thread steps on, serving the old weights]
                      -> collective_rpc("flashrl_receive_weights", manifest JSON)
-                            receive every bucket (broadcast from group rank 0) into fresh buffers
+                            receive every bucket (broadcast from group rank 0) into buffers of its own
+                            (host buffers reused from the last loaded sync: WeightReceiver.release)
                             verify every checksum          -- any mismatch: drop buffers, report
                      -> [engine thread, between two steps: nothing generates]
                      -> collective_rpc("flashrl_load_weights", version)
@@ -53,6 +54,39 @@ class WeightReceiver:
         self.verify_s = 0.0  # the last receive's checksum time (part of its receive_s)
         # what the last receive verified, waiting for its load: (version, named tensors)
         self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        # Host receive buffers: those of the last receive (``_held``), and those released after a load or a
+        # drop (``_spare``), reused by the next receive of the same bucket shapes. A fresh host buffer pays
+        # a page fault per 4 KiB on first write: ~1 s per GiB on the dev host, as long as the transfer itself
+        # (bench/results/realsize/sync.md). CUDA buffers need no pool: torch's caching allocator reuses them.
+        self._held: list[torch.Tensor] = []
+        self._spare: list[torch.Tensor] = []
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        for k, b in enumerate(self._spare):
+            if b.numel() == numel and b.dtype == dtype:
+                return self._spare.pop(k)
+        return torch.empty(numel, dtype=dtype, device=self._device)
+
+    def release(self, live: list[torch.Tensor] | None = None) -> int:
+        """The last receive's buffers are no longer needed (loaded, i.e. copied into the model, or dropped):
+        keep them for the next receive (host memory only; the rest is freed). A buffer sharing memory with
+        any of ``live`` (the model's parameters: a loader that kept a view instead of copying) is never
+        reused, so a later receive cannot write into served weights. Returns the bytes kept."""
+        held, self._held = self._held, []
+        if self._device.type != "cpu":
+            self._spare = []
+            return 0
+        spans = []
+        for t in live or []:
+            st = t.untyped_storage()
+            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        keep = []
+        for b in held:
+            lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            if not any(a < hi and lo < z for a, z in spans):
+                keep.append(b)
+        self._spare = keep
+        return sum(b.numel() * b.element_size() for b in keep)
 
     @property
     def joined(self) -> bool:
@@ -80,13 +114,15 @@ class WeightReceiver:
         named: list[tuple[str, torch.Tensor]] = []
         errors: list[str] = []
         self.verify_s = 0.0
+        self._held = []  # buffers of a receive nobody released are never reused (only release() checks aliasing)
         pending: tuple[int, Any, torch.Tensor, Any] | None = None
         for i, bucket in enumerate(manifest.buckets):
             if bucket.dtype not in DTYPES:
                 # Still take part in the broadcast (as raw bytes of the right size) to keep the group aligned.
                 errors.append(f"bucket {i}: unsupported dtype {bucket.dtype!r}")
             dtype = DTYPES.get(bucket.dtype, torch.float32)
-            flat = torch.empty(bucket.numel, dtype=dtype, device=self._device)
+            flat = self._buffer(bucket.numel, dtype)
+            self._held.append(flat)
             work = self._group.broadcast(flat, 0)  # type: ignore[union-attr]  # Backend.broadcast: bound in C++, not in torch stubs
             if not overlap:
                 work.wait()
@@ -95,6 +131,7 @@ class WeightReceiver:
             pending = (i, bucket, flat, work)
         if pending is not None:
             self._verify(*pending, named, errors)
+        self._spare = []  # spares of other shapes than this manifest's: freed
         return named, errors
 
     def _verify(self, i: int, bucket: Any, flat: torch.Tensor, work: Any, named: list[tuple[str, torch.Tensor]],
@@ -211,12 +248,14 @@ class WeightSyncExtension:
                  "; ".join(f"'{m}...'" for m in dropped))
 
     def flashrl_receive_weights(self, manifest_json: str) -> dict[str, Any]:
-        """Receive and verify every bucket into fresh buffers, kept for ``flashrl_load_weights``. Returns ok,
+        """Receive and verify every bucket into buffers of its own, kept for ``flashrl_load_weights``. Returns ok,
         error, timings. Touches none of vLLM's state: the engine server runs it beside generation."""
         manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
         t0 = time.perf_counter()
         receiver = self._flashrl_receiver()
-        receiver.pending = None  # an earlier receive never loaded is dropped, not served
+        if receiver.pending is not None:  # an earlier receive never loaded is dropped, not served
+            receiver.pending = None
+            receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         named, errors = receiver.receive(manifest)
         res: dict[str, Any] = {"ok": not errors, "error": "; ".join(errors), "receive_s": time.perf_counter() - t0,
                                "verify_s": receiver.verify_s}
@@ -242,4 +281,8 @@ class WeightSyncExtension:
             log.exception("weight sync v%d: loading failed after the checks passed", version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
                     "load_s": time.perf_counter() - t0}
+        finally:
+            # the loader copied the tensors into the model: the buffers serve the next receive (never one
+            # that shares memory with a parameter)
+            receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}
