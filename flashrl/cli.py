@@ -5,6 +5,7 @@
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
     flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
+    flashrl doctor --gpu [--device cpu]     what runs on a GPU machine without vLLM: trainer step, packing, NCCL, DCP
     flashrl config-reference [--out FILE]   every config key: type, default, bounds, meaning (docs/configuration.md)
     flashrl bench COMMAND                    benchmarks: scenario sweeps, calibrate, algorithms, chaos, peers, ...
     flashrl run CONFIG --launcher slurm [--dry-run]  render runs/<name>/slurm/job.sbatch and submit it
@@ -198,6 +199,31 @@ def export(
         typer.echo(f"export error: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(f"exported {what} to {path}")
+
+
+@app.command()
+def doctor(
+    gpu: Annotated[bool, typer.Option("--gpu", help="the GPU checks (the default device: cuda)")] = False,
+    device: Annotated[str, typer.Option("--device", help="cuda, or cpu: the same checks on the CPU with gloo")] = "cuda",
+    timeout: Annotated[float, typer.Option("--timeout", help="deadline in seconds for each multi-process check")] = 600.0,
+) -> None:
+    """Check what runs on this machine without vLLM: CUDA, weight packing + checksums, trainer steps
+    (FSDP2, bf16), DCP save/load, the weight-sync broadcast. One line per check; exit 1 on any FAIL."""
+    from flashrl.doctor import run_checks
+
+    if device not in ("cuda", "cpu"):
+        typer.echo(f"doctor: --device {device!r}: use cuda or cpu", err=True)
+        raise typer.Exit(code=2)
+    if gpu and device != "cuda":
+        typer.echo("doctor: --gpu runs the checks on cuda; drop --gpu to use --device cpu", err=True)
+        raise typer.Exit(code=2)
+    checks = run_checks("cuda" if device == "cuda" else "cpu", timeout_s=timeout,
+                        on_check=lambda c: typer.echo(c.line()))
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    typer.echo(f"doctor: {len(checks) - len(failed)} of {len(checks)} checks passed or skipped"
+               + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise typer.Exit(code=1)
 
 
 @app.command("config-reference")

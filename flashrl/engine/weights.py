@@ -4,7 +4,8 @@
       InitWeightSync -> collective_rpc("flashrl_init_weight_sync", args) -> join_group(rank 1 + i)
       UpdateWeights  -> [a thread of its own: the engine thread steps on, serving the old weights]
                      -> collective_rpc("flashrl_receive_weights", manifest JSON)
-                            receive every bucket (broadcast from group rank 0) into fresh buffers
+                            receive every bucket (broadcast from group rank 0) into buffers of its own
+                            (host buffers reused from the last loaded sync: WeightReceiver.release)
                             verify every checksum          -- any mismatch: drop buffers, report
                      -> [engine thread, between two steps: nothing generates]
                      -> collective_rpc("flashrl_load_weights", version)
@@ -53,6 +54,39 @@ class WeightReceiver:
         self.verify_s = 0.0  # the last receive's checksum time (part of its receive_s)
         # what the last receive verified, waiting for its load: (version, named tensors)
         self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        # Host receive buffers: those of the last receive (``_held``), and those released after a load or a
+        # drop (``_spare``), reused by the next receive of the same bucket shapes. A fresh host buffer pays
+        # a page fault per 4 KiB on first write: ~1 s per GiB on the dev host, as long as the transfer itself
+        # (bench/results/realsize/sync.md). CUDA buffers need no pool: torch's caching allocator reuses them.
+        self._held: list[torch.Tensor] = []
+        self._spare: list[torch.Tensor] = []
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        for k, b in enumerate(self._spare):
+            if b.numel() == numel and b.dtype == dtype:
+                return self._spare.pop(k)
+        return torch.empty(numel, dtype=dtype, device=self._device)
+
+    def release(self, live: list[torch.Tensor] | None = None) -> int:
+        """The last receive's buffers are no longer needed (loaded, i.e. copied into the model, or dropped):
+        keep them for the next receive (host memory only; the rest is freed). A buffer sharing memory with
+        any of ``live`` (the model's parameters: a loader that kept a view instead of copying) is never
+        reused, so a later receive cannot write into served weights. Returns the bytes kept."""
+        held, self._held = self._held, []
+        if self._device.type != "cpu":
+            self._spare = []
+            return 0
+        spans = []
+        for t in live or []:
+            st = t.untyped_storage()
+            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        keep = []
+        for b in held:
+            lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            if not any(a < hi and lo < z for a, z in spans):
+                keep.append(b)
+        self._spare = keep
+        return sum(b.numel() * b.element_size() for b in keep)
 
     @property
     def joined(self) -> bool:
@@ -65,35 +99,56 @@ class WeightReceiver:
         self._device = group_device(backend)
         log.info("weight sync: joined %s group of %d as rank %d", backend, world_size, rank)
 
-    def receive(self, manifest: WeightManifest) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    def receive(self, manifest: WeightManifest, overlap: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
         """Receive every bucket of ``manifest``; return (named tensors, checksum errors).
 
         The tensors are views of fresh buffers; when errors is non-empty they must not be loaded.
+        ``overlap``: post bucket i+1's receive before verifying bucket i, so the checksum of one bucket
+        runs while the next one transfers (sha256 releases the GIL; gloo and nccl run the transfer on
+        their own threads / streams). Buckets still complete in manifest order (one group, ops matched
+        in issue order). At 0.27B parameters (1 GiB, 15 buckets) on the 2-core dev host the serial
+        receive + verify took 2-3x the transfer alone (bench/results/realsize/sync.md).
         """
         if self._group is None:
             raise RuntimeError("UpdateWeights before InitWeightSync: the engine has not joined the weight-sync group")
         named: list[tuple[str, torch.Tensor]] = []
         errors: list[str] = []
         self.verify_s = 0.0
+        self._held = []  # buffers of a receive nobody released are never reused (only release() checks aliasing)
+        pending: tuple[int, Any, torch.Tensor, Any] | None = None
         for i, bucket in enumerate(manifest.buckets):
             if bucket.dtype not in DTYPES:
                 # Still take part in the broadcast (as raw bytes of the right size) to keep the group aligned.
                 errors.append(f"bucket {i}: unsupported dtype {bucket.dtype!r}")
             dtype = DTYPES.get(bucket.dtype, torch.float32)
-            flat = torch.empty(bucket.numel, dtype=dtype, device=self._device)
-            self._group.broadcast(flat, 0).wait()  # type: ignore[union-attr]  # Backend.broadcast: bound in C++, not in torch stubs
-            t0 = time.perf_counter()
-            got = verify_checksum(flat, bucket.checksum)
-            self.verify_s += time.perf_counter() - t0
-            if got != bucket.checksum:
-                names = ", ".join(s.name for s in bucket.tensors[:3])
-                errors.append(f"bucket {i} ({names}...): checksum {got} != manifest {bucket.checksum}")
-                continue
-            try:
-                named.extend(unpack_bucket(bucket, flat))
-            except ValueError as e:
-                errors.append(f"bucket {i}: {e}")
+            flat = self._buffer(bucket.numel, dtype)
+            self._held.append(flat)
+            work = self._group.broadcast(flat, 0)  # type: ignore[union-attr]  # Backend.broadcast: bound in C++, not in torch stubs
+            if not overlap:
+                work.wait()
+            if pending is not None:
+                self._verify(*pending, named, errors)
+            pending = (i, bucket, flat, work)
+        if pending is not None:
+            self._verify(*pending, named, errors)
+        self._spare = []  # spares of other shapes than this manifest's: freed
         return named, errors
+
+    def _verify(self, i: int, bucket: Any, flat: torch.Tensor, work: Any, named: list[tuple[str, torch.Tensor]],
+                errors: list[str]) -> None:
+        """Wait for bucket ``i``'s broadcast, check its checksum, unpack it into ``named`` (or add an error)."""
+        work.wait()
+        t0 = time.perf_counter()
+        got = verify_checksum(flat, bucket.checksum)
+        self.verify_s += time.perf_counter() - t0
+        if got != bucket.checksum:
+            names = ", ".join(s.name for s in bucket.tensors[:3])
+            errors.append(f"bucket {i} ({names}...): checksum {got} != manifest {bucket.checksum}")
+            return
+        try:
+            named.extend(unpack_bucket(bucket, flat))
+        except ValueError as e:
+            errors.append(f"bucket {i}: {e}")
 
 
 def _tied_layers(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, Any]]]:
@@ -193,12 +248,14 @@ class WeightSyncExtension:
                  "; ".join(f"'{m}...'" for m in dropped))
 
     def flashrl_receive_weights(self, manifest_json: str) -> dict[str, Any]:
-        """Receive and verify every bucket into fresh buffers, kept for ``flashrl_load_weights``. Returns ok,
+        """Receive and verify every bucket into buffers of its own, kept for ``flashrl_load_weights``. Returns ok,
         error, timings. Touches none of vLLM's state: the engine server runs it beside generation."""
         manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
         t0 = time.perf_counter()
         receiver = self._flashrl_receiver()
-        receiver.pending = None  # an earlier receive never loaded is dropped, not served
+        if receiver.pending is not None:  # an earlier receive never loaded is dropped, not served
+            receiver.pending = None
+            receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         named, errors = receiver.receive(manifest)
         res: dict[str, Any] = {"ok": not errors, "error": "; ".join(errors), "receive_s": time.perf_counter() - t0,
                                "verify_s": receiver.verify_s}
@@ -224,4 +281,8 @@ class WeightSyncExtension:
             log.exception("weight sync v%d: loading failed after the checks passed", version)
             return {"ok": False, "touched": True, "error": f"load failed: {type(e).__name__}: {e}",
                     "load_s": time.perf_counter() - t0}
+        finally:
+            # the loader copied the tensors into the model: the buffers serve the next receive (never one
+            # that shares memory with a parameter)
+            receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}

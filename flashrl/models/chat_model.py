@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_chat_model", "corpus"]
+__all__ = ["CHATML_TEMPLATE", "SIZES", "SPECIAL_TOKENS", "build_chat_model", "corpus"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -45,8 +45,33 @@ _WORDS = (
 ).split()
 
 
-def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
-    """Deterministic training text for the BPE: word salad, arithmetic, and chat-shaped lines."""
+# Named shapes for ``build_chat_model(size=...)`` / ``--size``: "tiny" is the test model; "0.25b" is a
+# real-size Qwen3 (0.27B parameters, untied: 16 layers x 12.6M + 2 x 33.6M of 32k-token embeddings),
+# Qwen3-0.6B's width and head layout at 16 of its 28 layers and a 32k BPE vocabulary.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab_size=512, max_position=512,
+                 init_std=0.2),
+    "0.25b": dict(layers=16, hidden=1024, heads=16, kv_heads=8, intermediate=3072, vocab_size=32768,
+                  max_position=4096, init_std=0.05),
+}
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
+
+
+def _lexicon(n_words: int, rng: random.Random) -> list[str]:
+    """``n_words`` distinct made-up words of 1-4 syllables (the long tail a real vocabulary learns)."""
+    words: set[str] = set()
+    while len(words) < n_words:
+        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
+    return sorted(words)
+
+
+def corpus(n_lines: int = 4000, seed: int = 0, lexicon: int = 0) -> list[str]:
+    """Deterministic training text for the BPE: word salad, arithmetic, and chat-shaped lines.
+
+    ``lexicon`` > 0 adds ``n_lines`` more lines of made-up words (that many distinct ones, Zipf-like
+    frequencies): enough distinct text for a BPE of tens of thousands of tokens; 0 keeps the small
+    corpus (and so the tiny tokenizer) exactly as it was."""
     rng = random.Random(seed)
     lines = []
     for _ in range(n_lines):
@@ -64,6 +89,11 @@ def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
         else:
             lines.append(f"Guess a number between 1 and {rng.randint(10, 100)}: {rng.randint(1, 100)} is too "
                          f"{rng.choice(['high', 'low'])}.")
+    if lexicon > 0:
+        lex = _lexicon(lexicon, rng)
+        weights = [1.0 / (k + 1) for k in range(len(lex))]
+        for _ in range(n_lines):
+            lines.append(" ".join(rng.choices(lex, weights, k=rng.randint(4, 16))).capitalize() + ".")
     return lines
 
 
@@ -80,7 +110,10 @@ def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedT
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    # a real-size vocabulary needs more distinct text than the small corpus has merges for
+    big = vocab_size > 4096
+    text = corpus(n_lines=200_000, seed=seed, lexicon=vocab_size) if big else corpus(seed=seed)
+    tok.train_from_iterator(text, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,  # a chat model's turn ends with <|im_end|>
@@ -96,20 +129,24 @@ def build_chat_model(
     path: str | Path,
     *,
     arch: Literal["qwen3", "llama"] = "qwen3",
-    layers: int = 2,
-    hidden: int = 64,
-    heads: int = 2,
-    kv_heads: int = 1,
-    intermediate: int = 128,
-    vocab_size: int = 512,
-    max_position: int = 512,
-    init_std: float = 0.2,
+    size: str = "tiny",
     seed: int = 0,
+    **shape: Any,
 ) -> Path:
     """Write the chat model folder (module docstring) to ``path``; return it. Same ``seed``, same folder.
 
+    ``size`` names a shape of ``SIZES``; keyword ``shape`` entries (layers, hidden, heads, kv_heads,
+    intermediate, vocab_size, max_position, init_std) override single fields of it.
     head size = hidden / heads must be one vLLM's CPU attention supports (32, 64, ...).
     """
+    if size not in SIZES:
+        raise ValueError(f"build_chat_model: unknown size {size!r}; use one of {sorted(SIZES)}")
+    unknown = set(shape) - set(SIZES[size])
+    if unknown:
+        raise TypeError(f"build_chat_model: unknown shape fields {sorted(unknown)}; use {sorted(SIZES[size])}")
+    g = {**SIZES[size], **shape}
+    layers, hidden, heads, kv_heads = g["layers"], g["hidden"], g["heads"], g["kv_heads"]
+    intermediate, vocab_size, max_position, init_std = g["intermediate"], g["vocab_size"], g["max_position"], g["init_std"]
     import torch
     from transformers import GenerationConfig
 
@@ -162,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="write a small random-weight chat model folder (Qwen3 or Llama)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="a named shape (SIZES)")
+    ap.add_argument("--layers", type=int, default=None, help="override the size's number of layers")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    print(build_chat_model(a.out, arch=a.arch, seed=a.seed))
+    extra = {"layers": a.layers} if a.layers else {}
+    print(build_chat_model(a.out, arch=a.arch, size=a.size, seed=a.seed, **extra))
     return 0
 
 

@@ -1,0 +1,443 @@
+"""`flashrl doctor --gpu`: what can run on a GPU machine without vLLM, checked in one command.
+
+    flashrl doctor --gpu            the checks on CUDA (nccl); on a machine without CUDA every check SKIPs
+    flashrl doctor --device cpu     the same checks on the CPU (gloo): the check code itself, anywhere
+
+Checks, one output line each (``PASS|FAIL|SKIP  name  detail``), exit code 1 on any FAIL, else 0:
+
+    cuda              the device: torch's CUDA build, GPU count and names, bf16 support
+    weights           flashrl/wire/weights.py on the device: a seeded state dict (float32 + bfloat16, one
+                      tensor larger than a bucket) packed into buckets on the device; every bucket's
+                      checksum (sum16 on a GPU, sha256 on the CPU) equals the same algorithm's on a host
+                      copy; unpacking gives back every tensor bit for bit; a changed element and two
+                      swapped halves each change the checksum
+    trainer[world N]  flashrl/trainer/worker.py's Trainer in N processes (N = 1, and 2 where two GPUs
+                      exist; on the CPU both): FSDP2 (a GPU always shards: bf16 compute through FSDP2's
+                      mixed precision, float32 master weights), two training steps of a small Qwen3 chat
+                      model (loss finite, weights moved, version 2), logprobs finite
+    pack[world N]     the trainer's own weight-sync packing (Trainer.prepare_weights: gather, pack,
+                      checksums) of the trained weights: every bucket verifies, the names are the model's
+    dcp[world N]      Trainer.save_checkpoint after step 1 (DCP, atomic rename), step 2, load_checkpoint:
+                      the weights and version are step 1's again
+    broadcast         the weight sync's transport between two processes (nccl: needs two GPUs; gloo on
+                      the CPU): trainer/weights.py's WeightSender (rank 0) -> a receiver joined with
+                      wire/weights.py's join_group (rank 1) that verifies every bucket's checksum; the
+                      detail gives the bytes per second
+
+Each multi-process check runs in fresh child processes (``python -m flashrl.doctor worker ...``: the
+same entry a torchrun would use), reporting JSON lines into a file (msgspec; never pickle); every
+child has a deadline (``timeout_s``), past which it is killed and its check FAILs with its stderr tail.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["Check", "run_checks", "main"]
+
+Status = Literal["PASS", "FAIL", "SKIP"]
+
+
+class Check(msgspec.Struct):
+    """One check's outcome: what the command prints as one line."""
+
+    name: str
+    status: Status
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.status}  {self.name}  {self.detail}".rstrip()
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """What a doctor child process does (JSON in FLASHRL_DOCTOR_SPEC)."""
+
+    job: Literal["trainer", "broadcast"]
+    device: Literal["cuda", "cpu"]
+    model: str = ""
+    workdir: str
+    report: str  # JSON lines of Check, appended by this process
+    mib: float = 8.0  # broadcast: bytes to send
+
+
+# ---------------------------------------------------------------------- in-process checks
+def _device_check(device: str) -> Check:
+    import torch
+
+    if device == "cpu":
+        return Check("cuda", "SKIP", "--device cpu: the checks run on the CPU with gloo")
+    if not torch.cuda.is_available():
+        why = "torch has no CUDA build" if torch.version.cuda is None else "no GPU visible (torch.cuda.is_available() is False)"
+        return Check("cuda", "SKIP", f"{why}: no CUDA check can run here")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    bf16 = torch.cuda.is_bf16_supported()
+    status: Status = "PASS" if bf16 else "FAIL"
+    return Check("cuda", status, f"torch {torch.__version__} CUDA {torch.version.cuda}, {len(names)} GPU(s): "
+                                 f"{', '.join(names)}; bf16 {'supported' if bf16 else 'NOT supported (the trainer computes in bf16)'}")
+
+
+def seeded_state_dict(device: str, big_numel: int = 300_000, seed: int = 0) -> dict[str, Any]:
+    """A state dict of float32 and bfloat16 tensors (one larger than a 1 MiB bucket), the same for a seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "model.embed_tokens.weight": torch.randn(big_numel, generator=g).reshape(-1, 100),
+        "model.layers.0.mlp.weight": torch.randn(64, 48, generator=g),
+        "model.layers.0.norm.weight": torch.randn(48, generator=g).to(torch.bfloat16),
+        "model.layers.1.mlp.weight": torch.randn(512, 300, generator=g).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(37, 11, generator=g),
+    }
+    return {k: v.to(device) for k, v in sd.items()}
+
+
+def weights_check(device: str) -> Check:
+    """flashrl/wire/weights.py's packing and checksums on ``device`` (module docstring: weights)."""
+    import torch
+
+    from flashrl.wire.weights import bucket_checksum, build_manifest, unpack_bucket, verify_checksum
+
+    sd = seeded_state_dict(device)
+    manifest, flats = build_manifest(sd, 1, bucket_mb=1.0, tie_word_embeddings=False)
+    algo = "sha256" if device == "cpu" else "sum16"
+    problems = []
+    if len(flats) < 3:
+        problems.append(f"{len(flats)} buckets, expected >= 3 (two dtypes, one tensor over a bucket)")
+    seen = []
+    for b, flat in zip(manifest.buckets, flats):
+        if flat.device.type != device:
+            problems.append(f"a bucket on {flat.device}, not {device}")
+        if not b.checksum.startswith(algo + ":"):
+            problems.append(f"bucket checksum {b.checksum[:20]}... is not {algo}")
+        host = bucket_checksum(flat.cpu(), algo)
+        if host != b.checksum:
+            problems.append(f"{algo} on {device} {b.checksum} != on the host {host}")
+        if verify_checksum(flat, b.checksum) != b.checksum:
+            problems.append("verify_checksum disagrees with build_manifest")
+        for name, view in unpack_bucket(b, flat):
+            seen.append(name)
+            if not torch.equal(view, sd[name]):
+                problems.append(f"{name} unpacked differs from the original")
+        bad = flat.clone()
+        bad[bad.numel() // 2] += 1
+        if verify_checksum(bad, b.checksum) == b.checksum:
+            problems.append("a changed element kept the checksum")
+        half = flat.numel() // 2
+        swapped = torch.cat([flat[half : 2 * half], flat[:half], flat[2 * half :]])
+        if not torch.equal(swapped, flat) and verify_checksum(swapped, b.checksum) == b.checksum:
+            problems.append("swapped halves kept the checksum")
+    if sorted(seen) != sorted(sd):
+        problems.append(f"the buckets hold {sorted(seen)}, not {sorted(sd)}")
+    if problems:
+        return Check("weights", "FAIL", "; ".join(dict.fromkeys(problems)))
+    nbytes = sum(f.numel() * f.element_size() for f in flats)
+    return Check("weights", "PASS", f"{len(flats)} buckets ({nbytes / 2**20:.1f} MiB) on {device}, {algo} checksums "
+                                    "agree with the host's, unpack exact, corruption detected")
+
+
+# ---------------------------------------------------------------------- child processes
+def _report(spec: WorkerSpec, check: Check) -> None:
+    with open(spec.report, "ab") as f:
+        f.write(msgspec.json.encode(check) + b"\n")
+
+
+def _trainer_cfg(device: str) -> Any:
+    from flashrl.config import from_dict
+
+    return from_dict({
+        "model": {"dtype": "bfloat16" if device == "cuda" else "float32"},
+        "trainer": {"lr": 1e-3, "threads": 1, "warmup_steps": 0, "backend": "nccl" if device == "cuda" else "gloo"},
+        "algorithm": {"loss": "ppo"},
+        "rollout": {"temperature": 0.7},
+    })
+
+
+def _batch(step: int) -> Any:
+    """3 groups of 4 samples, two rewarded 1 and two 0 each: non-zero advantages, so the weights move."""
+    from flashrl.wire.protocol import TrainBatch, TrainSample
+
+    samples = []
+    for g in range(3):
+        prompt = [5, 10 + g, 11, 12]
+        for j, resp in enumerate(([20, 21, 22, 3], [30, 31, 3], [20, 21, 22, 3], [30, 31, 3])):
+            n = len(resp)
+            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n, behav_logp=[-3.0] * n,
+                                       versions=[step] * n, reward=1.0 - j % 2, group=g, sample_id=f"{g}-{j}"))
+    return TrainBatch(step=step, samples=samples)
+
+
+def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
+    """trainer / pack / dcp checks of one rank (every rank runs the same collectives; rank 0 reports)."""
+    import torch
+    import torch.distributed as dist
+
+    from flashrl.trainer.worker import Trainer
+    from flashrl.wire.rendezvous import init_default_group
+    from flashrl.wire.weights import unpack_bucket, verify_checksum
+
+    tag = f"[world {world}]"
+    device = torch.device("cpu")
+    if spec.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    init_default_group("nccl" if spec.device == "cuda" else "gloo", rank, world, datetime.timedelta(minutes=10))
+    try:
+        cfg = _trainer_cfg(spec.device)
+        torch.manual_seed(0)
+        trainer = Trainer(cfg, spec.model, device)
+        before = trainer.full_state_dict()
+        before = {k: v.clone() for k, v in before.items()}
+        t0 = time.perf_counter()
+        r1 = trainer.train_step(_batch(0))
+        ckpt = str(Path(spec.workdir) / "ckpt")
+        trainer.save_checkpoint(ckpt)
+        saved = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+        r2 = trainer.train_step(_batch(1))
+        step_s = time.perf_counter() - t0
+        after = {k: v.clone() for k, v in trainer.full_state_dict().items()}  # a plain model's are live views
+        lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
+        manifest = trainer.prepare_weights(trainer.version)
+        prepared = trainer._prepared
+        trainer.load_checkpoint(ckpt)
+        restored = trainer.full_state_dict()
+        if rank != 0:
+            return
+        # ---- trainer
+        problems = []
+        p = next(iter(trainer.model.parameters()))
+        if p.device.type != spec.device:
+            problems.append(f"parameters on {p.device}, not {spec.device}")
+        if spec.device == "cuda" and not trainer.sharded:
+            problems.append("a GPU trainer must be FSDP2-sharded (its bf16 mixed precision is FSDP2's)")
+        losses = [r.metrics["loss/policy"] for r in (r1, r2) if r is not None]
+        if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
+            problems.append(f"losses {losses}: expected two finite values")
+        if not any(not torch.equal(before[k], after[k]) for k in before):
+            problems.append("two steps left every weight unchanged")
+        if not all(math.isfinite(x) for x in lp):
+            problems.append(f"logprobs not finite: {lp}")
+        status: Status = "FAIL" if problems else "PASS"
+        detail = "; ".join(problems) or (
+            f"2 steps on {device}, {'FSDP2' if trainer.sharded else 'plain module'}, "
+            f"compute {cfg.model.dtype}, loss {losses[0]:.4f} -> {losses[1]:.4f}, {step_s:.1f}s")
+        _report(spec, Check(f"trainer{tag}", status, detail))
+        # ---- pack (the trainer's own weight-sync packing)
+        problems = []
+        if manifest is None or prepared is None:
+            problems.append("prepare_weights returned nothing on rank 0")
+        else:
+            names = []
+            for b, flat in zip(manifest.buckets, prepared[1]):
+                if verify_checksum(flat, b.checksum) != b.checksum:
+                    problems.append(f"bucket of {b.tensors[0].name} fails its own checksum")
+                for name, view in unpack_bucket(b, flat):
+                    names.append(name)
+                    if not torch.equal(view.cpu(), after[name].to(view.dtype).cpu()):
+                        problems.append(f"{name} packed differs from the state dict")
+            want = [k for k in after if not (trainer.tie_word_embeddings and k == "lm_head.weight")]
+            if sorted(names) != sorted(want):
+                problems.append(f"packed names {sorted(set(want) ^ set(names))} differ from the model's")
+        algos = sorted({b.checksum.split(":")[0] for b in manifest.buckets}) if manifest else []
+        _report(spec, Check(f"pack{tag}", "FAIL" if problems else "PASS", "; ".join(dict.fromkeys(problems)) or
+                            f"{len(manifest.buckets) if manifest else 0} buckets, {'/'.join(algos)} verified, "
+                            f"gather {manifest.timings.get('gather_s', 0):.3f}s pack {manifest.timings.get('pack_s', 0):.3f}s"
+                            if manifest else ""))
+        # ---- dcp
+        problems = []
+        if not Path(ckpt).is_dir() or Path(ckpt + ".tmp").exists():
+            problems.append(f"{ckpt} not renamed into place")
+        if trainer.version != 1:
+            problems.append(f"version {trainer.version} after loading step 1's checkpoint")
+        changed = [k for k in saved if not torch.equal(saved[k], restored[k])]
+        if changed:
+            problems.append(f"{len(changed)} tensors differ from the saved ones after load (e.g. {changed[0]})")
+        if not any(not torch.equal(saved[k], after[k]) for k in saved):
+            problems.append("step 2 changed nothing, so the load proved nothing")
+        _report(spec, Check(f"dcp{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
+                            f"save (atomic), step, load on {device}: weights and version restored exactly"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _broadcast_job(spec: WorkerSpec, rank: int) -> None:
+    """Rank 0 sends with WeightSender; rank 1 joins with join_group, receives and verifies each bucket."""
+    import torch
+
+    from flashrl.trainer.weights import WeightSender
+    from flashrl.wire.weights import build_manifest, join_group, verify_checksum
+
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    device = "cpu"
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    numel = max(1000, int(spec.mib * 2**20 / 4))
+    # both ranks build the same seeded state dict: rank 1 knows the manifest it must receive
+    sd = seeded_state_dict(device, big_numel=numel - numel % 100)
+    manifest, flats = build_manifest(sd, 1, bucket_mb=64.0, tie_word_embeddings=False)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    nbytes = sum(f.numel() * f.element_size() for f in flats)
+    if rank == 0:
+        sender = WeightSender()
+        sender.join("doctor", addr, port, backend, 300.0)
+        seconds, failed = sender.send(flats)
+        sender.close()
+        if failed:
+            _report(spec, Check("broadcast", "FAIL", f"sender: {failed}"))
+        return
+    group = join_group(addr, port, 1, 2, backend, 300.0)
+    from flashrl.wire.weights import DTYPES
+
+    problems = []
+    t0 = time.perf_counter()
+    received = []
+    for b in manifest.buckets:
+        buf = torch.zeros(b.numel, dtype=DTYPES[b.dtype], device=device)
+        group.broadcast(buf, 0).wait()  # type: ignore[union-attr]  # bound in C++, not in torch stubs
+        received.append(buf)
+    if spec.device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    for b, buf in zip(manifest.buckets, received):
+        if verify_checksum(buf, b.checksum) != b.checksum:
+            problems.append(f"bucket of {b.tensors[0].name} arrived with another checksum")
+    _report(spec, Check("broadcast", "FAIL" if problems else "PASS", "; ".join(problems) or
+                        f"{backend}: {len(received)} buckets, {nbytes / 2**20:.0f} MiB in {seconds:.3f}s "
+                        f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), every checksum verified on {device}"))
+
+
+def worker_main(argv: list[str]) -> int:
+    """``python -m flashrl.doctor worker RANK WORLD`` (spec in FLASHRL_DOCTOR_SPEC, torchrun's variables set)."""
+    spec = msgspec.json.decode(os.environ["FLASHRL_DOCTOR_SPEC"], type=WorkerSpec)
+    rank, world = int(argv[0]), int(argv[1])
+    if spec.job == "trainer":
+        _trainer_job(spec, rank, world)
+    else:
+        _broadcast_job(spec, rank)
+    return 0
+
+
+def _spawn(spec: WorkerSpec, world: int, names: list[str], timeout_s: float) -> list[Check]:
+    """Run ``world`` children of ``spec`` to completion (or the deadline); their reported checks, and a
+    FAIL for each expected name (``names``) no child reported."""
+    from flashrl.wire.transport import free_port
+
+    Path(spec.report).unlink(missing_ok=True)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "FLASHRL_DOCTOR_SPEC": msgspec.json.encode(spec).decode(), "OMP_NUM_THREADS": "1"}
+    procs = []
+    logs = []
+    for rank in range(world):
+        log = open(Path(spec.workdir) / f"{spec.job}-{world}-rank{rank}.log", "w+b")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "flashrl.doctor", "worker", str(rank), str(world)],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.wait()
+            break
+    found = []
+    if Path(spec.report).exists():
+        for line in Path(spec.report).read_bytes().splitlines():
+            found.append(msgspec.json.decode(line, type=Check))
+    tail = ""
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+        log.close()
+        if p.returncode != 0 or timed_out:
+            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+            tail += f" | rank {rank} exit {p.returncode}: {' / '.join(lines[-3:])[-600:]}"
+    why = (f"timed out after {timeout_s:.0f}s (--timeout)" if timed_out else "not reported") + tail
+    have = {c.name for c in found}
+    out = [Check(c.name, "FAIL", c.detail + tail) if c.status == "PASS" and tail else c for c in found]
+    return out + [Check(n, "FAIL", why) for n in names if n not in have]
+
+
+# ---------------------------------------------------------------------- the command
+def run_checks(device: Literal["cuda", "cpu"], timeout_s: float = 600.0, workdir: str | None = None,
+               on_check: Callable[[Check], None] | None = None, worlds: tuple[int, ...] = (1, 2)) -> list[Check]:
+    """Every check of the module docstring on ``device``; a CUDA request without CUDA SKIPs them all.
+
+    ``worlds``: the trainer world sizes to check (a test runs (1,) to stay short)."""
+    results: list[Check] = []
+
+    def emit(checks: Iterator[Check] | list[Check]) -> None:
+        for c in checks:
+            results.append(c)
+            if on_check is not None:
+                on_check(c)
+
+    first = _device_check(device)
+    emit([first])
+    names = ["weights", *(f"{c}[world {w}]" for w in worlds for c in ("trainer", "pack", "dcp")), "broadcast"]
+    if device == "cuda" and first.status != "PASS":
+        why = "CUDA is not usable here (see the cuda line)" if first.status == "FAIL" else "no CUDA device"
+        emit([Check(n, "SKIP", why) for n in names])
+        return results
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    two = device == "cpu" or gpus >= 2
+    not_two = f"needs 2 GPUs, this machine has {gpus}"
+    try:
+        emit([weights_check(device)])
+    except Exception as e:  # noqa: BLE001 - a crashing check is that check's FAIL, the others still run
+        emit([Check("weights", "FAIL", f"{type(e).__name__}: {e}")])
+    with tempfile.TemporaryDirectory(prefix="flashrl-doctor-", dir=workdir) as tmp:
+        from flashrl.models.chat_model import build_chat_model
+
+        model = str(build_chat_model(Path(tmp) / "model", size="tiny"))
+        for world in worlds:
+            tag = f"[world {world}]"
+            group = [f"trainer{tag}", f"pack{tag}", f"dcp{tag}"]
+            if world == 2 and not two:
+                emit([Check(n, "SKIP", not_two) for n in group])
+                continue
+            wd = Path(tmp) / f"trainer{world}"
+            wd.mkdir()
+            spec = WorkerSpec(job="trainer", device=device, model=model, workdir=str(wd), report=str(wd / "report.jsonl"))
+            emit(_spawn(spec, world, group, timeout_s))
+        if not two:
+            emit([Check("broadcast", "SKIP", f"nccl between two processes {not_two}")])
+        else:
+            wd = Path(tmp) / "broadcast"
+            wd.mkdir()
+            spec = WorkerSpec(job="broadcast", device=device, workdir=str(wd), report=str(wd / "report.jsonl"),
+                              mib=256.0 if device == "cuda" else 8.0)
+            emit(_spawn(spec, 2, ["broadcast"], timeout_s))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker_main(argv[1:])
+    print("usage: flashrl doctor [--gpu] [--device cuda|cpu]  (this module's children: python -m flashrl.doctor worker RANK WORLD)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
