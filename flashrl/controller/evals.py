@@ -116,34 +116,32 @@ class Evals:
         if self._done is not None:
             await self._done.wait()
 
-    @contextlib.contextmanager
-    def trainer_waits(self, *, blocked: bool) -> Iterator[None]:
+    def trainer_waits(self, *, blocked: bool) -> contextlib.AbstractContextManager[None]:
         """A wait of the train loop; ``blocked``: only the running eval's end can end it (a batch no
         sample can be fresh for, a sync queued behind it). Its seconds up to the eval's end (after it,
         the loop waits as it does without evals) are charged to the eval, the run's total and the next
         step record (take_step_wait)."""
-        if blocked:
-            self._trainer_wait.since = self._clock()
-        try:
-            yield
-        finally:
-            self._charge_trainer()
+        return self._waiting(self._trainer_wait, blocked, self._charge_trainer)
 
     def take_step_wait(self) -> float:
         """The train loop's eval-caused wait since the last call (a step record's time/eval_wait_s)."""
         out, self._step_wait = self._step_wait, 0.0
         return out
 
-    @contextlib.contextmanager
-    def generation_waits(self, *, idle: bool) -> Iterator[None]:
+    def generation_waits(self, *, idle: bool) -> contextlib.AbstractContextManager[None]:
         """A wait of the admission loop; ``idle``: no training rollout is generating. While an eval runs,
         that idle time up to the wait's end (or the eval's) is the eval's cost."""
-        if idle and self.running:
-            self._gen_wait.since = self._clock()
+        return self._waiting(self._gen_wait, idle and self.running, self._charge_gen)
+
+    @contextlib.contextmanager
+    def _waiting(self, wait: _Wait, timed: bool, charge: Callable[[], None]) -> Iterator[None]:
+        """A wait, timed on ``wait`` from now when ``timed``; ``charge`` books it at its end."""
+        if timed:
+            wait.since = self._clock()
         try:
             yield
         finally:
-            self._charge_gen()
+            charge()
 
     def _charge_trainer(self) -> None:
         seconds = self._trainer_wait.charge()
