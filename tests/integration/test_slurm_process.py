@@ -19,36 +19,9 @@ from flashrl.config import load
 from flashrl.launch import slurm, slurm_job, slurm_node
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.transport import free_port
-from tests.unit.test_slurm import _agent_cfg, render_4node
+from tests.unit.test_slurm import GPU_4NODE, _agent_cfg, render_4node
 
 ROOT = Path(__file__).resolve().parents[2]
-
-GPU_4NODE = """
-[run]
-name = "qwen-4node"
-[model]
-path = "/models/Qwen2.5-7B-Instruct"
-dtype = "bfloat16"
-[engine]
-count = 16
-device = "cuda"
-[trainer]
-ranks = 16
-backend = "nccl"
-[cluster]
-launcher = "slurm"
-interface = "auto"
-[cluster.slurm]
-nodes = 4
-gpus_per_node = 8
-partition = "gpu"
-account = "rl-team"
-time = "12:00:00"
-sbatch = ["--qos=high", "--constraint=h100"]
-setup = ["module load cuda/12.4"]
-"""
-
-
 
 
 def test_cli_refuses_a_layout_that_does_not_fit_and_writes_nothing(tmp_path: Path) -> None:
