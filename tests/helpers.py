@@ -1,12 +1,16 @@
-"""Helpers several test modules share (process checks, the trainer tests' config and weights).
+"""Helpers several test modules share (process checks, an event-loop liveness probe, the trainer tests'
+config and weights).
 
 Fixtures live in conftest.py (the tiny model, a world-1 gloo group); plain functions here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,31 @@ def process_gone(pid: int) -> bool:
         return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
+
+
+class Ticks:
+    """How many sleeps of one interval a task on the event loop completed (``ticking``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@contextlib.asynccontextmanager
+async def ticking(interval_s: float) -> AsyncIterator[Ticks]:
+    """``async with ticking(0.05) as ticks:`` counts, in ``ticks.count``, the ``interval_s`` sleeps a task on
+    the running loop completes inside the block: work that blocks the event loop keeps the count low."""
+    ticks = Ticks()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            ticks.count += 1
+
+    task = asyncio.create_task(tick())
+    try:
+        yield ticks
+    finally:
+        task.cancel()
 
 
 def trainer_config(tmp: Path, algorithm: dict[str, object] | None = None, **trainer: object) -> Config:

@@ -1,19 +1,16 @@
 """The controller: every scheduling decision of a run, in one asyncio process. This module holds the
 loops and shutdown; each other job is a part of its own, wired here:
 
+    feed.py        Feed              the admission loop, a group task per prompt, the wait for a batch
     publisher.py   WeightPublisher   prepare, broadcast, verify each version; frees a batch's slots
     supervisor.py  EngineSupervisor  engine deaths, restarts, a restarted engine's catch-up; the watcher
     evals.py       Evals             held-out evals on exactly the evaluated weights
     ledger.py      Ledger            step records, histories, meters, the checkpoint state
     rollout.py     RolloutContext    what every rollout shares (built complete when run() starts)
 
-    admission loop ──admit(uid, task)──> SampleBuffer ──> group task per prompt (rollout.run_group)
-      waits: buffer.changed()              ^   |              rollouts -> engines (Router)
-      admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
-                                           |   v
-    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task (stale = drop)
-      waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating),
-             the trainer, the last sync (never for an eval: evals.py)
+    admission loop (feed.py) ──> SampleBuffer <── group task per prompt (rollout.run_group)
+    train loop (host of the task group) ──feed.next_batch(step)──> batch
+      waits: for a batch (feed.py), the trainer, the last sync (never for an eval: evals.py)
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
          multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
          rollout.py), instead of letting them finish
@@ -61,31 +58,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flashrl.aio import shielded
+from flashrl.aio import shielded, supervised
 from flashrl.checkpoint import ControllerState
 from flashrl.config import Config
-from flashrl.controller.buffer import Group, GroupState, SampleBuffer
+from flashrl.controller.buffer import Group, SampleBuffer
 from flashrl.controller.evals import Evals
+from flashrl.controller.feed import Feed
 from flashrl.controller.ledger import Ledger, RunMeters, RunSummary
 from flashrl.controller.publisher import WeightPublisher
-from flashrl.controller.rollout import RolloutContext, run_group
+from flashrl.controller.rollout import RolloutContext
 from flashrl.controller.scheduler import Admission, DataStream, Router
 from flashrl.controller.supervisor import EngineSupervisor
-from flashrl.controller.types import Published, Trajectory
+from flashrl.controller.types import Published
 from flashrl.core.records import StepRecord
 from flashrl.core.staleness import Staleness
 from flashrl.env import Closable, EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
 from flashrl.metrics import Snapshot
 from flashrl.wire.protocol import TrainBatch
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Controller", "RunSummary"]
 
@@ -101,11 +95,12 @@ class Controller:
     receives one flashrl.core.records.StepRecord per step (ledger.Ledger.step_record).
     """
 
-    # made when run() starts (the meters read the loop's clock at once; the context and the evals
-    # are built complete, with them)
+    # made when run() starts (the meters read the loop's clock at once; the context, the evals and
+    # the feed are built complete, with them)
     meters: RunMeters
     ctx: RolloutContext
     evals: Evals
+    feed: Feed
 
     def __init__(
         self,
@@ -160,14 +155,12 @@ class Controller:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # the group's live tasks (cancelled at shutdown)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing = False
         self._ran = False
         self._t0 = 0.0
         self._t_end: float | None = None  # set when run() ends (the clock then stops there)
         # Checkpoints (flashrl/checkpoint.py): a CheckpointWriter, or None (no checkpoints: tests, bench).
         self.checkpoints = checkpoints
         self._stop_requested = False
-        self._eval_wait = 0.0  # what the loop waited because of evals since the last step (time/eval_wait_s)
         if resume is not None:
             self._restore(resume)
 
@@ -204,6 +197,8 @@ class Controller:
         )
         self.evals = Evals(self.cfg, self.eval_tasks, self.ctx, self.ledger, self.publisher, clock=self._clock,
                            spawn=self._spawn, on_samples=self.on_samples)
+        self.feed = Feed(self.cfg, self.buffer, self.stream, self.admission, self.ctx, self.meters, self.evals,
+                         self.publisher, clock=self._clock, spawn=self._spawn, stopped=lambda: self._stop_requested)
         stop = "steps"
         try:
             if self.ledger.resumed_from is not None:
@@ -211,26 +206,20 @@ class Controller:
                 # before the first request, so every sample is generated by the policy it is labelled with.
                 self.status = "loading checkpoint weights"
                 await self.publisher.sync_now(self.version)
-            async with asyncio.TaskGroup() as tg:
+            async with supervised() as tg:  # a lone error (or one seen by several tasks) raises as itself
                 self._tg = tg
                 self.supervisor.start()
-                self._spawn(self._admission_loop(), "admission")
+                self._spawn(self.feed.admission_loop(), "admission")
                 self._spawn(self.supervisor.watch(), "watch")
                 self.status = "running"
                 log.info("controller running: first rollouts requested")  # start-up ends here (bench steptime)
                 stop = await self._train_loop()
                 # close -> cancel -> wait: no new work, cancel every task, the group waits for all.
                 self.status = "stopping"
-                self._closing = True
+                self.feed.close()
                 self.supervisor.stop()
                 for t in list(self._tasks):
                     t.cancel()
-        except BaseExceptionGroup as eg:
-            self.status = "crashed"
-            errors = [e for e in _leaves(eg) if not isinstance(e, asyncio.CancelledError)]
-            if len({(type(e), str(e)) for e in errors}) == 1:  # one failure, seen by several tasks
-                raise errors[0] from None
-            raise
         except BaseException:
             self.status = "crashed"
             raise
@@ -290,48 +279,6 @@ class Controller:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    # ------------------------------------------------------------------ admission and groups
-    async def _admission_loop(self) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        while not self._closing:
-            b = self.buffer
-            for _ in range(self.admission.admit_count(b.outstanding, b.capacity, b.generating)):
-                uid, task = self.stream.next()
-                g = b.admit(uid, task, loop.time())
-                self._launch(g, g.need)
-            # no training rollout generating while an eval runs: generation waits for the eval's end
-            if b.generating == 0 and self.evals.running:
-                self.evals.generation_idle()
-            try:
-                await b.changed()
-            finally:
-                self.evals.generation_resumed()
-
-    def _launch(self, g: Group, need: int) -> None:
-        extra = self.cfg.rollout.redundancy
-        first = self.buffer.start(g, need + extra)
-        self._spawn(self._group_task(g, need, first, extra), f"group {g.uid}")
-
-    async def _group_task(self, g: Group, need: int, first: int, extra: int) -> None:
-        ok = await run_group(
-            self.ctx,
-            task=g.task,
-            group=g.uid,
-            need=need,
-            first_index=first,
-            extra=extra,
-            temperature=self.cfg.rollout.temperature,
-            on_sample=self._on_sample,
-        )
-        if not ok and g.state is GroupState.RUNNING:
-            log.info("group %d dropped: fewer than %d rollouts succeeded", g.uid, need)
-            self.buffer.drop(g, "unfillable")
-
-    def _on_sample(self, t: Trajectory) -> None:
-        if self.buffer.add(t, self._clock()):
-            self.meters.samples.add()
-
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> str:
         cfg = self.cfg
@@ -356,15 +303,14 @@ class Controller:
         checkpoint_due: int | None = None  # the step a checkpoint is postponed from (an eval was running)
         try:
             for s in range(self.version, cfg.run.steps):
-                batch = None if self._stop_requested else await self._next_batch(s, deadline)
+                batch = None if self._stop_requested else await self.feed.next_batch(s, deadline)
                 if batch is None:
                     stop = "interrupted" if self._stop_requested else "max_time"
                     break
                 if held is not None:
                     self.publisher.release(held)
                     held = None
-                eval_wait, self._eval_wait = self._eval_wait, 0.0
-                record = await self._train_step(s, batch, last_end, eval_wait)
+                record = await self._train_step(s, batch, last_end)
                 last_end = now = self._clock()
                 final = s + 1 == cfg.run.steps or now >= deadline
                 if (cfg.run.eval_every and self.version % cfg.run.eval_every == 0) or final:
@@ -421,7 +367,7 @@ class Controller:
         await self.evals.quiesce()
         await self.publisher.flush()
 
-    async def _train_step(self, s: int, batch: list[Group], last_end: float, eval_wait_s: float) -> StepRecord:
+    async def _train_step(self, s: int, batch: list[Group], last_end: float) -> StepRecord:
         """Train ``batch`` as step ``s`` and start publishing version s+1; the step's record.
 
         weight_sync.overlap (default): the sync of s+1 (the broadcast and every engine's load) runs
@@ -434,11 +380,10 @@ class Controller:
         result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
         train_s = self._clock() - t0
         p = self.publisher.pending
-        if p is not None and p.deferred and p.pinned:  # an eval due for it waits for the running one
-            self.evals.trainer_blocked()
-        # version s on every engine (it ran beside this step's training), unless an eval holds it back
-        wait_s = await self.publisher.wait()
-        eval_wait_s += self.evals.trainer_unblocked()
+        # version s on every engine (it ran beside this step's training), unless an eval holds it back;
+        # blocked: an eval due for it waits for the running one
+        with self.evals.trainer_waits(blocked=p is not None and p.deferred and p.pinned):
+            wait_s = await self.publisher.wait()
         t1 = self._clock()
         manifest, phases = await self.publisher.prepare(s + 1)
         # now, before rollouts are dispatched to a dead engine meanwhile
@@ -455,35 +400,9 @@ class Controller:
         record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
                                          elapsed=self._clock() - self._t0, sync={"wait_s": wait_s, **phases})
         assert record.batch is not None
-        record.batch.eval_wait_s = eval_wait_s
+        record.batch.eval_wait_s = self.evals.take_step_wait()  # since the last step's (its checkpoint's too)
         self.publisher.attach(pending, record)
         return record
-
-    async def _next_batch(self, step: int, deadline: float) -> list[Group] | None:
-        """The batch of ``step`` (None: stopped or past the deadline). ``self._eval_wait``: the part of
-        the wait an eval caused: while the engines are held at a version too old for this step
-        (staleness.oldest(step) above it), no sample can be fresh before the eval ends."""
-        try:
-            async with asyncio.timeout_at(deadline if math.isfinite(deadline) else None):
-                while not self._stop_requested:
-                    batch, refills = self.buffer.take_batch(step)
-                    for g in refills:
-                        self._launch(g, g.missing)
-                    if batch is not None:
-                        # From now on only steps > ``step`` can take a sample (staleness.next_step):
-                        # cancel the rollouts this already makes too stale, rather than finish them.
-                        self.ctx.abort_stale()
-                        return batch
-                    held = self.publisher.held
-                    if held is not None and self.staleness.oldest(step) > held:
-                        self.evals.trainer_blocked()
-                    try:
-                        await self.buffer.changed()
-                    finally:
-                        self._eval_wait += self.evals.trainer_unblocked()
-                return None
-        except TimeoutError:
-            return None
 
     # ------------------------------------------------------------------ checkpoints
     async def _checkpoint(self, held: StepRecord | None) -> None:
@@ -495,9 +414,8 @@ class Controller:
         # older weights runs (its record could not wait in the checkpoint: ledger.state); an eval of
         # this version may (its record waits in the checkpoint, pending_eval).
         if self._older_eval():
-            self.evals.trainer_blocked()
-            await self._drain()
-            self._eval_wait += self.evals.trainer_unblocked()  # an eval-caused wait of the next step
+            with self.evals.trainer_waits(blocked=True):  # an eval-caused wait of the next step
+                await self._drain()
         else:
             await self.publisher.wait()
         state = self.state(held)
@@ -540,8 +458,3 @@ class Controller:
             snap.eval_gen_wait_s, snap.eval_running = self.evals.gen_wait_s, self.evals.running
         return snap
 
-
-def _leaves(e: BaseException) -> list[BaseException]:
-    if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
-    return [e]

@@ -9,6 +9,7 @@ off the training path: the trainer never waits for an eval while it has fresh sa
                  and its cost into the record ──> ledger.emit(record) ──> publisher.unhold(version):
                  the newest version the trainer made meanwhile loads at once (one sync)
     train loop ──quiesce()──> waits for every eval started, only before a checkpoint and at the end
+    train loop, admission loop (feed.py) ──trainer_waits / generation_waits──> what an eval cost them
 
 Why the trainer need not wait: while the eval holds the engines at v, training rollouts go on
 generating with v (tagged v), and the trainer takes them for up to async_ratio steps beyond v (the
@@ -33,8 +34,9 @@ the buffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from flashrl.config import Config
@@ -47,6 +49,24 @@ from flashrl.core.records import EvalStats, StepRecord
 __all__ = ["Evals"]
 
 log = logging.getLogger(__name__)
+
+
+class _Wait:
+    """A wait an eval causes, on the loop's clock: in progress since ``since`` (None: none), charged at
+    its end or at the eval's end, whichever comes first (what follows the eval's end is not its cost)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.since: float | None = None
+        self.total = 0.0  # over the run
+
+    def charge(self) -> float:
+        """The seconds since ``since`` (0.0: none in progress), added to ``total``; no longer timed."""
+        if self.since is None:
+            return 0.0
+        seconds, self.since = self._clock() - self.since, None
+        self.total += seconds
+        return seconds
 
 
 class Evals:
@@ -69,11 +89,9 @@ class Evals:
         self._running: EvalStats | None = None  # the running eval's stats: its costs accumulate here
         # the run's totals over every finished eval (the run summary's, the dashboard's)
         self.total_s = 0.0
-        self.trainer_wait_s = 0.0
-        self.gen_wait_s = 0.0
-        self._blocked_since: float | None = None  # the train loop waits for the running eval since then
-        self._blocked_acc = 0.0  # seconds of the current wait charged so far
-        self._idle_since: float | None = None  # no training rollout generating, during an eval, since then
+        self._trainer_wait = _Wait(clock)  # the train loop waits for the running eval
+        self._gen_wait = _Wait(clock)  # no training rollout generating during an eval
+        self._step_wait = 0.0  # the train loop's eval-caused wait not yet in a step record
 
     def start(self, record: StepRecord, version: int) -> None:
         """Evaluate ``version`` into ``record`` (no held-out tasks: the record goes out as it is)."""
@@ -98,44 +116,53 @@ class Evals:
         if self._done is not None:
             await self._done.wait()
 
-    def trainer_blocked(self) -> None:
-        """The train loop starts a wait that only the running eval's end can end (a batch no sample can
-        be fresh for, a sync queued behind it)."""
-        self._blocked_since = self._clock()
+    def trainer_waits(self, *, blocked: bool) -> contextlib.AbstractContextManager[None]:
+        """A wait of the train loop; ``blocked``: only the running eval's end can end it (a batch no
+        sample can be fresh for, a sync queued behind it). Its seconds up to the eval's end (after it,
+        the loop waits as it does without evals) are charged to the eval, the run's total and the next
+        step record (take_step_wait)."""
+        return self._waiting(self._trainer_wait, blocked, self._charge_trainer)
 
-    def trainer_unblocked(self) -> float:
-        """That wait ended: the seconds of it the eval caused (up to the eval's end; after it, the loop
-        waits for generation as it does without evals), charged to the eval and the run's total."""
-        self._charge_blocked()
-        out, self._blocked_acc = self._blocked_acc, 0.0
+    def take_step_wait(self) -> float:
+        """The train loop's eval-caused wait since the last call (a step record's time/eval_wait_s)."""
+        out, self._step_wait = self._step_wait, 0.0
         return out
 
-    def _charge_blocked(self) -> None:
-        if self._blocked_since is None:
-            return
-        seconds = self._clock() - self._blocked_since
-        self._blocked_since = None
+    def generation_waits(self, *, idle: bool) -> contextlib.AbstractContextManager[None]:
+        """A wait of the admission loop; ``idle``: no training rollout is generating. While an eval runs,
+        that idle time up to the wait's end (or the eval's) is the eval's cost."""
+        return self._waiting(self._gen_wait, idle and self.running, self._charge_gen)
+
+    @contextlib.contextmanager
+    def _waiting(self, wait: _Wait, timed: bool, charge: Callable[[], None]) -> Iterator[None]:
+        """A wait, timed on ``wait`` from now when ``timed``; ``charge`` books it at its end."""
+        if timed:
+            wait.since = self._clock()
+        try:
+            yield
+        finally:
+            charge()
+
+    def _charge_trainer(self) -> None:
+        seconds = self._trainer_wait.charge()
+        self._step_wait += seconds
         if self._running is not None:
             self._running.trainer_wait_s += seconds
-        self.trainer_wait_s += seconds
-        self._blocked_acc += seconds
 
-    def generation_idle(self) -> None:
-        """No training rollout is generating while an eval runs (the admission loop waits from now)."""
-        self._idle_since = self._clock()
-
-    def generation_resumed(self) -> None:
-        """The admission loop's wait ended: its idle seconds up to now (or the eval's end) are charged."""
-        self._charge_idle()
-
-    def _charge_idle(self) -> None:
-        if self._idle_since is None:
-            return
-        seconds = self._clock() - self._idle_since
-        self._idle_since = None
+    def _charge_gen(self) -> None:
+        seconds = self._gen_wait.charge()
         if self._running is not None:
             self._running.gen_wait_s += seconds
-        self.gen_wait_s += seconds
+
+    @property
+    def trainer_wait_s(self) -> float:
+        """The train loop's waits caused by evals, over the run."""
+        return self._trainer_wait.total
+
+    @property
+    def gen_wait_s(self) -> float:
+        """Idle generation during evals, over the run."""
+        return self._gen_wait.total
 
     async def _eval(self, version: int, record: StepRecord, prev: asyncio.Event | None, done: asyncio.Event) -> None:
         results: list[Trajectory] = []
@@ -169,8 +196,8 @@ class Evals:
             self._on_samples([self.ledger.sample_line("eval", record.step, t, self.tasks[-1 - t.group]) for t in firsts])
         ev.eval_s = self._clock() - t0
         self.total_s += ev.eval_s
-        self._charge_blocked()  # a wait of the train loop for this eval ends here
-        self._charge_idle()  # so does idle generation because of it
+        self._charge_trainer()  # a wait of the train loop for this eval ends here
+        self._charge_gen()  # so does idle generation because of it
         self._running = None
         record.eval = ev
         self.ledger.emit(record)

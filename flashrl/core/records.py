@@ -80,6 +80,21 @@ _BATCH_KEYS: dict[str, str] = {
     "lineage/updates_spanned_mean": "updates_spanned_mean",
     "lineage/interrupted_frac": "interrupted_frac",
 }
+# The other keys that read back into one field each (from_dict): BatchStats' optional or later
+# fields, and EvalStats' (to_dict writes them where the module doc says, around the prefixed ones).
+_BATCH_MORE_KEYS: dict[str, str] = {
+    "time/train/transport_s": "transport_s",
+    "time/checkpoint_s": "checkpoint_s",
+    "time/eval_wait_s": "eval_wait_s",
+}
+_EVAL_KEYS: dict[str, str] = {
+    "eval/accuracy": "accuracy",
+    "eval/reward_mean": "reward_mean",
+    "time/eval_s": "eval_s",
+    "time/eval/trainer_wait_s": "trainer_wait_s",
+    "time/eval/gen_wait_s": "gen_wait_s",
+    "eval/engine_share": "engine_share",
+}
 
 
 def _metric_key(prefix: str, name: str) -> str:
@@ -220,24 +235,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 fixed[_BATCH_KEYS[k]] = v
             elif k == "prompt_uids":
                 fixed["prompt_uids"] = list(v)
-            elif k == "time/train/transport_s":
-                fixed["transport_s"] = v
-            elif k == "time/checkpoint_s":
-                fixed["checkpoint_s"] = v
-            elif k == "time/eval_wait_s":
-                fixed["eval_wait_s"] = v
-            elif k == "eval/accuracy":
-                ev["accuracy"] = v
-            elif k == "eval/reward_mean":
-                ev["reward_mean"] = v
-            elif k == "time/eval_s":
-                ev["eval_s"] = v
-            elif k == "time/eval/trainer_wait_s":
-                ev["trainer_wait_s"] = v
-            elif k == "time/eval/gen_wait_s":
-                ev["gen_wait_s"] = v
-            elif k == "eval/engine_share":
-                ev["engine_share"] = v
+            elif k in _BATCH_MORE_KEYS:
+                fixed[_BATCH_MORE_KEYS[k]] = v
+            elif k in _EVAL_KEYS:
+                ev[_EVAL_KEYS[k]] = v
             elif k == "mem/total_gib":
                 memory = v
             elif k.startswith("eval/reward/"):

@@ -16,6 +16,7 @@ import pytest
 
 import envs.sandbox as sandbox
 from envs.sandbox import _UID_BASE, SandboxLimits, SandboxUnavailable, run_sandboxed
+from tests.helpers import ticking
 
 FAST = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256, nproc=8)
 ROOT = os.geteuid() == 0
@@ -56,19 +57,10 @@ async def test_infinite_loop_hits_the_cpu_limit() -> None:
 
 
 async def test_sleeping_forever_hits_the_wall_clock_and_does_not_block_the_loop() -> None:
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.05)
-            ticks += 1
-
-    t = asyncio.create_task(ticker())
-    r = await run_sandboxed("import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=0.5))
-    t.cancel()
+    async with ticking(0.05) as ticks:
+        r = await run_sandboxed("import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=0.5))
     assert r.status == "timeout" and 0.5 <= r.seconds < 3.0
-    assert ticks >= 6  # the event loop kept running while the child slept
+    assert ticks.count >= 6  # the event loop kept running while the child slept
 
 
 async def test_memory_bomb_is_memory() -> None:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from flashrl.rewards import RewardFailed, RewardRunner
+from tests.helpers import ticking
 from tests.unit import test_rewards
 from tests.unit.test_rewards import ROW, score
 
@@ -24,20 +25,11 @@ async def test_sync_reward_runs_off_the_event_loop(user: str) -> None:
     assert p.metrics["pid"] != float(os.getpid()) and p.metrics["main_thread"] == 1.0
     # a slow reward does not stall the loop: a ticker keeps ticking while 2 run in threads
     r = RewardRunner(f"{user}:slow", timeout_s=0.5, workers=2)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    tick = asyncio.create_task(ticker())
-    results = await asyncio.gather(r.score(ROW, "a"), r.score(ROW, "b"), return_exceptions=True)
-    tick.cancel()
+    async with ticking(0.01) as ticks:
+        results = await asyncio.gather(r.score(ROW, "a"), r.score(ROW, "b"), return_exceptions=True)
     await r.aclose()
     assert all(isinstance(e, RewardFailed) and e.reason == "reward_timeout" for e in results)
-    assert ticks >= 20
+    assert ticks.count >= 20
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])

@@ -18,37 +18,11 @@ import pytest
 from flashrl.config import load
 from flashrl.launch import slurm, slurm_job, slurm_node
 from flashrl.wire.keys import CurveKeys
-from flashrl.wire.transport import free_port
-from tests.unit.test_slurm import _agent_cfg, render_4node
+from flashrl.wire.protocol import Msg, Spawn
+from flashrl.wire.transport import RpcClient, free_port
+from tests.unit.test_slurm import GPU_4NODE, _agent_cfg, render_4node
 
 ROOT = Path(__file__).resolve().parents[2]
-
-GPU_4NODE = """
-[run]
-name = "qwen-4node"
-[model]
-path = "/models/Qwen2.5-7B-Instruct"
-dtype = "bfloat16"
-[engine]
-count = 16
-device = "cuda"
-[trainer]
-ranks = 16
-backend = "nccl"
-[cluster]
-launcher = "slurm"
-interface = "auto"
-[cluster.slurm]
-nodes = 4
-gpus_per_node = 8
-partition = "gpu"
-account = "rl-team"
-time = "12:00:00"
-sbatch = ["--qos=high", "--constraint=h100"]
-setup = ["module load cuda/12.4"]
-"""
-
-
 
 
 def test_cli_refuses_a_layout_that_does_not_fit_and_writes_nothing(tmp_path: Path) -> None:
@@ -157,7 +131,6 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
             assert f"up 1 {keys.path}" in t1.log_tail()  # LOCAL_RANK from the layout (ranks 0-1 on node 0); keys by path
             # a client without the run's keys gets no answer
             from flashrl.wire.protocol import NODE_REPLIES, NodeHello
-            from flashrl.wire.transport import RpcClient
 
             stranger = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="stranger",
                                  curve=CurveKeys.new().client() | {"server_public": keys.server_public})
@@ -193,6 +166,16 @@ def _node_proc(cfg_path: Path, node: int, nodelist: str, out: Path) -> subproces
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
+async def _spawn_sleeper(c: RpcClient, log_path: Path) -> Msg:
+    """Node 1's agent's reply to a Spawn of SLEEPER, asked again every second until the agent answers (30 s)."""
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                return await c.request(Spawn(key="s", name="sleeper", argv=SLEEPER, log_path=str(log_path)), timeout=1.0)
+            except TimeoutError:
+                continue
+
+
 def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path) -> None:
     """Node 0 gone (never came, or stopped heartbeating): a node's agent stops what it started and exits 1."""
     port = free_port()
@@ -213,18 +196,11 @@ def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path)
     p = _node_proc(cfg_path, 1, "127.0.0.[1-2]", tmp_path / "n1b.out")
 
     async def start_one() -> int:
-        from flashrl.wire.protocol import NODE_REPLIES, Spawn, Spawned
-        from flashrl.wire.transport import RpcClient
+        from flashrl.wire.protocol import NODE_REPLIES, Spawned
 
         c = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="n1", curve=keys.client())
         try:
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        r = await c.request(Spawn(key="s", name="sleeper", argv=SLEEPER, log_path=str(tmp_path / "s.log")), timeout=1.0)
-                        break
-                    except TimeoutError:
-                        continue
+            r = await _spawn_sleeper(c, tmp_path / "s.log")
         finally:
             await c.close()
         assert isinstance(r, Spawned)
@@ -347,8 +323,7 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
     cfg = _agent_cfg(tmp_path, port)
     keys = slurm_job.write_keys(cfg)
     from flashrl.config import to_toml
-    from flashrl.wire.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawn, Spawned
-    from flashrl.wire.transport import RpcClient
+    from flashrl.wire.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawned
 
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(to_toml(cfg))
@@ -357,13 +332,7 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
     async def main() -> int:
         c = RpcClient(f"tcp://127.0.0.2:{port + 1}", NODE_REPLIES, name="n1", curve=keys.client())
         try:
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        r = await c.request(Spawn(key="s", name="sleeper", argv=SLEEPER, log_path=str(tmp_path / "s.log")), timeout=1.0)
-                        break
-                    except TimeoutError:
-                        continue
+            r = await _spawn_sleeper(c, tmp_path / "s.log")
             assert isinstance(r, Spawned)
             p.send_signal(signal.SIGTERM)
             await asyncio.sleep(1.5)

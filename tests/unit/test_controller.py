@@ -648,6 +648,20 @@ class TimedTrainer(FakeTrainer):
         self.sent_at[version] = asyncio.get_running_loop().time()
 
 
+class Recording(FakeEngine):
+    """A FakeEngine that keeps every reply's request id and token versions; an eval request takes ``eval_s``."""
+
+    def __init__(self, name: str, eval_s: float, *, sync_s: float) -> None:
+        super().__init__(name, lambda r, v: ([ord("1")] * 3, eval_s if r.request_id.startswith("eval") else 0.2),
+                         sync_s=sync_s)
+        self.outputs: list[tuple[str, list[int]]] = []
+
+    async def generate(self, req: Generate) -> Any:
+        out = await super().generate(req)
+        self.outputs.append((req.request_id, out.versions))
+        return out
+
+
 def _overlap_run(overlap: bool, ratio: int = 2, steps: int = 6) -> tuple[RunSummary, TimedTrainer, list[FakeEngine], list[dict[str, Any]]]:
     cfg = config(run={"steps": steps, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2},
                  scheduler={"async_ratio": ratio}, weight_sync={"overlap": overlap})
@@ -688,21 +702,9 @@ def test_overlap_eval_tokens_come_only_from_the_evaluated_version(eval_s: float)
     """An eval shorter than the sync (0.3 s against 1 s: it must wait for its version to be loaded)
     and one longer than a train step (3 s against 1 s: the next sync must wait for it): every eval
     token is from the version the eval is of."""
-
-    class Recording(FakeEngine):
-        def __init__(self, name: str) -> None:
-            super().__init__(name, lambda r, v: ([ord("1")] * 3, eval_s if r.request_id.startswith("eval") else 0.2),
-                             sync_s=1.0)
-            self.outputs: list[tuple[str, list[int]]] = []
-
-        async def generate(self, req: Generate) -> Any:
-            out = await super().generate(req)
-            self.outputs.append((req.request_id, out.versions))
-            return out
-
     cfg = config(run={"steps": 7, "eval_every": 2}, rollout={"group_size": 2, "batch_prompts": 2},
                  scheduler={"async_ratio": 2})
-    engines = [Recording("e0"), Recording("e1")]
+    engines = [Recording("e0", eval_s, sync_s=1.0), Recording("e1", eval_s, sync_s=1.0)]
     records: list[dict[str, Any]] = []
     summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=4), engines, FakeTrainer(train_s=1.0, sync_s=0.5),
                                    on_step=lambda r: records.append(r.to_dict())))
@@ -790,20 +792,9 @@ def test_an_eval_ending_during_a_prepare_does_not_send_the_version_it_replaces(e
 def test_evals_closer_than_one_eval_queue_and_each_sees_one_version() -> None:
     """eval_every 1 with evals of 2.5 s (> a step): each eval waits for the one before; the version it
     evaluates is pinned (never skipped) and every one of its tokens is from that version."""
-    class Recording(FakeEngine):
-        def __init__(self, name: str) -> None:
-            super().__init__(name, lambda r, v: ([ord("1")] * 3, 2.5 if r.request_id.startswith("eval") else 0.2),
-                             sync_s=0.1)
-            self.outputs: list[tuple[str, list[int]]] = []
-
-        async def generate(self, req: Generate) -> Any:
-            out = await super().generate(req)
-            self.outputs.append((req.request_id, out.versions))
-            return out
-
     cfg = config(run={"steps": 5, "eval_every": 1}, rollout={"group_size": 2, "batch_prompts": 2},
                  scheduler={"async_ratio": 2})
-    engines = [Recording("e0"), Recording("e1")]
+    engines = [Recording("e0", 2.5, sync_s=0.1), Recording("e1", 2.5, sync_s=0.1)]
     records: list[dict[str, Any]] = []
     summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=2), engines, FakeTrainer(train_s=1.0, sync_s=0.05),
                                    on_step=lambda r: records.append(r.to_dict())))
