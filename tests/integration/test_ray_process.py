@@ -49,7 +49,8 @@ SLEEPER = ["python", "-c", "import time; from flashrl.procs import child_init; c
 def ray_cfg(address: str, **ray_opts: Any) -> Config:
     opts = {"address": address, "engine_resources": {"engines": 1}, "trainer_resources": {"trainer": 1},
             "placement_timeout_s": 60.0, **ray_opts}
-    return msgspec.convert({"cluster": {"launcher": "ray", "ray": opts}}, Config)
+    # 2 engines + 1 trainer rank (the default is 1 engine): placement across both nodes of the test cluster
+    return msgspec.convert({"cluster": {"launcher": "ray", "ray": opts}, "engine": {"count": 2}}, Config)
 
 
 # --------------------------------------------------------------------------- on the test cluster
@@ -183,7 +184,7 @@ import msgspec
 from flashrl.launch.ray import RayLauncher
 from flashrl.config import Config
 run = Path(sys.argv[2])
-cfg = msgspec.convert({"cluster": {"launcher": "ray", "ray": json.loads(sys.argv[1])}}, Config)
+cfg = msgspec.convert({"cluster": {"launcher": "ray", "ray": json.loads(sys.argv[1])}, "engine": {"count": 2}}, Config)
 async def main():
     launcher = RayLauncher(cfg, run)
     launcher.preflight()
