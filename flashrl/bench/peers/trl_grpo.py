@@ -127,13 +127,12 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from flashrl.config import load
     from flashrl.core.lr_schedule import scheduled_lr
     from flashrl.models import ensure_model
-    from flashrl.models.tiny import greedy_accuracy
+    from flashrl.models.tiny import greedy_accuracy, play_episodes
+    from flashrl.models.tokenizer import load_tokenizer
     from flashrl.plugins import make_suite
 
     cfg = load(config, list(overrides))
     settings = trl_settings(cfg)
-    if cfg.env.name != "arithmetic":
-        raise PeerConfigError(f"env.name = {cfg.env.name!r}: the TRL peer scores with the arithmetic verifier; use 'arithmetic'")
     torch.set_num_threads(threads or os.cpu_count() or 1)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -163,6 +162,8 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
     # transformers' tokenizer (TRL's processing_class; the eval's prompts and decoding), as flashrl's engines load it
     hf_tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    # flashrl's own tokenizer for a non-arithmetic env's eval: it decodes as flashrl's engines do (special tokens dropped)
+    fl_tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
@@ -177,7 +178,11 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
         was = model.training
         model.eval()
         with torch.no_grad():
-            acc = greedy_accuracy(model, hf_tok, eval_tasks, cfg.rollout.max_new_tokens)
+            if cfg.env.name == "arithmetic":
+                acc = greedy_accuracy(model, hf_tok, eval_tasks, cfg.rollout.max_new_tokens)
+            else:  # any other single-turn env: its own verifier (info["correct"], else reward >= 1), as flashrl's eval
+                played = play_episodes(model, fl_tok, suite, eval_tasks, cfg.rollout.max_new_tokens, max_turns=1)
+                acc = sum(c for _, c in played) / max(len(played), 1)
         model.train(was)
         dt = time.perf_counter() - t
         times["eval_s"] += dt
