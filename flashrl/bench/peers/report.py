@@ -184,7 +184,7 @@ def _time_to(r: Run, thr: str, which: str) -> str:
 
 def markdown_table(runs: Sequence[Run]) -> str:
     """One column per run; rows for everything the bench reports."""
-    cols = [f"{r.name.replace('-seed', ' seed ')}" for r in runs]
+    cols = [f"{r.mode} seed {r.seed}" for r in runs]
     targets = list(dict.fromkeys(k for r in runs for k in r.time_to)) or [f"{t:.0%}" for t in THRESHOLDS]
     sync = {r.seed: r for r in runs if r.mode == "sync" and r.mean_len}
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(runs)]
