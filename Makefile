@@ -30,14 +30,17 @@ lint: setup
 	$(BIN)/ruff check flashrl envs tests bench
 	$(BIN)/mypy
 
+# tests/unit: no process, no socket (tests/unit/conftest.py refuses both), seconds each.
+# tests/integration: real processes and sockets; those marked `slow` start real vLLM engines and trainer
+# groups (skip them with `pytest -m "not slow" tests/integration`).
 # The integration tests use the built-in model of configs/tiny.toml: build it (once, cached) before
 # the tests so its one-time warm-start is not charged to any test's timeout.
 test: setup lint
 	$(BIN)/flashrl init-model configs/tiny.toml
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -rs --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -rs --durations=15 tests/unit tests/integration
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q tests/unit
 
 bench: setup
 	$(BIN)/flashrl bench queue_scheduling

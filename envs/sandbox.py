@@ -28,7 +28,7 @@ Why a bootstrap instead of ``preexec_fn``: ``preexec_fn`` runs between fork and 
 multi-threaded parent (ZeroMQ's I/O threads), which Python documents as deadlock-prone; the
 bootstrap sets the same limits in the child before untrusted code runs, without that hazard.
 
-Checked on the development machine (Linux 6.18, Landlock ABI 7, Python 3.11; tests/test_env_sandbox.py
+Checked on the development machine (Linux 6.18, Landlock ABI 7, Python 3.11; tests/integration/test_env_sandbox.py
 runs both modes, the non-root one as ``nobody``). Limits: the code can read the Python runtime and
 system libraries; on Landlock ABI < 6 a non-root sandbox can still signal this user's processes.
 Use a container or VM for untrusted code at scale.

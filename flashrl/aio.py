@@ -20,7 +20,7 @@ that suspends gets its deadline (``Resumed`` under ``timeout``) or its shielded,
 then. Cancellation is asyncio's own: ``Task.cancel`` / ``uncancel`` counting, as ``asyncio.timeout``
 does, so several causes (a deadline, a ``TaskCancel``, the caller's cancel) stay apart.
 
-Everything here is generic (no flashrl types) and covered by tests/test_aio.py.
+Everything here is generic (no flashrl types) and covered by tests/unit/test_aio.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``reference_markdown()`` walks ``flashrl.config.Config`` with ``msgspec.inspect`` and renders one
 table per section: every key as ``section.key``, its type, its default (as TOML), its bounds and its
 one-line description from ``Meta(description=...)``. docs/configuration.md is this function's output;
-tests/test_configref.py regenerates it and fails when the committed file differs, so the reference
+tests/unit/test_configref.py regenerates it and fails when the committed file differs, so the reference
 cannot drift from the structs. ``undescribed()`` lists any field without a description (the test
 requires none).
 """

@@ -169,6 +169,11 @@ def _pipeline_table(s: Snapshot) -> Table:
     table.add_row("running samples", str(s.running_samples))
     table.add_row("buffered groups", str(s.buffered_groups))
     table.add_row("staleness mean/max", f"{s.staleness_mean:.2f} / {s.staleness_max}")
+    # the last batch's lineage: what it trained, what was thrown away for its age, what spanned updates
+    table.add_row("trained tokens / length", f"{s.trained_tokens} / {s.trained_len_mean:.1f}")
+    table.add_row("dropped samples / tokens", Text(f"{s.dropped_samples} / {s.dropped_tokens}",
+                                                   style="bold red" if s.dropped_samples else ""))
+    table.add_row("updates spanned / interrupted", f"{s.updates_spanned_mean:.2f} / {s.interrupted_frac:.0%}")
     table.add_row("step time", f"{s.step_s:.2f}s")
     table.add_row("weight sync", f"{s.weight_sync_s:.2f}s")
     if s.lr is not None:

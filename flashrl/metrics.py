@@ -57,6 +57,12 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # last batch
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    trained_tokens: int = 0  # generated tokens the last step trained
+    trained_len_mean: float = 0.0  # per trained sample (the length bias of scheduler.stale = "drop" shows here)
+    dropped_samples: int = 0  # thrown away for their age during the last step (0 outside drop)
+    dropped_tokens: int = 0
+    updates_spanned_mean: float = 0.0  # weight updates a trained sample's generation spanned, mean
+    interrupted_frac: float = 0.0  # share of trained samples a weight update interrupted mid-generation
     reward_mean: float = 0.0
     weight_sync_s: float = 0.0
     step_s: float = 0.0

@@ -3,7 +3,11 @@
 Each line of samples.jsonl is one rollout (controller.ledger.Ledger.sample_line): step, kind ("train": rollouts
 of the batch trained at that step; "eval": held-out generations of the weights after that step),
 prompt, response, answer, reward, correct, the reward function's extra metrics, the policy
-versions that generated it, finish reason and turns.
+versions that generated it, finish reason and turns, and its lineage: ``version_first`` /
+``version_last`` (first and last generated token), ``updates_spanned``, ``interrupted`` (a weight
+update landed mid-generation; its tokens were kept and generation went on on the new weights),
+``restarts`` and, for trained samples, ``staleness`` and ``token_staleness_mean`` (ledger.sample_line
+says exactly what each means).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
     peers/        ``flashrl bench peers`` / ``seeds``: flashrl against Hugging Face TRL's GRPOTrainer; the TRL
                   program (peers/trl_grpo.py) is kept apart from flashrl's side (peers/runner.py, report.py)
 
-Nothing here is imported by a training run: the package sits above the launch layer (tests/test_imports.py).
+Nothing here is imported by a training run: the package sits above the launch layer (tests/unit/test_imports.py).
 The measurement scripts in the repository's bench/ folder (engine internals, transports, resume, Ray)
 are one-off experiments behind committed results, not part of the command.
 """

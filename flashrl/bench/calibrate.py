@@ -252,7 +252,10 @@ def load_cross_runs(path: Path) -> list[CrossRun]:
 
 def _as_measured(cfg: Config, tree: dict[str, Any]) -> Config:
     """``cfg`` as the run behind ``tree`` (its config as written) ran: one written before
-    weight_sync.overlap existed synced the weights serially (train, sync, next step)."""
+    weight_sync.overlap existed synced the weights serially (train, sync, next step); one written before
+    scheduler.stale existed dropped stale samples (stale = "drop")."""
+    if "stale" not in (tree.get("scheduler") or {}):
+        cfg = msgspec.structs.replace(cfg, scheduler=msgspec.structs.replace(cfg.scheduler, stale="drop"))
     if "overlap" in (tree.get("weight_sync") or {}):
         return cfg
     return msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, overlap=False))

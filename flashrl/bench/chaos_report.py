@@ -1,6 +1,6 @@
 """The chaos bench's report (``flashrl bench chaos``; the run itself: chaos.py): pure functions of its records.
 
-What the report shows (``analyze``, pure functions of the records, tested in tests/test_chaos.py):
+What the report shows (``analyze``, pure functions of the records, tested in tests/unit/test_chaos.py):
   - held-out accuracy at step 0 -> the last eval (the run must gain >= ``MIN_GAIN_POINTS``);
   - every failure injected (time, target, the step it hit), the engine deaths / restarts / retried
     requests the run counted in each segment, and the time lost to each failure:

@@ -90,7 +90,7 @@ class TokenLedger(msgspec.Struct, kw_only=True):
 
 
 def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, async_ratio: int, t0: float, t1: float,
-                 redundancy: int = 0) -> TokenLedger:
+                 redundancy: int = 0, stale_mode: str = "drop") -> TokenLedger:
     """Classify the tokens of every request answered in ``(t0, t1]`` (engine ledgers, ``SimEngine.ledger``).
 
     Request ids are ``<sample id>.<attempt>.<turn>`` (controller/rollout.py); attempts of one sample
@@ -99,7 +99,8 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
       stale    -- one of its requests was aborted and the sample has a later attempt (the stale early
                   abort restarts a trajectory on fresh weights), or it finished, was never trained,
                   and its first token is older than any step still to come allows
-                  (version < final_version - async_ratio: buffer.take_batch's bound);
+                  (version < final_version - async_ratio: buffer.take_batch's bound; scheduler.stale =
+                  "drop" only: wait and partial never drop a sample for its age, so it is pending);
       aborted  -- one of its requests was aborted and no later attempt exists (a redundant rollout
                   cancelled, a deadline): its finished earlier turns count here too;
       unused   -- finished, an earlier attempt of a trained sample (retried after an env failure);
@@ -141,7 +142,7 @@ def token_ledger(entries: list[Any], trained_ids: set[str], final_version: int, 
                 led.aborted += n
         elif sid in trained_ids:
             led.unused += n
-        elif first_turn[(sid, att)][1] < final_version - async_ratio:
+        elif stale_mode == "drop" and first_turn[(sid, att)][1] < final_version - async_ratio:
             if redundancy > 0 and (sid, att) in multi:
                 led.dropped += n
             else:
@@ -229,7 +230,8 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
     samples = statistics.fmean(h.samples for h in window)
     resp = statistics.fmean(h.response_tokens for h in window)
     ledger = token_ledger([x for e in engines for x in e.ledger], trainer.trained_ids, trainer.version,
-                          cfg.scheduler.async_ratio, t0 if warmup > 0 else -1.0, t1, cfg.rollout.redundancy)
+                          cfg.scheduler.async_ratio, t0 if warmup > 0 else -1.0, t1, cfg.rollout.redundancy,
+                          cfg.scheduler.stale)
     return RunResult(
         step_s=step_s,
         step_ends=[h.end_s for h in hist],

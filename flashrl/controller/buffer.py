@@ -8,7 +8,7 @@
                               drop(): unfillable group, or all rewards tied (filter_ties)  ──> TRAINED / DROPPED
                                                                                             (slot freed)
 
-Invariants (each is checked where it can break; tests/test_buffer.py exercises them):
+Invariants (each is checked where it can break; tests/unit/test_buffer.py exercises them):
 
 The staleness rule itself (capacity, fresh, the step still to come) is flashrl/core/staleness.py's;
 the buffer applies it, sharing the run's one ``Staleness`` object with the rollouts' early abort.
@@ -20,16 +20,19 @@ the buffer applies it, sharing the run's one ``Staleness`` object with the rollo
    A slot is freed by ``mark_trained()``, which the controller calls only after the update that
    trained the group is published to every engine: a prompt admitted into that slot therefore
    generates with the new weights (with async_ratio = 0 every sample is exactly on-policy).
-2. Staleness per sample. The batch taken at step s (the update that makes version s+1) holds only
-   samples with ``staleness.fresh(s, version_start)`` (s - version_start <= async_ratio),
-   version_start being the version of the sample's first generated token. ``take_batch()`` removes
-   any sample that breaks it, counts it (``stale/dropped_samples``) and hands its group back as
-   RUNNING for a refill; handing out the batch of step s it records ``staleness.taken(s)`` (the
-   early abort then knows no earlier step will take a sample). Nothing is lost silently: every
-   sample that leaves the buffer is either in a batch or in a counter.
+2. Staleness per sample, by ``staleness.mode`` (scheduler.stale; the bounds are stated and proved
+   in core/staleness.py). drop: the batch taken at step s (the update that makes version s+1)
+   holds only samples with ``staleness.fresh(s, version_start)``; ``take_batch()`` removes any
+   sample that breaks it, counts it (``stale/dropped_samples``, ``stale/dropped_tokens``) and hands
+   its group back as RUNNING for a refill. wait: nothing is removed; a batch is handed out only when
+   the groups left behind can all still meet their deadlines (``staleness.wait_ok``), so the train
+   loop holds the step until then. partial: nothing is removed, nothing is held. Handing out the
+   batch of step s records ``staleness.taken(s)`` (the early abort then knows no earlier step will
+   take a sample). Nothing is lost silently: every sample that leaves the buffer is either in a
+   batch or in a counter.
 3. Order. Batches are whole COMPLETE groups in completion order (``ordered=True``, the barrier
-   mode: in admission order, so the synchronous loop is reproduced exactly). Inside a group,
-   samples are ordered by their sample index.
+   mode: in admission order, so the synchronous loop is reproduced exactly); wait: earliest
+   deadline first, ties in that order. Inside a group, samples are ordered by their sample index.
 4. A group holds at most ``group_size`` samples: the first ``group_size`` to finish. A sample
    arriving for a group that is not RUNNING is refused (counted ``buffer/late_samples``).
 """
@@ -38,14 +41,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashrl.controller.types import Trajectory
-from flashrl.core.staleness import Staleness
+from flashrl.core.staleness import Staleness, wait_ok
 from flashrl.env import Task
 
 __all__ = ["Group", "GroupState", "SampleBuffer"]
+
+log = logging.getLogger(__name__)
 
 
 class GroupState(enum.Enum):
@@ -73,10 +80,18 @@ class Group:
     # min version_start over ``samples`` (each sample's is computed once, when it joins): the group
     # passes the staleness bound at step s iff staleness.fresh(s, oldest)
     oldest: int = 1 << 62
+    admitted_version: int = 0  # the engines' version at admission: every token's is >= this
+    completed_version: int = 0  # the engines' version when the group completed (partial's bound)
 
     @property
     def missing(self) -> int:
         return self.need - len(self.samples)
+
+    def deadline(self, staleness: Staleness) -> int:
+        """Wait mode: the last step that may train this group (its oldest token's version + async_ratio;
+        before it is complete, its admitted version's, a lower bound on every token's)."""
+        v = self.oldest if self.missing == 0 else self.admitted_version
+        return staleness.deadline(v)
 
 
 class SampleBuffer:
@@ -91,13 +106,17 @@ class SampleBuffer:
         ordered: bool = False,
         filter_ties: bool = False,
         counters: Counter[str] | None = None,
+        version: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``version``: the version every live engine holds (types.Published.version), read at admission
+        (wait's deadlines) and completion (partial's bound)."""
         self.group_size = group_size
         self.batch_prompts = batch_prompts
         self.staleness = staleness
         self.ordered = ordered
         self.filter_ties = filter_ties
         self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.version = version
         self.groups: dict[int, Group] = {}  # outstanding groups only (not TRAINED / DROPPED)
         self.dropped_uids: list[int] = []  # every group given up, in order (checkpointed: no prompt unaccounted for)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
@@ -133,7 +152,7 @@ class SampleBuffer:
             )
         if uid in self.groups:
             raise RuntimeError(f"prompt uid {uid} admitted twice")
-        g = Group(uid=uid, task=task, need=self.group_size, admitted_at=now)
+        g = Group(uid=uid, task=task, need=self.group_size, admitted_at=now, admitted_version=self.version())
         self.groups[uid] = g
         self._generating += 1
         self.counters["admitted/groups"] += 1
@@ -170,8 +189,10 @@ class SampleBuffer:
                 return True
             g.state = GroupState.COMPLETE
             g.completed_at = now
+            g.completed_version = self.version()
             self.complete.append(g)
-            self._unchecked.append(g)
+            if self.staleness.mode == "drop":
+                self._unchecked.append(g)
             self._notify()
         return True
 
@@ -194,10 +215,34 @@ class SampleBuffer:
     def take_batch(self, step: int) -> tuple[list[Group] | None, list[Group]]:
         """(batch of ``batch_prompts`` groups or None, groups handed back for a refill).
 
-        Every COMPLETE group is checked against the staleness bound for ``step`` (invariant 2);
+        drop: every COMPLETE group is checked against the staleness bound for ``step`` (invariant 2);
         a group that lost samples goes back to RUNNING and is returned in the second list, for the
-        controller to launch ``g.missing`` new rollouts.
+        controller to launch ``g.missing`` new rollouts. wait: None while the batch would leave a
+        group unable to meet its deadline (the caller waits for ``changed()`` and asks again).
+        partial: never drops, never holds. The second list is empty outside drop.
         """
+        mode = self.staleness.mode
+        refills = self._drop_stale(step) if mode == "drop" else []
+        if len(self.complete) < self.batch_prompts:
+            return None, refills
+        pool = sorted(self.complete, key=lambda g: g.uid) if self.ordered else self.complete
+        if mode == "wait":
+            pool = sorted(pool, key=lambda g: g.deadline(self.staleness))  # stable: ties keep the order above
+        batch = pool[: self.batch_prompts]
+        if mode == "wait" and not self._wait_ok(step, batch):
+            return None, refills
+        if mode != "drop":
+            self._check_bound(step, batch)
+        for g in batch:
+            self.complete.remove(g)
+            g.state = GroupState.TRAINING
+            g.samples.sort(key=lambda t: t.index)
+        self.staleness.taken(step)
+        self._notify()
+        return batch, refills
+
+    def _drop_stale(self, step: int) -> list[Group]:
+        """Drop mode: remove every sample too old for ``step`` (counted); their groups, for a refill."""
         refills: list[Group] = []
         if step != self._checked_step:
             check = self.complete
@@ -210,6 +255,7 @@ class SampleBuffer:
         for g in stale_groups:
             kept = [t for t in g.samples if t.version_start >= bound]
             self.counters["stale/dropped_samples"] += len(g.samples) - len(kept)
+            self.counters["stale/dropped_tokens"] += sum(t.n_generated for t in g.samples if t.version_start < bound)
             g.samples = kept
             g.oldest = min((t.version_start for t in kept), default=1 << 62)
             g.state = GroupState.RUNNING
@@ -218,17 +264,35 @@ class SampleBuffer:
             refills.append(g)
         if refills:
             self._notify()
-        if len(self.complete) < self.batch_prompts:
-            return None, refills
-        pool = sorted(self.complete, key=lambda g: g.uid) if self.ordered else self.complete
-        batch = pool[: self.batch_prompts]
-        for g in batch:
-            self.complete.remove(g)
-            g.state = GroupState.TRAINING
-            g.samples.sort(key=lambda t: t.index)
-        self.staleness.taken(step)
-        self._notify()
-        return batch, refills
+        return refills
+
+    def _wait_ok(self, step: int, batch: list[Group]) -> bool:
+        """Wait mode: may ``batch`` be the batch of ``step``? Yes when every group left behind can still
+        meet its deadline (core/staleness.wait_ok). When not even the earliest-deadline batch of every
+        group left, complete or not, could pass, waiting cannot help (the bound's proof rules this out:
+        a bug); the batch then goes, counted under stale/over_bound_groups, rather than stall the run."""
+        rule = self.staleness
+        taken = {g.uid for g in batch}
+        left = [g.deadline(rule) for g in self.groups.values()
+                if g.uid not in taken and g.state is not GroupState.TRAINING]
+        if wait_ok(step, left, self.batch_prompts):
+            return True
+        ideal = sorted([*left, *(g.deadline(rule) for g in batch)])[self.batch_prompts:]
+        if wait_ok(step, ideal, self.batch_prompts):
+            return False  # a more urgent group is still generating: hold the step for it
+        log.error("wait mode: step %d cannot keep every group within scheduler.async_ratio = %d; training "
+                  "the most urgent complete groups (stale/over_bound_groups counts the late ones)", step, rule.async_ratio)
+        return True
+
+    def _check_bound(self, step: int, batch: list[Group]) -> None:
+        """wait and partial: count any group ``batch`` trains past the mode's bound (never, by the proofs)."""
+        rule = self.staleness
+        if rule.mode == "wait":
+            late = sum(g.deadline(rule) < step for g in batch)
+        else:
+            late = sum(not rule.fresh(step, g.completed_version) for g in batch)
+        if late:
+            self.counters["stale/over_bound_groups"] += late
 
     def mark_trained(self, batch: list[Group]) -> None:
         """The update that trained ``batch`` is published: free their slots (invariant 1)."""

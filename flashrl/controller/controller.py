@@ -11,8 +11,9 @@ loops and shutdown; each other job is a part of its own, wired here:
       waits: buffer.changed()              ^   |              rollouts -> engines (Router)
       admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
                                            |   v
-    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task
-      waits: buffer.changed() for a batch, the trainer, the eval of the current weights, the last sync
+    train loop (host of the task group)  take_batch(step) ── stale samples -> refill group task (stale = drop)
+      waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating),
+             the trainer, the eval of the current weights, the last sync
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
          multi-turn rollouts that can no longer pass the staleness bound (core/staleness.py,
          rollout.py), instead of letting them finish
@@ -131,7 +132,7 @@ class Controller:
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
         # THE staleness rule of this run: the buffer applies it (and advances next_step as it hands
         # out batches), the rollouts' early abort and the step records read it.
-        self.staleness = Staleness(cfg.scheduler.async_ratio)
+        self.staleness = Staleness(cfg.scheduler.async_ratio, mode=cfg.scheduler.stale)
         self.buffer = SampleBuffer(
             group_size=cfg.rollout.group_size,
             batch_prompts=cfg.rollout.batch_prompts,
@@ -139,6 +140,7 @@ class Controller:
             ordered=not cfg.scheduler.queue_scheduling,
             filter_ties=cfg.algorithm.filter_ties,
             counters=self.counters,
+            version=lambda: self.published.version,  # wait's deadlines, partial's bound (set just below)
         )
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)
@@ -414,7 +416,9 @@ class Controller:
             wait_s += await self.publisher.wait()
         now = self._clock()
         if self.on_samples is not None and self.cfg.log.samples_per_step:
-            self.on_samples(self.ledger.train_lines(s + 1, batch))
+            # the trainer's per-sample behaviour weights, in the batch's sample order (empty: not reported)
+            iw = dict(zip((t.sample_id for t in samples), result.sample_iw))
+            self.on_samples(self.ledger.train_lines(s + 1, batch, iw))
         record = self.ledger.step_record(s, self.version, batch, result.metrics, step_s=now - last_end, train_s=train_s,
                                          elapsed=self._clock() - self._t0, sync={"quiesce_s": t1 - tq, "wait_s": wait_s, **phases})
         self.publisher.attach(pending, record)

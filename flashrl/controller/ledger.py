@@ -101,6 +101,9 @@ class Ledger:
         self.last_checkpoint: str | None = None  # the newest checkpoint folder written (None: none, or the last failed)
         # a resumed run's record that its checkpoint had not written yet, and whether it waits for its eval
         self.pending: tuple[StepRecord, bool] | None = None
+        # the stale-drop counters at the previous step record (a step reports what it adds; a resume
+        # starts from the checkpoint's counters, so nothing is counted twice or lost)
+        self.dropped_before = (0, 0)
 
     # ------------------------------------------------------------------ records
     def step_record(self, s: int, version: int, batch: list[Group], metrics: dict[str, float], *, step_s: float,
@@ -112,6 +115,11 @@ class Ledger:
         samples = [t for g in batch for t in g.samples]
         stale_mean, stale_max = lag_stats(s, (t.version_start for t in samples))
         tokens = sum(t.n_generated for t in samples)
+        lineage = [_lineage(t) for t in samples]
+        token_lag = sum(s * t.n_generated - vsum for (_, _, vsum), t in zip(lineage, samples))
+        dropped = self.dropped_counts()
+        d_samples, d_tokens = dropped[0] - self.dropped_before[0], dropped[1] - self.dropped_before[1]
+        self.dropped_before = dropped
         rewards = [t.reward for t in samples]
         self.samples_trained += len(samples)
         self.tokens_trained += tokens
@@ -135,6 +143,13 @@ class Ledger:
             rate_tokens_per_s=sum(r.rate() for r in m.tokens) if m else 0.0,
             turns_mean=sum(t.turns for t in samples) / len(samples) if samples else 0.0,
             response_len_mean=sum(len(t.response_ids) for t in samples) / len(samples) if samples else 0.0,
+            tokens=tokens,
+            trained_len_mean=tokens / len(samples) if samples else 0.0,
+            dropped_samples=d_samples,
+            dropped_tokens=d_tokens,
+            token_staleness_mean=token_lag / tokens if tokens else 0.0,
+            updates_spanned_mean=sum(last - first for first, last, _ in lineage) / len(samples) if samples else 0.0,
+            interrupted_frac=sum(last > first for first, last, _ in lineage) / len(samples) if samples else 0.0,
             trainer=dict(metrics),
             reward_metrics=metric_means(samples),
             counters=dict(sorted(self.counters.items())),
@@ -156,21 +171,41 @@ class Ledger:
         return record
 
     def sample_line(self, kind: str, step: int, t: Trajectory, task: Any) -> dict[str, Any]:
-        """One rollout as samples.jsonl shows it: text in and out, reward, versions, how it ended."""
+        """One rollout as samples.jsonl shows it: text in and out, reward, versions, how it ended, and
+        its lineage: ``version_first`` / ``version_last`` (its first and last generated token's
+        policy version), ``updates_spanned`` (weight updates during its generation: last - first),
+        ``interrupted`` (a weight update landed mid-generation and it resumed on the new weights, its
+        tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts)
+        and, for a trained sample (``kind`` "train", trained at step ``step - 1``), ``staleness``
+        (trained step - version_first) and ``token_staleness_mean`` (over its tokens, each its own
+        version). A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
+        pi_prox / pi_behav, as the trainer reported it."""
         decode = self.tokenizer.decode
-        return {
+        first, last, vsum = _lineage(t)
+        n = t.n_generated
+        line = {
             "step": step, "kind": kind, "sample_id": t.sample_id, "task_id": t.task_id,
             "prompt": decode(t.prompt_ids), "response": decode(t.response_ids), "answer": getattr(task, "answer", ""),
             "reward": t.reward, "correct": t.correct, "metrics": dict(t.metrics),
             "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
-            "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": t.n_generated, "engine": t.engine,
+            "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": n, "engine": t.engine,
+            "version_first": first, "version_last": last, "updates_spanned": last - first,
+            "interrupted": last > first, "restarts": t.attempts - 1,
         }
+        if kind == "train":
+            line["staleness"] = step - 1 - first
+            line["token_staleness_mean"] = (step - 1) - vsum / n if n else 0.0
+        return line
 
-    def train_lines(self, step: int, batch: list[Group]) -> list[dict[str, Any]]:
+    def train_lines(self, step: int, batch: list[Group], iw: dict[str, float | None] | None = None) -> list[dict[str, Any]]:
         """log.samples_per_step lines of a trained batch, spread over its groups: the first sample of each
-        group, then the second, ..."""
+        group, then the second, ... ``iw``: the trainer's mean behaviour weight per sample id
+        (TrainResult.sample_iw), written as ``importance_ratio`` (null: not reported)."""
         picked = [(g.task, g.samples[j]) for j in range(self.cfg.rollout.group_size) for g in batch if j < len(g.samples)]
-        return [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
+        lines = [self.sample_line("train", step, t, task) for task, t in picked[:self.cfg.log.samples_per_step]]
+        for line in lines:
+            line["importance_ratio"] = (iw or {}).get(line["sample_id"])
+        return lines
 
     def emit(self, record: StepRecord) -> None:
         self.emitted_through = max(self.emitted_through, record.step)
@@ -178,6 +213,12 @@ class Ledger:
             self.on_step(record)
 
     # ------------------------------------------------------------------ counters
+    def dropped_counts(self) -> tuple[int, int]:
+        """(samples, generated tokens) thrown away for their age so far: stale drops in the buffer and
+        stale aborts of multi-turn rollouts (stale = drop only; 0 in wait and partial)."""
+        c = self.counters
+        return c["stale/dropped_samples"] + c["rollout/aborted_stale"], c["stale/dropped_tokens"]
+
     def env_counters(self) -> dict[str, float]:
         """The suite's own counters (flashrl.env.Counting: envs/faults.py, envs/remote.py) as ``env/<name>``."""
         out = dict(self.env_before)  # a resumed run's counters continue from the checkpoint's
@@ -241,6 +282,12 @@ class Ledger:
             buffered_groups=len(buffer.complete),
             staleness_mean=float(last.staleness_mean) if last else 0.0,
             staleness_max=int(last.staleness_max) if last else 0,
+            trained_tokens=last.tokens if last else 0,
+            trained_len_mean=last.trained_len_mean if last else 0.0,
+            dropped_samples=last.dropped_samples if last else 0,
+            dropped_tokens=last.dropped_tokens if last else 0,
+            updates_spanned_mean=last.updates_spanned_mean if last else 0.0,
+            interrupted_frac=last.interrupted_frac if last else 0.0,
             reward_mean=float(last.reward_mean) if last else 0.0,
             weight_sync_s=last_sync_s,
             step_s=float(last.step_s) if last else 0.0,
@@ -313,6 +360,7 @@ class Ledger:
         self.samples_trained = st.samples_trained
         self.tokens_trained = st.tokens_trained
         self.counters.update(st.counters)
+        self.dropped_before = self.dropped_counts()  # what the checkpoint's steps already reported
         self.counters["resume/readmitted_groups"] += len(st.readmit)
         self.reward_history = [(int(a), float(b)) for a, b in st.reward_history]
         self.eval_history = [(int(a), float(b)) for a, b in st.eval_history]
@@ -322,3 +370,11 @@ class Ledger:
         self.resumed_from = st.step
         self.pending = (StepRecord.from_dict(st.pending_record), st.pending_eval) if st.pending_record is not None else None
 
+
+def _lineage(t: Trajectory) -> tuple[int, int, int]:
+    """(first, last generated token's version, sum of the generated tokens' versions); a sample with no
+    generated token: its request's version for both, sum 0."""
+    vs = t.generated_versions()
+    if not vs:
+        return t.version_sent, t.version_sent, 0
+    return vs[0], vs[-1], sum(vs)

@@ -436,6 +436,7 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
                 traj = await run_trajectory(ctx, spec, i, attempt)
             if traj.status == "failed" and traj.failure == "stale":
                 reason = "stale"
+                ctx.counters["stale/dropped_tokens"] += traj.n_generated  # generated, then thrown away
             else:
                 if traj.status == "failed":
                     ctx.counters[f"rollout/failed_{traj.failure}"] += 1

@@ -68,6 +68,10 @@ class Trajectory(msgspec.Struct, kw_only=True):
     def n_generated(self) -> int:
         return sum(self.loss_mask)
 
+    def generated_versions(self) -> list[int]:
+        """The policy version of each generated token, in order (observation tokens left out)."""
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+
     def to_train_sample(self) -> TrainSample:
         return TrainSample(
             prompt_ids=self.prompt_ids,

@@ -15,7 +15,9 @@ controller counters, the suite's counters and the weight-sync phases.
 
     <trainer metrics>  step version reward/mean staleness/mean staleness/max time/step_s time/train_s
     time/weight_sync_s time/elapsed_s samples samples_per_s tokens_per_s run/samples_per_s
-    run/tokens_per_s rate/samples_per_s rate/tokens_per_s turns/mean response_len/mean
+    run/tokens_per_s rate/samples_per_s rate/tokens_per_s turns/mean response_len/mean tokens/trained
+    len/trained_mean dropped/samples dropped/tokens staleness/token_mean lineage/updates_spanned_mean
+    lineage/interrupted_frac
     reward/<metric> count/<counter> env/<counter> prompt_uids time/train/transport_s
     time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s eval/accuracy eval/reward_mean eval/reward/<metric>
     time/eval_s mem/total_gib
@@ -41,7 +43,8 @@ OWN_KEYS = frozenset(
     {"step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s", "time/train_s",
      "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy",
      "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "prompt_uids",
-     "time/checkpoint_s"}
+     "time/checkpoint_s", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
+     "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac"}
 )
 
 # BatchStats' fixed fields and their metrics.jsonl keys, in line order.
@@ -62,6 +65,13 @@ _BATCH_KEYS: dict[str, str] = {
     "rate/tokens_per_s": "rate_tokens_per_s",
     "turns/mean": "turns_mean",
     "response_len/mean": "response_len_mean",
+    "tokens/trained": "tokens",
+    "len/trained_mean": "trained_len_mean",
+    "dropped/samples": "dropped_samples",
+    "dropped/tokens": "dropped_tokens",
+    "staleness/token_mean": "token_staleness_mean",
+    "lineage/updates_spanned_mean": "updates_spanned_mean",
+    "lineage/interrupted_frac": "interrupted_frac",
 }
 
 
@@ -96,6 +106,14 @@ class BatchStats(msgspec.Struct, kw_only=True):
     rate_tokens_per_s: float
     turns_mean: float
     response_len_mean: float
+    # Lineage of the trained samples (defaults: lines written before these existed read back as 0).
+    tokens: int = 0  # generated tokens trained at this step (observation tokens not counted)
+    trained_len_mean: float = 0.0  # generated tokens per trained sample (the length bias shows here)
+    dropped_samples: int = 0  # samples thrown away for their age since the previous step (0 outside stale = drop)
+    dropped_tokens: int = 0  # their generated tokens
+    token_staleness_mean: float = 0.0  # mean over trained tokens of step - the token's own version
+    updates_spanned_mean: float = 0.0  # weight updates a trained sample's generation spanned (last - first version)
+    interrupted_frac: float = 0.0  # share of trained samples whose generation a weight update interrupted
     trainer: dict[str, float] = {}  # the trainer's metrics (loss, grad_norm, mismatch/kl, time/trainer/*, ...)
     reward_metrics: dict[str, float] = {}  # mean per-trajectory metric (a reward function's extras), by name
     counters: dict[str, int] = {}  # the controller's counters

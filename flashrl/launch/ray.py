@@ -22,7 +22,7 @@ Over 600 lines because it is one class (RayLauncher) whose parts share its conne
 One process per actor, so a process's whole tree dies with its actor: the child's parent-death signal
 and watchdog (procs.child_init) fire when the actor's worker process goes, whether close() killed it,
 its node died, or the driver died (Ray kills the actors a driver owns when the driver exits, and
-removes its placement groups; tests/test_ray.py counts the leftovers). Restart = spawn again: the
+removes its placement groups; tests/integration/test_ray_process.py counts the leftovers). Restart = spawn again: the
 slot's old actor is killed and a new one placed in the same bundle (same node while it lives).
 Which node runs what is written to runs/<name>/cluster.json.
 

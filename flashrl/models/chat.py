@@ -12,7 +12,7 @@ be a prefix; a template or tokenizer that merges across it falls back to tokeniz
 text alone). If the generated turn already ends with the template's turn-closing token (it stopped
 on ``<|im_end|>``, say), that token is not appended twice; if it was cut off (``length``), the
 closing token is appended. So for a turn that stopped on its closing token, prompt + generated +
-observation ids == the template's tokenization of the whole conversation (tests/test_chat.py).
+observation ids == the template's tokenization of the whole conversation (tests/unit/test_chat.py).
 
 Stop tokens: ``generation_config.json``'s ``eos_token_id`` (an int or a list), plus the tokenizer's
 eos. What is left out: tool calls and multimodal content (text turns only), templates that need

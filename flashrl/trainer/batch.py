@@ -181,7 +181,7 @@ class PrefixSplit:
     The continuation attends to keys [prefix P | continuation R] under ``cont_attention`` [B, P + R]
     (the prefix's padding masked out) at positions ``cont_positions`` = its prompt length + 0, 1, ...:
     the same keys, queries and positions as the padded batch, so the logprobs are the same up to float
-    rounding (tests/test_batch.py) while the model sees sum(P_g) + sum(R_i) tokens instead of B x L.
+    rounding (tests/unit/test_batch.py) while the model sees sum(P_g) + sum(R_i) tokens instead of B x L.
     """
 
     prefix_ids: torch.Tensor  # [G, P] long

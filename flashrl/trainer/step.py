@@ -198,6 +198,27 @@ class Accumulated:
     tokens: float = 0.0
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     mismatch: Mismatch = dataclasses.field(default_factory=Mismatch)
+    # per sample of the batch: sum and count of pi_prox / pi_behav over its generated tokens (this rank's rows)
+    iw: torch.Tensor | None = None  # [2, B] float64, on the CPU
+
+    def add_iw(self, rows: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, versions: torch.Tensor) -> None:
+        """Add the behaviour weights of ``rows`` (global row ids) from their micro-batch tensors [b, T]."""
+        assert self.iw is not None
+        gen = versions >= 0  # generated tokens (observation and padding: -1), whatever filter_ties masked
+        d = (prox_logp.detach() - behav_logp).to(torch.float64).clamp(-30.0, 30.0)
+        w = torch.where(gen, torch.exp(d), torch.zeros_like(d))
+        self.iw[0].index_add_(0, rows.cpu(), w.sum(-1).cpu())
+        self.iw[1].index_add_(0, rows.cpu(), gen.sum(-1).to(torch.float64).cpu())
+
+    def sample_iw(self, device: torch.device, comm: Collectives) -> list[float | None]:
+        """Every sample's mean behaviour weight (every rank calls it: each row was scored on one rank)."""
+        assert self.iw is not None
+        iw = self.iw
+        if comm.world > 1:
+            iw = iw.to(device)  # nccl reduces device tensors
+            comm.all_reduce(iw)
+            iw = iw.cpu()
+        return [float(s) / float(n) if n > 0 else None for s, n in zip(iw[0].tolist(), iw[1].tolist())]
 
 
 class PolicyTrainer:
@@ -306,6 +327,7 @@ class PolicyTrainer:
         with timer.phase("metrics"):
             metrics = self._reduce(acc)
             metrics.update(acc.mismatch.reduce(self.device, self.comm))
+            sample_iw = acc.sample_iw(self.device, self.comm)
         if self.critics is not None and prep.returns is not None:
             with timer.phase("critics"):
                 # after the policy step, as AsyPPO orders it; every rank updates its replica identically
@@ -320,7 +342,7 @@ class PolicyTrainer:
             metrics["loss"] = metrics.get("loss/total", 0.0)
         metrics.update(timer.metrics())
         metrics["step_time_s"] = time.perf_counter() - t0
-        return TrainResult(step=tb.step, metrics=metrics)
+        return TrainResult(step=tb.step, metrics=metrics, sample_iw=sample_iw)
 
     def _prepare(self, tb: TrainBatch, timer: PhaseTimer) -> Prepared:
         """Pad the batch, mask tied groups (filter_ties), fill the advantages (GRPO or critics, x credit)."""
@@ -427,7 +449,7 @@ class PolicyTrainer:
         """Per mini-batch: forward + loss + backward per micro-batch, then clip and one optimizer step."""
         alg, full = self.cfg.algorithm, prep.full
         entropy_grad = alg.entropy_coef > 0
-        acc = Accumulated()
+        acc = Accumulated(iw=torch.zeros((2, full.size), dtype=torch.float64))
         # The parameters the optimizer steps, not model.parameters(): while an FSDP2 group is unsharded
         # (the root group stays unsharded after a no-grad proximal forward) the module exposes its
         # unsharded tensors, whose gradients FSDP moves to the sharded parameters; clipping those
@@ -443,6 +465,8 @@ class PolicyTrainer:
                     logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
                     prox_logp = prox[i, k] if i > 0 else logp.detach()  # the weights at the start of the step
                     acc.mismatch.add(prox_logp, b.behav_logp, b.loss_mask, b.versions, current)
+                    if len(idx):
+                        acc.add_iw(idx, prox_logp, b.behav_logp, b.versions)
                     loss, met = compute_policy_loss(
                         alg,
                         logp=logp,

@@ -162,7 +162,7 @@ class Trainer(PolicyTrainer):
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         # One rank alone holds a plain module (no FSDP hooks, all-gathers or DTensors: the same step, less
         # fixed cost); FSDP2 with more ranks, or for a GPU mixed-precision policy (FSDP2 applies it).
-        # DCP checkpoints load across the two (tests/test_resume.py resumes at another world size).
+        # DCP checkpoints load across the two (tests/integration/test_resume.py resumes at another world size).
         self.sharded = comm.world > 1 or mp is not None
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
         def build() -> torch.nn.Module:

@@ -8,5 +8,5 @@
     spec.py        a child's configuration at start: a typed struct as JSON in FLASHRL_SPEC
 
 Engine, trainer, controller and the launchers all import this package; it imports none of them
-(tests/test_imports.py), so neither end of a channel owns its format.
+(tests/unit/test_imports.py), so neither end of a channel owns its format.
 """

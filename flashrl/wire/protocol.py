@@ -204,8 +204,14 @@ class TrainStep(Msg):
 
 
 class TrainResult(Msg):
+    """``sample_iw``: per TrainBatch sample, in its order, the mean over its generated tokens of the
+    behaviour importance weight pi_prox / pi_behav (the weights the step started from over the engine's
+    logprob: decoupled_ppo's w before its cap); None for a sample the step skipped (trainer.skip_inert).
+    Empty when the trainer does not report it."""
+
     step: int = 0
     metrics: dict[str, float] = {}
+    sample_iw: list[float | None] = []
 
 
 class PrepareWeights(Msg):
