@@ -131,7 +131,7 @@ def test_targets_tokens_length_bias_and_drops() -> None:
     assert trl.tokens is None and trl.mean_len is None and trl.dropped is None  # nothing logged: n/a, not 0
     table = markdown_table([sync, fast])
     assert "| mean trained length, tokens (/ sync's, same seed) | 40.0 (1.000) | 30.0 (0.750) |" in table
-    assert "| samples dropped as stale | 0 | 7 |" in table
+    assert "| samples dropped as stale (their generated tokens) | 0 (0) | 7 (n/a) |" in table
     assert "time to 50% held-out (training clock) | 10.0 s (step 20) | 2.5 s (step 10) |" in table
     paired = paired_table([sync, fast], "sync")
     assert "time to 50%" in paired and "sync / async: 4.00x" in paired

@@ -25,6 +25,7 @@ from flashrl.bench.steptime import engine_busy
 THRESHOLDS = (0.70, 0.80, 0.85)  # the held-out accuracies timed by default (``--targets`` picks others)
 PRIMARY = "80%"  # of those, the one the seed tables compare (with ``--targets``: the first given)
 DROPPED = "count/stale/dropped_samples"  # flashrl: samples dropped as too stale so far (a running count)
+DROPPED_TOKENS = "count/stale/dropped_tokens"  # flashrl: the tokens generated for them (a running count)
 WARMUP_STEPS = 5  # steps left out of the mean step time (start-up transients)
 MODES = ("trl", "async", "sync")
 SYNC_SETS = ("scheduler.async_ratio=0", "scheduler.queue_scheduling=false")
@@ -60,6 +61,7 @@ class Run:
     tokens_per_s: float | None = None  # trained tokens over the training clock
     mean_len: float | None = None  # mean trained response length (tokens / samples)
     dropped: int | None = None  # samples dropped as stale (flashrl's count; None for TRL, which drops none)
+    dropped_tokens: int | None = None  # the tokens generated for them (None: not logged)
     first_acc: float | None = None
     final_acc: float | None = None
     best_acc: float | None = None
@@ -129,6 +131,8 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
         run.mean_len = run.tokens / run.samples if run.samples else None
     if any(k.startswith("count/") for r in steps for k in r):  # flashrl: counters logged -> a missing one is 0
         run.dropped = int(max((float(r.get(DROPPED, 0)) for r in steps), default=0))
+        if any(DROPPED_TOKENS in r for r in steps) or not run.dropped:
+            run.dropped_tokens = int(max((float(r.get(DROPPED_TOKENS, 0)) for r in steps), default=0))
     steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
     if steady:
         run.step_s = statistics.fmean(float(r["time/step_s"]) - float(r.get(EVAL_WAIT, 0.0))
@@ -205,7 +209,8 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("mean trained length, tokens (/ sync's, same seed)",
         [fmt(r.mean_len) + (f" ({r.mean_len / sync[r.seed].mean_len:.3f})" if r.mean_len and r.seed in sync else "")
          for r in runs])
-    row("samples dropped as stale", ["n/a" if r.dropped is None else str(r.dropped) for r in runs])
+    row("samples dropped as stale (their generated tokens)",
+        ["n/a" if r.dropped is None else f"{r.dropped} ({fmt(r.dropped_tokens, '{:.0f}')})" for r in runs])
     row("mean step time (after step 5, eval waits out)", [fmt(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
     row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
     row("engine thread busy: stepping + commands (mean over steps)",
