@@ -327,9 +327,10 @@ def seeds(
     timeout_s: PeerTimeout = None,
     resume: Resume = False,
     report_only: ReportOnly = False,
+    targets: Targets = None,
 ) -> None:
     """The config over several seeds (the peers bench with flashrl async only, by default seeds 0, 1, 2)."""
-    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only)
+    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
