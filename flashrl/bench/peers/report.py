@@ -190,7 +190,7 @@ def markdown_table(runs: Sequence[Run]) -> str:
     """One column per run; rows for everything the bench reports."""
     cols = [f"{r.mode} seed {r.seed}" for r in runs]
     targets = list(dict.fromkeys(k for r in runs for k in r.time_to)) or [f"{t:.0%}" for t in THRESHOLDS]
-    sync = {r.seed: r for r in runs if r.mode == "sync" and r.mean_len}
+    sync = {r.seed: r.mean_len for r in runs if r.mode == "sync" and r.mean_len}
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(runs)]
 
     def row(label: str, cells: Sequence[str]) -> None:
@@ -207,7 +207,7 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("trained samples/s", [fmt(r.samples_per_s, "{:.0f}") for r in runs])
     row("trained tokens/s", [fmt(r.tokens_per_s, "{:.0f}") for r in runs])
     row("mean trained length, tokens (/ sync's, same seed)",
-        [fmt(r.mean_len) + (f" ({r.mean_len / sync[r.seed].mean_len:.3f})" if r.mean_len and r.seed in sync else "")
+        [fmt(r.mean_len) + (f" ({r.mean_len / sync[r.seed]:.3f})" if r.mean_len and r.seed in sync else "")
          for r in runs])
     row("samples dropped as stale (their generated tokens)",
         ["n/a" if r.dropped is None else f"{r.dropped} ({fmt(r.dropped_tokens, '{:.0f}')})" for r in runs])
