@@ -248,7 +248,8 @@ def _given(ctx: typer.Context) -> list[str]:
 
 
 def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: str, sets: list[str], out: str,
-           sync_seeds: str | None, timeout_s: float | None, resume: bool, report_only: bool) -> None:
+           sync_seeds: str | None, timeout_s: float | None, resume: bool, report_only: bool,
+           targets: str | None = None) -> None:
     from flashrl.bench.peers.runner import run_bench
 
     prog = "flashrl bench seeds" if seeds_mode else "flashrl bench peers"
@@ -258,9 +259,11 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
         raise typer.BadParameter("give at least one seed, e.g. 0,1,2", param_hint="--seeds")
     sync_list = seed_list if sync_seeds == "all" else (
         _ints(sync_seeds, "--sync-seeds") if sync_seeds else seed_list[:1])
+    target_list = _accuracies(targets) if targets else None
     try:
         runs = run_bench([m for m in modes.split(",") if m], seed_list, out, config, steps, sets, timeout_s,
-                         title=title, sync_seeds=sync_list, resume=resume, report_only=report_only)
+                         title=title, sync_seeds=sync_list, resume=resume, report_only=report_only,
+                         targets=target_list)
     except ValueError as e:
         typer.echo(f"{prog}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -277,6 +280,20 @@ PeerTimeout = Annotated[Optional[float], typer.Option("--timeout-s", help="stop 
 Resume = Annotated[bool, typer.Option("--resume", help="keep the runs in --out that an earlier invocation completed")]
 ReportOnly = Annotated[bool, typer.Option(
     "--report-only", help="run nothing: write the results files from the runs already in --out")]
+Targets = Annotated[Optional[str], typer.Option(
+    "--targets", help="comma-separated held-out accuracies to time, e.g. 0.5 (default 0.7,0.8,0.85); the first "
+                      "is the one the seed-by-seed tables compare (default 0.8)")]
+
+
+def _accuracies(text: str) -> list[float]:
+    """``--targets``: comma-separated fractions in (0, 1]."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give fractions like 0.5,0.6", param_hint="--targets") from None
+    if not vals or any(not 0 < v <= 1 for v in vals):
+        raise typer.BadParameter(f"{text!r}: give fractions in (0, 1], like 0.5,0.6", param_hint="--targets")
+    return vals
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
@@ -291,10 +308,11 @@ def peers(
     timeout_s: PeerTimeout = None,
     resume: Resume = False,
     report_only: ReportOnly = False,
+    targets: Targets = None,
 ) -> None:
     """flashrl (async and sync) against Hugging Face TRL's GRPOTrainer, same model, data, verifier and
     hyperparameters, one run at a time (TRL comes with flashrl's `peers` extra)."""
-    _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only)
+    _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
@@ -309,9 +327,10 @@ def seeds(
     timeout_s: PeerTimeout = None,
     resume: Resume = False,
     report_only: ReportOnly = False,
+    targets: Targets = None,
 ) -> None:
     """The config over several seeds (the peers bench with flashrl async only, by default seeds 0, 1, 2)."""
-    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only)
+    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)

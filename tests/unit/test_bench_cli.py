@@ -63,6 +63,8 @@ def test_an_unknown_option_is_a_usage_error(name: str) -> None:
     (["queue_scheduling", "--steps", "0"], "--steps"),
     (["peers", "--seeds", "0,x"], "give comma-separated integers"),
     (["seeds", "--sync-seeds", "one"], "--sync-seeds"),
+    (["peers", "--targets", "80"], "give fractions in (0, 1]"),
+    (["peers", "--targets", "half"], "give fractions like 0.5"),
     (["algorithms", "--ratios", "0,two"], "--ratios"),
     (["algorithms", "--losses", ","], "give at least one loss"),
     (["calibrate"], "Missing argument"),
@@ -127,9 +129,12 @@ def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tm
     (modes, seeds, out, config, steps, sets, timeout, kw), (modes2, seeds2, out2, *_, kw2) = calls
     assert (modes, seeds, out, config, steps, sets, timeout) == (
         ["trl", "async", "sync"], [0], "bench/results/peers", "configs/tiny.toml", None, [], None)
-    assert kw == {"title": "flashrl vs TRL GRPOTrainer", "sync_seeds": [0], "resume": False, "report_only": False}
+    assert kw == {"title": "flashrl vs TRL GRPOTrainer", "sync_seeds": [0], "resume": False, "report_only": False,
+                  "targets": None}
     assert (modes2, seeds2, out2) == (["async"], [3, 4], "bench/results/seeds")
     assert kw2["sync_seeds"] == [3, 4] and kw2["resume"] and calls[1][5] == ["a=1"]
+    assert runner.invoke(bench_app, ["peers", "--targets", "0.5,0.6"]).exit_code == 0
+    assert calls[2][-1]["targets"] == [0.5, 0.6]
     monkeypatch.setattr(peers_runner, "run_bench", lambda *a, **k: (_ for _ in ()).throw(ValueError("--modes x: give")))
     bad = runner.invoke(bench_app, ["peers", "--modes", "x"])
     assert bad.exit_code == 2 and "flashrl bench peers: --modes x" in _text(bad)

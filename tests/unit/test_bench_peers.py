@@ -106,6 +106,39 @@ def test_summarize_never_reached_and_no_startup() -> None:
     assert "not reached" in table and "| sync seed 1 | sync seed 1 |" in table.splitlines()[0]
 
 
+def test_targets_tokens_length_bias_and_drops() -> None:
+    """--targets times other accuracies (the first is the seed tables'); trained tokens/s, the mean trained length
+    against sync's for the same seed, and the stale drops (a running count: its last value) come from the records."""
+    def with_tokens(recs: list[dict], per_sample: float, dropped: list[int] | None = None) -> list[dict]:
+        for r in recs[1:]:
+            r["tokens"] = r["samples"] * per_sample
+            if dropped is not None:
+                r["count/admitted/groups"] = 1
+                if r["step"] <= len(dropped):
+                    r["count/stale/dropped_samples"] = dropped[r["step"] - 1]
+        return recs
+
+    sync = Run(mode="sync", seed=0, name="sync-seed0")
+    summarize(sync, with_tokens(_records({0: 0.36, 10: 0.45, 20: 0.55}, 20, samples=64), 40.0, []), (0.5,))
+    fast = Run(mode="async", seed=0, name="async-seed0")
+    summarize(fast, with_tokens(_records({0: 0.36, 10: 0.52, 20: 0.55}, 20, samples=64, step_s=0.25), 30.0, [0, 3, 7]),
+              (0.5, 0.6))
+    trl = Run(mode="trl", seed=0, name="trl-seed0")
+    summarize(trl, _records({0: 0.36, 10: 0.4}, 10, samples=64))
+    assert sync.primary == "50%" and fast.primary == "50%" and trl.primary == "80%"
+    assert sync.time_to["50%"]["step"] == 20 and fast.time_to["50%"]["step"] == 10
+    assert fast.time_to["60%"]["step"] is None
+    assert sync.tokens == 20 * 64 * 40 and sync.mean_len == 40.0 and sync.tokens_per_s == pytest.approx(64 * 40 / 0.5)
+    assert fast.mean_len == 30.0 and fast.dropped == 7 and sync.dropped == 0  # counters logged, none dropped
+    assert trl.tokens is None and trl.mean_len is None and trl.dropped is None  # nothing logged: n/a, not 0
+    table = markdown_table([sync, fast])
+    assert "| mean trained length, tokens (/ sync's, same seed) | 40.0 (1.000) | 30.0 (0.750) |" in table
+    assert "| samples dropped as stale (their generated tokens) | 0 (0) | 7 (n/a) |" in table
+    assert "time to 50% held-out (training clock) | 10.0 s (step 20) | 2.5 s (step 10) |" in table
+    paired = paired_table([sync, fast], "sync")
+    assert "time to 50%" in paired and "sync / async: 4.00x" in paired
+
+
 def test_startup_offset_takes_the_tightest_record() -> None:
     assert startup_offset([(31.0, 0.5), (30.8, 0.7), (40.0, 9.0)]) == pytest.approx(30.1)
     assert startup_offset([]) is None
@@ -131,7 +164,7 @@ def test_write_results_and_seeds_table(tmp_path: Path) -> None:
     md = paths["md"].read_text()
     assert "| async | 0,1,2 | 86.0% (82.0%..90.0%) |" in md  # mean (min..max) over seeds
     assert "What differs" in md  # a TRL run is in the set
-    assert "Seed by seed:" in md and "| async | 0 |" in md  # async seed 0 paired with TRL seed 0
+    assert "Seed by seed against trl:" in md and "| async | 0 |" in md  # async seed 0 paired with TRL seed 0
     data = json.loads(paths["json"].read_text())
     assert [d["seed"] for d in data] == [0, 1, 2, 0] and data[3]["mode"] == "trl"
     rows = list(csv.DictReader(paths["csv"].open()))
@@ -246,7 +279,7 @@ def test_paired_table_compares_seed_by_seed_on_the_seeds_both_reached() -> None:
     assert cells[1] == "0, 1"  # seed 2 has no TRL run to pair with
     assert cells[2].startswith("1.50 mean (1.00, 2.00)")  # samples/s ratios, seed by seed
     assert cells[3] == "5/10, 10/-"
-    assert cells[4] == "0.5 s vs 1.0 s (1 seed; async sooner on 0, later on 1)"
+    assert cells[4] == "0.5 s vs 1.0 s (1 seed; async sooner on 0, later on 1); trl / async: 0.50x"
     assert cells[5] == "trl: seeds 1"
     assert cells[6] == f"{(0.8 + 0.82 + 0.6 + 0.8) / 4:.1%} / {(0.7 + 0.81 + 0.6 + 0.7) / 4:.1%}"
     assert paired_table([r for r in runs if r.mode == "async"]) == ""  # nothing to pair with

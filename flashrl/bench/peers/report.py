@@ -22,7 +22,10 @@ from typing import Any
 
 from flashrl.bench.steptime import engine_busy
 
-THRESHOLDS = (0.70, 0.80, 0.85)
+THRESHOLDS = (0.70, 0.80, 0.85)  # the held-out accuracies timed by default (``--targets`` picks others)
+PRIMARY = "80%"  # of those, the one the seed tables compare (with ``--targets``: the first given)
+DROPPED = "count/stale/dropped_samples"  # flashrl: samples dropped as too stale so far (a running count)
+DROPPED_TOKENS = "count/stale/dropped_tokens"  # flashrl: the tokens generated for them (a running count)
 WARMUP_STEPS = 5  # steps left out of the mean step time (start-up transients)
 MODES = ("trl", "async", "sync")
 SYNC_SETS = ("scheduler.async_ratio=0", "scheduler.queue_scheduling=false")
@@ -60,6 +63,12 @@ class Run:
     parts: dict[str, float] = field(default_factory=dict)  # mean seconds per step, by phase
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, accuracy, training clock)
     time_to: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    primary: str = PRIMARY  # the time_to key the seed tables compare
+    tokens: int | None = None  # trained response tokens (EOS included) over the run; None: not logged
+    tokens_per_s: float | None = None  # trained tokens over the training clock
+    mean_len: float | None = None  # mean trained response length (tokens / samples)
+    dropped: int | None = None  # samples dropped as stale (flashrl's count; None for TRL, which drops none)
+    dropped_tokens: int | None = None  # the tokens generated for them (None: not logged)
     first_acc: float | None = None
     final_acc: float | None = None
     best_acc: float | None = None
@@ -95,8 +104,12 @@ def startup_offset(appeared: Sequence[tuple[float, float]]) -> float | None:
     return max(0.0, min(diffs)) if diffs else None
 
 
-def summarize(run: Run, records: list[dict[str, Any]]) -> None:
-    """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys)."""
+def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[float] = THRESHOLDS,
+              primary: str | None = None) -> None:
+    """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys).
+
+    ``thresholds``: the held-out accuracies timed (first eval at or above each); ``primary``: the one the
+    seed tables compare (default: 80% when it is timed, else the first)."""
     steps = sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
     # The training clock leaves held-out evals out, for both: TRL's evals run between its steps and
     # its time/elapsed_s already excludes them; flashrl's run on the engines beside training, and what a
@@ -119,6 +132,14 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
     run.samples = int(sum(float(r.get("samples", 0)) for r in steps))
     run.train_s = clock.get(run.steps) if run.steps else None
     run.samples_per_s = run.samples / run.train_s if run.train_s else None
+    if any("tokens" in r for r in steps):
+        run.tokens = int(sum(float(r.get("tokens", 0)) for r in steps))
+        run.tokens_per_s = run.tokens / run.train_s if run.train_s else None
+        run.mean_len = run.tokens / run.samples if run.samples else None
+    if any(k.startswith("count/") for r in steps for k in r):  # flashrl: counters logged -> a missing one is 0
+        run.dropped = int(max((float(r.get(DROPPED, 0)) for r in steps), default=0))
+        if any(DROPPED_TOKENS in r for r in steps) or not run.dropped:
+            run.dropped_tokens = int(max((float(r.get(DROPPED_TOKENS, 0)) for r in steps), default=0))
     steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
     if steady:
         run.step_s = statistics.fmean(float(r["time/step_s"]) - eval_wait(r)
@@ -135,14 +156,17 @@ def summarize(run: Run, records: list[dict[str, Any]]) -> None:
         run.first_acc, run.final_acc = evals[0][1], evals[-1][1]
         run.best_acc = max(a for _, a, _ in evals)
     run.time_to = {}
-    for thr in THRESHOLDS:
+    keys = [f"{thr:.0%}" for thr in thresholds]
+    run.primary = primary or (PRIMARY if PRIMARY in keys else keys[0])
+    for thr in thresholds:
         hit = next(((s, t) for s, a, t in evals if a >= thr - 1e-9), None)
         run.time_to[f"{thr:.0%}"] = {
             "step": hit[0] if hit else None,
             "train_s": hit[1] if hit else None,
             "process_s": hit[1] + run.startup_s if hit and run.startup_s is not None else None,
         }
-    after = [a for s, a, _ in evals if run.time_to["80%"]["step"] is not None and s >= run.time_to["80%"]["step"]]
+    hit80 = (run.time_to.get("80%") or {}).get("step")
+    after = [a for s, a, _ in evals if hit80 is not None and s >= hit80]
     if after:
         best, dip = after[0], 0.0
         for a in after:
@@ -172,20 +196,28 @@ def _time_to(r: Run, thr: str, which: str) -> str:
 def markdown_table(runs: Sequence[Run]) -> str:
     """One column per run; rows for everything the bench reports."""
     cols = [f"{r.mode} seed {r.seed}" for r in runs]
+    targets = list(dict.fromkeys(k for r in runs for k in r.time_to)) or [f"{t:.0%}" for t in THRESHOLDS]
+    sync = {r.seed: r.mean_len for r in runs if r.mode == "sync" and r.mean_len}
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(runs)]
 
     def row(label: str, cells: Sequence[str]) -> None:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    for thr in (f"{t:.0%}" for t in THRESHOLDS):
+    for thr in targets:
         row(f"time to {thr} held-out (training clock)", [_time_to(r, thr, "train_s") for r in runs])
-    for thr in (f"{t:.0%}" for t in THRESHOLDS):
+    for thr in targets:
         row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
     row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
     row("steps / training clock", [f"{r.steps} / {fmt(r.train_s)} s" for r in runs])
     row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode != "trl" else "(evals between steps)"
                                                     for r in runs])
     row("trained samples/s", [fmt(r.samples_per_s, "{:.0f}") for r in runs])
+    row("trained tokens/s", [fmt(r.tokens_per_s, "{:.0f}") for r in runs])
+    row("mean trained length, tokens (/ sync's, same seed)",
+        [fmt(r.mean_len) + (f" ({r.mean_len / sync[r.seed]:.3f})" if r.mean_len and r.seed in sync else "")
+         for r in runs])
+    row("samples dropped as stale (their generated tokens)",
+        ["n/a" if r.dropped is None else f"{r.dropped} ({fmt(r.dropped_tokens, '{:.0f}')})" for r in runs])
     row("mean step time (after step 5, eval waits out)", [fmt(None if r.step_s is None else 1000 * r.step_s, "{:.0f}") + " ms" for r in runs])
     row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
     row("engine thread busy: stepping + commands (mean over steps)",
@@ -200,13 +232,19 @@ def markdown_table(runs: Sequence[Run]) -> str:
 
 
 def _t80(r: Run, key: str) -> Any:
-    """The run's first eval at >= 80%: its "step", "train_s" or "process_s" (None: never reached)."""
-    return (r.time_to.get("80%") or {}).get(key)
+    """The run's first eval at or above its primary target (80% by default): its "step", "train_s" or "process_s"
+    (None: never reached)."""
+    return (r.time_to.get(r.primary) or {}).get(key)
+
+
+def _primary(runs: Sequence[Run]) -> str:
+    return runs[0].primary if runs else PRIMARY
 
 
 def seeds_table(runs: Sequence[Run]) -> str:
-    """Per mode, over seeds: final accuracy, time to 80%, samples/s as mean (min..max)."""
-    lines = ["| mode | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to 80%, training clock | trained samples/s |",
+    """Per mode, over seeds: final accuracy, time to the primary target, samples/s as mean (min..max)."""
+    p = _primary(runs)
+    lines = [f"| mode | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to {p}, training clock | trained samples/s |",
              "|---|---|---|---|---|---|"]
     for mode in dict.fromkeys(r.mode for r in runs):
         rs = [r for r in runs if r.mode == mode]
@@ -255,6 +293,8 @@ def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
                     f"({len(both)} seed{'s' if len(both) > 1 else ''}; {mode} sooner on {sooner}, later on {later})")
         else:
             t80s = "n/a (no seed both reached)"
+        speed = [x / y for x, y in both if y]
+        t80s += f"; {baseline} / {mode}: " + ", ".join(f"{x:.2f}x" for x in speed) if speed else ""
         only_base = [str(b.seed) for b, m in pairs if _t80(b, "step") is not None and _t80(m, "step") is None]
         only_mode = [str(b.seed) for b, m in pairs if _t80(m, "step") is not None and _t80(b, "step") is None]
         only_s = "; ".join(f"{who}: seeds {', '.join(ss)}" for who, ss in ((baseline, only_base), (mode, only_mode)) if ss)
@@ -265,9 +305,10 @@ def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
                     f"{only_s or 'none'} | {acc_s} |")
     if not rows:
         return ""
+    p = _primary(runs)
     head = [f"| seed by seed against {baseline} | seeds | trained samples/s, mode / {baseline} | "
-            f"80% reached at step ({baseline} / mode; - = not reached) | time to 80%, training clock, on the seeds both "
-            f"reached | reached 80% only | mean held-out over the evals after step 0 ({baseline} / mode) |",
+            f"{p} reached at step ({baseline} / mode; - = not reached) | time to {p}, training clock, on the seeds both "
+            f"reached | reached {p} only | mean held-out over the evals after step 0 ({baseline} / mode) |",
             "|---|---|---|---|---|---|---|"]
     return "\n".join(head + rows) + "\n"
 
@@ -325,9 +366,10 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -
     md = f"# {title}\n\n{notes}" + markdown_table(runs) + "\n"
     if len({r.seed for r in runs}) > 1:
         md += "Over seeds:\n\n" + seeds_table(runs) + "\n"
-    paired = paired_table(runs)
-    if paired:
-        md += "Seed by seed:\n\n" + paired + "\n"
+    for base in ("trl", "sync"):
+        paired = paired_table(runs, base)
+        if paired:
+            md += f"Seed by seed against {base}:\n\n" + paired + "\n"
     if any(r.mode == "trl" for r in runs):
         md += DIFFERENCES
     paths["md"].write_text(md)

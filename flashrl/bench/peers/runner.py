@@ -29,6 +29,7 @@ from flashrl.bench.peers.report import (
     MODE_LABEL,
     MODES,
     SYNC_SETS,
+    THRESHOLDS,
     Run,
     fmt,
     read_metrics,
@@ -126,7 +127,8 @@ def child_command(mode: str, config: str | Path, seed: int, steps: int | None, r
 
 
 def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Path,
-            extra_sets: Sequence[str] = (), timeout_s: float | None = None) -> Run:
+            extra_sets: Sequence[str] = (), timeout_s: float | None = None,
+            targets: Sequence[float] = THRESHOLDS) -> Run:
     name = f"{mode}-seed{seed}"
     run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -157,7 +159,7 @@ def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Pa
     run.startup_s = startup_offset(watch.appeared)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
-        summarize(run, read_metrics(metrics))
+        summarize(run, read_metrics(metrics), targets)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_FILE).write_text(json.dumps(asdict(run), indent=1))
     print(f"[bench] {name}: rc={run.returncode} wall {run.wall_s:.0f}s, {run.steps} steps, final acc "
@@ -168,8 +170,11 @@ def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Pa
 RUN_FILE = "bench_run.json"  # in each run's folder: what the bench measured of it (--resume reads it back)
 
 
-def _kept(out: Path, mode: str, seed: int, steps: int | None, any_exit: bool = False) -> Run | None:
-    """A run of an earlier invocation with the same output folder that exited 0 (``--resume``), else None."""
+def _kept(out: Path, mode: str, seed: int, steps: int | None, any_exit: bool = False,
+          targets: Sequence[float] = THRESHOLDS) -> Run | None:
+    """A run of an earlier invocation with the same output folder that exited 0 (``--resume``), else None; its
+    numbers read again from its metrics.jsonl (so ``targets`` and newer report fields apply), what the bench
+    measured from outside (wall, start-up, peak memory) kept."""
     try:
         data = json.loads((out / "runs" / f"{mode}-seed{seed}" / RUN_FILE).read_text())
     except (OSError, ValueError):
@@ -178,10 +183,13 @@ def _kept(out: Path, mode: str, seed: int, steps: int | None, any_exit: bool = F
     run.evals = [tuple(e) for e in run.evals]  # type: ignore[misc]
     if not any_exit and (run.returncode != 0 or (steps is not None and run.steps < steps)):
         return None
+    metrics = out / "runs" / f"{mode}-seed{seed}" / "metrics.jsonl"
+    if metrics.exists():
+        summarize(run, read_metrics(metrics), targets)
     return run
 
 
-def _recovered(out: Path, mode: str, seed: int) -> Run | None:
+def _recovered(out: Path, mode: str, seed: int, targets: Sequence[float] = THRESHOLDS) -> Run | None:
     """A run whose bench process died after it (no bench_run.json) but whose metrics.jsonl is there: its numbers
     from the metrics alone (``--report-only``); start-up unknown, peak memory from flashrl's own ``mem/total_gib``."""
     name = f"{mode}-seed{seed}"
@@ -192,18 +200,20 @@ def _recovered(out: Path, mode: str, seed: int) -> Run | None:
     run = Run(mode=mode, seed=seed, name=name, log=str(out / "logs" / f"{name}.log"))
     mem = [float(r["mem/total_gib"]) for r in recs if "mem/total_gib" in r]
     run.peak_mem_gib = max(mem) if mem else None
-    summarize(run, recs)
+    summarize(run, recs, targets)
     return run
 
 
 def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, config: str | Path = "configs/tiny.toml",
               steps: int | None = None, extra_sets: Sequence[str] = (), timeout_s: float | None = None,
               title: str = "flashrl vs TRL GRPOTrainer", sync_seeds: Sequence[int] | None = None,
-              resume: bool = False, report_only: bool = False) -> list[Run]:
+              resume: bool = False, report_only: bool = False, targets: Sequence[float] | None = None) -> list[Run]:
     """Every (seed, mode) run in turn (sync only for ``sync_seeds``, default all); results files after each.
 
     ``resume``: a run that an earlier invocation into ``out`` completed (exit 0, ``steps`` steps) is kept,
-    not run again, so a long bench can be run one piece at a time and assembled by a last invocation."""
+    not run again, so a long bench can be run one piece at a time and assembled by a last invocation.
+    ``targets``: the held-out accuracies timed (default report.THRESHOLDS; the first is the seed tables')."""
+    targets = tuple(targets) if targets else THRESHOLDS
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"--modes {','.join(modes)}: give a comma-separated subset of {','.join(MODES)}")
@@ -214,16 +224,16 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
             if mode == "sync" and sync_seeds is not None and seed not in sync_seeds:
                 continue
             if report_only:  # assemble what is there; run nothing
-                got = _kept(out, mode, seed, None, any_exit=True) or _recovered(out, mode, seed)
+                got = _kept(out, mode, seed, None, any_exit=True, targets=targets) or _recovered(out, mode, seed, targets)
                 if got is not None:
                     runs.append(got)
                 continue
-            kept = _kept(out, mode, seed, steps) if resume else None
+            kept = _kept(out, mode, seed, steps, targets=targets) if resume else None
             if kept is not None:
                 print(f"[bench] {kept.name}: kept (completed earlier)", flush=True)
                 runs.append(kept)
             else:
-                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s))
+                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets))
             if not report_only:
                 write_results(runs, out, title, _notes(config, steps, extra_sets))  # partial results survive a crash
     if report_only:

@@ -34,6 +34,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+EVAL_CHUNK = 50  # held-out problems per padded greedy batch (non-arithmetic envs)
+
 
 class PeerConfigError(ValueError):
     """The flashrl config uses something the TRL peer cannot reproduce; the message names the key."""
@@ -127,13 +129,12 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from flashrl.config import load
     from flashrl.core.lr_schedule import scheduled_lr
     from flashrl.models import ensure_model
-    from flashrl.models.tiny import greedy_accuracy
+    from flashrl.models.tiny import greedy_accuracy, play_episodes
+    from flashrl.models.tokenizer import load_tokenizer
     from flashrl.plugins import make_suite
 
     cfg = load(config, list(overrides))
     settings = trl_settings(cfg)
-    if cfg.env.name != "arithmetic":
-        raise PeerConfigError(f"env.name = {cfg.env.name!r}: the TRL peer scores with the arithmetic verifier; use 'arithmetic'")
     torch.set_num_threads(threads or os.cpu_count() or 1)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -143,14 +144,18 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     suite = make_suite(cfg.env.name, {k: v for k, v in cfg.env.params.items() if k != "faults"}, seed=cfg.run.seed,
                        eval_size=cfg.env.eval_size)
     eval_tasks = list(suite.eval_tasks())
+    by_len = sorted(eval_tasks, key=lambda t: len(t.prompt))  # greedy: the order does not change an answer
     mb, steps = cfg.trainer.mini_batches, cfg.run.steps
     tasks = train_prompts(cfg, suite, steps * cfg.rollout.batch_prompts)
     # One dataset row per prompt, in order; TRL repeats each num_generations times (shuffle off).
     data = Dataset.from_dict({"prompt": [t.prompt for t in tasks], "task": list(range(len(tasks)))})
     env = suite.make_env()
 
-    def correct(prompts: list[str], completions: list[str], task: list[int], **_: Any) -> list[float | None]:
+    def correct(prompts: list[str], completions: list[str], task: list[int], completion_ids: Any = None,
+                **_: Any) -> list[float | None]:
         times["step_samples"] += len(completions)  # what TRL generated and scored for this training step
+        # trained tokens: TRL's completion ids run up to and including the EOS, as flashrl's response_ids
+        times["step_tokens"] += sum(len(ids) for ids in completion_ids or [])
 
         async def score() -> list[float | None]:  # the env's own verifier, as flashrl's rollouts score
             rewards: list[float | None] = []
@@ -163,6 +168,8 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
 
     # transformers' tokenizer (TRL's processing_class; the eval's prompts and decoding), as flashrl's engines load it
     hf_tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    # flashrl's own tokenizer for a non-arithmetic env's eval: it decodes as flashrl's engines do (special tokens dropped)
+    fl_tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
@@ -170,14 +177,22 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: scheduled_lr(cfg.trainer, steps, k // mb) / cfg.trainer.lr)
     metrics = (out / "metrics.jsonl").open("w")
     times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0,
-                             "lr": 0.0, "step_samples": 0}
+                             "lr": 0.0, "step_samples": 0, "step_tokens": 0}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
         was = model.training
         model.eval()
         with torch.no_grad():
-            acc = greedy_accuracy(model, hf_tok, eval_tasks, cfg.rollout.max_new_tokens)
+            if cfg.env.name == "arithmetic":
+                acc = greedy_accuracy(model, hf_tok, eval_tasks, cfg.rollout.max_new_tokens)
+            else:  # any other single-turn env: its own verifier (info["correct"], else reward >= 1), as flashrl's eval
+                # In chunks of similar prompt length: a padded batch decodes until its longest answer ends, so
+                # one long-tail problem in a batch of 400 would make all 400 rows run ~200 decode steps.
+                played = [c for i in range(0, len(by_len), EVAL_CHUNK)
+                          for _, c in play_episodes(model, fl_tok, suite, by_len[i:i + EVAL_CHUNK],
+                                                    cfg.rollout.max_new_tokens, max_turns=1)]
+                acc = sum(played) / max(len(played), 1)
         model.train(was)
         dt = time.perf_counter() - t
         times["eval_s"] += dt
@@ -219,7 +234,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             times["step_gen_s"] = 0.0
             # the samples scored during this step (counted, not mb x batch: a setting TRL reads differently shows)
             samples, times["step_samples"] = times["step_samples"], 0
-            rec = {"step": step, "version": step, "samples": samples,
+            tokens, times["step_tokens"] = times["step_tokens"], 0
+            rec = {"step": step, "version": step, "samples": samples, "tokens": tokens,
+                   "response_len/mean": tokens / samples if samples else 0.0,
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
                    "time/elapsed_s": now - times["t0"] - times["eval_s"],
                    "lr": times["lr"]}
