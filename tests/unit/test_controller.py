@@ -138,8 +138,8 @@ def test_sync_baseline_waits_for_published_weights() -> None:
 
 
 # --------------------------------------------------------------------------- staleness and capacity
-@settings(max_examples=25, deadline=None)
-@given(
+# The run shapes both bound properties (drop's here, wait's below) are checked over.
+RUN_SHAPES = dict(
     ratio=st.integers(0, 3),
     seed=st.integers(0, 10_000),
     batch=st.integers(1, 3),
@@ -149,6 +149,10 @@ def test_sync_baseline_waits_for_published_weights() -> None:
     redundancy=st.integers(0, 1),
     overlap=st.booleans(),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**RUN_SHAPES)
 def test_staleness_bound_never_violated(ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool,
                                         redundancy: int, overlap: bool) -> None:
     cfg = config(
@@ -873,17 +877,7 @@ def test_a_step_record_says_how_busy_the_least_busy_engine_was() -> None:
 
 # --------------------------------------------------------------------------- stale modes: wait and partial
 @settings(max_examples=25, deadline=None)
-@given(
-    ratio=st.integers(0, 3),
-    seed=st.integers(0, 10_000),
-    batch=st.integers(1, 3),
-    group=st.integers(1, 3),
-    n_engines=st.integers(1, 3),
-    queue=st.booleans(),
-    redundancy=st.integers(0, 1),
-    overlap=st.booleans(),
-    turns=st.integers(1, 2),
-)
+@given(**RUN_SHAPES, turns=st.integers(1, 2))
 def test_wait_never_trains_a_sample_past_the_bound_and_never_drops_one(
         ratio: int, seed: int, batch: int, group: int, n_engines: int, queue: bool, redundancy: int, overlap: bool,
         turns: int) -> None:
