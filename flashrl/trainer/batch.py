@@ -209,12 +209,14 @@ def split_prefixes(b: PaddedBatch, pad_id: int, min_share: float = 1.5) -> Prefi
     if n < min_share * g:
         return None
     # the representative (first) row of every group, and the check that the group shares its prompt
-    rep = torch.full((g,), n, dtype=torch.long).scatter_reduce(0, first, torch.arange(n), reduce="amin")
+    dev = b.input_ids.device  # every index built here lives where the batch does (a GPU's batch too)
+    rep = torch.full((g,), n, dtype=torch.long, device=dev).scatter_reduce(
+        0, first, torch.arange(n, device=dev), reduce="amin")
     plen = b.prompt_lens
     if not torch.equal(plen, plen[rep][first]):
         return None
     p = int(plen.max())
-    col = torch.arange(p)
+    col = torch.arange(p, device=dev)
     in_prompt = col[None, :] < plen[:, None]  # [B, P]
     if not torch.equal(torch.where(in_prompt, b.input_ids[:, :p], -1),
                        torch.where(in_prompt, b.input_ids[rep][first][:, :p], -1)):
@@ -222,7 +224,7 @@ def split_prefixes(b: PaddedBatch, pad_id: int, min_share: float = 1.5) -> Prefi
     total = b.attention_mask.sum(-1)  # [B] real tokens
     cont_len = total - plen
     r = max(int(cont_len.max()), 1)
-    k = torch.arange(r)
+    k = torch.arange(r, device=dev)
     valid = k[None, :] < cont_len[:, None]
     src = (plen[:, None] + k[None, :]).clamp(max=b.input_ids.shape[1] - 1)
     cont_ids = torch.where(valid, b.input_ids.gather(1, src), pad_id)

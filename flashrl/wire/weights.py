@@ -93,7 +93,7 @@ def bucket_checksum(flat: torch.Tensor, algo: str = "auto") -> str:
     for start in range(0, words.numel(), _WORDS_PER_CHUNK):
         chunk = words[start : start + _WORDS_PER_CHUNK].to(torch.int64)
         c1 = int(chunk.sum())
-        c2 = int(torch.dot(chunk, pos[: chunk.numel()]))
+        c2 = int((chunk * pos[: chunk.numel()]).sum())  # not torch.dot: CUDA has no integer dot
         s1 += c1
         s2 += c2 + start * c1  # shift this chunk's weights from (j + 1) to (start + j + 1)
     return f"sum16:{flat.numel() * flat.element_size()}:{s1 % _TWO64}:{s2 % _TWO64}"
