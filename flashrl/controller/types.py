@@ -55,6 +55,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
     wait_s: float = 0.0  # waiting for an engine permit
     task_id: str = ""
     metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
+    # Multi-turn chat trajectories (rollout._measure_template), -1 where not measured: tokens by which the
+    # chat template's re-rendering of the finished conversation differs from prompt_ids + response_ids,
+    # and tokens that decoding and re-encoding its generated turns alone would change.
+    template_mismatch: int = -1
+    retokenize_mismatch: int = -1
 
     @property
     def version_start(self) -> int:
