@@ -35,7 +35,7 @@ from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.scheduler import DataStream, Router
-from flashrl.controller.types import Trajectory, metric_means
+from flashrl.controller.types import Trajectory, env_share, metric_means
 from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.core.staleness import lag_stats
@@ -176,6 +176,7 @@ class Ledger:
             counters=dict(sorted(self.counters.items())),
             env_counters={k.removeprefix("env/"): v for k, v in self.env_counters().items()},
             template=template_stats(samples),
+            env_share=env_share(samples),
         )
         # which prompts this step trained (resume checks)
         stats.prompt_uids = [g.uid for g in batch]

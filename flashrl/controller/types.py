@@ -112,3 +112,10 @@ def metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
             sums[k] = sums.get(k, 0.0) + v
             counts[k] += 1
     return {k: total / counts[k] for k, total in sums.items()}
+
+
+def env_share(trajs: Sequence[Trajectory]) -> float:
+    """The share of the trajectories' lifetimes (first start to end, summed) spent inside env.reset and
+    env.step: how much of an agentic rollout waits for its environment (0.0 when none has a lifetime)."""
+    life = sum(max(0.0, t.t_end - t.t_start) for t in trajs)
+    return min(1.0, sum(t.env_s for t in trajs) / life) if life > 0 else 0.0

@@ -19,7 +19,8 @@ controller counters, the suite's counters and the weight-sync phases.
     len/trained_mean dropped/samples dropped/tokens staleness/token_mean lineage/updates_spanned_mean
     lineage/interrupted_frac
     reward/<metric> count/<counter> env/<counter> rollout/<template check> prompt_uids time/train/transport_s
-    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s eval/accuracy
+    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s rollout/env_share
+    eval/accuracy
     eval/reward_mean eval/reward/<metric> time/eval_s time/eval/trainer_wait_s time/eval/gen_wait_s
     eval/engine_share mem/total_gib
 
@@ -90,6 +91,7 @@ _BATCH_MORE_KEYS: dict[str, str] = {
     "time/train/transport_s": "transport_s",
     "time/checkpoint_s": "checkpoint_s",
     "time/eval_wait_s": "eval_wait_s",
+    "rollout/env_share": "env_share",
 }
 _EVAL_KEYS: dict[str, str] = {
     "eval/accuracy": "accuracy",
@@ -158,6 +160,9 @@ class BatchStats(msgspec.Struct, kw_only=True):
     engine: dict[str, float] = {}
     checkpoint_s: float | None = None  # the checkpoint written before this step
     eval_wait_s: float = 0.0  # what this step waited because of an eval (a batch that could not be fresh before it ended)
+    # the trained trajectories' time inside env.reset/env.step over their whole time (start to end),
+    # summed over the batch: how much of an agentic rollout's life is the environment's (0 single-turn)
+    env_share: float = 0.0
 
 
 class EvalStats(msgspec.Struct, kw_only=True):
@@ -206,6 +211,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             if b.checkpoint_s is not None:
                 out["time/checkpoint_s"] = b.checkpoint_s
             out["time/eval_wait_s"] = b.eval_wait_s
+            out["rollout/env_share"] = b.env_share
         if self.eval is not None:
             e = self.eval
             out["eval/accuracy"] = e.accuracy
