@@ -104,6 +104,8 @@ def test_cli_run_with_a_chat_model_trains_syncs_and_exports(tmp_path: Path, chat
         assert r["mismatch/kl"] < 1e-6, r  # seen: ~4e-13
         assert r["mismatch/max_abs"] < 5e-3, r  # seen: ~3e-6
         assert r["turns/mean"] > 1.0  # multi-turn: observation turns were appended as chat turns
+        # ... so the step measured its multi-turn samples against the template's re-rendering (models.md)
+        assert r["rollout/template_checked"] >= 1 and 0.0 <= r["rollout/template_mismatch_rate"] <= 1.0, r
     final = run / "final"
     before, after = _weights(chat_dir), _weights(final)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # trained
