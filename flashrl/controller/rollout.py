@@ -419,9 +419,20 @@ def _measure_template(chat: ChatTokenizer, prompt: str, conversation: list[tuple
     tokens by which the template's rendering of the finished conversation differs from the trained ids
     (which stay as generated either way), and how many of those decoding and re-encoding the generated
     turns alone would change. Reported per step as rollout/template_* and rollout/retokenize_*."""
-    m = chat.template_mismatch(prompt, conversation, traj.prompt_ids + traj.response_ids)
+    try:
+        m = chat.template_mismatch(prompt, conversation, traj.prompt_ids + traj.response_ids)
+    except Exception as e:  # a metric: a template that cannot re-render a conversation must not end the run
+        global _template_warned
+        if not _template_warned:
+            _template_warned = True
+            log.warning("chat template: re-rendering a finished conversation failed (%s: %s); rollout/template_* "
+                        "are not measured for such samples", type(e).__name__, e)
+        return
     if m is not None:
         traj.template_mismatch, traj.retokenize_mismatch = m
+
+
+_template_warned = False  # _measure_template's warning, once per process
 
 
 def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Trajectory:

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatFormat", "ChatTemplateError", "stop_token_ids", "token_diff"]
+__all__ = ["DIFF_LIMIT", "ChatFormat", "ChatTemplateError", "stop_token_ids", "token_diff"]
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,38 @@ def stop_token_ids(model_dir: str | Path, tokenizer_eos: int | None = None) -> l
     return ids
 
 
+# token_diff's edit script runs on at most this many tokens (between the first and the last difference);
+# difflib is quadratic in the worst case, and it runs on the controller's event loop
+DIFF_LIMIT = 1024
+
+
 def token_diff(trained: Sequence[int], rendered: Sequence[int], *, tail: bool = False) -> int:
     """Tokens by which ``rendered`` differs from ``trained``: over the edit script (difflib's longest
     matching blocks), each replaced, deleted or inserted run counts its longer side. Unless ``tail``,
     a run that ``rendered`` adds after the end of ``trained`` is not counted: the template's closing
-    of the turn the sample ends in (or of a turn cut off), which the sample never contained."""
-    ops = difflib.SequenceMatcher(None, list(trained), list(rendered), autojunk=False).get_opcodes()
+    of the turn the sample ends in (or of a turn cut off), which the sample never contained.
+
+    Exact when the stretch from the first to the last difference is at most DIFF_LIMIT tokens long on
+    both sides; beyond that the stretch's longer side (an upper bound), so the cost stays linear. 0 if and
+    only if the sequences are equal (``rendered`` may be longer when not ``tail``)."""
+    a, b = list(trained), list(rendered)
+    k = 0
+    for x, y in zip(a, b):  # the common prefix
+        if x != y:
+            break
+        k += 1
+    if not tail and k == len(a):
+        return 0  # rendered only adds after the sample's end (or is the same)
+    m = 0
+    while m < min(len(a), len(b)) - k and a[len(a) - 1 - m] == b[len(b) - 1 - m]:
+        m += 1  # the common suffix (not overlapping the prefix)
+    a, b = a[k:len(a) - m], b[k:len(b) - m]
+    at_end = m == 0 and not tail  # an insert at the end of ``a`` is one after the end of the sample
+    if len(a) > DIFF_LIMIT or len(b) > DIFF_LIMIT:
+        return max(len(a), len(b))
     n = 0
-    for tag, i1, i2, j1, j2 in ops:
-        if tag == "equal" or (tag == "insert" and i1 == len(trained) and not tail):
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal" or (tag == "insert" and i1 == len(a) and at_end):
             continue
         n += max(i2 - i1, j2 - j1)
     return n

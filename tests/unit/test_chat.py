@@ -24,7 +24,7 @@ from flashrl.controller.scheduler import Router
 from flashrl.controller.types import Trajectory
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.env import Task
-from flashrl.models.chat import ChatFormat, ChatTemplateError, stop_token_ids, token_diff
+from flashrl.models.chat import DIFF_LIMIT, ChatFormat, ChatTemplateError, stop_token_ids, token_diff
 from flashrl.models.chat_model import CHATML_TEMPLATE, THINK_TOKENS, build_chat_model
 from flashrl.models.tokenizer import load_tokenizer
 from flashrl.sim.clock import run_virtual
@@ -383,3 +383,15 @@ def test_special_strings_with_a_template_that_rewrites_content_is_an_error(model
         chat.observation_ids(" <|im_end|> ", [])
     with pytest.raises(ChatTemplateError, match="must not contain"):
         ChatFormat(tok.hf, "FLASHRLTURNMARK", tok.stop_token_ids)
+
+
+def test_token_diff_counts_edits_and_stays_linear_past_its_limit() -> None:
+    assert token_diff([1, 2, 3], [1, 2, 3]) == 0
+    assert token_diff([1, 2, 3], [1, 2, 3, 4]) == 0  # the template's closing after the sample's end
+    assert token_diff([1, 2, 3], [1, 2, 3, 4], tail=True) == 1
+    assert token_diff([1, 5, 6, 3], [1, 3]) == 2 and token_diff([1, 2, 3], [1, 9, 2, 3]) == 1
+    assert token_diff([1, 5, 3, 7, 8, 4], [1, 3, 4]) == 3  # two rewritten stretches with a match between
+    long = list(range(DIFF_LIMIT * 3))
+    cut = long[:10] + long[60:DIFF_LIMIT * 2] + long[DIFF_LIMIT * 2 + 40:]  # 90 tokens dropped in two places
+    assert token_diff(long, cut) == DIFF_LIMIT * 2 + 40 - 10  # beyond the limit: the stretch (an upper bound)
+    assert token_diff(long[:DIFF_LIMIT], long[:10] + long[60:DIFF_LIMIT]) == 50  # within it: exact
