@@ -140,6 +140,9 @@ class WeightsUpdated(Msg):
     # how busy the engine was since its previous update, fractions of the wall time: stepping (vLLM's
     # step), commands (adding requests, aborts, weight loads); {} from an engine that does not measure it
     occupancy: dict[str, float] = {}
+    # the receive buffers the engine held for this sync, bytes (engine/sync_extra_bytes): one copy of the
+    # weights in weight_sync.load "whole", a few buckets in "bucket"; 0 from an engine that does not measure it
+    extra_bytes: int = 0
 
 
 class LoadReport(Msg):
