@@ -266,9 +266,11 @@ class BucketStream:
 
     ``open()`` (beside generation) posts the receives of buckets 0 and 1 and verifies bucket 0. Iterating
     (inside vLLM's ``reload_weights``, on the engine thread) yields bucket k's (name, tensor) pairs only after
-    bucket k's checksum passed, then posts bucket k+2 and verifies k+1. So the receive buffers in use are at
-    most the bucket loading, the one arriving, the one posted, plus any earlier one a partly-loaded layer still
-    references: a few buckets, never the whole model (``extra_bytes``: every slot's bytes, measured).
+    bucket k's checksum passed, then posts bucket k+2 and verifies k+1. So the receive buffers in use are
+    the bucket just loaded (the loader's loop still holds its last tensor), the next one, verified, the one
+    posted, and the earlier ones a partly-loaded layer still references (vLLM keeps a layer's tensors until its
+    last one arrives): about (buckets one layer spans) + 2, a few buckets, never the whole model
+    (``extra_bytes``: every slot's bytes, measured).
 
     Invariants: nothing of a bucket reaches the loader before its checksum passed; after the first bad bucket
     nothing more does (``error`` names it, ``loaded`` says how many buckets the loader got: 0 = the model is
