@@ -6,6 +6,7 @@ tests/integration/test_bucket_load_process.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,9 @@ import msgspec
 import pytest
 import torch
 
+from flashrl.config import Config
 from flashrl.engine.weights import WeightSyncExtension
+from flashrl.launch.processes import engine_spec
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.weights import build_manifest, check_manifest, manifest_nbytes
 
@@ -193,3 +196,10 @@ def test_extra_bytes_whole_mode_is_the_model_bucket_mode_a_few_buckets(mode: str
         assert worker.flashrl_open_stream(text)["ok"]
         got = worker.flashrl_load_stream(1)
         assert got["ok"] and got["extra_bytes"] < manifest_nbytes(manifest) / 2
+
+
+@pytest.mark.parametrize("mode", ["whole", "bucket"])
+def test_weight_sync_load_reaches_every_engine_spec(mode: str) -> None:
+    cfg = msgspec.convert({"weight_sync": {"load": mode}}, Config)
+    assert engine_spec(cfg, Path("/m"), 1, "cpu", "ipc://x").sync_load == mode
+    assert msgspec.convert({}, Config).weight_sync.load == "whole"  # the default, measured: see docs/design.md
