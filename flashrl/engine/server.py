@@ -334,7 +334,13 @@ class EngineServer:
             t_in = time.perf_counter()
             # read here, on the engine thread: from one update's start to the next, each counted once
             occupancy.update(self.engine.occupancy())
-            res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
+            try:
+                res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
+            except Exception as e:  # the worker's own errors are answers; this is anything else: the model's
+                # state is unknown, so it is treated as partly loaded (never served)
+                log.exception("%s: weights v%d: the load raised", self.name, version)
+                res = {"ok": False, "touched": True, "error": f"the load raised {type(e).__name__}: {e}",
+                       "load_s": time.perf_counter() - t_in}
             if res["ok"]:
                 llm.set_weight_version(str(version))
                 # Requests in flight drop their KV (computed with the old weights) and recompute it

@@ -182,8 +182,7 @@ class WeightReceiver:
         if self._group is None:
             raise RuntimeError("UpdateWeights before InitWeightSync: the engine has not joined the weight-sync group")
         self._held, self._spare = [], []
-        if self.stream is not None:  # an opened stream never loaded: dropped (its broadcast was drained)
-            self.stream.drain()
+        # an opened stream never loaded (its load call failed): dropped; nothing of it reached the model
         self.stream = BucketStream(self, manifest, live)
         return self.stream
 
@@ -350,17 +349,24 @@ class BucketStream:
             self.drain()
 
     def drain(self) -> None:
-        """Receive whatever of the manifest is not received yet, into scratch (the group stays aligned)."""
+        """Receive whatever of the manifest is not received yet, into scratch (the group stays aligned).
+        Never raises: a transfer that fails here (the trainer died, the group timed out) ends the drain and is
+        recorded in ``error`` if nothing was before."""
         self._ready, self._ready_slot = None, None
-        while self._posted:
-            _, _, _, work, slot = self._posted.popleft()
-            work.wait()
-            slot.receiving = False
-        while self._next < len(self.manifest.buckets):
-            self._post()
-            _, _, _, work, slot = self._posted.popleft()
-            work.wait()
-            slot.receiving = False
+        try:
+            while self._posted:
+                _, _, _, work, slot = self._posted.popleft()
+                work.wait()
+                slot.receiving = False
+            while self._next < len(self.manifest.buckets):
+                self._post()
+                _, _, _, work, slot = self._posted.popleft()
+                work.wait()
+                slot.receiving = False
+        except Exception as e:  # the group is broken: the engine's error path reports it (never loads more)
+            self._posted.clear()
+            self._next = len(self.manifest.buckets)
+            self.error = self.error or f"receiving the rest of the sync failed: {type(e).__name__}: {e}"
 
 
 def _tied_layers(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, Any]]]:
@@ -516,7 +522,11 @@ class WeightSyncExtension:
             receiver.stream = None
             error = "manifest refused before loading: " + "; ".join(problems)
         else:
-            error = "" if stream.open() else stream.error
+            try:
+                error = "" if stream.open() else stream.error
+            except Exception:  # the transfer failed: nothing was loaded; the caller reports it
+                receiver.stream = None
+                raise
             if error:
                 receiver.stream = None
         res = {"ok": not error, "error": error, "receive_s": time.perf_counter() - t0, "verify_s": stream.verify_s,

@@ -35,10 +35,12 @@ def _sd(seed: int) -> dict[str, torch.Tensor]:
 
 
 class _Work:
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.dst, self.src = dst, src
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, fails: bool = False) -> None:
+        self.dst, self.src, self.fails = dst, src, fails
 
     def wait(self) -> None:  # the bytes land when the receive is waited on, as a real transfer's do
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
         self.dst.copy_(self.src.view(self.dst.dtype).reshape(self.dst.shape))
 
 
@@ -46,9 +48,10 @@ class _Group:
     """The engine's end of a weight-sync group, fed from the trainer's buckets; ``corrupt``: bucket indexes whose
     bytes arrive changed."""
 
-    def __init__(self, flats: list[torch.Tensor], corrupt: tuple[int, ...] = ()) -> None:
+    def __init__(self, flats: list[torch.Tensor], corrupt: tuple[int, ...] = (), fail_from: int | None = None) -> None:
         self.flats = flats
         self.corrupt = corrupt
+        self.fail_from = fail_from  # from this bucket on, every receive fails (the trainer died)
         self.posted = 0
 
     def broadcast(self, t: torch.Tensor, root: int) -> _Work:
@@ -58,7 +61,7 @@ class _Group:
             src[len(src) // 2] += 1
         self.posted += 1
         assert t.numel() == src.numel() and t.dtype == src.dtype, "the receive must match the bucket"
-        return _Work(t, src)
+        return _Work(t, src, self.fail_from is not None and self.posted > self.fail_from)
 
 
 class _Worker(WeightSyncExtension):
@@ -155,6 +158,18 @@ def test_a_corrupt_bucket_mid_sync_stops_the_load_names_the_bucket_and_takes_the
     manifest2, flats2 = build_manifest(_sd(2), 5, bucket_mb=16 / 1024)
     _, opened2, loaded2 = _sync(worker, manifest2, flats2)
     assert opened2["ok"] and loaded2 is not None and loaded2["ok"]
+
+
+def test_a_transfer_failing_mid_sync_is_an_answer_touched_never_an_escape() -> None:
+    """The trainer dies at bucket 4: the load answers (it does not raise out of the worker), touched, naming the
+    failure, and the partly-loaded model is the server's to refuse (it halts and exits on touched)."""
+    manifest, flats = build_manifest(_sd(1), 3, bucket_mb=16 / 1024)
+    worker = _Worker()
+    worker._flashrl_receiver()._group = _Group(flats, fail_from=4)  # type: ignore[assignment]
+    assert worker.flashrl_open_stream(msgspec.json.encode(manifest).decode())["ok"]
+    res = worker.flashrl_load_stream(3)
+    assert not res["ok"] and res["touched"] and "Connection closed by peer" in res["error"], res
+    assert "must not serve" in res["error"] and worker._flashrl_receiver().stream is None
 
 
 def test_a_corrupt_first_bucket_or_a_bad_manifest_is_refused_before_anything_loads() -> None:
