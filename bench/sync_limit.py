@@ -17,7 +17,8 @@ Measures, for the model's weights (float32, tied lm_head dropped as the sync doe
 
 and reads the run's own sync phases from ``--run``'s metrics.jsonl (pack, send, engine receive /
 verify / load: ``time/sync/*``). The engine's extra memory during a sync is the receive buffers: every
-bucket is held until all verified (engine/weights.py), i.e. the whole model's bytes once more.
+bucket is held until all verified (engine/weights.py), i.e. the whole model's bytes once more (with
+weight_sync.load = "whole"; "bucket" bounds it to a few buckets: bench/sync_load.py measures both).
 """
 
 from __future__ import annotations

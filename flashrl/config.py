@@ -249,6 +249,7 @@ class WeightSyncConfig(Section):
     bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
     timeout_s: Annotated[float, Meta(gt=0, description="deadline for one weight sync")] = 300.0
     overlap: Annotated[bool, Meta(description="broadcast version v+1 and load it on the engines while the trainer trains the next step (only the prepare, the gather + pack, stays on the step's path); false = the serial order: train, sync, next step")] = True
+    load: Annotated[Literal["whole", "bucket"], Meta(description='how an engine loads a sync: "whole" = receive and verify every bucket beside generation, then load (generation stops for the load only; the engine holds one more copy of the weights meanwhile); "bucket" = after a checked manifest, receive, verify and load one bucket at a time (the extra copy is a few buckets; generation stops for the whole transfer; a bucket corrupt mid-way leaves a partly-loaded model: that engine exits and is restarted, never serving it)')] = "whole"
 
 
 class LogConfig(Section):

@@ -125,6 +125,7 @@ class WeightPublisher:
         self.last_sync_s = 0.0  # the last finished sync's time/weight_sync_s (the dashboard's)
         self._engine_timings: dict[str, float] = {}  # the current sync's slowest-engine phases
         self._engine_occupancy: list[dict[str, float]] = []  # the current sync's engines: busy since the last
+        self._engine_extra = 0  # the current sync's largest engine/sync_extra_bytes (receive buffers held)
         # versions held for evals, oldest first: [0] is loaded and being evaluated, the rest queued
         self._holds: deque[int] = deque()
         self._synced = asyncio.Event()  # set (and replaced) after each finished broadcast
@@ -262,6 +263,8 @@ class WeightPublisher:
         if self._engine_occupancy:  # the least busy engine since the previous sync (records: engine/*)
             least = min(self._engine_occupancy, key=lambda o: sum(o.values()))
             p.engine = {**least, "busy": min(1.0, sum(least.values()))}
+        if self._engine_extra:  # the largest receive-buffer footprint of an engine in this sync (weight_sync.load)
+            p.engine = {**p.engine, "sync_extra_bytes": float(self._engine_extra)}
         for q in p.carried:  # superseded versions: their batches' slots, their records (in step order)
             self._on_synced(q.batch)
             q.phases = {"weight_sync_s": 0.0, "skipped": 1.0}
@@ -291,6 +294,7 @@ class WeightPublisher:
             phases: dict[str, float] = {}
             self._engine_timings = {}
             self._engine_occupancy = []
+            self._engine_extra = 0
             self.supervisor.mark_reported_dead("weight_sync/found_dead_engines")
             live = self.router.live
             if not live and not self.supervisor.reviving:
@@ -352,6 +356,7 @@ class WeightPublisher:
             self._engine_timings[k] = max(v, self._engine_timings.get(k, 0.0))
         if r.occupancy:
             self._engine_occupancy.append(r.occupancy)
+        self._engine_extra = max(self._engine_extra, r.extra_bytes)
 
 
 def _add_sync(b: BatchStats, phases: dict[str, float], engine: dict[str, float]) -> None:

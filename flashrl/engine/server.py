@@ -8,6 +8,8 @@
         UpdateWeights   -> [one at a time] worker: receive, verify (beside generation: the engine
                            thread steps on) -> [between two engine steps, nothing generating] load
                            -> version label -> clear the KV cache -> WeightsUpdated
+                           (weight_sync.load = "bucket": only bucket 0 beside generation; the rest is
+                           received, verified and loaded one bucket at a time while nothing generates)
         GetLoad         -> LoadMeter.report (fed by a vLLM stat logger and the Generate tasks)
         Ping / Shutdown -> Pong(version) / Ok, then a clean exit (SIGTERM does the same)
 
@@ -93,6 +95,7 @@ class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory (cuda)")] = 0.5
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
     nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority: Linux nice of this process and its session")] = 0
+    sync_load: Annotated[Literal["whole", "bucket"], Meta(description="weight_sync.load: load a sync once every bucket verified (whole) or bucket by bucket")] = "whole"
 
 
 # --------------------------------------------------------------------------- load accounting
@@ -197,9 +200,10 @@ class EngineFatal(Exception):
 class EngineServer:
     """Turns EngineRequests into InprocEngine calls. Holds no socket: ``serve`` wires it to one."""
 
-    def __init__(self, engine: InprocEngine, name: str, meter: LoadMeter) -> None:
+    def __init__(self, engine: InprocEngine, name: str, meter: LoadMeter, sync_load: str = "whole") -> None:
         self.engine = engine
         self.name = name
+        self.sync_load = sync_load  # weight_sync.load: "whole" or "bucket" (engine/weights.py)
         self.meter = meter
         self.version = 0
         self.fatal: asyncio.Event = asyncio.Event()
@@ -315,9 +319,13 @@ class EngineServer:
         manifest_json = msgspec.json.encode(manifest).decode()
         version = manifest.version
 
+        bucket = self.sync_load == "bucket"
+
         def receive(llm: Any) -> dict[str, Any]:
-            # Beside generation (a thread of its own): fresh buffers only, nothing of vLLM's is touched.
-            return llm.collective_rpc("flashrl_receive_weights", args=(manifest_json,))[0]
+            # Beside generation (a thread of its own): buffers of its own only, nothing of vLLM's is touched.
+            # Bucket mode receives and verifies the first bucket only here; the rest arrives during the load.
+            method = "flashrl_open_stream" if bucket else "flashrl_receive_weights"
+            return llm.collective_rpc(method, args=(manifest_json,))[0]
 
         occupancy: dict[str, float] = {}
 
@@ -326,7 +334,13 @@ class EngineServer:
             t_in = time.perf_counter()
             # read here, on the engine thread: from one update's start to the next, each counted once
             occupancy.update(self.engine.occupancy())
-            res = llm.collective_rpc("flashrl_load_weights", args=(version,))[0]
+            try:
+                res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
+            except Exception as e:  # the worker's own errors are answers; this is anything else: the model's
+                # state is unknown, so it is treated as partly loaded (never served)
+                log.exception("%s: weights v%d: the load raised", self.name, version)
+                res = {"ok": False, "touched": True, "error": f"the load raised {type(e).__name__}: {e}",
+                       "load_s": time.perf_counter() - t_in}
             if res["ok"]:
                 llm.set_weight_version(str(version))
                 # Requests in flight drop their KV (computed with the old weights) and recompute it
@@ -350,14 +364,20 @@ class EngineServer:
                 await self.engine.resume()  # as after any update: generating, even if it was paused
                 res, t_paused, t_loaded = {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}, \
                     t_received, t_received
+            # the version moves only here: every bucket verified and loaded (never on a partial load)
+            extra = max(int(got.get("extra_bytes", 0)), int(res.get("extra_bytes", 0)))
             if res["ok"]:
                 self.version = version
             elif res["touched"]:
-                raise EngineFatal(f"weights v{version} passed their checksums but failed to load: {res['error']}")
+                log.error("%s: weights v%d: %s; engine/sync_extra_bytes %d", self.name, version, res["error"], extra)
+                what = "a bucket failed mid-load" if bucket else "they passed their checksums but failed to load"
+                raise EngineFatal(f"weights v{version}: {what}, the engine holds partly-loaded weights and stopped "
+                                  f"serving (it keeps v{self.version} as its version and exits; a restarted engine "
+                                  f"gets verified weights): {res['error']}")
             seconds = time.perf_counter() - t0
         timings = {
             "receive_s": got["receive_s"] - got["verify_s"],  # beside generation
-            "verify_s": got["verify_s"],  # beside generation
+            "verify_s": got["verify_s"] + res.get("verify_s", 0.0),  # beside generation (bucket mode: mostly in the load)
             "pause_s": t_paused - t_received,  # waiting for the engine's current step to end
             "load_s": res["load_s"],
             # the version label and the KV reset, beyond the worker's own time
@@ -365,12 +385,13 @@ class EngineServer:
             "resume_s": t0 + seconds - t_loaded,
         }
         log.info(
-            "%s: weights v%d %s in %.3fs (receive %.3fs beside generation, load %.3fs)%s",
-            self.name, version, "loaded" if res["ok"] else "REJECTED", seconds,
-            got["receive_s"], res["load_s"], "" if res["ok"] else f": {res['error']}",
+            "%s: weights v%d %s in %.3fs (%s load: receive %.3fs beside generation, load %.3fs; "
+            "engine/sync_extra_bytes %d)%s",
+            self.name, version, "loaded" if res["ok"] else "REJECTED", seconds, self.sync_load,
+            got["receive_s"], res["load_s"], extra, "" if res["ok"] else f": {res['error']}",
         )
         return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]),
-                              timings=timings, occupancy=occupancy)
+                              timings=timings, occupancy=occupancy, extra_bytes=extra)
 
 
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"
@@ -464,7 +485,7 @@ async def _serve(opts: EngineSpec) -> int:
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
     meter = LoadMeter(time.monotonic())
     engine = build_engine(opts, meter, asyncio.get_running_loop())
-    server = EngineServer(engine, opts.name, meter)
+    server = EngineServer(engine, opts.name, meter, opts.sync_load)
     try:
         await server.start()
         rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name,

@@ -91,6 +91,7 @@ def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str
         gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
         log_level=cfg.run.log_level,
         nice=cfg.engine.nice,
+        sync_load=cfg.weight_sync.load,
     )
 
 

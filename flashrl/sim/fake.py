@@ -84,9 +84,11 @@ class FakeEngine:
         update_ok: bool = True,
         die_at: float | None = None,
         occupancy: dict[str, float] | None = None,
+        extra_bytes: int = 0,
     ) -> None:
         self.name = name
         self.occupancy = dict(occupancy or {})  # what each WeightsUpdated reports (a real engine measures it)
+        self.extra_bytes = extra_bytes  # the receive buffers each WeightsUpdated reports (engine/sync_extra_bytes)
         self.script = script or default_script()
         self.sync_s = sync_s
         self.update_ok = update_ok
@@ -177,7 +179,8 @@ class FakeEngine:
         self.version = manifest.version
         self._history.append((anyio.current_time(), manifest.version))
         self.updates.append(manifest.version)
-        return WeightsUpdated(version=manifest.version, ok=True, seconds=self.sync_s, occupancy=self.occupancy)
+        return WeightsUpdated(version=manifest.version, ok=True, seconds=self.sync_s, occupancy=self.occupancy,
+                              extra_bytes=self.extra_bytes)
 
     async def load(self) -> LoadReport:
         return LoadReport(engine=self.name, version=self.version, running=self._inflight)

@@ -135,11 +135,15 @@ class WeightsUpdated(Msg):
     seconds: float = 0.0
     error: str = ""
     # the engine's phases, seconds: receive_s (broadcast) and verify_s (checksums), both beside generation; pause_s
-    # (waiting for the engine's current step), load_s, rpc_s, resume_s
+    # (waiting for the engine's current step), load_s, rpc_s, resume_s. With weight_sync.load = "bucket" only the
+    # first bucket is received beside generation: load_s includes receiving and verifying the others
     timings: dict[str, float] = {}
     # how busy the engine was since its previous update, fractions of the wall time: stepping (vLLM's
     # step), commands (adding requests, aborts, weight loads); {} from an engine that does not measure it
     occupancy: dict[str, float] = {}
+    # the receive buffers the engine held for this sync, bytes (engine/sync_extra_bytes): one copy of the
+    # weights in weight_sync.load "whole", a few buckets in "bucket"; 0 from an engine that does not measure it
+    extra_bytes: int = 0
 
 
 class LoadReport(Msg):

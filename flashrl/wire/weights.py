@@ -12,7 +12,9 @@ other: both import this module.
       group rank 0 = trainer rank 0, rank 1 = the engine; a fresh rendezvous port per (re)start
                                           |
     for each bucket, in manifest order: broadcast(flat bucket, root=0) on every peer's group at once
-    engine: receive every bucket into fresh buffers -> verify each checksum -> load -> version = v
+    engine, weight_sync.load = "whole": receive every bucket -> verify each checksum -> load -> version = v
+    engine, weight_sync.load = "bucket": check_manifest -> for each bucket: receive -> verify -> load it
+                                         -> (every bucket verified and loaded) version = v
 
 The wire format: tensors are grouped by dtype, in state-dict order, into flat 1-D buckets of at most
 ``bucket_mb`` MiB (a tensor larger than that gets a bucket of its own). ``WeightManifest`` lists, per
@@ -178,6 +180,54 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
         offset += n
     if offset != flat.numel():
         raise ValueError(f"weight manifest: bucket holds {flat.numel()} elements but its tensors need {offset}")
+
+
+def bucket_nbytes(bucket: Bucket) -> int:
+    """Bytes of one bucket on the wire (0 for a dtype this build does not know; check_manifest names it)."""
+    dtype = DTYPES.get(bucket.dtype)
+    return 0 if dtype is None else bucket.numel * dtype.itemsize
+
+
+def manifest_nbytes(manifest: WeightManifest) -> int:
+    """Bytes of every bucket of ``manifest``: one full copy of the weights on the wire."""
+    return sum(bucket_nbytes(b) for b in manifest.buckets)
+
+
+def check_manifest(manifest: WeightManifest) -> list[str]:
+    """Everything wrong with ``manifest`` that can be known before a byte arrives; [] when it is sound.
+
+    A bucket-by-bucket load (engine/weights.py) starts writing the model with the first bucket, so what
+    would make a later bucket unloadable must be found first: an unknown dtype, a tensor whose dtype is
+    not its bucket's, a bucket whose element count is not the sum of its tensors' shapes (``unpack_bucket``
+    would fail), an unknown checksum algorithm (no bucket could pass), a name sent twice, or no bucket at
+    all. What no manifest check can see (a bucket's bytes, a name the model's loader refuses) is still
+    found only when it arrives."""
+    errors: list[str] = []
+    if not manifest.buckets:
+        errors.append("the manifest lists no bucket")
+    seen: set[str] = set()
+    for i, bucket in enumerate(manifest.buckets):
+        if bucket.dtype not in DTYPES:
+            errors.append(f"bucket {i}: unsupported dtype {bucket.dtype!r} (use one of {sorted(DTYPES)})")
+        algo = bucket.checksum.split(":", 1)[0]
+        if algo not in ("sha256", "sum16"):
+            errors.append(f"bucket {i}: unknown checksum algorithm {algo!r}")
+        numel = 0
+        for spec in bucket.tensors:
+            n = 1
+            for d in spec.shape:
+                if d < 0:
+                    errors.append(f"bucket {i}: {spec.name} has a negative dimension in {spec.shape}")
+                n *= d
+            numel += n
+            if spec.dtype != bucket.dtype:
+                errors.append(f"bucket {i}: {spec.name} is {spec.dtype} in a {bucket.dtype} bucket")
+            if spec.name in seen:
+                errors.append(f"bucket {i}: {spec.name} is sent twice")
+            seen.add(spec.name)
+        if numel != bucket.numel:
+            errors.append(f"bucket {i}: holds {bucket.numel} elements but its tensors need {numel}")
+    return errors
 
 
 def join_group(

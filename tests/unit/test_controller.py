@@ -875,6 +875,19 @@ def test_a_step_record_says_how_busy_the_least_busy_engine_was() -> None:
     assert StepRecord.from_dict(records[1]).to_dict() == records[1]
 
 
+def test_a_step_record_has_the_largest_engine_sync_extra_bytes() -> None:
+    """engine/sync_extra_bytes: the most receive-buffer bytes any engine held for the step's sync (weight_sync.load)."""
+    cfg = config(run={"steps": 3, "eval_every": 0}, rollout={"group_size": 2, "batch_prompts": 2})
+    # the engine holding less answers last: the record must keep the largest, not the last
+    engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")], 0.01), occupancy={"stepping": 0.5}, extra_bytes=b, sync_s=s)
+               for i, (b, s) in enumerate(((1000, 0.1), (64 << 20, 0.0)))]
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=3), engines, FakeTrainer(),
+                                   on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == 3
+    assert [r["engine/sync_extra_bytes"] for r in records[1:]] == [64 << 20] * 3
+
+
 # --------------------------------------------------------------------------- stale modes: wait and partial
 @settings(max_examples=25, deadline=None)
 @given(**RUN_SHAPES, turns=st.integers(1, 2))
