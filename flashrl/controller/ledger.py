@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from flashrl.checkpoint import CheckpointError, ControllerState
+from flashrl.checkpoint import CheckpointError, ControllerState, RolloutSnapshot
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.scheduler import DataStream, Router
@@ -307,12 +307,15 @@ class Ledger:
 
     # ------------------------------------------------------------------ checkpoint state
     def state(self, version: int, elapsed: float, held: StepRecord | None, eval_record: StepRecord | None,
-              stream: DataStream, buffer: SampleBuffer) -> ControllerState:
+              stream: DataStream, buffer: SampleBuffer,
+              cut: tuple[RolloutSnapshot, list[int]] | None = None) -> ControllerState:
         """The controller's part of a checkpoint at ``version`` (call between steps).
 
         ``held``: a step record the train loop holds back; ``eval_record``: the record a running eval
-        will complete. Outstanding groups (admitted, generating, complete but untrained) are
-        recorded by uid only: a resumed run re-admits those prompts first (flashrl/checkpoint.py says why).
+        will complete. ``cut``: the feed's snapshot of the untrained work and the uids it leaves to
+        re-admission (feed.Feed.snapshot, taken in this same step); without one, every outstanding
+        group (admitted, generating, complete but untrained) is recorded by uid only and re-admitted
+        first on resume (flashrl/checkpoint.py says why).
         """
         pending: dict[str, Any] | None = None
         pending_eval = False
@@ -322,7 +325,8 @@ class Ledger:
             elif eval_record is not None and eval_record.step == version:
                 pending = msgspec.structs.replace(eval_record, eval=None).to_dict()
                 pending_eval = True
-        readmit = sorted({g.uid for g in buffer.groups.values()} | set(stream.pending_readmit))
+        outstanding = {g.uid for g in buffer.groups.values()} if cut is None else set(cut[1])
+        readmit = sorted(outstanding | set(stream.pending_readmit))
         return ControllerState(
             step=version,
             version=version,
@@ -341,6 +345,7 @@ class Ledger:
             metrics_through=min(self.emitted_through, version),
             pending_record=pending,
             pending_eval=pending_eval,
+            rollouts=cut[0] if cut is not None else None,
         )
 
     async def save(self, writer: Any, state: ControllerState, clock: Callable[[], float]) -> None:
