@@ -33,7 +33,9 @@ step (postponed while an eval of older weights runs, by at most async_ratio + 1 
 for it), at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
 batch being waited for is given up), the train loop writes the ledger's state + the trainer's DCP
 state, after the running sync; a failed write is logged and counted (``checkpoint/failed``) and
-training goes on. ``resume=`` a ControllerState continues a run: same version, counters and
+training goes on. In partial mode each checkpoint first cuts the training rollouts at their current
+tokens (feed.cut) and saves the untrained groups with their prefixes (feed.snapshot), read in the
+same synchronous step as the data position; a resume puts them back and continues them. ``resume=`` a ControllerState continues a run: same version, counters and
 history, the stream re-admits the prompts that were outstanding, and run() publishes the
 checkpoint's weights before any request.
 
@@ -430,11 +432,20 @@ class Controller:
         else:
             await self.publisher.wait()
         try:
+            t0 = self._clock()
             unsettled = await self.feed.cut()
-            state = self.state(held, self.feed.snapshot(self.version, unsettled))
+            cut = self.feed.snapshot(self.version, unsettled)
+            state = self.state(held, cut)
         finally:
             if not final:
                 self.feed.go_on()
+        snap = cut[0]
+        log.info("checkpoint of step %d: %d untrained groups saved (%d finished samples, %d unfinished rollouts, %d "
+                 "generated tokens) after a %.3f s cut; %d groups to re-admit, %d tokens that a resume generates again",
+                 self.version, len(snap.groups), sum(len(g.samples) for g in snap.groups),
+                 sum(len(g.unfinished) for g in snap.groups),
+                 sum(len(t.response_ids) for g in snap.groups for t in (*g.samples, *g.unfinished)),
+                 self._clock() - t0, len(cut[1]), snap.regenerated_tokens)
         status, self.status = self.status, f"checkpointing step {state.step}"
         try:
             await self.ledger.save(self.checkpoints, state, self._clock)

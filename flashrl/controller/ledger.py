@@ -180,7 +180,8 @@ class Ledger:
         its lineage: ``version_first`` / ``version_last`` (its first and last generated token's
         policy version), ``updates_spanned`` (weight updates during its generation: last - first),
         ``interrupted`` (a weight update landed mid-generation and it resumed on the new weights, its
-        tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts)
+        tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts),
+        ``restored`` (resumes that continued it from a checkpoint's snapshot, its tokens before kept)
         and, for a trained sample (``kind`` "train", trained at step ``step - 1``), ``staleness``
         (trained step - version_first) and ``token_staleness_mean`` (over its tokens, each its own
         version). A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
@@ -195,7 +196,7 @@ class Ledger:
             "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
             "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": n, "engine": t.engine,
             "version_first": first, "version_last": last, "updates_spanned": last - first,
-            "interrupted": last > first, "restarts": t.attempts - 1,
+            "interrupted": last > first, "restarts": t.attempts - 1, "restored": t.restored,
         }
         if kind == "train":
             line["staleness"] = step - 1 - first
