@@ -52,7 +52,8 @@ def request_seed(run_seed: int, prompt_uid: int, sample_index: int, turn: int = 
 
 
 def sample_id(prompt_uid: int, sample_index: int) -> str:
-    """The id of one sample: ``"<uid>-<index>"`` (request ids append ``.<attempt>.<turn>``)."""
+    """The id of one sample: ``"<uid>-<index>"`` (request ids append ``.<attempt>.<turn>``, and ``.<k>`` for
+    the k-th continuation of a turn after checkpoint cuts: rollout.py)."""
     return f"{prompt_uid}-{sample_index}"
 
 

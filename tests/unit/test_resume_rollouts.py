@@ -7,10 +7,12 @@ writer, metrics.jsonl and prepare_resume, as `flashrl run --resume` wires them, 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -30,11 +32,12 @@ from flashrl.checkpoint import (
     prepare_resume,
     verify,
 )
-from flashrl.controller.scheduler import DataStream
+from flashrl.controller.rollout import RolloutContext, run_group
+from flashrl.controller.scheduler import DataStream, Router
 from flashrl.controller.types import NOT_SAVED, Trajectory, saved, unsaved
 from flashrl.metrics import read_jsonl
 from flashrl.sim.clock import run_virtual
-from flashrl.sim.fake import FakeSuite, FakeTrainer
+from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer, FakeTrainer
 from tests.unit.test_checkpoint import Run, config, epoch_check
 
 # ------------------------------------------------------------------------------------------- the format
@@ -108,6 +111,59 @@ def test_a_format_1_checkpoint_still_resumes_and_a_newer_format_is_refused(tmp_p
     cfile.write_bytes(msgspec.json.encode({**old, "format": 3}))
     with pytest.raises(CheckpointError, match=r"checkpoint format 3, this flashrl reads 1, 2"):
         verify(path)
+
+
+# ------------------------------------------------------------------------------------------- the cut
+
+
+class StepEngine(FakeEngine):
+    """Answers an abort at its next step, 0.25 s later (vLLM applies one between two steps)."""
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+        events = [self._wake[r] for r in request_ids if r in self._wake]
+        asyncio.get_running_loop().call_later(0.25, lambda: [ev.set() for ev in events])
+
+
+def test_a_cut_folds_the_tokens_so_far_and_the_rollout_goes_on_from_them() -> None:
+    """RolloutContext.cut mid-generation: the request is aborted, its tokens so far (with the engine's
+    logprobs and versions) are in the registered Trajectory when cut() returns, no request starts until
+    go_on(); then the rollout asks for the rest (prompt + prefix, max_tokens less it, another seed) and
+    its sample is the prefix followed by the continuation, each token with the version that made it."""
+    cfg = config(Path("/nonexistent"), rollout={"max_new_tokens": 10}, model={"max_model_len": 64})
+    eng = StepEngine("e0", lambda req, v: ([ord("5")] * req.max_tokens, float(req.max_tokens)))  # 1 s a token
+    suite = FakeSuite(n_train=1)
+    ctx = RolloutContext(cfg=cfg, tokenizer=FakeTokenizer(), suite=suite, engines=[eng], router=Router(1, 8),
+                         version=lambda: 0, cuts=True)
+    out: list[Trajectory] = []
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        task = suite.train_tasks()[0]
+        g = asyncio.get_running_loop().create_task(run_group(ctx, task=task, group=0, need=1, first_index=0, extra=0,
+                                                             temperature=1.0, on_sample=out.append))
+        await anyio.sleep(3.5)
+        assert await ctx.cut() == 0
+        _, _, t = ctx.rollouts["0-0"]
+        assert t is not None
+        seen["prefix"] = (list(t.response_ids), list(t.behav_logp), list(t.versions))
+        await anyio.sleep(5.0)  # the gate is closed: nothing generates meanwhile
+        seen["requests"] = len(eng.requests)
+        eng.version = 1  # (as a weight update would: the continuation's tokens are of version 1)
+        eng._history.append((anyio.current_time(), 1))
+        ctx.go_on()
+        await g
+
+    run_virtual(main)
+    ids, lps, vs = seen["prefix"]
+    assert ids == [ord("5")] * 3 and len(lps) == 3 and vs == [0, 0, 0] and seen["requests"] == 1
+    first, second = eng.requests
+    assert eng.aborted == [first.request_id] and second.request_id == first.request_id + ".1"
+    assert second.prompt_ids == first.prompt_ids + ids and second.max_tokens == 7 and second.seed != first.seed
+    (t,) = out
+    assert t.response_ids == [ord("5")] * 10 and t.loss_mask == [1] * 10 and t.finish_reason == "length"
+    assert t.behav_logp[:3] == lps and t.versions == [0, 0, 0] + [1] * 7
+    assert not ctx.rollouts and not ctx.tracked and not ctx.interrupts  # nothing left registered
 
 
 # ------------------------------------------------------------------------------------------- the runs
