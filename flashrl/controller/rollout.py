@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0  # bound on telling an engine to drop a request nobody will read
 CUT_TIMEOUT_S = 10.0  # bound on a checkpoint cut's wait for the interrupted requests' answers
+CUT_RETRY_S = 0.5  # a cut asks again for the requests that have not answered after this long
 ENV_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -200,17 +201,25 @@ class RolloutContext:
         assert self.gate is not None, "RolloutContext(cuts=True) is needed for checkpoint cuts"
         self.gate.clear()
         loop = asyncio.get_running_loop()
-        by_engine: dict[int, list[str]] = {}
-        waits = []
+        deadline = loop.time() + timeout_s
+        waits: dict[asyncio.Future[None], tuple[str, int]] = {}
         for rid, i in self.tracked.items():
             fut = loop.create_future()
             self.interrupts[rid] = fut
-            waits.append(fut)
-            by_engine.setdefault(i, []).append(rid)
-        if not waits:
-            return 0
-        await asyncio.gather(*(self._abort(i, rids) for i, rids in by_engine.items()))
-        _, late = await asyncio.wait(waits, timeout=timeout_s)
+            waits[fut] = (rid, i)
+        late = set(waits)
+        while late:
+            by_engine: dict[int, list[str]] = {}
+            for fut in late:
+                rid, i = waits[fut]
+                by_engine.setdefault(i, []).append(rid)
+            await asyncio.gather(*(self._abort(i, rids) for i, rids in by_engine.items()))
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            # asked again after CUT_RETRY_S: should an abort reach an engine before the request it names (an
+            # engine need not order two messages of one tick), it found nothing to abort
+            _, late = await asyncio.wait(late, timeout=min(CUT_RETRY_S, left))
         if late:
             self.counters["checkpoint/unsettled_rollouts"] += len(late)
             log.warning("checkpoint cut: %d of %d requests did not answer their abort within %.0f s; their tokens "
