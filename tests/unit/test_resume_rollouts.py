@@ -335,3 +335,40 @@ def test_no_prompt_trained_twice_or_lost_across_stops_and_crashes(
     uids = [u for x in records for u in x.get("prompt_uids", [])]
     every_uid_once(run, uids)
     assert sorted(x["step"] for x in records if "prompt_uids" in x) == list(range(1, steps + 1))
+
+
+class LateEngine(FakeEngine):
+    """Finds nothing to abort the first time it is asked (the request had not reached it yet)."""
+
+    asked = 0
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.asked += 1
+        if self.asked > 1:
+            await super().abort(request_ids)
+
+
+def test_a_cut_asks_again_when_its_first_abort_found_nothing() -> None:
+    cfg = config(Path("/nonexistent"), rollout={"max_new_tokens": 10}, model={"max_model_len": 64})
+    eng = LateEngine("e0", lambda req, v: ([ord("5")] * req.max_tokens, float(req.max_tokens)))
+    suite = FakeSuite(n_train=1)
+    ctx = RolloutContext(cfg=cfg, tokenizer=FakeTokenizer(), suite=suite, engines=[eng], router=Router(1, 8),
+                         version=lambda: 0, cuts=True)
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        g = asyncio.get_running_loop().create_task(run_group(ctx, task=suite.train_tasks()[0], group=0, need=1,
+                                                             first_index=0, extra=0, temperature=1.0,
+                                                             on_sample=lambda t: None))
+        await anyio.sleep(2.2)
+        t0 = anyio.current_time()
+        assert await ctx.cut() == 0
+        seen["cut_s"] = anyio.current_time() - t0
+        _, _, t = ctx.rollouts["0-0"]
+        seen["prefix"] = len(t.response_ids) if t is not None else None
+        ctx.go_on()
+        await g
+
+    run_virtual(main)
+    assert seen["cut_s"] == pytest.approx(0.5) and seen["prefix"] == 2  # not the request's 7.8 s left
+    assert eng.asked == 2 and eng.aborted == [eng.requests[0].request_id]
