@@ -482,8 +482,7 @@ class Controller:
         wrote) is re-admitted, counted under resume/over_bound_groups and its tokens under
         resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished),
         restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept)."""
-        c = self.counters
-        c["resume/regenerated_tokens"] += snap.regenerated_tokens
+        n: Counter[str] = Counter(regenerated_tokens=snap.regenerated_tokens)  # this resume's (the counters add up)
         readmit: list[int] = []
         for sg in snap.groups:
             task = self.stream.task_of(sg.uid)
@@ -493,8 +492,8 @@ class Controller:
             samples = [unsaved(t) for t in sg.samples]
             kept = sum(t.n_generated for t in samples)
             if sg.complete and not self.staleness.fresh(self.version, sg.completed_version):
-                c["resume/over_bound_groups"] += 1
-                c["resume/regenerated_tokens"] += kept
+                n["over_bound_groups"] += 1
+                n["regenerated_tokens"] += kept
                 readmit.append(sg.uid)
                 continue
             g = self.buffer.restore(sg.uid, task, samples, complete=sg.complete, next_index=sg.next_index,
@@ -502,16 +501,20 @@ class Controller:
             if not sg.complete:
                 unfinished = [unsaved(t) for t in sg.unfinished]
                 self._restored.append((g, unfinished))
-                c["resume/restored_rollouts"] += len(unfinished)
+                n["restored_rollouts"] += len(unfinished)
                 kept += sum(t.n_generated for t in unfinished)
-            c["resume/restored_groups"] += 1
-            c["resume/restored_samples"] += len(samples)
-            c["resume/restored_tokens"] += kept
-        c["resume/readmitted_groups"] += len(readmit)
+            n["restored_groups"] += 1
+            n["restored_samples"] += len(samples)
+            n["restored_tokens"] += kept
+        n["readmitted_groups"] += len(readmit)
+        for k in ("restored_groups", "restored_samples", "restored_rollouts", "restored_tokens", "regenerated_tokens",
+                  "readmitted_groups", "over_bound_groups"):
+            if n[k] or k != "over_bound_groups":
+                self.counters[f"resume/{k}"] += n[k]
         log.info("resume: %d untrained groups restored (%d finished samples, %d unfinished rollouts continued, "
                  "%d generated tokens kept); %d tokens to generate again; %d groups re-admitted",
-                 c["resume/restored_groups"], c["resume/restored_samples"], c["resume/restored_rollouts"],
-                 c["resume/restored_tokens"], c["resume/regenerated_tokens"], c["resume/readmitted_groups"])
+                 n["restored_groups"], n["restored_samples"], n["restored_rollouts"], n["restored_tokens"],
+                 n["regenerated_tokens"], n["readmitted_groups"])
         return readmit
 
     # ------------------------------------------------------------------ the dashboard

@@ -372,3 +372,29 @@ def test_a_cut_asks_again_when_its_first_abort_found_nothing() -> None:
     run_virtual(main)
     assert seen["cut_s"] == pytest.approx(0.5) and seen["prefix"] == 2  # not the request's 7.8 s left
     assert eng.asked == 2 and eng.aborted == [eng.requests[0].request_id]
+
+
+def test_a_restored_group_past_the_bound_is_readmitted_and_counted(tmp_path: Path) -> None:
+    """Partial mode's bound (trained step - completion version <= async_ratio) holds for restored groups: one
+    that could no longer meet it at the checkpoint's version (never, in a checkpoint flashrl wrote: here
+    edited so) is re-admitted instead, counted (resume/over_bound_groups) with its tokens in
+    resume/regenerated_tokens, and trained once like every other prompt."""
+    cfg = partial_cfg(tmp_path)
+    first = Run(cfg, FakeSuite(n_train=5), stop_at_s=8.0, script=tail_script)
+    first.go()
+    r = prepare_resume(cfg)
+    assert r.state.rollouts is not None
+    done = [g for g in r.state.rollouts.groups if g.complete]
+    assert done, "no complete group at the stop: the test shows nothing"
+    late = done[0]
+    late.completed_version = r.state.version - 3  # async_ratio 2: too old for the next step
+    second = Run(cfg, FakeSuite(n_train=5), resume=r, script=tail_script)
+    s2 = second.go()
+    c = s2.counters
+    assert c["resume/over_bound_groups"] == 1 and c["resume/readmitted_groups"] == 1
+    assert c["resume/regenerated_tokens"] == sum(len(t.response_ids) for t in late.samples) > 0
+    assert c["resume/restored_groups"] == len(r.state.rollouts.groups) - 1 and "stale/over_bound_groups" not in c
+    records = [x for x in first.records if x["step"] <= r.state.metrics_through] + second.records
+    uids = [u for x in records for u in x.get("prompt_uids", [])]
+    assert late.uid in uids
+    every_uid_once(second, uids)
