@@ -63,6 +63,12 @@ def main() -> None:
         "eval_full": acc(full), "eval_split": acc(split),
         "wall_s": {"full": round(t_full, 1), "split_first": round(t_first, 1), "split_resumed": round(t_second, 1)},
         "resumed_checkpoint_s": summary.get("checkpoint_s"), "resumed_checkpoint_share": summary.get("checkpoint_share"),
+        # what the resume kept of the untrained work (partial mode: the rollouts in flight at the stop, continued)
+        # and generated again; and whether the first step after it trained the uninterrupted run's very samples
+        # (it does when they were re-admitted and regenerated with the same seeds, not when continued)
+        "resume_counters": {k: v for k, v in (summary.get("result") or {}).get("counters", {}).items()
+                            if k.startswith("resume/")},
+        "reward_after_stop": {"full": full[a.stop + 1].get("reward/mean"), "split": split[a.stop + 1].get("reward/mean")},
     }
     (a.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     for d in (a.out / "runs").iterdir():  # keep the records, not the weights

@@ -4,6 +4,7 @@
       step-40/                  one complete checkpoint (appears only when complete: tmp name, fsync, rename)
         trainer/                torch DCP: model + optimizer (+ critics) + torch RNG; trainer.json (version)
         controller.json         ControllerState (msgspec JSON): step, version, data position, counters, ...
+        rollouts.msgpack        RolloutSnapshot (msgspec msgpack): the untrained groups and unfinished rollouts
         config.toml             the resolved config it was written under (resume refuses unsafe changes)
       step-50/
       latest                    "step-50": rewritten (tmp, fsync, rename) only after step-50/ is complete
@@ -14,13 +15,22 @@ parent -> ``latest`` -> delete the oldest beyond ``run.keep_checkpoints``. A cra
 at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
 ignored by resume and removed by the next save of that step.
 
-Rollouts generated but not yet trained are *not* saved: the prompts of every group outstanding at the
-checkpoint (admitted, generating, or complete and waiting) are re-admitted first on resume, under
-the same prompt uids (so the same request seeds, ``scheduler.request_seed``). That is simpler than
-saving trajectories with their versions and logprobs, costs at most one buffer's worth of generation
-((async_ratio + 1) * batch_prompts groups), and keeps the guarantee: every prompt uid is trained
-exactly once (or dropped, counted), across any number of resumes. The data order needs no RNG state:
-uid u is epoch ``u // len(train split)``, position ``u % len``, of that epoch's seeded shuffle.
+Rollouts generated but not yet trained (scheduler.stale = "partial", the default): every group
+outstanding at the checkpoint is saved with its finished samples and its unfinished rollouts' prefixes
+(tokens, behaviour logprobs, per-token versions), in ``rollouts.msgpack`` (``RolloutSnapshot``, its own
+format number). The controller takes the cut between two steps: it stops every training rollout's
+engine request (the engine answers with the tokens so far), lets no new one start, reads the buffer and
+the prefixes and the data position in one synchronous step, then lets the rollouts continue from their
+prefixes (controller/feed.py). A resumed run restores those groups under their own prompt uids (never
+drawn again from the data) and continues each unfinished rollout from its prefix, so single-turn
+rollouts regenerate nothing (``resume/regenerated_tokens`` = 0). A multi-turn rollout past its first
+turn (its environment's state is not saved) restarts from scratch, its tokens counted in
+``resume/regenerated_tokens``. In the other modes (drop, wait) nothing is saved but the uids: those
+prompts are re-admitted first on resume, under the same prompt uids (so the same request seeds,
+``scheduler.request_seed``), at most one buffer's worth of generation ((async_ratio + 1) *
+batch_prompts groups). Either way every prompt uid is trained exactly once (or dropped, counted),
+across any number of resumes. The data order needs no RNG state: uid u is epoch
+``u // len(train split)``, position ``u % len``, of that epoch's seeded shuffle.
 
 Resume (``prepare_resume``) happens before any process starts: the checkpoint is verified (JSON
 decodes, DCP metadata reads, no data file shorter than the metadata says), the latest corrupt one is
@@ -48,10 +58,13 @@ from flashrl.core.lr_schedule import scheduled_lr
 log = logging.getLogger(__name__)
 
 CONTROLLER_FILE = "controller.json"
+ROLLOUTS_FILE = "rollouts.msgpack"
 CONFIG_FILE = "config.toml"
 TRAINER_DIR = "trainer"
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 2  # 2: the untrained rollouts in ROLLOUTS_FILE (1, without them, is read too: its groups are re-admitted)
+READS = (1, 2)
+ROLLOUTS_FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Config keys a resumed run may change: how long, how often, how it is shown, where engines run and
@@ -68,6 +81,69 @@ SAFE_TO_CHANGE = (
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed from; the message names the file and the fix."""
+
+
+class SavedRollout(msgspec.Struct, kw_only=True):
+    """One rollout of an untrained group, as controller.types.Trajectory holds it less its timings
+    (controller/types.py converts; tests/unit/test_resume_rollouts.py keeps the two field lists in step).
+
+    Finished (in ``SavedGroup.samples``): the whole sample. Unfinished (``SavedGroup.unfinished``): the
+    prefix its checkpoint cut: ``turns`` 0 = cut inside its first generation (the resumed run continues
+    it from ``response_ids``), 1 = its generation came back (``finish_reason``) and its environment step
+    was running (the resumed run steps the environment with it, generating nothing); no tokens = not
+    started, or a multi-turn rollout past its first turn that restarts from scratch. Invariant:
+    ``loss_mask``, ``behav_logp`` and ``versions`` have one entry per ``response_ids`` token."""
+
+    sample_id: str
+    group: int
+    index: int
+    prompt_ids: list[int] = []
+    response_ids: list[int] = []
+    loss_mask: list[int] = []
+    behav_logp: list[float] = []
+    versions: list[int] = []
+    reward: float = 0.0
+    correct: bool = False
+    finish_reason: str = ""
+    turns: int = 0
+    engine: str = ""
+    attempts: int = 1
+    version_sent: int = 0
+    task_id: str = ""
+    metrics: dict[str, float] = {}
+    restored: int = 0  # how many resumes continued it from a snapshot
+    template_mismatch: int = -1  # multi-turn chat samples: the template re-rendering check (-1: not measured)
+    retokenize_mismatch: int = -1
+
+
+class SavedGroup(msgspec.Struct, kw_only=True):
+    """One group outstanding at the checkpoint: complete and waiting for the trainer, or still generating."""
+
+    uid: int  # its prompt uid (the data position: DataStream.task_of(uid))
+    task_id: str  # checked on resume against the task that uid gives
+    complete: bool
+    next_index: int  # the next sample index it would launch (indices seed requests, never reused)
+    admitted_version: int
+    completed_version: int = 0  # complete groups: the version when they completed (partial mode's bound)
+    samples: list[SavedRollout] = []  # finished samples, in the order they joined the group
+    unfinished: list[SavedRollout] = []  # one per rollout in flight (not complete groups)
+
+
+class RolloutSnapshot(msgspec.Struct, kw_only=True):
+    """The untrained work of a run at a checkpoint (``rollouts.msgpack``).
+
+    ``groups``: complete groups in completion order (the order batches take them), then the running ones
+    by uid. ``regenerated_tokens``: tokens generated for outstanding groups that the snapshot does not
+    keep (multi-turn rollouts past their first turn; every group outside partial mode, whose finished
+    samples count here, but not the unknown progress of their requests in flight), which a resumed run
+    generates again. ``unsettled``: requests the cut asked to stop that did not answer in time (their
+    tokens since the previous cut are lost; 0 normally)."""
+
+    format: int = ROLLOUTS_FORMAT
+    version: int = 0  # the checkpoint's version (must equal ControllerState.version)
+    groups: list[SavedGroup] = []
+    regenerated_tokens: int = 0
+    unsettled: int = 0
 
 
 class ControllerState(msgspec.Struct, kw_only=True):
@@ -91,9 +167,14 @@ class ControllerState(msgspec.Struct, kw_only=True):
     metrics_through: int = 0  # last step whose line is in metrics.jsonl
     pending_record: dict[str, Any] | None = None  # this step's record, not yet written (held or eval in flight)
     pending_eval: bool = False  # ... and it was waiting for its eval (resume evaluates the same weights)
+    rollouts_file: str = ""  # ROLLOUTS_FILE when the checkpoint has one (format 2)
+    # the untrained groups and unfinished rollouts: written to / read from ``rollouts_file``, never to
+    # controller.json (None there)
+    rollouts: RolloutSnapshot | None = None
 
 
 _ENC = msgspec.json.Encoder()
+_MP = msgspec.msgpack.Encoder()
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -168,7 +249,17 @@ class CheckpointWriter:
         step = state.step
         final = step_dir(self.root, step)
         if self.last_step == step and final.is_dir():
-            return final  # nothing trained since: the checkpoint of this step is already there
+            # nothing trained since: the checkpoint of this step is already there; its untrained work
+            # is replaced by the newer cut (a stop soon after a periodic checkpoint keeps what came since)
+            if state.rollouts is not None:
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.to_thread(self._refresh, final, state)
+                except OSError as e:
+                    raise CheckpointError(f"checkpoint {final}: its rollouts not refreshed ({e}); it is intact, "
+                                          "with the rollouts of its own time") from e
+                self.seconds += time.perf_counter() - t0
+            return final
         t0 = time.perf_counter()
         tmp = self.root / f"step-{step}.tmp"
         try:
@@ -194,7 +285,11 @@ class CheckpointWriter:
         tmp.mkdir()
 
     def _finish(self, tmp: Path, final: Path, state: ControllerState) -> None:
-        _write_durable(tmp / CONTROLLER_FILE, _ENC.encode(state))
+        # the rollouts go beside controller.json, inside the same folder: atomic with it (one rename)
+        if state.rollouts is not None:
+            _write_durable(tmp / ROLLOUTS_FILE, _MP.encode(state.rollouts))
+        head = msgspec.structs.replace(state, rollouts=None, rollouts_file=ROLLOUTS_FILE if state.rollouts is not None else "")
+        _write_durable(tmp / CONTROLLER_FILE, _ENC.encode(head))
         _write_durable(tmp / CONFIG_FILE, self.cfg_toml.encode())
         fsync_dir(tmp)
         os.rename(tmp, final)
@@ -204,6 +299,21 @@ class CheckpointWriter:
         os.replace(ptr_tmp, self.root / LATEST)
         fsync_dir(self.root)
         self._prune(final)
+
+    def _refresh(self, final: Path, state: ControllerState) -> None:
+        """Replace a complete checkpoint's controller state and rollouts (same step, same trainer state):
+        the new rollouts under another name first, then controller.json naming them, renamed over the
+        old one (atomic), then the old rollouts file goes. At every instant controller.json names a
+        complete rollouts file."""
+        old = msgspec.json.decode((final / CONTROLLER_FILE).read_bytes(), type=ControllerState).rollouts_file
+        name = ROLLOUTS_FILE if old != ROLLOUTS_FILE else ROLLOUTS_FILE.replace(".msgpack", ".1.msgpack")
+        _write_durable(final / name, _MP.encode(state.rollouts))
+        head = msgspec.structs.replace(state, rollouts=None, rollouts_file=name)
+        _write_durable(final / (CONTROLLER_FILE + ".tmp"), _ENC.encode(head))
+        os.replace(final / (CONTROLLER_FILE + ".tmp"), final / CONTROLLER_FILE)
+        fsync_dir(final)
+        if old and old != name:
+            (final / old).unlink(missing_ok=True)
 
     def _prune(self, newest: Path) -> None:
         done = list_checkpoints(self.root)
@@ -228,12 +338,37 @@ def verify(path: Path) -> ControllerState:
         state = msgspec.json.decode(cfile.read_bytes(), type=ControllerState)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CheckpointError(f"{cfile}: corrupt ({e})") from None
-    if state.format != FORMAT:
-        raise CheckpointError(f"{cfile}: checkpoint format {state.format}, this flashrl reads {FORMAT}")
+    if state.format not in READS:
+        raise CheckpointError(f"{cfile}: checkpoint format {state.format}, this flashrl reads "
+                              f"{', '.join(map(str, READS))}; resume it with the flashrl that wrote it")
+    if state.rollouts_file:
+        state.rollouts = read_rollouts(path / state.rollouts_file, state.version)
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path / CONFIG_FILE}: missing")
     _verify_dcp(path / TRAINER_DIR)
     return state
+
+
+def read_rollouts(path: Path, version: int) -> RolloutSnapshot:
+    """A checkpoint's ``rollouts.msgpack``; CheckpointError naming the file when it is missing, corrupt,
+    of another format or of another version than its controller.json."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (controller.json names it: the checkpoint is incomplete)")
+    try:
+        snap = msgspec.msgpack.decode(path.read_bytes(), type=RolloutSnapshot)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CheckpointError(f"{path}: corrupt ({e})") from None
+    if snap.format != ROLLOUTS_FORMAT:
+        raise CheckpointError(f"{path}: rollouts format {snap.format}, this flashrl reads {ROLLOUTS_FORMAT}")
+    if snap.version != version:
+        raise CheckpointError(f"{path}: rollouts of version {snap.version}, its controller.json is at {version}")
+    for g in snap.groups:
+        for t in (*g.samples, *g.unfinished):
+            n = len(t.response_ids)
+            if not (len(t.loss_mask) == len(t.behav_logp) == len(t.versions) == n) or t.group != g.uid:
+                raise CheckpointError(f"{path}: corrupt (rollout {t.sample_id!r} of group {g.uid}: {n} tokens, "
+                                      f"{len(t.loss_mask)} mask, {len(t.behav_logp)} logprobs, {len(t.versions)} versions)")
+    return snap
 
 
 def _verify_dcp(path: Path) -> None:

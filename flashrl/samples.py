@@ -6,7 +6,8 @@ prompt, response, answer, reward, correct, the reward function's extra metrics, 
 versions that generated it, finish reason and turns, and its lineage: ``version_first`` /
 ``version_last`` (first and last generated token), ``updates_spanned``, ``interrupted`` (a weight
 update landed mid-generation; its tokens were kept and generation went on on the new weights),
-``restarts`` and, for trained samples, ``staleness`` and ``token_staleness_mean`` (ledger.sample_line
+``restarts``, ``restored`` (resumes that continued it from a checkpoint, its tokens before kept) and, for
+trained samples, ``staleness`` and ``token_staleness_mean`` (ledger.sample_line
 says exactly what each means).
 """
 

@@ -308,7 +308,7 @@ class Chaos:
         return self.report(proc.returncode)
 
     def report(self, exit_code: int | None) -> dict[str, Any]:
-        from flashrl.checkpoint import read_latest
+        from flashrl.checkpoint import read_latest, read_rollouts
 
         def rows(path: Path) -> list[dict[str, Any]]:
             if not path.exists():
@@ -318,6 +318,10 @@ class Chaos:
         rd = self.run_dir
         latest = read_latest(rd / "checkpoints")
         final_state = json.loads((latest / "controller.json").read_text()) if latest else {}
+        if latest and final_state.get("rollouts_file"):
+            # partial mode: the groups saved with their rollouts are outstanding too (restored, not re-admitted)
+            snap = read_rollouts(latest / final_state["rollouts_file"], int(final_state["version"]))
+            final_state["rollout_groups"] = [g.uid for g in snap.groups]
         (rd / "final_controller.json").write_text(json.dumps(final_state, indent=1) + "\n")
         summary = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").exists() else {}
         log_text = (rd / "logs" / "controller.log").read_text() if (rd / "logs" / "controller.log").exists() else ""

@@ -30,7 +30,8 @@ _CKPT_RE = re.compile(r"checkpoint (\S+) written in ([\d.]+) s")
 def verify_prompts(rows: Sequence[dict[str, Any]], final_state: dict[str, Any]) -> dict[str, Any]:
     """Which prompt uids the run's steps trained (``rows``: metrics.jsonl, step 1..N, each with
     ``prompt_uids``) against what the final checkpoint says was handed out (``next_uid``), still
-    outstanding (``readmit``) and dropped (``dropped_uids``, or only a count in ``counters``)."""
+    outstanding (``readmit``, and ``rollout_groups``: the groups saved with their rollouts, partial mode)
+    and dropped (``dropped_uids``, or only a count in ``counters``)."""
     trained: dict[int, int] = {}  # uid -> step
     repeated: list[dict[str, int]] = []
     for r in rows:
@@ -43,7 +44,7 @@ def verify_prompts(rows: Sequence[dict[str, Any]], final_state: dict[str, Any]) 
             else:
                 trained[u] = int(r["step"])
     next_uid = int(final_state.get("next_uid", 0))
-    outstanding = {int(u) for u in final_state.get("readmit", [])}
+    outstanding = {int(u) for u in (*final_state.get("readmit", []), *final_state.get("rollout_groups", []))}
     dropped_uids = {int(u) for u in final_state.get("dropped_uids", [])}
     counters = final_state.get("counters", {})
     dropped_count = sum(int(v) for k, v in counters.items() if k.startswith("dropped/groups_"))

@@ -159,6 +159,35 @@ class SampleBuffer:
         self._notify()
         return g
 
+    def restore(self, uid: int, task: Task, samples: list[Trajectory], *, complete: bool, next_index: int,
+                admitted_version: int, completed_version: int, now: float = 0.0) -> Group:
+        """Put back a group a checkpoint saved (resume): complete ones go to the end of the completion
+        order (call in the checkpoint's order), the others are RUNNING, for the caller to launch their
+        rollouts. It takes an admission slot like an admitted group; its counts were the checkpoint's."""
+        if uid in self.groups:
+            raise RuntimeError(f"prompt uid {uid} restored twice")
+        if not self.can_admit():
+            raise RuntimeError(f"restoring group {uid}: {self.outstanding} outstanding groups fill the capacity "
+                               f"{self.capacity}; the checkpoint holds more untrained groups than the config allows")
+        g = Group(uid=uid, task=task, need=self.group_size, samples=list(samples), next_index=next_index,
+                  admitted_at=now, admitted_version=admitted_version, completed_version=completed_version)
+        g.oldest = min((t.version_start for t in samples), default=g.oldest)
+        if len(samples) > self.group_size or complete != (len(samples) == self.group_size):
+            raise RuntimeError(f"group {uid} restored with {len(samples)} samples of {self.group_size} "
+                               f"({'complete' if complete else 'running'}): the checkpoint is inconsistent")
+        self.groups[uid] = g
+        if complete:
+            g.state = GroupState.COMPLETE
+            g.completed_at = now
+            self.complete.append(g)
+            if self.staleness.mode == "drop":
+                self._unchecked.append(g)
+        else:
+            g.state = GroupState.RUNNING
+            self._generating += 1
+        self._notify()
+        return g
+
     def start(self, g: Group, n: int) -> int:
         """Mark ``n`` rollouts launched for ``g``; return the first of their sample indices."""
         if g.state not in (GroupState.ADMITTED, GroupState.RUNNING):

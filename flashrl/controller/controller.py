@@ -33,7 +33,9 @@ step (postponed while an eval of older weights runs, by at most async_ratio + 1 
 for it), at the end, and on ``request_stop()`` (Ctrl-C / SIGTERM: the step in progress finishes, a
 batch being waited for is given up), the train loop writes the ledger's state + the trainer's DCP
 state, after the running sync; a failed write is logged and counted (``checkpoint/failed``) and
-training goes on. ``resume=`` a ControllerState continues a run: same version, counters and
+training goes on. In partial mode each checkpoint first cuts the training rollouts at their current
+tokens (feed.cut) and saves the untrained groups with their prefixes (feed.snapshot), read in the
+same synchronous step as the data position; a resume puts them back and continues them. ``resume=`` a ControllerState continues a run: same version, counters and
 history, the stream re-admits the prompts that were outstanding, and run() publishes the
 checkpoint's weights before any request.
 
@@ -63,7 +65,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flashrl.aio import shielded, supervised
-from flashrl.checkpoint import ControllerState
+from flashrl.checkpoint import ControllerState, RolloutSnapshot
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, SampleBuffer
 from flashrl.controller.evals import Evals
@@ -73,7 +75,7 @@ from flashrl.controller.publisher import WeightPublisher
 from flashrl.controller.rollout import RolloutContext
 from flashrl.controller.scheduler import Admission, DataStream, Router
 from flashrl.controller.supervisor import EngineSupervisor
-from flashrl.controller.types import Published
+from flashrl.controller.types import Published, Trajectory, unsaved
 from flashrl.core.records import StepRecord
 from flashrl.core.staleness import Staleness
 from flashrl.env import Closable, EnvSuite
@@ -161,6 +163,8 @@ class Controller:
         # Checkpoints (flashrl/checkpoint.py): a CheckpointWriter, or None (no checkpoints: tests, bench).
         self.checkpoints = checkpoints
         self._stop_requested = False
+        # a resumed run's untrained groups still generating and their unfinished rollouts (to the feed)
+        self._restored: list[tuple[Group, list[Trajectory]]] = []
         if resume is not None:
             self._restore(resume)
 
@@ -192,6 +196,8 @@ class Controller:
             busy=self.meters.busy,
             token_rates=self.meters.tokens,
             staleness=self.staleness,
+            # a checkpoint keeps the unfinished rollouts (partial mode): they are cut at each one
+            cuts=self.checkpoints is not None and self.staleness.mode == "partial",
             on_engine_dead=self.supervisor.engine_dead,
             wait_engine=self.supervisor.wait_engine if self.supervisor.restarts else None,
         )
@@ -199,6 +205,7 @@ class Controller:
                            spawn=self._spawn, on_samples=self.on_samples)
         self.feed = Feed(self.cfg, self.buffer, self.stream, self.admission, self.ctx, self.meters, self.evals,
                          self.publisher, clock=self._clock, spawn=self._spawn, stopped=lambda: self._stop_requested)
+        self.feed.restored, self._restored = self._restored, []
         stop = "steps"
         try:
             if self.ledger.resumed_from is not None:
@@ -343,7 +350,7 @@ class Controller:
                 self.evals.start(held, self.version)
                 held = None
             await self._drain()
-            await self._checkpoint(None)
+            await self._checkpoint(None, final=True)
         finally:
             if held is not None:  # crashed or cancelled while waiting: the step still gets its line
                 self.ledger.emit(held)
@@ -405,9 +412,15 @@ class Controller:
         return record
 
     # ------------------------------------------------------------------ checkpoints
-    async def _checkpoint(self, held: StepRecord | None) -> None:
+    async def _checkpoint(self, held: StepRecord | None, final: bool = False) -> None:
         """Write a checkpoint of the current version (flashrl/checkpoint.py); a failure is logged,
-        counted (``checkpoint/failed``) and survived: the previous checkpoint stays the latest."""
+        counted (``checkpoint/failed``) and survived: the previous checkpoint stays the latest.
+
+        Partial mode: the training rollouts are cut at their current tokens first (feed.cut), and the
+        snapshot of the untrained work is read with the rest of the state in one synchronous step, so
+        the data position, the trained steps and the saved prefixes agree. Then they continue from
+        their prefixes, unless ``final`` (the run ends: they stay stopped, so what the snapshot holds
+        is all they generated)."""
         if self.checkpoints is None or self.version == 0:
             return
         # A checkpoint's weights are the engines' too (a resumed run publishes them), and no eval of
@@ -418,17 +431,32 @@ class Controller:
                 await self._drain()
         else:
             await self.publisher.wait()
-        state = self.state(held)
+        try:
+            t0 = self._clock()
+            unsettled = await self.feed.cut()
+            cut = self.feed.snapshot(self.version, unsettled)
+            state = self.state(held, cut)
+        finally:
+            if not final:
+                self.feed.go_on()
+        snap = cut[0]
+        log.info("checkpoint of step %d: %d untrained groups saved (%d finished samples, %d unfinished rollouts, %d "
+                 "generated tokens) after a %.3f s cut; %d groups to re-admit, %d tokens that a resume generates again",
+                 self.version, len(snap.groups), sum(len(g.samples) for g in snap.groups),
+                 sum(len(g.unfinished) for g in snap.groups),
+                 sum(len(t.response_ids) for g in snap.groups for t in (*g.samples, *g.unfinished)),
+                 self._clock() - t0, len(cut[1]), snap.regenerated_tokens)
         status, self.status = self.status, f"checkpointing step {state.step}"
         try:
             await self.ledger.save(self.checkpoints, state, self._clock)
         finally:
             self.status = status
 
-    def state(self, held: StepRecord | None = None) -> ControllerState:
-        """The controller's part of a checkpoint at the current version (call between steps; ledger.Ledger.state)."""
+    def state(self, held: StepRecord | None = None, cut: tuple[RolloutSnapshot, list[int]] | None = None) -> ControllerState:
+        """The controller's part of a checkpoint at the current version (call between steps; ledger.Ledger.state;
+        ``cut``: feed.Feed.snapshot's, taken in the same step)."""
         eval_record = self.evals.record if self._ran else None
-        return self.ledger.state(self.version, self._clock() - self._t0, held, eval_record, self.stream, self.buffer)
+        return self.ledger.state(self.version, self._clock() - self._t0, held, eval_record, self.stream, self.buffer, cut)
 
     def _restore(self, st: ControllerState) -> None:
         if st.train_size != self.stream.size or st.seed != self.cfg.run.seed:
@@ -439,8 +467,55 @@ class Controller:
         self.version = self.published.version = st.version
         self.ledger.restore(st)
         self.staleness.next_step = st.step  # the next batch is step ``st.step``
-        self.stream.restore(st.next_uid, st.readmit)
+        readmit = list(st.readmit)
+        if st.rollouts is not None:
+            readmit += self._restore_rollouts(st.rollouts)
+        self.stream.restore(st.next_uid, readmit)
         self.buffer.dropped_uids = list(st.dropped_uids)
+
+    def _restore_rollouts(self, snap: RolloutSnapshot) -> list[int]:
+        """Put a checkpoint's untrained groups back into the buffer (their unfinished rollouts are
+        launched first when run() starts: feed.Feed.restored); the uids to re-admit instead.
+
+        A complete group that partial mode's bound no longer lets train at this version (it completed
+        more than async_ratio versions ago: never, by the bound's proof, in a checkpoint this flashrl
+        wrote) is re-admitted, counted under resume/over_bound_groups and its tokens under
+        resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished),
+        restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept)."""
+        n: Counter[str] = Counter(regenerated_tokens=snap.regenerated_tokens)  # this resume's (the counters add up)
+        readmit: list[int] = []
+        for sg in snap.groups:
+            task = self.stream.task_of(sg.uid)
+            if task.id != sg.task_id:
+                raise ValueError(f"checkpoint's rollouts of prompt uid {sg.uid} are for task {sg.task_id!r}, this run's "
+                                 f"data gives {task.id!r} (env.params / the dataset changed?)")
+            samples = [unsaved(t) for t in sg.samples]
+            kept = sum(t.n_generated for t in samples)
+            if sg.complete and not self.staleness.fresh(self.version, sg.completed_version):
+                n["over_bound_groups"] += 1
+                n["regenerated_tokens"] += kept
+                readmit.append(sg.uid)
+                continue
+            g = self.buffer.restore(sg.uid, task, samples, complete=sg.complete, next_index=sg.next_index,
+                                    admitted_version=sg.admitted_version, completed_version=sg.completed_version)
+            if not sg.complete:
+                unfinished = [unsaved(t) for t in sg.unfinished]
+                self._restored.append((g, unfinished))
+                n["restored_rollouts"] += len(unfinished)
+                kept += sum(t.n_generated for t in unfinished)
+            n["restored_groups"] += 1
+            n["restored_samples"] += len(samples)
+            n["restored_tokens"] += kept
+        n["readmitted_groups"] += len(readmit)
+        for k in ("restored_groups", "restored_samples", "restored_rollouts", "restored_tokens", "regenerated_tokens",
+                  "readmitted_groups", "over_bound_groups"):
+            if n[k] or k != "over_bound_groups":
+                self.counters[f"resume/{k}"] += n[k]
+        log.info("resume: %d untrained groups restored (%d finished samples, %d unfinished rollouts continued, "
+                 "%d generated tokens kept); %d tokens to generate again; %d groups re-admitted",
+                 n["restored_groups"], n["restored_samples"], n["restored_rollouts"], n["restored_tokens"],
+                 n["regenerated_tokens"], n["readmitted_groups"])
+        return readmit
 
     # ------------------------------------------------------------------ the dashboard
     def snapshot(self) -> Snapshot:

@@ -7,6 +7,14 @@
     train loop ──next_batch(step)──> take_batch(step) ── stale samples -> refill group task (stale = drop)
       waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating)
 
+Checkpoints (partial mode): ``cut()`` stops the training rollouts at their current tokens
+(rollout.RolloutContext.cut) and ``snapshot()`` then reads, in one synchronous step, every
+outstanding group with its finished samples and its unfinished rollouts' prefixes
+(checkpoint.RolloutSnapshot); ``go_on()`` lets them continue. A resumed run's saved groups are put
+back by the controller (buffer.restore) and their rollouts launched here first (``restored``),
+continuing from their prefixes. Outside partial mode the snapshot names the outstanding groups for
+re-admission instead.
+
 Invariants: every group admitted gets exactly one group task, and a group handed back for a refill
 (stale = drop) one more; a group task that cannot fill its group drops it (``unfillable``), so no
 admission slot stays taken by a group nobody fills. A batch handed out has advanced
@@ -25,6 +33,7 @@ import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from flashrl.checkpoint import RolloutSnapshot, SavedGroup, SavedRollout
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.evals import Evals
@@ -32,7 +41,7 @@ from flashrl.controller.ledger import RunMeters
 from flashrl.controller.publisher import WeightPublisher
 from flashrl.controller.rollout import RolloutContext, run_group
 from flashrl.controller.scheduler import Admission, DataStream
-from flashrl.controller.types import Trajectory
+from flashrl.controller.types import Trajectory, saved
 
 __all__ = ["Feed"]
 
@@ -59,6 +68,8 @@ class Feed:
         self._spawn = spawn
         self._stopped = stopped  # request_stop(): a batch being waited for is given up
         self._closing = False
+        # a resumed run's saved groups still generating, with their unfinished rollouts: launched first
+        self.restored: list[tuple[Group, list[Trajectory]]] = []
 
     def close(self) -> None:
         """No more admissions (shutdown: the admission loop ends at its next wake-up or cancel)."""
@@ -66,6 +77,9 @@ class Feed:
 
     async def admission_loop(self) -> None:
         b = self.buffer
+        restored, self.restored = self.restored, []
+        for g, resumes in restored:
+            self._launch(g, g.missing, resumes)
         while not self._closing:
             for _ in range(self.admission.admit_count(b.outstanding, b.capacity, b.generating)):
                 uid, task = self.stream.next()
@@ -75,12 +89,13 @@ class Feed:
             with self.evals.generation_waits(idle=b.generating == 0):
                 await b.changed()
 
-    def _launch(self, g: Group, need: int) -> None:
+    def _launch(self, g: Group, need: int, resumes: list[Trajectory] | None = None) -> None:
         extra = self.cfg.rollout.redundancy
-        first = self.buffer.start(g, need + extra)
-        self._spawn(self._group_task(g, need, first, extra), f"group {g.uid}")
+        resumes = resumes or []
+        first = self.buffer.start(g, max(0, need + extra - len(resumes)))  # run_group's fresh rollouts
+        self._spawn(self._group_task(g, need, first, extra, resumes), f"group {g.uid}")
 
-    async def _group_task(self, g: Group, need: int, first: int, extra: int) -> None:
+    async def _group_task(self, g: Group, need: int, first: int, extra: int, resumes: list[Trajectory]) -> None:
         ok = await run_group(
             self.ctx,
             task=g.task,
@@ -90,6 +105,7 @@ class Feed:
             extra=extra,
             temperature=self.cfg.rollout.temperature,
             on_sample=self._on_sample,
+            resumes=resumes,
         )
         if not ok and g.state is GroupState.RUNNING:
             log.info("group %d dropped: fewer than %d rollouts succeeded", g.uid, need)
@@ -121,3 +137,60 @@ class Feed:
                 return None
         except TimeoutError:
             return None
+
+    # ------------------------------------------------------------------ checkpoints
+    async def cut(self) -> int:
+        """Stop the training rollouts at their current tokens for a snapshot (partial mode with
+        checkpoints; else nothing to do): how many requests did not answer in time."""
+        return await self.ctx.cut() if self.ctx.gate is not None else 0
+
+    def go_on(self) -> None:
+        """After a cut: the rollouts continue from their tokens so far."""
+        self.ctx.go_on()
+
+    def snapshot(self, version: int, unsettled: int = 0) -> tuple[RolloutSnapshot, list[int]]:
+        """(The untrained work at this instant, the uids to re-admit instead). Call after ``cut()``, between
+        two steps, in the same synchronous step as the rest of the checkpoint's state.
+
+        Partial mode with cuts: every outstanding group is saved, complete ones in completion order
+        (the order batches take them), then the running ones by uid, each with its finished samples
+        and one entry per rollout in flight: its prefix when it is still in its first turn (a
+        single-turn rollout always is), else an empty one (it restarts; its tokens are counted in
+        ``regenerated_tokens``). Otherwise every outstanding group is named for re-admission and its
+        known tokens (finished samples, folded prefixes) are counted there."""
+        b = self.buffer
+        keep = self.ctx.gate is not None
+        inflight: dict[int, list[tuple[str, int, Trajectory | None]]] = {}
+        for sid, (uid, idx, t) in self.ctx.rollouts.items():
+            inflight.setdefault(uid, []).append((sid, idx, t))
+        running = sorted((g for g in b.groups.values() if g.state in (GroupState.ADMITTED, GroupState.RUNNING)),
+                         key=lambda g: g.uid)
+        groups: list[SavedGroup] = []
+        readmit: list[int] = []
+        regenerated = 0
+        for g in [*b.complete, *running]:
+            live = inflight.get(g.uid, []) if g.state is not GroupState.COMPLETE else []
+            if not keep:
+                readmit.append(g.uid)
+                regenerated += sum(t.n_generated for t in g.samples)
+                regenerated += sum(t.n_generated for _, _, t in live if t is not None)
+                continue
+            unfinished = []
+            for sid, idx, t in sorted(live, key=lambda x: x[1]):
+                if t is not None and not _first_turn(t):
+                    regenerated += t.n_generated  # its environment's state is not saved: it restarts
+                    t = None
+                unfinished.append(saved(t) if t is not None else SavedRollout(sample_id=sid, group=g.uid, index=idx))
+            groups.append(SavedGroup(
+                uid=g.uid, task_id=g.task.id, complete=g.state is GroupState.COMPLETE, next_index=g.next_index,
+                admitted_version=g.admitted_version, completed_version=g.completed_version,
+                samples=[saved(t) for t in g.samples], unfinished=unfinished,
+            ))
+        snap = RolloutSnapshot(version=version, groups=groups, regenerated_tokens=regenerated, unsettled=unsettled)
+        return snap, readmit
+
+
+def _first_turn(t: Trajectory) -> bool:
+    """Whether a rollout in flight is still in its first turn (no environment step has come back: a
+    snapshot can keep it as prompt + prefix), or its environment step after it is running."""
+    return t.turns == 0 or (t.turns == 1 and 0 not in t.loss_mask)

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from flashrl.checkpoint import CheckpointError, ControllerState
+from flashrl.checkpoint import CheckpointError, ControllerState, RolloutSnapshot
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.scheduler import DataStream, Router
@@ -198,7 +198,8 @@ class Ledger:
         its lineage: ``version_first`` / ``version_last`` (its first and last generated token's
         policy version), ``updates_spanned`` (weight updates during its generation: last - first),
         ``interrupted`` (a weight update landed mid-generation and it resumed on the new weights, its
-        tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts)
+        tokens so far kept), ``restarts`` (attempts regenerated from scratch: retries, stale aborts),
+        ``restored`` (resumes that continued it from a checkpoint's snapshot, its tokens before kept)
         and, for a trained sample (``kind`` "train", trained at step ``step - 1``), ``staleness``
         (trained step - version_first) and ``token_staleness_mean`` (over its tokens, each its own
         version). A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
@@ -213,7 +214,7 @@ class Ledger:
             "policy_versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
             "finish_reason": t.finish_reason, "turns": t.turns, "response_tokens": n, "engine": t.engine,
             "version_first": first, "version_last": last, "updates_spanned": last - first,
-            "interrupted": last > first, "restarts": t.attempts - 1,
+            "interrupted": last > first, "restarts": t.attempts - 1, "restored": t.restored,
         }
         if t.template_mismatch >= 0:  # a multi-turn chat sample: its chat template's re-rendering, measured
             line["template_mismatch_tokens"] = t.template_mismatch
@@ -328,12 +329,15 @@ class Ledger:
 
     # ------------------------------------------------------------------ checkpoint state
     def state(self, version: int, elapsed: float, held: StepRecord | None, eval_record: StepRecord | None,
-              stream: DataStream, buffer: SampleBuffer) -> ControllerState:
+              stream: DataStream, buffer: SampleBuffer,
+              cut: tuple[RolloutSnapshot, list[int]] | None = None) -> ControllerState:
         """The controller's part of a checkpoint at ``version`` (call between steps).
 
         ``held``: a step record the train loop holds back; ``eval_record``: the record a running eval
-        will complete. Outstanding groups (admitted, generating, complete but untrained) are
-        recorded by uid only: a resumed run re-admits those prompts first (flashrl/checkpoint.py says why).
+        will complete. ``cut``: the feed's snapshot of the untrained work and the uids it leaves to
+        re-admission (feed.Feed.snapshot, taken in this same step); without one, every outstanding
+        group (admitted, generating, complete but untrained) is recorded by uid only and re-admitted
+        first on resume (flashrl/checkpoint.py says why).
         """
         pending: dict[str, Any] | None = None
         pending_eval = False
@@ -343,7 +347,8 @@ class Ledger:
             elif eval_record is not None and eval_record.step == version:
                 pending = msgspec.structs.replace(eval_record, eval=None).to_dict()
                 pending_eval = True
-        readmit = sorted({g.uid for g in buffer.groups.values()} | set(stream.pending_readmit))
+        outstanding = {g.uid for g in buffer.groups.values()} if cut is None else set(cut[1])
+        readmit = sorted(outstanding | set(stream.pending_readmit))
         return ControllerState(
             step=version,
             version=version,
@@ -362,6 +367,7 @@ class Ledger:
             metrics_through=min(self.emitted_through, version),
             pending_record=pending,
             pending_eval=pending_eval,
+            rollouts=cut[0] if cut is not None else None,
         )
 
     async def save(self, writer: Any, state: ControllerState, clock: Callable[[], float]) -> None:

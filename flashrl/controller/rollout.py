@@ -55,6 +55,19 @@ Restarts converge: a restart's first token is at least the controller's version 
 and staleness.next_step <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
 training sample generates while a batch trains (capacity = batch_prompts: every group is in it).
 
+Checkpoint cuts (``RolloutContext(cuts=True)``: the controller of a partial-mode run that writes
+checkpoints): every training rollout is registered while it runs (``ctx.rollouts``: sample id ->
+its current attempt's Trajectory, gone in the same step that hands the sample to the group) and
+each of its engine requests too (``ctx.tracked``). ``ctx.cut()`` closes the gate (no training
+request starts), aborts every tracked request, and waits until each has answered and folded its
+tokens so far into its Trajectory; the caller then reads every prefix in one synchronous step, and
+``ctx.go_on()`` reopens the gate: each interrupted rollout continues with a request for the rest of
+its turn (prompt + its tokens so far, ``max_tokens`` less them, seeded by ``request_seed(...,
+done)``), exactly as after a weight update, each token keeping its own version and logprob. A
+rollout restored from a checkpoint (``RolloutSpec.resume``) starts the same way from its saved
+prefix (or with its environment step, when its generation had come back). An interrupt's "abort"
+answer is never taken for the end of a turn.
+
 Cost (the controller must push >= 20K samples per CPU second through this path): one task per
 rollout and nothing else, with the toolkit of flashrl/aio.py. Three causes of a cancel stay apart:
 a stale abort (``aio.TaskCancel``), the trajectory deadline (``aio.Deadlines``: asyncio.timeout's
@@ -101,6 +114,8 @@ __all__ = ["RolloutContext", "RolloutSpec", "run_group", "run_sample", "run_traj
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0  # bound on telling an engine to drop a request nobody will read
+CUT_TIMEOUT_S = 10.0  # bound on a checkpoint cut's wait for the interrupted requests' answers
+CUT_RETRY_S = 0.5  # a cut asks again for the requests that have not answered after this long
 ENV_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -113,6 +128,7 @@ class RolloutSpec(msgspec.Struct, kw_only=True, frozen=True):
     temperature: float
     seed_key: tuple[int, int]  # (prompt uid, sample index) for training; (-1 - k, version) for eval
     sample_id: str = ""
+    resume: Trajectory | None = None  # a checkpoint's unfinished rollout of this index: continue it (first attempt)
 
 
 PROMPT_CACHE = 4096  # prompts whose token ids RolloutContext keeps (oldest out first)
@@ -153,6 +169,13 @@ class RolloutContext:
     # the prompt's token ids by its text: a group's samples (and replicas, retries) share their prompt,
     # which was tokenized once per sample (a fifth of the controller's CPU on the embedded default)
     _prompts: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False)
+    # checkpoint cuts (module docstring): on, the training rollouts and their requests are registered
+    cuts: bool = False
+    gate: asyncio.Event | None = field(default=None, init=False)  # set: training requests may start
+    # sample id -> (prompt uid, sample index, its attempt's Trajectory so far or its saved prefix or None)
+    rollouts: dict[str, tuple[int, int, Trajectory | None]] = field(default_factory=dict, init=False)
+    tracked: dict[str, int] = field(default_factory=dict, init=False)  # training request id -> engine
+    interrupts: dict[str, asyncio.Future[None]] = field(default_factory=dict, init=False)  # cut's, unanswered
 
     def prompt_ids(self, obs: str) -> list[int]:
         """The first observation's token ids (chat-rendered when the tokenizer has a chat template)."""
@@ -169,6 +192,65 @@ class RolloutContext:
         self.chat = self.tokenizer if isinstance(self.tokenizer, ChatTokenizer) else None
         if not self.busy:
             self.busy = [BusyMeter() for _ in self.engines]
+        if self.cuts:
+            self.gate = asyncio.Event()
+            self.gate.set()
+
+    async def cut(self, timeout_s: float = CUT_TIMEOUT_S) -> int:
+        """Stop every training rollout's generation at its current token (module docstring): close
+        the gate, abort each tracked request, wait (at most ``timeout_s``) until each answered and its
+        tokens are in its Trajectory. Returns how many did not answer in time (their tokens since the
+        request began are not in the cut). The gate stays closed until ``go_on()``."""
+        assert self.gate is not None, "RolloutContext(cuts=True) is needed for checkpoint cuts"
+        self.gate.clear()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        waits: dict[asyncio.Future[None], tuple[str, int]] = {}
+        for rid, i in self.tracked.items():
+            fut = loop.create_future()
+            self.interrupts[rid] = fut
+            waits[fut] = (rid, i)
+        late = set(waits)
+        while late:
+            by_engine: dict[int, list[str]] = {}
+            for fut in late:
+                rid, i = waits[fut]
+                by_engine.setdefault(i, []).append(rid)
+            await asyncio.gather(*(self._abort(i, rids) for i, rids in by_engine.items()))
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            # asked again after CUT_RETRY_S: should an abort reach an engine before the request it names (an
+            # engine need not order two messages of one tick), it found nothing to abort
+            _, late = await asyncio.wait(late, timeout=min(CUT_RETRY_S, left))
+        if late:
+            self.counters["checkpoint/unsettled_rollouts"] += len(late)
+            log.warning("checkpoint cut: %d of %d requests did not answer their abort within %.0f s; their tokens "
+                        "since the previous cut are not saved", len(late), len(waits), timeout_s)
+        return len(late)
+
+    def go_on(self) -> None:
+        """Reopen the gate after a cut: the interrupted rollouts continue from their tokens so far."""
+        if self.gate is not None:
+            self.gate.set()
+
+    async def _abort(self, i: int, rids: list[str]) -> None:
+        try:
+            await shielded(self.engines[i].abort(rids), ABORT_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a dead engine answers its requests with PeerDead: they check in that way
+            log.debug("checkpoint cut: abort on %s failed: %s", self.engines[i].name, e)
+
+    def checkin(self, rid: str) -> bool:
+        """A training request ended (answered or raised): True when a cut had interrupted it; the cut
+        stops waiting for it (call once its tokens are in its Trajectory)."""
+        fut = self.interrupts.pop(rid, None) if self.interrupts else None
+        if fut is None:
+            return False
+        if not fut.done():
+            fut.set_result(None)
+        return True
 
     def engine_dead(self, i: int, err: BaseException) -> None:
         """Engine ``i`` is gone (its request raised PeerDead): no more rollouts or weights for it.
@@ -244,7 +326,12 @@ async def _generate(
             await slot.acquire()
             traj.wait_s += loop.time() - t_wait
     rid = req.request_id
+    gate = ctx.gate if traj.group >= 0 else None  # checkpoint cuts: training requests only
     try:
+        if gate is not None:
+            while not gate.is_set():  # a cut is reading the prefixes: start nothing until it is done
+                await gate.wait()
+            ctx.tracked[rid] = i  # no await from here to the request: a cut sees every request sent
         t0 = loop.time()
         ctx.live[rid] = i
         busy = ctx.busy[i]
@@ -263,6 +350,8 @@ async def _generate(
             raise
         finally:
             del ctx.live[rid]
+            if gate is not None:
+                del ctx.tracked[rid]
             t1 = loop.time()
             busy.exit(t1)
             traj.gen_s += t1 - t0
@@ -350,46 +439,35 @@ async def _turn_loop(
     if len(traj.prompt_ids) >= max_len:
         traj.status, traj.failure = "failed", "prompt_too_long"
         return
-    uid, idx = spec.seed_key
-    top_p = cfg.rollout.top_p if spec.group >= 0 else 1.0
-    stop_ids = chat.stop_token_ids if chat is not None else []  # the model's generation_config.json eos list
     # chat models: each generated turn's ids and the observation appended after it (None: none was), for
     # the template re-rendering check at the end (_measure_template)
     conversation: list[tuple[Sequence[int], str | None]] | None = [] if chat is not None else None
+    pending_step = False  # a restored rollout whose generation had come back: its env step comes first
+    if spec.resume is not None:
+        pending_step = _continue(ctx, spec.resume, traj)
+    if ctx.gate is not None and spec.group >= 0:  # from now on a cut reads this attempt (its prefix, if restored)
+        ctx.rollouts[spec.sample_id] = (spec.group, spec.index, traj)
     while True:
-        room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
-        if room <= 0:
-            traj.finish_reason = "max_model_len"
-            break
-        req = Generate(
-            request_id=f"{spec.sample_id}.{attempt}.{traj.turns}",
-            prompt_ids=traj.prompt_ids + traj.response_ids,
-            max_tokens=min(cfg.rollout.max_new_tokens, room),
-            temperature=spec.temperature,
-            top_p=top_p,
-            seed=request_seed(cfg.run.seed, uid, idx, traj.turns),
-            stop_token_ids=stop_ids,
-        )
-        out = await _generate(ctx, i, req, traj, hold, loop)
-        n = len(out.token_ids)
-        if not (n == len(out.logprobs) == len(out.versions)):
-            raise RuntimeError(
-                f"engine {ctx.engines[i].name} answered {req.request_id} with {n} tokens, "
-                f"{len(out.logprobs)} logprobs, {len(out.versions)} versions: the engine must return one of each per token"
-            )
-        traj.response_ids += out.token_ids
-        traj.loss_mask += [1] * n
-        traj.behav_logp += out.logprobs
-        traj.versions += out.versions
-        traj.turns += 1
-        ids = out.token_ids
-        res = await _env_call(ctx, traj, env.step(tok.decode(ids if type(ids) is list else list(ids))))
+        if pending_step:
+            pending_step = False
+            ids: list[int] = traj.response_ids
+        else:
+            room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
+            if room <= 0:
+                traj.finish_reason = "max_model_len"
+                break
+            turn_start = len(traj.response_ids) if traj.turns else 0  # a restored prefix is this turn's
+            traj.finish_reason = await _gen_turn(ctx, spec, i, attempt, traj, turn_start, hold, loop)
+            traj.turns += 1
+            ids = traj.response_ids[turn_start:]
+        res = await _env_call(ctx, traj, env.step(tok.decode(ids)))
         traj.reward += res.reward
         traj.correct = _correct(res, traj.reward)
         if res.info and "metrics" in res.info:
             traj.metrics.update(res.info["metrics"])
         if res.done or traj.turns >= cfg.rollout.max_turns:
-            traj.finish_reason = out.finish_reason if res.done else "max_turns"
+            if not res.done:
+                traj.finish_reason = "max_turns"  # else the last generation's
             if conversation is not None:
                 conversation.append((ids, None))
             break
@@ -433,6 +511,77 @@ def _measure_template(chat: ChatTokenizer, prompt: str, conversation: list[tuple
 
 
 _template_warned = False  # _measure_template's warning, once per process
+
+
+def _continue(ctx: RolloutContext, saved: Trajectory, traj: Trajectory) -> bool:
+    """Seed attempt ``traj`` with a checkpoint's unfinished rollout ``saved`` (single-turn part only:
+    ``saved.turns`` <= 1, no observation token). Its prompt must be the one the environment gave now
+    (else the prefix is of another prompt: dropped, counted in resume/regenerated_tokens). Returns True
+    when its generation had come back (the environment step comes next)."""
+    if not saved.response_ids:
+        return False
+    if saved.prompt_ids != traj.prompt_ids:
+        ctx.counters["resume/regenerated_tokens"] += len(saved.response_ids)
+        log.warning("rollout %s: its environment gave another prompt than the checkpoint's; its %d saved tokens "
+                    "are generated again", saved.sample_id, len(saved.response_ids))
+        return False
+    traj.response_ids = list(saved.response_ids)
+    traj.loss_mask = list(saved.loss_mask)
+    traj.behav_logp = list(saved.behav_logp)
+    traj.versions = list(saved.versions)
+    traj.restored = saved.restored + 1
+    if saved.turns:
+        traj.turns, traj.finish_reason = saved.turns, saved.finish_reason
+        return True
+    return False
+
+
+async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int, traj: Trajectory, turn_start: int,
+                    hold: bool, loop: asyncio.AbstractEventLoop) -> str:
+    """Generate the rest of the current turn into ``traj`` (its tokens from ``turn_start`` on are this
+    turn's so far); its finish reason. A checkpoint cut's interrupt (module docstring) folds the tokens
+    so far in and asks for the rest, as long as rollout.max_new_tokens and model.max_model_len leave room."""
+    cfg = ctx.cfg
+    uid, idx = spec.seed_key
+    top_p = cfg.rollout.top_p if spec.group >= 0 else 1.0
+    chat = ctx.chat
+    stop_ids = chat.stop_token_ids if chat is not None else []  # the model's generation_config.json eos list
+    part = 0
+    while True:
+        done = len(traj.response_ids) - turn_start
+        room = cfg.model.max_model_len - len(traj.prompt_ids) - len(traj.response_ids)
+        max_tokens = min(cfg.rollout.max_new_tokens - done, room)
+        if max_tokens <= 0:  # a prefix that already fills the turn
+            return "length"
+        req = Generate(
+            request_id=f"{spec.sample_id}.{attempt}.{traj.turns}" + (f".{part}" if part else ""),
+            prompt_ids=traj.prompt_ids + traj.response_ids,
+            max_tokens=max_tokens,
+            temperature=spec.temperature,
+            top_p=top_p,
+            seed=request_seed(cfg.run.seed, uid, idx, traj.turns, done),
+            stop_token_ids=stop_ids,
+        )
+        try:
+            out = await _generate(ctx, i, req, traj, hold, loop)
+        except BaseException:
+            ctx.checkin(req.request_id)  # nothing to fold: a cut reads the Trajectory as it is
+            raise
+        n = len(out.token_ids)
+        if not (n == len(out.logprobs) == len(out.versions)):
+            ctx.checkin(req.request_id)
+            raise RuntimeError(
+                f"engine {ctx.engines[i].name} answered {req.request_id} with {n} tokens, "
+                f"{len(out.logprobs)} logprobs, {len(out.versions)} versions: the engine must return one of each per token"
+            )
+        traj.response_ids += out.token_ids
+        traj.loss_mask += [1] * n
+        traj.behav_logp += out.logprobs
+        traj.versions += out.versions
+        if ctx.checkin(req.request_id) and out.finish_reason == "abort":
+            part += 1  # a checkpoint cut took the tokens so far: go on (after it: the gate, in _generate)
+            continue
+        return out.finish_reason
 
 
 def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Trajectory:
@@ -487,6 +636,8 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             return _failed(spec, "engine_error", attempt + 1, name)
         finally:
             ctx.router.release(i)
+        if spec.sample_id in ctx.rollouts:  # the failed attempt's tokens are not a prefix the next one continues
+            ctx.rollouts[spec.sample_id] = (spec.group, spec.index, spec.resume)
         if reason == "stale":
             ctx.counters["rollout/aborted_stale"] += 1
             log.debug("rollout %s: too stale to be trained, restarted on fresh weights", spec.sample_id)
@@ -514,8 +665,13 @@ async def run_group(
     on_sample: Callable[[Trajectory], object],
     seed_key: Callable[[int], tuple[int, int]] | None = None,
     sample_ids: Callable[[int], str] | None = None,
+    resumes: Sequence[Trajectory] = (),
 ) -> bool:
     """Run ``need + extra`` rollouts of ``task``; hand the first ``need`` ok ones to ``on_sample``.
+
+    ``resumes``: a checkpoint's unfinished rollouts of this group (each its own sample index),
+    continued from their prefixes; with them, ``need + extra - len(resumes)`` fresh rollouts (none
+    when that is negative) take the indices from ``first_index`` on.
 
     Returns True when ``need`` samples were delivered, False when the group cannot be filled
     (the caller drops it and counts it). The remaining rollouts are cancelled either way, which
@@ -523,7 +679,8 @@ async def run_group(
     (or raises) only once every one of its tasks has ended. A rollout that raises (a bug) cancels
     the others and its error is raised here.
     """
-    n = need + extra
+    fresh = max(0, need + extra - len(resumes))
+    n = fresh + len(resumes)
     router = ctx.router
     if router.all_dead and ctx.wait_engine is not None:
         await ctx.wait_engine()
@@ -537,8 +694,11 @@ async def run_group(
     loop = asyncio.get_running_loop()
     state = _GroupState(need, n, on_sample, loop.create_future())
     tasks: list[asyncio.Task[None]] = []
+    tracked = ctx.gate is not None and group >= 0
+    sids: list[str] = []
     for k, i in enumerate(engines):
-        idx = first_index + k
+        resume = resumes[k] if k < len(resumes) else None
+        idx = resume.index if resume is not None else first_index + k - len(resumes)
         spec = RolloutSpec(
             task=task,
             group=group,
@@ -546,7 +706,11 @@ async def run_group(
             temperature=temperature,
             seed_key=seed_key(idx) if seed_key else (group, idx),
             sample_id=sample_ids(idx) if sample_ids else sample_id(group, idx),
+            resume=resume,
         )
+        if tracked:
+            ctx.rollouts[spec.sample_id] = (group, idx, resume)
+            sids.append(spec.sample_id)
         tasks.append(loop.create_task(_report(ctx, spec, i, state)))
     try:
         await state.decided
@@ -554,6 +718,8 @@ async def run_group(
         # Cancel the rest (their aborts are shielded) and wait for every one: the group never leaves
         # rollouts behind. A task cancelled before it ran never entered run_sample: release its count.
         await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))
+        for sid in sids:  # the ones cancelled before they ran (_report unregisters the others)
+            ctx.rollouts.pop(sid, None)
     if state.error is not None:
         raise state.error
     if state.kept == need and state.done < n:
@@ -601,3 +767,8 @@ async def _report(ctx: RolloutContext, spec: RolloutSpec, i: int, state: _GroupS
         raise
     except BaseException as e:  # noqa: BLE001 - a bug (or on_sample's error): the group raises it
         state.fail(e)
+    finally:
+        # in the step that handed the sample to its group (buffer.add): a cut sees it there or here, never
+        # in neither or both
+        if ctx.rollouts:
+            ctx.rollouts.pop(spec.sample_id, None)

@@ -39,18 +39,21 @@ log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 63) - 1  # vLLM seeds a torch.Generator: any non-negative int64 works
 
 
-def request_seed(run_seed: int, prompt_uid: int, sample_index: int, turn: int = 0) -> int:
+def request_seed(run_seed: int, prompt_uid: int, sample_index: int, turn: int = 0, done: int = 0) -> int:
     """The sampling seed of one generate call, a pure function of where the sample sits in the run.
 
     A stable hash (not Python's ``hash``, which is salted per process) so that a rerun, another
     engine count or another async ratio produce the same samples for the same (uid, index, turn).
+    ``done``: tokens of this turn generated before (a continuation after a checkpoint's cut); 0 gives
+    the turn's own seed, so a cut before its first token changes nothing.
     """
-    key = f"{run_seed}:{prompt_uid}:{sample_index}:{turn}".encode()
+    key = f"{run_seed}:{prompt_uid}:{sample_index}:{turn}{f'+{done}' if done else ''}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & _SEED_MASK
 
 
 def sample_id(prompt_uid: int, sample_index: int) -> str:
-    """The id of one sample: ``"<uid>-<index>"`` (request ids append ``.<attempt>.<turn>``)."""
+    """The id of one sample: ``"<uid>-<index>"`` (request ids append ``.<attempt>.<turn>``, and ``.<k>`` for
+    the k-th continuation of a turn after checkpoint cuts: rollout.py)."""
     return f"{prompt_uid}-{sample_index}"
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
+from flashrl.checkpoint import SavedRollout
 from flashrl.wire.protocol import TrainSample, WeightManifest
 
-__all__ = ["Published", "Trajectory", "metric_means"]
+__all__ = ["Published", "Trajectory", "metric_means", "saved", "unsaved"]
 
 
 class Trajectory(msgspec.Struct, kw_only=True):
@@ -60,6 +61,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     # and tokens that decoding and re-encoding its generated turns alone would change.
     template_mismatch: int = -1
     retokenize_mismatch: int = -1
+    restored: int = 0  # resumes that continued it from a checkpoint's snapshot (its tokens before kept)
 
     @property
     def version_start(self) -> int:
@@ -88,6 +90,25 @@ class Trajectory(msgspec.Struct, kw_only=True):
             group=self.group,
             sample_id=self.sample_id,
         )
+
+
+# Trajectory's fields a checkpoint does not keep: the timings of the process that generated it
+NOT_SAVED = ("status", "failure", "t_start", "t_end", "gen_s", "env_s", "wait_s")
+
+
+def saved(t: Trajectory) -> SavedRollout:
+    """``t`` as a checkpoint keeps it (checkpoint.SavedRollout: every field but ``NOT_SAVED``), copied: a
+    rollout that goes on after the cut appends to its own lists in place, never to the snapshot's."""
+    return SavedRollout(**{f: _copy(getattr(t, f)) for f in SavedRollout.__struct_fields__})
+
+
+def _copy(v: Any) -> Any:
+    return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+
+
+def unsaved(s: SavedRollout) -> Trajectory:
+    """A checkpoint's rollout back as a Trajectory (status ok, no timings)."""
+    return Trajectory(**{f: getattr(s, f) for f in SavedRollout.__struct_fields__})
 
 
 class Published:

@@ -43,6 +43,11 @@ guarantees its own bound on every trained sample (R = async_ratio, s = the step 
              completing at version c finds at most capacity - (taken, not yet freed) groups ahead
              of it, which the steps up to c + R consume. Holds with queue_scheduling (completion
              order) or async_ratio = 0; a batch that breaks it is counted (stale/over_bound_groups).
+             Across a resume: a checkpoint keeps the untrained groups (controller/feed.py snapshot),
+             complete ones with their ``completed`` version, and the resumed run puts them back first,
+             in completion order, so the argument goes on unchanged; a restored complete group that
+             would break the bound at the checkpoint's version (never, by it) is re-admitted instead
+             and counted (resume/over_bound_groups).
 
 Users, all through one ``Staleness`` object per run (the controller's, shared):
 

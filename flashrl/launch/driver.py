@@ -387,6 +387,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         ck += f", latest {res['last_checkpoint']}"
     if (res.get("counters") or {}).get("checkpoint/failed"):
         ck += f"; {res['counters']['checkpoint/failed']} checkpoint(s) FAILED (see the log)"
+    c = res.get("counters") or {}
+    if s.get("resumed_from") is not None and ("resume/restored_groups" in c or "resume/regenerated_tokens" in c):
+        # what the resumes (all of them: the counters add up) kept of the untrained work, and generated again
+        ck += (f"; resumes kept {c.get('resume/restored_tokens', 0)} generated tokens ({c.get('resume/restored_rollouts', 0)} "
+               f"unfinished rollouts continued), {c.get('resume/regenerated_tokens', 0)} generated again")
     if evals and res.get("eval_s"):
         acc += (f"; evals {res['eval_s']:.1f}s, trainer waited {res.get('eval_trainer_wait_s', 0.0):.1f}s for them "
                 f"({s.get('eval_wait_share', 0.0):.1%} of training time), generation idle "

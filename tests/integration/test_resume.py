@@ -140,3 +140,8 @@ def test_controller_killed_while_a_checkpoint_is_written_resumes_from_the_previo
     assert [r["step"] for r in rows] == list(range(killed_at + 3))
     uids = [u for r in rows for u in r.get("prompt_uids", [])]
     assert len(uids) == len(set(uids))  # no prompt trained twice across the kill
+    # partial mode (the default): the periodic checkpoint's untrained groups and unfinished rollouts were
+    # restored and continued, none regenerated (single-turn), none re-drawn from the data
+    counters = msgspec.json.decode((run_dir / "summary.json").read_bytes())["result"]["counters"]
+    assert counters["resume/restored_groups"] > 0 and counters["resume/restored_rollouts"] > 0, counters
+    assert counters["resume/regenerated_tokens"] == 0 and counters["resume/readmitted_groups"] == 0, counters

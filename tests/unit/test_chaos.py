@@ -33,6 +33,18 @@ def test_every_prompt_accounted_for_across_epochs() -> None:
         (0, True, 6, 0, 0), (1, True, 5, 1, 0), (2, False, 0, 0, 2)]
 
 
+def test_groups_saved_with_their_rollouts_are_outstanding() -> None:
+    """Partial mode: the final checkpoint names the groups it saved with their rollouts (rollout_groups), not
+    in readmit; they are outstanding, neither lost nor allowed to have been trained."""
+    rows = _rows([[1, 0], [3, 2], [5, 4]])
+    state = {**_state(9, [6]), "rollout_groups": [7, 8]}
+    v = chaos_report.verify_prompts(rows, state)
+    assert v["ok"] and v["lost"] == [] and v["outstanding_at_end"] == 3
+    assert not chaos_report.verify_prompts(rows, _state(9, [6]))["ok"]  # without them: 7, 8 lost
+    v = chaos_report.verify_prompts(_rows([[1, 0], [3, 2], [5, 4], [7]]), state)
+    assert not v["ok"] and v["trained_and_outstanding"] == [7]
+
+
 def test_a_repeated_prompt_fails() -> None:
     v = chaos_report.verify_prompts(_rows([[0, 1], [2, 1]]), _state(3, []))
     assert not v["ok"] and v["repeated"] == [{"uid": 1, "first_step": 1, "again_step": 2}]

@@ -94,22 +94,27 @@ def trained(records: list[dict[str, Any]]) -> dict[int, list[int]]:
     return {r["step"]: r["prompt_uids"] for r in records if "prompt_uids" in r}
 
 
-def sync_cfg(tmp: Path, **run: Any) -> Config:
+def sync_cfg(tmp: Path, stale: str = "partial", **run: Any) -> Config:
     return config(
         tmp,
         run={"steps": 6, "seed": 3, "eval_every": 2, "checkpoint_every": 2, **run},
         rollout={"group_size": 3, "batch_prompts": 2, "max_new_tokens": 5},
-        scheduler={"async_ratio": 0, "queue_scheduling": True},
+        scheduler={"async_ratio": 0, "queue_scheduling": True, "stale": stale},
     )
 
 
-def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path) -> None:
-    """async_ratio 0: stop at step 3, resume to 6 == 6 uninterrupted steps (prompts, samples, versions)."""
+@pytest.mark.parametrize("stale", ["drop", "partial"])
+def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path, stale: str) -> None:
+    """async_ratio 0: stop at step 3, resume to 6 == 6 uninterrupted steps (prompts, samples, versions).
+
+    drop re-admits the prompts in flight at the stop: the same requests, so the very same samples.
+    partial keeps their rollouts' prefixes and continues them (tests/unit/test_resume_rollouts.py):
+    the same prompts at every step, but what is generated after the cut is sampled anew."""
     suite = lambda: FakeSuite(n_train=5, n_eval=3)  # noqa: E731  (5 prompts: the epoch ends mid-batch)
-    ref = Run(sync_cfg(tmp_path / "a"), suite())
+    ref = Run(sync_cfg(tmp_path / "a", stale), suite())
     ref.go()
 
-    cfg = sync_cfg(tmp_path / "b", steps=3)
+    cfg = sync_cfg(tmp_path / "b", stale, steps=3)
     first = Run(cfg, suite())
     s1 = first.go()
     assert s1.steps == 3 and s1.checkpoints == 2 and s1.last_checkpoint == str(cfg.run_dir / "checkpoints" / "step-3")
@@ -120,8 +125,13 @@ def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: 
     s2 = second.go()
     assert s2.steps == 6 and s2.resumed_from == 3
 
-    assert trained(first.records) | trained(second.records) == trained(ref.records)
-    assert first.trainer.batches + second.trainer.batches == ref.trainer.batches  # same samples, same versions
+    if stale == "partial":
+        both = trained(first.records) | trained(second.records)
+        assert {k: sorted(v) for k, v in both.items()} == {k: sorted(v) for k, v in trained(ref.records).items()}
+        assert s2.counters["resume/restored_groups"] == 2 and s2.counters["resume/regenerated_tokens"] == 0
+    else:
+        assert trained(first.records) | trained(second.records) == trained(ref.records)
+        assert first.trainer.batches + second.trainer.batches == ref.trainer.batches  # same samples, same versions
     # the resumed engines got the checkpoint's weights (version 3) before any request
     assert [e.version for e in second.engines] == [6, 6] and second.trainer.prepared[0] == 3
     # metrics.jsonl: every step exactly once, the evals where the uninterrupted run has them
