@@ -4,20 +4,21 @@
     python bench/ckpt_async.py --device cpu --model /tmp/realsize/model --steps 4 --out ckpt_async.jsonl
 
 Builds the chat model's architecture at ``--size`` (flashrl/models/chat_model.py SIZES: random weights,
-no tokenizer: the trainer needs none) or loads ``--model``, then runs three phases of ``--steps`` training
-steps each on the same Trainer (flashrl/trainer/worker.py, the code a run uses), on a synthetic batch:
+no tokenizer: the trainer needs none) or loads ``--model``, then, on the same Trainer (flashrl/trainer/worker.py,
+the code a run uses) and a synthetic batch, one warm-up step and ``--steps`` rounds of three steps each,
+interleaved so that a shared host's drift hits the three alike:
 
-    none   no checkpoint
-    sync   a blocking DCP checkpoint (model + AdamW + RNG) before the phase's first step (trainer.checkpoint_async = false)
-    async  a background checkpoint before the phase's first step: staged, then written by DCP's thread
-           while the steps run; a second thread waits for the write and seals it (Trainer.finish_checkpoint,
-           what rank 0's seal thread does in a run), as the controller's completion task would ask
+    none   a step with no checkpoint
+    async  a background checkpoint (DCP model + AdamW + RNG; trainer.checkpoint_async = true): staged, then the
+           step runs while DCP's thread writes; a second thread waits for the write and seals it
+           (Trainer.finish_checkpoint, what rank 0's seal thread does in a run); the round waits for the seal
+    sync   a blocking checkpoint (trainer.checkpoint_async = false), then a step
 
-Each phase starts with one warm-up step (not timed). Prints one JSON line per step (phase, step, step_s,
-ckpt_s: the time the checkpoint call blocked before that step, in_flight: whether the background write
-was still running when the step ended) and one summary line per phase, then an ``overhead`` line: the
-median step with a write in flight against the median of the ``none`` phase. Every line goes to stdout
-and, with ``--out``, to that file. Any failure raises (non-zero exit).
+One JSON line per step (round, mode, step_s, blocked_s: what the checkpoint call blocked before the step,
+write_s: the background write staged-to-sealed, overlap_s: how much of the step ran beside it,
+write_after_step_s: how long it outlasted the step), then a summary line: median step per mode, the async
+step's overhead against the none step (of the medians, and per round), the blocking times. Every line goes
+to stdout and, with ``--out``, to that file. Any failure raises (non-zero exit).
 
 Needs torch, transformers, safetensors and msgspec (flashrl's config and wire structs), not vLLM or pyzmq.
 """
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--size", default="0.25b", help="a chat_model SIZES shape to build (ignored with --model)")
     ap.add_argument("--model", type=Path, default=None, help="an existing model folder instead of building one")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per phase (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=4, help="rounds of three timed steps (none, async, sync)")
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=48)
@@ -169,68 +170,59 @@ def main(argv: list[str] | None = None) -> int:
             step_no[0] += 1
             return time.perf_counter() - t
 
-        summary: dict[str, list[float]] = {}
-        blocked: dict[str, float] = {}
-        in_flight_steps: list[float] = []
-        for phase in ("none", "sync", "async"):
-            one_step()  # warm-up: first-touch costs, not timed
-            ckpt_s = 0.0
-            sealed: dict[str, Any] = {}
-            sealer: threading.Thread | None = None
-            path = str(work / f"ckpt-{phase}")
-            shutil.rmtree(path, ignore_errors=True)
-            if phase != "none":
-                sync_dev()
-                t = time.perf_counter()
-                trainer.save_checkpoint(path, background=phase == "async")
-                ckpt_s = time.perf_counter() - t
-                if phase == "async":
+        one_step()  # warm-up: first-touch costs, not timed
+        rows: dict[str, list[dict[str, Any]]] = {"none": [], "async": [], "sync": []}
+        for r in range(a.steps):
+            for mode in ("none", "async", "sync"):
+                path = str(work / f"ckpt-{mode}-{r}")
+                blocked = overlap = tail = write_s = 0.0
+                sealer: threading.Thread | None = None
+                sealed: dict[str, Any] = {}
+                if mode != "none":
+                    sync_dev()
+                    t = time.perf_counter()
+                    trainer.save_checkpoint(path, background=mode == "async")
+                    blocked = time.perf_counter() - t
+                if mode == "async":
                     def seal(path: str = path, sealed: dict[str, Any] = sealed) -> None:
                         try:
                             sealed["write_s"] = trainer.finish_checkpoint(path, trainer.checkpoint_timeout_s)
-                        except BaseException as e:  # noqa: BLE001 - reported below, then raised
+                        except BaseException as e:  # noqa: BLE001 - raised below
                             sealed["error"] = e
                         sealed["at"] = time.perf_counter()
 
                     sealer = threading.Thread(target=seal, name="seal", daemon=True)
                     sealer.start()
-            times = []
-            for i in range(a.steps):
+                t_start = time.perf_counter()
                 st = one_step()
-                busy = sealer is not None and sealer.is_alive()
-                times.append(st)
-                if busy:
-                    in_flight_steps.append(st)
-                emit({"phase": phase, "step": i, "step_s": round(st, 4), "ckpt_s": round(ckpt_s if i == 0 else 0.0, 4),
-                      "in_flight": busy})
-            if sealer is not None:
-                t = time.perf_counter()
-                sealer.join(trainer.checkpoint_timeout_s + 60)
-                if sealer.is_alive():
-                    raise RuntimeError(f"the background checkpoint of {path} did not finish in time")
-                if "error" in sealed:
-                    raise RuntimeError(f"the background checkpoint of {path} failed: {sealed['error']}") from sealed["error"]
-                tail_wait = time.perf_counter() - t
-            if phase != "none" and not (Path(path) / "trainer.json").is_file():
-                raise RuntimeError(f"{path}: the checkpoint is not complete (no trainer.json)")
-            summary[phase] = times
-            blocked[phase] = ckpt_s
-            rec: dict[str, Any] = {"event": "phase", "phase": phase, "median_step_s": round(statistics.median(times), 4),
-                                   "steps_s": [round(x, 4) for x in times], "ckpt_blocked_s": round(ckpt_s, 4)}
-            if phase == "async":
-                rec.update(write_s=round(sealed["write_s"], 3), waited_after_steps_s=round(tail_wait, 3))
-            emit(rec)
-        base = statistics.median(summary["none"])
-        over = {"event": "overhead", "none_median_s": round(base, 4),
-                "sync_blocked_s": round(blocked["sync"], 3),
-                "async_blocked_s": round(blocked["async"], 3), "steps_with_write_in_flight": len(in_flight_steps)}
-        if in_flight_steps:
-            m = statistics.median(in_flight_steps)
-            over.update(in_flight_median_s=round(m, 4), in_flight_overhead_pct=round(100 * (m / base - 1), 1))
-        emit(over)
+                t_end = time.perf_counter()
+                if sealer is not None:
+                    sealer.join(trainer.checkpoint_timeout_s + 60)
+                    if sealer.is_alive():
+                        raise RuntimeError(f"the background checkpoint of {path} did not finish in time")
+                    if "error" in sealed:
+                        raise RuntimeError(f"the background checkpoint of {path} failed: {sealed['error']}") from sealed["error"]
+                    tail = time.perf_counter() - t_end  # the write outlasted the step by this much
+                    overlap = min(t_end, sealed["at"]) - t_start  # how much of the step ran beside the write
+                    write_s = sealed["write_s"]
+                if mode != "none" and not (Path(path) / "trainer.json").is_file():
+                    raise RuntimeError(f"{path}: the checkpoint is not complete (no trainer.json)")
+                shutil.rmtree(path, ignore_errors=True)
+                row = {"round": r, "mode": mode, "step_s": round(st, 4), "blocked_s": round(blocked, 4),
+                       "write_s": round(write_s, 3), "overlap_s": round(overlap, 3), "write_after_step_s": round(tail, 3)}
+                rows[mode].append(row)
+                emit(row)
+        med = {m: statistics.median(x["step_s"] for x in v) for m, v in rows.items()}
+        paired = [100 * (y["step_s"] / x["step_s"] - 1) for x, y in zip(rows["none"], rows["async"])]
+        emit({"event": "summary", "rounds": a.steps, "median_step_s": {m: round(v, 4) for m, v in med.items()},
+              "async_step_overhead_pct_median": round(100 * (med["async"] / med["none"] - 1), 1),
+              "async_step_overhead_pct_paired": [round(x, 1) for x in paired],
+              "async_blocked_s": [x["blocked_s"] for x in rows["async"]],
+              "async_write_s": [x["write_s"] for x in rows["async"]],
+              "async_overlap_s": [x["overlap_s"] for x in rows["async"]],
+              "sync_blocked_s": [x["blocked_s"] for x in rows["sync"]],
+              "sync_cost_pct_median": round(100 * statistics.median(x["blocked_s"] for x in rows["sync"]) / med["none"], 1)})
         trainer.close_checkpoints(60.0)
-        shutil.rmtree(work / "ckpt-sync", ignore_errors=True)
-        shutil.rmtree(work / "ckpt-async", ignore_errors=True)
     finally:
         dist.destroy_process_group()
         if out_f is not None:

@@ -12,8 +12,8 @@ Write order: ``step-N.tmp/`` -> trainer's DCP save into ``step-N.tmp/trainer`` (
 controller.json + config.toml (fsync each) -> fsync the folder -> rename to ``step-N`` -> fsync the
 parent -> ``latest`` -> delete the oldest beyond ``run.keep_checkpoints``. With trainer.checkpoint_async
 (the default) the trainer's save only stages its state and training goes on while DCP writes; the
-steps after it run once the trainer reports the write finished on every rank (``CheckpointWriter``). A crash (SIGKILL, full disk)
-at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
+steps from controller.json on run once the trainer reports the write finished on every rank
+(``CheckpointWriter``), so the order on disk is the same. A crash (SIGKILL, full disk) at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
 ignored by resume and removed by the next save of that step.
 
 Rollouts generated but not yet trained are *not* saved: the prompts of every group outstanding at the
