@@ -194,6 +194,7 @@ class Trainer(PolicyTrainer):
         self._writes_lock = threading.Lock()
         self._ckpt_group: Any = None
         self._stager: Any = None
+        self._write_pool: ThreadPoolExecutor | None = None
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, model_params(model_path))
 
     # ------------------------------------------------------------------ dispatch
@@ -340,10 +341,10 @@ class Trainer(PolicyTrainer):
         ``path`` must be on a file system every rank sees. An existing ``path`` is refused (checkpoints
         are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
 
-        ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (kept
-        between checkpoints: one more host copy of the training state) and this returns; DCP writes
-        ``path.tmp`` on a thread of its own, over a gloo group of its own (its collectives never
-        interleave with the step's), while training goes on. ``path`` does not exist until rank 0's
+        ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (DCP's
+        DefaultStager, kept between checkpoints: one more host copy of the training state) and this
+        returns; ``dcp.save`` writes ``path.tmp`` on a write thread at the lowest CPU priority, over a
+        gloo group of its own (its collectives never interleave with the step's), while training goes on. ``path`` does not exist until rank 0's
         ``finish_checkpoint(path)`` has seen the write complete on every rank and renamed it: a crash
         meanwhile leaves only ``path.tmp``. A save while another is in flight first waits for that
         write. Returns the seconds waited for it.
@@ -376,12 +377,17 @@ class Trainer(PolicyTrainer):
                 _seal_checkpoint(tmp, final, meta)
             dist.barrier()
             return waited
-        # Staged synchronously (the copy is done when async_save returns: the next step may change the
-        # weights at once); written on DCP's own thread.
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._checkpoint_group(),
-                                async_stager=self._checkpoint_stager())
+        # Staged synchronously (the copy is done when stage() returns: the next step may change the weights at
+        # once), then DCP's own save (what dcp.async_save runs on its thread) on this trainer's write thread,
+        # which runs at the lowest CPU priority: where cores are short (a CPU trainer) the step goes first.
+        staged = self._checkpoint_stager().stage(state)
+        group = self._checkpoint_group()
+        if self._write_pool is None:
+            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
+                                                  initializer=_lowest_priority)
+        future = self._write_pool.submit(dcp.save, staged, checkpoint_id=str(tmp), process_group=group)
         with self._writes_lock:
-            self._writes[path] = _Write(path=path, future=cast(Future, future), meta=meta)
+            self._writes[path] = _Write(path=path, future=future, meta=meta)
         return waited
 
     def finish_checkpoint(self, path: str, timeout_s: float) -> float:
@@ -455,6 +461,9 @@ class Trainer(PolicyTrainer):
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._write_pool is not None:
+            self._write_pool.shutdown(wait=False)
+            self._write_pool = None
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, critics (asyppo) and version from a ``save_checkpoint`` folder (any
@@ -487,6 +496,12 @@ class Trainer(PolicyTrainer):
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
+
+
+def _lowest_priority() -> None:
+    """The calling thread at nice 19 (Linux: a thread's own priority); elsewhere a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class _Write:
