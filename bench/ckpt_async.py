@@ -14,7 +14,8 @@ interleaved so that a shared host's drift hits the three alike:
            (Trainer.finish_checkpoint, what rank 0's seal thread does in a run); the round waits for the seal
     sync   a blocking checkpoint (trainer.checkpoint_async = false), then a step
 
-One JSON line per step (round, mode, step_s, blocked_s: what the checkpoint call blocked before the step,
+One JSON line per step (round, mode, step_s, step_cpu_s: the step's thread CPU time (on a CPU host shared with
+other jobs the wall time mostly measures them), blocked_s: what the checkpoint call blocked before the step,
 write_s: the background write staged-to-sealed, overlap_s: how much of the step ran beside it,
 write_after_step_s: how long it outlasted the step), then a summary line: median step per mode, the async
 step's overhead against the none step (of the medians, and per round), the blocking times. Every line goes
@@ -161,13 +162,18 @@ def main(argv: list[str] | None = None) -> int:
 
         step_no = [0]
 
+        cpu_s = [0.0]
+
         def one_step() -> float:
+            """The step's wall time; ``cpu_s[0]``: this thread's CPU time in it (with one torch thread the step's
+            compute runs on it), which a shared host's other jobs do not inflate as they do the wall time."""
             batch = make_batch(step_no[0], vocab, a.groups, a.group_size, a.prompt_len, a.response_len)
             sync_dev()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             trainer.train_step(batch)
             sync_dev()
             step_no[0] += 1
+            cpu_s[0] = time.thread_time() - c
             return time.perf_counter() - t
 
         one_step()  # warm-up: first-touch costs, not timed
@@ -208,15 +214,19 @@ def main(argv: list[str] | None = None) -> int:
                 if mode != "none" and not (Path(path) / "trainer.json").is_file():
                     raise RuntimeError(f"{path}: the checkpoint is not complete (no trainer.json)")
                 shutil.rmtree(path, ignore_errors=True)
-                row = {"round": r, "mode": mode, "step_s": round(st, 4), "blocked_s": round(blocked, 4),
+                row = {"round": r, "mode": mode, "step_s": round(st, 4), "step_cpu_s": round(cpu_s[0], 4),
+                       "blocked_s": round(blocked, 4),
                        "write_s": round(write_s, 3), "overlap_s": round(overlap, 3), "write_after_step_s": round(tail, 3)}
                 rows[mode].append(row)
                 emit(row)
         med = {m: statistics.median(x["step_s"] for x in v) for m, v in rows.items()}
         paired = [100 * (y["step_s"] / x["step_s"] - 1) for x, y in zip(rows["none"], rows["async"])]
+        cpu = {m: statistics.median(x["step_cpu_s"] for x in v) for m, v in rows.items()}
         emit({"event": "summary", "rounds": a.steps, "median_step_s": {m: round(v, 4) for m, v in med.items()},
               "async_step_overhead_pct_median": round(100 * (med["async"] / med["none"] - 1), 1),
               "async_step_overhead_pct_paired": [round(x, 1) for x in paired],
+              "median_step_cpu_s": {m: round(v, 4) for m, v in cpu.items()},
+              "async_step_cpu_overhead_pct_median": round(100 * (cpu["async"] / cpu["none"] - 1), 1),
               "async_blocked_s": [x["blocked_s"] for x in rows["async"]],
               "async_write_s": [x["write_s"] for x in rows["async"]],
               "async_overlap_s": [x["overlap_s"] for x in rows["async"]],
