@@ -367,6 +367,40 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+async def test_two_ranks_write_a_background_checkpoint_that_one_rank_resumes_exactly(model_path: Path,
+                                                                                      tmp_path: Path) -> None:
+    """FSDP2 at world 2 (sharded DTensor state, staged by each rank, written over the checkpoint gloo group,
+    sealed by rank 0 once every rank's write is in): a step trains beside the write, the checkpoint holds
+    the state at the save, and one rank resumes it with the same weights and version."""
+    from flashrl.checkpoint import TRAINER_DIR, CheckpointWriter, ControllerState
+
+    cfg = trainer_config(tmp_path, ranks=2, mini_batches=5, micro_batch=1)
+    root = tmp_path / "run2" / "checkpoints"
+    g = await _group(cfg, model_path, tmp_path, "run2")
+    try:
+        await g.wait_ready(120)
+        w = CheckpointWriter(root, g, "", keep=3, background=True, timeout_s=120.0)
+        await g.train_step(_batch(0))
+        at_save = await g.compute_logprobs(PROMPT, GOOD)
+        await w.save(ControllerState(step=1, version=1, elapsed_s=1.0), wait=False)
+        await g.train_step(_batch(1))  # beside the write
+        assert await g.compute_logprobs(PROMPT, GOOD) != pytest.approx(at_save, abs=1e-6)
+        await w.close()
+        assert w.saved == 1 and w.failed == 0 and (root / "step-1" / TRAINER_DIR / "trainer.json").is_file()
+    finally:
+        await g.close()
+    one = trainer_config(tmp_path, ranks=1, mini_batches=5, micro_batch=1)
+    g = await TrainerGroup.spawn(one, model_path, tmp_path / "run2", resume=root / "step-1" / TRAINER_DIR)
+    try:
+        await g.wait_ready(120)
+        assert await g.ping() == 1
+        assert await g.compute_logprobs(PROMPT, GOOD) == pytest.approx(at_save, abs=1e-5)
+    finally:
+        await g.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_the_previous_one(
         model_path: Path, tmp_path: Path) -> None:
     """The real trainer process, the run's CheckpointWriter in background mode: step-1 completes; step-2's
