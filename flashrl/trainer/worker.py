@@ -3,6 +3,8 @@
     controller --TrainerRequest (ZeroMQ)--> rank 0 RpcServer (asyncio, main thread)
                                               | Ping: answered at once (Pong(version)), never queued
                                               | SendWeights: on the send thread, beside the compute thread
+                                              | FinishCheckpoint: on the seal thread (waits for a background
+                                              |   checkpoint write, then renames it into place)
                                               | anything else: one at a time (lock), on the compute thread
                                               v
         rank 0 compute thread: broadcast(msgspec bytes as a uint8 tensor) ---> ranks 1..R-1 (main thread)
@@ -12,7 +14,9 @@
 
 Every rank runs the same request through ``Trainer.execute``, so the collectives inside (FSDP
 all-gathers and reduce-scatters, metric reductions, state-dict gathers, DCP saves) line up by
-construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights) are not broadcast.
+construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights, FinishCheckpoint) are not
+broadcast. A background checkpoint (SaveCheckpoint with ``background``) is staged by every rank on the
+compute thread, then written by each rank's write thread over a gloo group of its own (``save_checkpoint``).
 While idle, rank 0 broadcasts a Ping every ``KEEPALIVE_S`` so the other ranks' pending receive never
 hits the process-group timeout during a long rollout phase. Ranks 1.. poll that receive (async_op +
 short sleeps) instead of blocking in C++, so SIGTERM is handled at once.
