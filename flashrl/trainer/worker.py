@@ -451,11 +451,16 @@ class Trainer(PolicyTrainer):
         """DCP's DefaultStager, synchronous, kept for the run: it reuses its host buffers from one
         checkpoint to the next (no fresh allocation and page faults per checkpoint); pinned on CUDA."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             cuda = self.device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:  # an older torch: its blocking stager (cached and pinned only on CUDA)
+                from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=cuda)
+            else:
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
         return self._stager
 
     def close_checkpoints(self, timeout_s: float) -> None:
