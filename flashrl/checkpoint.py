@@ -11,8 +11,10 @@
 
 Write order: ``step-N.tmp/`` -> trainer's DCP save into ``step-N.tmp/trainer`` (itself atomic) ->
 controller.json + config.toml (fsync each) -> fsync the folder -> rename to ``step-N`` -> fsync the
-parent -> ``latest`` -> delete the oldest beyond ``run.keep_checkpoints``. A crash (SIGKILL, full disk)
-at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
+parent -> ``latest`` -> delete the oldest beyond ``run.keep_checkpoints``. With trainer.checkpoint_async
+(the default) the trainer's save only stages its state and training goes on while DCP writes; the
+steps from controller.json on run once the trainer reports the write finished on every rank
+(``CheckpointWriter``), so the order on disk is the same. A crash (SIGKILL, full disk) at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``step-N.tmp`` is
 ignored by resume and removed by the next save of that step.
 
 Rollouts generated but not yet trained (scheduler.stale = "partial", the default): every group
@@ -47,6 +49,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +77,8 @@ SAFE_TO_CHANGE = (
     "run.keep_checkpoints", "run.auto_resume", "run.name", "run.output_dir",
     "engine.count", "engine.device", "engine.kv_cache_gib", "engine.gpu_memory_utilization", "engine.max_num_seqs",
     "engine.threads", "engine.startup_timeout_s", "engine.heartbeat_s", "engine.max_restarts",
-    "trainer.ranks", "trainer.threads", "trainer.micro_batch", "trainer.skip_inert", "weight_sync.", "cluster.",
+    "trainer.ranks", "trainer.threads", "trainer.micro_batch", "trainer.skip_inert", "trainer.checkpoint_async",
+    "trainer.checkpoint_timeout_s", "weight_sync.", "cluster.",
     "rollout.turn_timeout_s", "rollout.trajectory_timeout_s", "rollout.max_retries",
 )
 
@@ -225,57 +229,175 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+def _encode(state: ControllerState) -> tuple[bytes, bytes | None]:
+    """``state`` as the files a checkpoint writes: controller.json (naming the rollouts file, if any) and
+    the rollouts snapshot (None: none saved), encoded at the request (the run goes on changing the state)."""
+    if state.rollouts is None:
+        return _ENC.encode(msgspec.structs.replace(state, rollouts_file="")), None
+    head = msgspec.structs.replace(state, rollouts=None, rollouts_file=ROLLOUTS_FILE)
+    return _ENC.encode(head), _MP.encode(state.rollouts)
+
+
 class CheckpointWriter:
     """Writes ``step-N`` folders under ``root`` for one run (see the module docstring for the order).
 
     ``trainer`` is anything with ``async save_checkpoint(path)`` (trainer/client.TrainerGroup; the
     simulator's fakes). ``save`` raises CheckpointError, with the previous checkpoint intact, when
     anything fails (a full disk: OSError ENOSPC); the caller decides whether the run goes on.
+
+    ``background`` (trainer.checkpoint_async; needs a trainer with ``finish_checkpoint``): ``save(state,
+    wait=False)`` returns once the trainer has staged its state (the next step may then change it) and a
+    task of this writer completes the checkpoint: it waits (at most ``timeout_s``) for the trainer's
+    write to finish on every rank (``finish_checkpoint``: the trainer renames its folder into place only
+    then), then writes controller.json + config.toml and renames ``step-N.tmp`` -> ``step-N`` and
+    ``latest``, in the same order as a blocking save. So a checkpoint is complete, or it is not there:
+    a crash mid-write leaves ``step-N.tmp`` and the previous ``latest``. ``on_done(path, error)`` hears
+    how it ended (the ledger records the resume point only then). The controller's state is encoded
+    when the save starts (the run goes on changing it). A save while one is in flight first waits for
+    it (``last_wait_s``); ``close`` waits for the last one with a deadline.
     """
 
-    def __init__(self, root: Path, trainer: Any, cfg_toml: str, keep: int, *, last_step: int | None = None) -> None:
+    def __init__(self, root: Path, trainer: Any, cfg_toml: str, keep: int, *, last_step: int | None = None,
+                 background: bool = False, timeout_s: float = 300.0) -> None:
         self.root = Path(root)
         self.trainer = trainer
         self.cfg_toml = cfg_toml
         self.keep = max(1, keep)
         self.last_step = last_step  # the step of the newest complete checkpoint (resume: the one resumed from)
+        self.background = background and hasattr(trainer, "finish_checkpoint")
+        self.timeout_s = timeout_s
         self.saved = 0
         self.failed = 0
-        self.seconds = 0.0  # total wall time spent saving (the stall the train loop sees)
+        self.seconds = 0.0  # total wall time the train loop spent in save() (the stall it sees)
+        self.last_wait_s = 0.0  # the last save's wait for the write before it (time/ckpt_wait_s)
+        self.write_s: list[float] = []  # each background write's whole duration, until taken (time/ckpt_write_s)
+        self._inflight: Any = None  # asyncio.Task completing the background checkpoint in flight
 
-    async def save(self, state: ControllerState) -> Path:
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    async def save(self, state: ControllerState, *, wait: bool = True,
+                   on_done: Callable[[Path | None, CheckpointError | None], None] | None = None) -> Path | None:
+        """Write a checkpoint of ``state``; its folder, or None while it completes in the background
+        (``wait=False`` with ``background``). A failure before the write is in flight raises
+        CheckpointError (``on_done`` hears it too); one after, only ``on_done``."""
         import asyncio
 
+        t0 = time.perf_counter()
         step = state.step
         final = step_dir(self.root, step)
-        if self.last_step == step and final.is_dir():
-            # nothing trained since: the checkpoint of this step is already there; its untrained work
-            # is replaced by the newer cut (a stop soon after a periodic checkpoint keeps what came since)
-            if state.rollouts is not None:
-                t0 = time.perf_counter()
-                try:
-                    await asyncio.to_thread(self._refresh, final, state)
-                except OSError as e:
-                    raise CheckpointError(f"checkpoint {final}: its rollouts not refreshed ({e}); it is intact, "
-                                          "with the rollouts of its own time") from e
-                self.seconds += time.perf_counter() - t0
-            return final
-        t0 = time.perf_counter()
-        tmp = self.root / f"step-{step}.tmp"
         try:
-            await asyncio.to_thread(self._begin, tmp, final)
-            await self.trainer.save_checkpoint(tmp / TRAINER_DIR)
-            await asyncio.to_thread(self._finish, tmp, final, state)
+            self.last_wait_s = await self.wait()
+            if self.last_step == step and final.is_dir():
+                # nothing trained since: the checkpoint of this step is already there; its untrained work
+                # is replaced by the newer cut (a stop soon after a periodic checkpoint keeps what came since)
+                if state.rollouts is not None:
+                    try:
+                        await asyncio.to_thread(self._refresh, final, state)
+                    except OSError as e:
+                        self.failed += 1
+                        raise CheckpointError(f"checkpoint {final}: its rollouts not refreshed ({e}); it is intact, "
+                                              "with the rollouts of its own time") from e
+                return final
+            tmp = self.root / f"step-{step}.tmp"
+            data = _encode(state)  # now: the run goes on changing what ``state`` refers to
+            try:
+                await asyncio.to_thread(self._begin, tmp, final)
+                if not self.background:
+                    await self.trainer.save_checkpoint(tmp / TRAINER_DIR)
+                    await asyncio.to_thread(self._finish, tmp, final, data)
+                else:
+                    await self.trainer.save_checkpoint(tmp / TRAINER_DIR, background=True)
+            except Exception as e:
+                err = await self._failed(tmp, final, e)
+                if on_done is not None:
+                    on_done(None, err)
+                raise err from e
+            if self.background:
+                self._inflight = asyncio.create_task(self._complete(tmp, final, data, step, on_done),
+                                                     name=f"checkpoint step-{step}")
+                if not wait:
+                    return None
+                await self.wait()
+                return final if self.last_step == step else None
+            self._done(step)
+            if on_done is not None:
+                on_done(final, None)
+            return final
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    async def wait(self) -> float:
+        """Wait for the background checkpoint in flight, if any (its outcome goes to its ``on_done``); the
+        seconds waited. Cancelling the caller does not cancel the checkpoint (``close`` may)."""
+        import asyncio
+
+        task = self._inflight
+        if task is None or task.done():
+            return 0.0
+        loop = asyncio.get_running_loop()  # the loop's clock (virtual in the simulator), as the step times
+        t0 = loop.time()
+        await asyncio.shield(task)
+        return loop.time() - t0
+
+    async def close(self, timeout_s: float | None = None) -> None:
+        """At the run's end, on every path: wait (at most ``timeout_s``, default the write deadline) for the
+        checkpoint in flight; past it the completion is cancelled and the checkpoint stays incomplete
+        (``step-N.tmp``, never ``latest``)."""
+        import asyncio
+
+        task = self._inflight
+        if task is None or task.done():
+            return
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(task), limit)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.error("checkpoint write still in flight after %.0f s at the run's end: abandoned (incomplete, "
+                      "not resumable; the previous checkpoint stays the latest)", limit)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    def take_write_s(self) -> float | None:
+        """The background writes finished since the last call: their summed duration (None: none)."""
+        if not self.write_s:
+            return None
+        out, self.write_s = sum(self.write_s), []
+        return out
+
+    async def _complete(self, tmp: Path, final: Path, data: tuple[bytes, bytes | None], step: int,
+                        on_done: Callable[[Path | None, CheckpointError | None], None] | None) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await self.trainer.finish_checkpoint(tmp / TRAINER_DIR, self.timeout_s)
+            await asyncio.to_thread(self._finish, tmp, final, data)
         except Exception as e:
-            self.failed += 1
-            await asyncio.to_thread(shutil.rmtree, tmp, True)
-            prev = read_latest(self.root) if (self.root / LATEST).exists() else None
-            keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
-            raise CheckpointError(f"checkpoint {final} not written ({type(e).__name__}: {e}); {keep}") from e
-        self.seconds += time.perf_counter() - t0
+            err = await self._failed(tmp, final, e)
+            if on_done is not None:
+                on_done(None, err)
+            return
+        self.write_s.append(loop.time() - t0)  # from the staged state to the sealed checkpoint
+        self._done(step)
+        if on_done is not None:
+            on_done(final, None)
+
+    def _done(self, step: int) -> None:
         self.saved += 1
         self.last_step = step
-        return final
+
+    async def _failed(self, tmp: Path, final: Path, e: Exception) -> CheckpointError:
+        import asyncio
+
+        self.failed += 1
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        prev = read_latest(self.root) if (self.root / LATEST).exists() else None
+        keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
+        return CheckpointError(f"checkpoint {final} not written ({type(e).__name__}: {e}); {keep}")
 
     def _begin(self, tmp: Path, final: Path) -> None:
         if final.exists():
@@ -284,12 +406,12 @@ class CheckpointWriter:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
         tmp.mkdir()
 
-    def _finish(self, tmp: Path, final: Path, state: ControllerState) -> None:
+    def _finish(self, tmp: Path, final: Path, data: tuple[bytes, bytes | None]) -> None:
+        head, rollouts = data
         # the rollouts go beside controller.json, inside the same folder: atomic with it (one rename)
-        if state.rollouts is not None:
-            _write_durable(tmp / ROLLOUTS_FILE, _MP.encode(state.rollouts))
-        head = msgspec.structs.replace(state, rollouts=None, rollouts_file=ROLLOUTS_FILE if state.rollouts is not None else "")
-        _write_durable(tmp / CONTROLLER_FILE, _ENC.encode(head))
+        if rollouts is not None:
+            _write_durable(tmp / ROLLOUTS_FILE, rollouts)
+        _write_durable(tmp / CONTROLLER_FILE, head)
         _write_durable(tmp / CONFIG_FILE, self.cfg_toml.encode())
         fsync_dir(tmp)
         os.rename(tmp, final)

@@ -110,7 +110,7 @@ class EngineConfig(Section):
     nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority of the engine processes (Linux nice, 0 = "
                               "normal, up to 19): where engines share the cores with the trainer (a laptop), a "
                               "higher value leaves the trainer's step, the critical path, the cores it needs")] = 0
-    startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for an engine to come up")] = 600.0
+    startup_timeout_s: Annotated[float, Meta(ge=0, description="seconds to wait for an engine (and the trainer ranks) to come up; 0 = auto: 600 s + the model's float32 bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0
     heartbeat_s: Annotated[float, Meta(ge=0, description="heartbeat interval (0 = off)")] = 5.0
     max_restarts: Annotated[int, Meta(ge=0, description="restarts of one engine within restart_window_s after it dies; past that it stays down and the run goes on with the others (0 = never restart)")] = 3
     restart_window_s: Annotated[float, Meta(gt=0, description="window over which engine.max_restarts counts an engine's restarts")] = 600.0
@@ -148,6 +148,14 @@ class TrainerConfig(Section):
                                      "decoupled_ppo, tis, cispo, gspo; no entropy bonus, no KL, no critics): the "
                                      "same update with less compute; the loss and mismatch/* metrics then cover "
                                      "the samples trained")] = True
+    checkpoint_async: Annotated[bool, Meta(description="write checkpoints in the background: the training state is "
+                                           "copied to host staging buffers (one more host copy of weights and AdamW "
+                                           "state, kept for the run) and DCP writes it while training goes on; the "
+                                           "checkpoint appears only once written on every rank (docs/checkpoints.md); "
+                                           "false: training waits for each write")] = True
+    checkpoint_timeout_s: Annotated[float, Meta(ge=0, description="deadline for one checkpoint write (and for the "
+                                                "wait for it at shutdown); 0 = auto: 300 s + 3 x the model's float32 "
+                                                "bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0
 
 
 class DecoupledPPOOptions(Section):
@@ -247,7 +255,7 @@ MOVED_ALGORITHM_KEYS = {
 
 class WeightSyncConfig(Section):
     bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
-    timeout_s: Annotated[float, Meta(gt=0, description="deadline for one weight sync")] = 300.0
+    timeout_s: Annotated[float, Meta(ge=0, description="deadline for one weight sync; 0 = auto: 300 s + the model's float32 bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0
     overlap: Annotated[bool, Meta(description="broadcast version v+1 and load it on the engines while the trainer trains the next step (only the prepare, the gather + pack, stays on the step's path); false = the serial order: train, sync, next step")] = True
     load: Annotated[Literal["whole", "bucket"], Meta(description='how an engine loads a sync: "whole" = receive and verify every bucket beside generation, then load (generation stops for the load only; the engine holds one more copy of the weights meanwhile); "bucket" = after a checked manifest, receive, verify and load one bucket at a time (the extra copy is a few buckets; generation stops for the whole transfer; a bucket corrupt mid-way leaves a partly-loaded model: that engine exits and is restarted, never serving it)')] = "whole"
 

@@ -60,6 +60,7 @@ from flashrl.bench.scenario import (
 from flashrl.config import Config, to_toml
 from flashrl.core.meters import BusyMeter
 from flashrl.core.records import BatchStats, StepRecord
+from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.wire.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 log = logging.getLogger("flashrl.bench.real")
@@ -233,7 +234,7 @@ async def publish_version_zero(cluster: Cluster, cfg: Config) -> None:
     """Send the trainer's current weights to every engine as version 0 (a new controller starts there)."""
     trainer = cluster.trainer
     manifest = await trainer.prepare_weights(0)
-    with anyio.fail_after(cfg.weight_sync.timeout_s):
+    with anyio.fail_after(weight_sync_timeout_s(cfg)):
         results = await asyncio.gather(
             trainer.send_weights(0), *(e.client.update_weights(manifest) for e in cluster.engines)
         )

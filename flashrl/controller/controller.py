@@ -233,6 +233,10 @@ class Controller:
         finally:
             self._tg = None
             self.supervisor.stop()
+            if self.checkpoints is not None:
+                # a background checkpoint still in flight (a crash, Ctrl-C mid-write): let it complete, bounded;
+                # past its deadline it stays incomplete and the one before stays the latest
+                await shielded(self.checkpoints.close(), self.checkpoints.timeout_s + 60.0)
             self._t_end = self._loop.time()
             await self._close_suite()
         self.status = "done"
@@ -408,6 +412,8 @@ class Controller:
                                          elapsed=self._clock() - self._t0, sync={"wait_s": wait_s, **phases})
         assert record.batch is not None
         record.batch.eval_wait_s = self.evals.take_step_wait()  # since the last step's (its checkpoint's too)
+        if self.checkpoints is not None:
+            record.batch.ckpt_write_s = self.checkpoints.take_write_s()  # background writes done since the last step
         self.publisher.attach(pending, record)
         return record
 
@@ -420,8 +426,16 @@ class Controller:
         snapshot of the untrained work is read with the rest of the state in one synchronous step, so
         the data position, the trained steps and the saved prefixes agree. Then they continue from
         their prefixes, unless ``final`` (the run ends: they stay stopped, so what the snapshot holds
-        is all they generated)."""
-        if self.checkpoints is None or self.version == 0:
+        is all they generated).
+
+        With trainer.checkpoint_async this returns once the trainer has staged its state; the write
+        completes beside the next steps and is recorded (``ledger.last_checkpoint``) when complete.
+        ``final``: the call returns only when it (and any write before it) is done."""
+        if self.checkpoints is None:
+            return
+        if self.version == 0:
+            if final:
+                await self.checkpoints.wait()
             return
         # A checkpoint's weights are the engines' too (a resumed run publishes them), and no eval of
         # older weights runs (its record could not wait in the checkpoint: ledger.state); an eval of
@@ -448,7 +462,7 @@ class Controller:
                  self._clock() - t0, len(cut[1]), snap.regenerated_tokens)
         status, self.status = self.status, f"checkpointing step {state.step}"
         try:
-            await self.ledger.save(self.checkpoints, state, self._clock)
+            await self.ledger.save(self.checkpoints, state, self._clock, wait=final)
         finally:
             self.status = status
 

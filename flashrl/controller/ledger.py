@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -116,6 +117,7 @@ class Ledger:
         self.tokens_trained = 0
         self.emitted_through = -1  # last step whose record went to on_step (records go out in step order)
         self.checkpoint_s = 0.0  # the last checkpoint's duration, reported in the next step's record
+        self.ckpt_wait_s = 0.0  # ... of which waiting for the write before it (time/ckpt_wait_s)
         self.elapsed_before = 0.0  # training time of the run before the checkpoint it resumed from
         self.env_before: dict[str, float] = {}  # the suite's counters at the checkpoint resumed from (they continue)
         self.resumed_from: int | None = None
@@ -187,7 +189,8 @@ class Ledger:
         stats.sync = dict(sync)
         if self.checkpoint_s:
             stats.checkpoint_s = self.checkpoint_s  # the checkpoint written before this step
-            self.checkpoint_s = 0.0
+            stats.ckpt_wait_s = self.ckpt_wait_s
+            self.checkpoint_s = self.ckpt_wait_s = 0.0
         record = StepRecord(step=s + 1, version=version, batch=stats)
         self.reward_history.append((s + 1, reward_mean))
         self.last = record
@@ -370,22 +373,35 @@ class Ledger:
             rollouts=cut[0] if cut is not None else None,
         )
 
-    async def save(self, writer: Any, state: ControllerState, clock: Callable[[], float]) -> None:
+    async def save(self, writer: Any, state: ControllerState, clock: Callable[[], float], *, wait: bool = True) -> None:
         """Write ``state`` with ``writer`` (a checkpoint.CheckpointWriter); a failure is logged, counted
-        (``checkpoint/failed``) and survived: the previous checkpoint stays the latest. Its duration
-        goes into the next step's record (``checkpoint_s``)."""
+        (``checkpoint/failed``) and survived: the previous checkpoint stays the latest. The time the
+        train loop spent in it goes into the next step's record (``checkpoint_s``; of it, the wait for
+        an earlier write still in flight: ``ckpt_wait_s``). ``wait=False``: a background checkpoint is
+        recorded (``last_checkpoint``, the resume point the summary names) only once complete."""
         t0 = clock()
+        heard = False
+
+        def done(path: Path | None, err: CheckpointError | None) -> None:
+            nonlocal heard
+            heard = True
+            if err is not None:
+                self.counters["checkpoint/failed"] += 1
+                self.last_checkpoint = None
+                log.error("%s; training goes on", err)
+            else:
+                self.last_checkpoint = str(path)
+                log.info("checkpoint %s complete, %.2f s after it was requested", path, clock() - t0)
+
         try:
-            path = await writer.save(state)
+            await writer.save(state, wait=wait, on_done=done)
         except CheckpointError as e:
-            self.counters["checkpoint/failed"] += 1
-            self.last_checkpoint = None
-            log.error("%s; training goes on", e)
-        else:
-            self.last_checkpoint = str(path)
-            log.info("checkpoint %s written in %.2f s", path, clock() - t0)
+            if not heard:  # a failure the writer reported only by raising (the checkpoint it had is intact)
+                self.counters["checkpoint/failed"] += 1
+                log.error("%s; training goes on", e)
         finally:
             self.checkpoint_s = clock() - t0
+            self.ckpt_wait_s = getattr(writer, "last_wait_s", 0.0)
 
     def restore(self, st: ControllerState) -> None:
         """This ledger's part of a resume (the controller restores version, stream, buffer and staleness)."""

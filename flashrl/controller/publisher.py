@@ -62,6 +62,7 @@ from flashrl.controller.scheduler import Router
 from flashrl.controller.supervisor import EngineSupervisor
 from flashrl.controller.types import Published
 from flashrl.core.records import BatchStats, StepRecord
+from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.transport import PeerDead, RemoteError
@@ -302,7 +303,7 @@ class WeightPublisher:
                     f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "
                     "check the engine logs in the run directory and restart the run"
                 )
-            limit = self.cfg.weight_sync.timeout_s
+            limit = weight_sync_timeout_s(self.cfg)
             peers = [self.engines[i].name for i in live]
             try:
                 async with timeout(limit), asyncio.TaskGroup() as tg:
@@ -312,7 +313,7 @@ class WeightPublisher:
             except TimeoutError:
                 raise RuntimeError(
                     f"weight sync to version {version} took longer than weight_sync.timeout_s = "
-                    f"{self.cfg.weight_sync.timeout_s}: check the trainer and engine logs, or raise the timeout"
+                    f"{limit:.0f} s: check the trainer and engine logs, or raise the timeout"
                 ) from None
             self.published.manifest = manifest
             self.published.version = version

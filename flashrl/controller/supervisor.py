@@ -34,6 +34,7 @@ from flashrl.aio import timeout
 from flashrl.config import Config
 from flashrl.controller.scheduler import Router, mark_engine_dead
 from flashrl.controller.types import Published
+from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.interfaces import EngineClient, EngineRestarter, TrainerClient
 from flashrl.wire.protocol import WeightsUpdated
 from flashrl.wire.transport import PeerDead, RemoteError
@@ -167,7 +168,7 @@ class EngineSupervisor:
         async with self.published.lock:
             m = self.published.manifest
             if m is not None:
-                limit = self.cfg.weight_sync.timeout_s
+                limit = weight_sync_timeout_s(self.cfg)
 
                 async def engine_side() -> WeightsUpdated:
                     try:

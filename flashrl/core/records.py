@@ -19,8 +19,8 @@ controller counters, the suite's counters and the weight-sync phases.
     len/trained_mean dropped/samples dropped/tokens staleness/token_mean lineage/updates_spanned_mean
     lineage/interrupted_frac
     reward/<metric> count/<counter> env/<counter> rollout/<template check> prompt_uids time/train/transport_s
-    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s rollout/env_share
-    eval/accuracy
+    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/ckpt_wait_s time/ckpt_write_s
+    time/eval_wait_s rollout/env_share eval/accuracy
     eval/reward_mean eval/reward/<metric> time/eval_s time/eval/trainer_wait_s time/eval/gen_wait_s
     eval/engine_share mem/total_gib
 
@@ -56,7 +56,8 @@ OWN_KEYS = frozenset(
      "time/weight_sync_s", "time/elapsed_s", "samples_per_s", "tokens_per_s", "samples", "eval/accuracy",
      "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "prompt_uids",
      "time/checkpoint_s", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
-     "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "time/eval_wait_s"}
+     "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "time/eval_wait_s",
+     "time/ckpt_wait_s", "time/ckpt_write_s"}
 )
 
 # BatchStats' fixed fields and their metrics.jsonl keys, in line order.
@@ -90,6 +91,8 @@ _BATCH_KEYS: dict[str, str] = {
 _BATCH_MORE_KEYS: dict[str, str] = {
     "time/train/transport_s": "transport_s",
     "time/checkpoint_s": "checkpoint_s",
+    "time/ckpt_wait_s": "ckpt_wait_s",
+    "time/ckpt_write_s": "ckpt_write_s",
     "time/eval_wait_s": "eval_wait_s",
     "rollout/env_share": "env_share",
 }
@@ -158,7 +161,10 @@ class BatchStats(msgspec.Struct, kw_only=True):
     # the least busy engine between the previous sync and this step's, fractions of the wall time:
     # stepping (vLLM's step), commands (adding requests, aborts, weight loads), busy (their sum)
     engine: dict[str, float] = {}
-    checkpoint_s: float | None = None  # the checkpoint written before this step
+    checkpoint_s: float | None = None  # the checkpoint written before this step: the time the train loop spent in it
+    # ... of which it waited for the previous checkpoint's background write to finish (a save waits for the one in flight)
+    ckpt_wait_s: float | None = None
+    ckpt_write_s: float | None = None  # background checkpoint writes that completed during this step: their whole duration
     eval_wait_s: float = 0.0  # what this step waited because of an eval (a batch that could not be fresh before it ended)
     # the trained trajectories' time inside env.reset/env.step over their whole time (start to end),
     # summed over the batch: how much of an agentic rollout's life is the environment's (0 single-turn)
@@ -210,6 +216,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
             out.update({f"engine/{k}": v for k, v in b.engine.items()})
             if b.checkpoint_s is not None:
                 out["time/checkpoint_s"] = b.checkpoint_s
+            if b.ckpt_wait_s is not None:
+                out["time/ckpt_wait_s"] = b.ckpt_wait_s
+            if b.ckpt_write_s is not None:
+                out["time/ckpt_write_s"] = b.ckpt_write_s
             out["time/eval_wait_s"] = b.eval_wait_s
             out["rollout/env_share"] = b.env_share
         if self.eval is not None:

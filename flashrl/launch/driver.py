@@ -279,9 +279,11 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
     """run_local's middle: the processes up, the controller run, the final policy written; the summary."""
     from flashrl.checkpoint import CheckpointWriter
     from flashrl.controller.controller import Controller
+    from flashrl.deadlines import resolve as resolve_deadlines
     from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
 
     run_dir = cfg.run_dir
+    user_cfg, cfg = cfg, resolve_deadlines(cfg, model_path)  # checkpoints keep the user's (auto stays auto)
     async with local_cluster(cfg, model_path, run_dir, dash.status, resume=resume.trainer_dir if resume else None,
                              launcher=launcher, preflighted=True) as (engines, trainer):
         clients = [e.client for e in engines]
@@ -301,8 +303,9 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
             history.append(record)
             dash.step(record)
 
-        checkpoints = CheckpointWriter(run_dir / "checkpoints", trainer, to_toml(cfg), cfg.run.keep_checkpoints,
-                                       last_step=resume.step if resume else None)
+        checkpoints = CheckpointWriter(run_dir / "checkpoints", trainer, to_toml(user_cfg), cfg.run.keep_checkpoints,
+                                       last_step=resume.step if resume else None, background=cfg.trainer.checkpoint_async,
+                                       timeout_s=cfg.trainer.checkpoint_timeout_s)
         restarter = engines if cfg.engine.max_restarts > 0 else None
         controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write,
                                 restarter=restarter,

@@ -24,6 +24,8 @@ from typing import Any
 
 from flashrl.aio import supervised
 from flashrl.config import Config
+from flashrl.deadlines import resolve as resolve_deadlines
+from flashrl.deadlines import startup_timeout_s, weight_sync_timeout_s
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
 from flashrl.procs import exit_text
@@ -152,13 +154,13 @@ class EnginePool:
             self.procs.append(await self._spawn(i))
 
     async def wait_ready(self, i: int) -> None:
-        await self.procs[i].wait_ready(self.cfg.engine.startup_timeout_s)
+        await self.procs[i].wait_ready(startup_timeout_s(self.cfg))
 
     async def join(self, i: int) -> None:
         """Engine i and trainer rank 0 form engine i's weight-sync group; then watch engine i's process."""
         ep = self.procs[i]
         master, port = self.launcher.trainer_master(), await self.launcher.trainer_port()
-        t = self.cfg.weight_sync.timeout_s
+        t = weight_sync_timeout_s(self.cfg)
         log.info("weight sync group %s: master %s:%d (%s)", ep.name, master, port, self.backend)
         await asyncio.gather(
             self.trainer.init_weight_sync(master, port, 2, self.backend, t, peer=ep.name),
@@ -233,6 +235,7 @@ async def local_cluster(
     """
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    cfg = resolve_deadlines(cfg, model_path)  # the auto (0) deadlines, scaled to this model
     device = resolve_device(cfg)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     trainer: Any = None
@@ -258,7 +261,7 @@ async def local_cluster(
                 await engines.spawn_all()
                 await asyncio.gather(
                     *(engines.wait_ready(i) for i in range(len(engines))),
-                    trainer.wait_ready(cfg.engine.startup_timeout_s),
+                    trainer.wait_ready(startup_timeout_s(cfg)),
                 )
                 status("joining the weight-sync groups")
                 await asyncio.gather(*(engines.join(i) for i in range(len(engines))))

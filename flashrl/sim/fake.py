@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import msgspec
@@ -194,6 +194,11 @@ class FakeTrainer:
 
     Metrics: ``loss`` = -mean reward of the batch, ``samples`` = batch size. ``fail_at_step``
     raises RuntimeError from that train_step (to test crash propagation).
+
+    Checkpoints: ``save_checkpoint(path, background=True)`` captures the state at once and writes it
+    ``ckpt_write_s`` later on the loop clock, beside training (as the real trainer's DCP thread does);
+    ``finish_checkpoint(path)`` waits for that write and renames it into place. ``fail_write`` (an
+    exception) makes the background write fail after half its files.
     """
 
     def __init__(self, *, train_s: float = 0.0, sync_s: float = 0.0, fail_at_step: int | None = None,
@@ -210,9 +215,15 @@ class FakeTrainer:
         self.sent: list[int] = []
         self.saved: list[str] = []  # checkpoint folders written
         self.fail_save: BaseException | None = None
+        self.ckpt_write_s = 0.0
+        self.fail_write: BaseException | None = None
+        self.writes: dict[str, tuple[Any, float]] = {}  # background writes in flight: path -> (task, started)
+        self.train_during_write: list[int] = []  # steps trained while a background write was in flight
 
     async def train_step(self, batch: TrainBatch) -> TrainResult:
         self.train_times.append(anyio.current_time())
+        if any(not t.done() for t, _ in self.writes.values()):
+            self.train_during_write.append(batch.step)
         await anyio.sleep(self.train_s)
         if self.fail_at_step is not None and batch.step == self.fail_at_step:
             raise RuntimeError(f"fake trainer failure at step {batch.step}")
@@ -241,23 +252,61 @@ class FakeTrainer:
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
 
-    async def save_checkpoint(self, path: str | Path) -> None:
+    async def save_checkpoint(self, path: str | Path, background: bool = False) -> float:
         """A real (tiny) DCP checkpoint in ``path``, like the trainer's: tmp folder, then rename.
 
         ``fail_save`` (an exception) is raised instead, after half the files are written (a full disk).
+        ``background``: the state is taken now, written ``ckpt_write_s`` later; ``finish_checkpoint`` seals it.
         """
-        import torch
-        import torch.distributed.checkpoint as dcp
+        import asyncio
 
         final = Path(path)
         tmp = final.with_name(final.name + ".tmp")
-        state = {"version": torch.tensor(len(self.batches)), "w": torch.arange(256, dtype=torch.float32)}
+        version = len(self.batches)  # the state as of now (the real trainer stages it before replying)
+        if not background:
+            self._write(tmp, version)
+            if self.fail_save is not None:
+                raise self.fail_save
+            self._seal(tmp, final, version)
+            return 0.0
+
+        async def write() -> None:
+            await anyio.sleep(self.ckpt_write_s)
+            self._write(tmp, version)
+            if self.fail_write is not None:
+                raise self.fail_write
+
+        self.writes[str(final)] = (asyncio.ensure_future(write()), anyio.current_time())
+        return 0.0
+
+    async def finish_checkpoint(self, path: str | Path, timeout_s: float) -> float:
+        import asyncio
+
+        final = Path(path)
+        task, started = self.writes[str(final)]
+        try:
+            with anyio.fail_after(timeout_s):
+                await asyncio.shield(task)
+        finally:
+            if task.done():
+                del self.writes[str(final)]
+        self._seal(final.with_name(final.name + ".tmp"), final, None)
+        return anyio.current_time() - started
+
+    def _write(self, tmp: Path, version: int) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        state = {"version": torch.tensor(version), "w": torch.arange(256, dtype=torch.float32)}
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-        if self.fail_save is not None:
-            raise self.fail_save
-        (tmp / "trainer.json").write_text(json.dumps({"version": len(self.batches)}))
+        (tmp / "version").write_text(str(version))
+
+    def _seal(self, tmp: Path, final: Path, version: int | None) -> None:
+        if version is None:
+            version = int((tmp / "version").read_text())
+        (tmp / "trainer.json").write_text(json.dumps({"version": version}))
         tmp.rename(final)
         self.saved.append(str(final))
 

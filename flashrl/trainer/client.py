@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from flashrl.config import Config
+from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.launch.base import Launcher, Proc
 from flashrl.procs import Child, exited_within, tail
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
+    CheckpointSaved,
     ComputeLogprobs,
+    FinishCheckpoint,
     InitWeightSync,
     Logprobs,
     Msg,
@@ -195,14 +198,14 @@ class TrainerGroup:
         (the trainer forgets its group) and never fails the call: each engine's own reply says whether
         it loaded the weights."""
         reply = await self._call(SendWeights(version=version, peers=None if peers is None else list(peers)),
-                                 timeout=self.cfg.weight_sync.timeout_s)
+                                 timeout=weight_sync_timeout_s(self.cfg))
         if isinstance(reply, Ok) and "failed:" in reply.info:
             log.warning("trainer: %s", reply.info)
 
     async def init_weight_sync(self, master_addr: str, master_port: int, world_size: int = 2,
                                backend: str = "gloo", timeout_s: float | None = None, peer: str = "engine") -> None:
         """Host ``peer``'s weight-sync group (trainer rank 0 = group rank 0); the engine joins concurrently."""
-        t = timeout_s if timeout_s is not None else self.cfg.weight_sync.timeout_s
+        t = timeout_s if timeout_s is not None else weight_sync_timeout_s(self.cfg)
         msg = InitWeightSync(master_addr=master_addr, master_port=master_port, rank=0, world_size=world_size,
                              backend=backend, timeout_s=t, peer=peer)  # type: ignore[arg-type]
         await self._call(msg, timeout=t + 30.0)
@@ -215,9 +218,20 @@ class TrainerGroup:
         assert isinstance(reply, Logprobs), type(reply)
         return reply.logprobs
 
-    async def save_checkpoint(self, path: str | Path) -> None:
-        """DCP checkpoint of model + optimizer at ``path`` (appears atomically when complete)."""
-        await self._call(SaveCheckpoint(path=str(path)))
+    async def save_checkpoint(self, path: str | Path, background: bool = False) -> float:
+        """DCP checkpoint of model + optimizer at ``path`` (appears atomically when complete). ``background``:
+        returns once the state is staged; ``path`` appears after ``finish_checkpoint(path)``. Returns the
+        seconds the trainer waited for an earlier background write still in flight."""
+        reply = await self._call(SaveCheckpoint(path=str(path), background=background))
+        assert isinstance(reply, CheckpointSaved), type(reply)
+        return reply.wait_s
+
+    async def finish_checkpoint(self, path: str | Path, timeout_s: float) -> float:
+        """Wait for the background write of ``path`` to finish on every rank (at most ``timeout_s``) and have
+        rank 0 seal it into place; the write's whole duration. Raises when it failed or was late."""
+        reply = await self._call(FinishCheckpoint(path=str(path), timeout_s=timeout_s), timeout=timeout_s + 60.0)
+        assert isinstance(reply, CheckpointSaved), type(reply)
+        return reply.write_s
 
     async def save_model(self, path: str | Path, replace: bool = False) -> None:
         """The current policy as a Hugging Face folder at ``path`` (appears atomically when complete)."""

@@ -3,6 +3,8 @@
     controller --TrainerRequest (ZeroMQ)--> rank 0 RpcServer (asyncio, main thread)
                                               | Ping: answered at once (Pong(version)), never queued
                                               | SendWeights: on the send thread, beside the compute thread
+                                              | FinishCheckpoint: on the seal thread (waits for a background
+                                              |   checkpoint write, then renames it into place)
                                               | anything else: one at a time (lock), on the compute thread
                                               v
         rank 0 compute thread: broadcast(msgspec bytes as a uint8 tensor) ---> ranks 1..R-1 (main thread)
@@ -12,7 +14,9 @@
 
 Every rank runs the same request through ``Trainer.execute``, so the collectives inside (FSDP
 all-gathers and reduce-scatters, metric reductions, state-dict gathers, DCP saves) line up by
-construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights) are not broadcast.
+construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights, FinishCheckpoint) are not
+broadcast. A background checkpoint (SaveCheckpoint with ``background``) is staged by every rank on the
+compute thread, then written by each rank's write thread over a gloo group of its own (``save_checkpoint``).
 While idle, rank 0 broadcasts a Ping every ``KEEPALIVE_S`` so the other ranks' pending receive never
 hits the process-group timeout during a long rollout phase. Ranks 1.. poll that receive (async_op +
 short sleeps) instead of blocking in C++, so SIGTERM is handled at once.
@@ -51,8 +55,10 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,13 +67,16 @@ import torch.distributed as dist
 
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
+from flashrl.deadlines import checkpoint_timeout_s, model_params
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
+    CheckpointSaved,
     ComputeLogprobs,
     Error,
+    FinishCheckpoint,
     InitWeightSync,
     Logprobs,
     Msg,
@@ -90,7 +99,7 @@ __all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches"]
 log = logging.getLogger("flashrl.trainer")
 
 KEEPALIVE_S = 60.0  # idle broadcast period; far below the process group's 30 min default timeout
-_RANK0_ONLY = (Ping, InitWeightSync, SendWeights)
+_RANK0_ONLY = (Ping, InitWeightSync, SendWeights, FinishCheckpoint)
 CHECKPOINT_META = "trainer.json"
 
 
@@ -183,6 +192,14 @@ class Trainer(PolicyTrainer):
         # Versions whose first send (the publication) is in flight on rank 0's send thread (leader_loop):
         # a PrepareWeights meanwhile is refused (check_prepare). Claimed and released on one thread only.
         self._publishing: set[int] = set()
+        # Background checkpoint writes by path (save_checkpoint(background=True)); the compute thread adds,
+        # rank 0's finish thread (finish_checkpoint) removes: hence the lock.
+        self._writes: dict[str, _Write] = {}
+        self._writes_lock = threading.Lock()
+        self._ckpt_group: Any = None
+        self._stager: Any = None
+        self._write_pool: ThreadPoolExecutor | None = None
+        self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, model_params(model_path))
 
     # ------------------------------------------------------------------ dispatch
     def execute(self, msg: Msg) -> Msg | None:
@@ -198,14 +215,18 @@ class Trainer(PolicyTrainer):
             lp = self.compute_logprobs(msg.prompt_ids, msg.response_ids, msg.temperature)
             return Logprobs(logprobs=lp) if self.rank == 0 else None
         if isinstance(msg, SaveCheckpoint):
-            self.save_checkpoint(msg.path)
-            return Ok(info=msg.path)
+            waited = self.save_checkpoint(msg.path, msg.background)
+            return CheckpointSaved(path=msg.path, wait_s=waited)
+        if isinstance(msg, FinishCheckpoint):
+            return CheckpointSaved(path=msg.path, write_s=self.finish_checkpoint(msg.path, msg.timeout_s))
         if isinstance(msg, SaveModel):
             self.save_model(msg.path, msg.replace)
             return Ok(info=msg.path) if self.rank == 0 else None
         if isinstance(msg, Ping):
             return Pong(version=self.version)
         if isinstance(msg, Shutdown):
+            # a write in flight ends first (bounded); nothing unsealed becomes a checkpoint
+            self.close_checkpoints(self.checkpoint_timeout_s)
             return Ok(info="shutdown")
         raise ValueError(f"trainer: no handler for {type(msg).__name__}")
 
@@ -318,15 +339,24 @@ class Trainer(PolicyTrainer):
         if err is not None:
             raise err
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, background: bool = False) -> float:
         """DCP save of model + optimizer (+ critics, torch RNG) into ``path``, atomically: write ``path.tmp``, fsync, rename.
 
         ``path`` must be on a file system every rank sees. An existing ``path`` is refused (checkpoints
         are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
+
+        ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (DCP's
+        DefaultStager, kept between checkpoints: one more host copy of the training state) and this
+        returns; ``dcp.save`` writes ``path.tmp`` on a write thread at the lowest CPU priority, over a
+        gloo group of its own (its collectives never interleave with the step's), while training goes on. ``path`` does not exist until rank 0's
+        ``finish_checkpoint(path)`` has seen the write complete on every rank and renamed it: a crash
+        meanwhile leaves only ``path.tmp``. A save while another is in flight first waits for that
+        write. Returns the seconds waited for it.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        waited = self.wait_checkpoint_writes(self.checkpoint_timeout_s)
         final, tmp = Path(path), Path(path + ".tmp")
         err = ""
         if self.rank == 0:
@@ -344,18 +374,105 @@ class Trainer(PolicyTrainer):
         if self.critics is not None:
             # replicated plain tensors: DCP writes one copy
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
-        dcp.save(state, checkpoint_id=str(tmp))
-        if self.rank == 0:
-            meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True}
-            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            fsync_dir(tmp)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
-        dist.barrier()
+        meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True}
+        if not background:
+            dcp.save(state, checkpoint_id=str(tmp))
+            if self.rank == 0:
+                _seal_checkpoint(tmp, final, meta)
+            dist.barrier()
+            return waited
+        # Staged synchronously (the copy is done when stage() returns: the next step may change the weights at
+        # once), then DCP's own save (what dcp.async_save runs on its thread) on this trainer's write thread,
+        # which runs at the lowest CPU priority: where cores are short (a CPU trainer) the step goes first.
+        staged = self._checkpoint_stager().stage(state)
+        group = self._checkpoint_group()
+        if self._write_pool is None:
+            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
+                                                  initializer=_lowest_priority)
+        future = self._write_pool.submit(dcp.save, staged, checkpoint_id=str(tmp), process_group=group)
+        with self._writes_lock:
+            self._writes[path] = _Write(path=path, future=future, meta=meta)
+        return waited
+
+    def finish_checkpoint(self, path: str, timeout_s: float) -> float:
+        """Rank 0, off the compute thread: wait (at most ``timeout_s``) for the background write of
+        ``path`` (``save_checkpoint(path, background=True)``) and seal it: trainer.json, fsync, rename
+        ``path.tmp`` -> ``path``. Rank 0's DCP save returns only after every rank's write results reached
+        it (DCP's final gather), so its completion means the whole checkpoint is on disk. Returns the
+        seconds the write took in all. A failed or late write raises and ``path`` never appears."""
+        with self._writes_lock:
+            w = self._writes.get(path)
+        if w is None:
+            raise RuntimeError(f"no checkpoint write of {path} in flight (never started, or superseded by a later "
+                               "save); the checkpoint was not written")
+        try:
+            w.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"checkpoint write of {path} not done after {timeout_s:.0f} s (the file system is "
+                               "slow or stuck); raise trainer.checkpoint_timeout_s") from None
+        finally:
+            if w.future.done():
+                with self._writes_lock:
+                    self._writes.pop(path, None)
+        _seal_checkpoint(Path(path + ".tmp"), Path(path), w.meta)
+        return time.monotonic() - w.started
+
+    def wait_checkpoint_writes(self, timeout_s: float) -> float:
+        """Wait (at most ``timeout_s``) for every background write of this rank; the seconds waited.
+
+        A write that failed or is late is logged and forgotten (its ``path.tmp`` is never renamed into a
+        checkpoint); rank 0 forgets a finished write nobody sealed (its ``finish_checkpoint`` never came)."""
+        with self._writes_lock:
+            writes = list(self._writes.values())
+            self._writes.clear()
+        t0 = time.monotonic()
+        for w in writes:
+            left = max(0.0, timeout_s - (time.monotonic() - t0))
+            try:
+                w.future.result(timeout=left)
+            except FutureTimeout:
+                log.error("checkpoint write of %s not done after %.0f s: abandoned (not a checkpoint)", w.path, timeout_s)
+            except Exception as e:  # noqa: BLE001 - the write's own error; the checkpoint is simply not there
+                log.error("checkpoint write of %s failed: %s (not a checkpoint)", w.path, e)
+            else:
+                if self.rank == 0:
+                    log.warning("checkpoint write of %s finished but was never sealed: left as %s.tmp", w.path, w.path)
+        return time.monotonic() - t0 if writes else 0.0
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo group for background DCP writes: the write thread's collectives then never interleave
+        with the compute thread's on the default group (and async_save needs a CPU backend under NCCL).
+        Made on the first background save, which every rank runs in the same request order."""
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
+
+    def _checkpoint_stager(self) -> Any:
+        """DCP's DefaultStager, synchronous, kept for the run: it reuses its host buffers from one
+        checkpoint to the next (no fresh allocation and page faults per checkpoint); pinned on CUDA."""
+        if self._stager is None:
+            cuda = self.device.type == "cuda"
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:  # an older torch: its blocking stager (cached and pinned only on CUDA)
+                from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=cuda)
+            else:
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def close_checkpoints(self, timeout_s: float) -> None:
+        """At shutdown: wait (at most ``timeout_s``) for the writes in flight, then free the staging buffers.
+        Nothing is sealed here: only ``finish_checkpoint`` makes a checkpoint (so a half write never counts)."""
+        self.wait_checkpoint_writes(timeout_s)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._write_pool is not None:
+            self._write_pool.shutdown(wait=False)
+            self._write_pool = None
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, critics (asyppo) and version from a ``save_checkpoint`` folder (any
@@ -388,6 +505,33 @@ class Trainer(PolicyTrainer):
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
+
+
+def _lowest_priority() -> None:
+    """The calling thread at nice 19 (Linux: a thread's own priority); elsewhere a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class _Write:
+    """A background checkpoint write in flight (Trainer.save_checkpoint with background=True)."""
+
+    def __init__(self, path: str, future: Future, meta: dict[str, Any]) -> None:
+        self.path, self.future, self.meta = path, future, meta
+        self.started = time.monotonic()
+
+
+def _seal_checkpoint(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank's DCP write of ``tmp`` finished: trainer.json, fsync every file and the
+    folder, rename ``tmp`` -> ``final``, fsync the parent. ``final`` exists only when all of it is on disk."""
+    (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
 
 
 # ---------------------------------------------------------------------- request fan-out
@@ -446,6 +590,8 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     sends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-send")
     sending = [0]
     joins = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-join")
+    # FinishCheckpoint waits for a background DCP write: here, so training requests are not held up
+    seals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-seal")
     lock = asyncio.Lock()
     stop = asyncio.Event()
     last_busy = [loop.time()]
@@ -464,6 +610,8 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
         if isinstance(msg, InitWeightSync):
             # A (re)started engine joins its own group while training goes on: not on the compute thread.
             return await loop.run_in_executor(joins, trainer.init_weight_sync, msg)
+        if isinstance(msg, FinishCheckpoint):
+            return await loop.run_in_executor(seals, trainer.execute, msg)
         if isinstance(msg, SendWeights):
             claim = trainer.claim_send(msg.version)  # here, in request order (an error is this request's)
             sending[0] += 1
@@ -509,6 +657,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     compute.shutdown(wait=False, cancel_futures=True)
     sends.shutdown(wait=False, cancel_futures=True)
     joins.shutdown(wait=False, cancel_futures=True)
+    seals.shutdown(wait=False, cancel_futures=True)
     if busy:
         # SIGTERM in the middle of a request: the compute thread may sit in a collective whose peers
         # are gone; waiting for it could take the whole process-group timeout.

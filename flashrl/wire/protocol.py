@@ -248,7 +248,29 @@ class Logprobs(Msg):
 
 
 class SaveCheckpoint(Msg):
+    """DCP checkpoint of the trainer's state at ``path`` (appears atomically). ``background``: reply once the
+    state is staged in host memory; the write goes on beside training and ``path`` appears only after a
+    ``FinishCheckpoint(path)`` saw it complete (trainer/worker.py ``Trainer.save_checkpoint``)."""
+
     path: str = ""
+    background: bool = False
+
+
+class FinishCheckpoint(Msg):
+    """Wait (at most ``timeout_s``) for the background write of ``path`` and seal it (rename into place);
+    answered off the compute thread, so training requests meanwhile are not held up."""
+
+    path: str = ""
+    timeout_s: float = 0.0
+
+
+class CheckpointSaved(Msg):
+    """Reply to SaveCheckpoint / FinishCheckpoint: ``wait_s`` spent waiting for an earlier write in flight
+    (SaveCheckpoint), ``write_s`` the background write's whole duration (FinishCheckpoint)."""
+
+    path: str = ""
+    wait_s: float = 0.0
+    write_s: float = 0.0
 
 
 class SaveModel(Msg):
@@ -259,9 +281,9 @@ class SaveModel(Msg):
     replace: bool = False
 
 
-TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint, SaveModel,
-                       Ping, Shutdown]
-TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error]
+TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint,
+                       FinishCheckpoint, SaveModel, Ping, Shutdown]
+TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error, CheckpointSaved]
 
 
 # --------------------------------------------------------------------------- node agent (SLURM launcher)

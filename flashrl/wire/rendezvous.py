@@ -26,8 +26,6 @@ import time
 
 import torch.distributed as dist
 
-from flashrl.wire.transport import is_loopback
-
 LOOPBACK_IFNAME = "lo"
 
 
@@ -71,6 +69,13 @@ def wait_listening(host: str, port: int, timeout: datetime.timedelta, poll_s: fl
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
+
+
+def is_loopback(host: str) -> bool:
+    """transport.is_loopback, imported here on use: a trainer-only process (bench/ckpt_async.py) needs no pyzmq."""
+    from flashrl.wire.transport import is_loopback as loopback
+
+    return loopback(host)
 
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,

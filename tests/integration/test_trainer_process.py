@@ -236,6 +236,43 @@ def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path:
     assert fresh.compute_logprobs(PROMPT, BAD) == pytest.approx(t.compute_logprobs(PROMPT, BAD), abs=1e-6)
 
 
+def test_background_checkpoint_is_the_state_at_the_save_and_appears_only_when_sealed(world1, model_path: Path,
+                                                                                   tmp_path: Path) -> None:
+    """trainer.checkpoint_async: the save stages the state and returns; a step trained meanwhile does not leak
+    into it; ``path`` appears only after finish_checkpoint; loading it restores weights, optimizer and version."""
+    t = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
+    t.train_step(_batch(0))
+    at_save = t.compute_logprobs(PROMPT, GOOD)
+    path = tmp_path / "ckpt" / "step1"
+    assert t.save_checkpoint(str(path), background=True) == 0.0
+    t.train_step(_batch(1))  # beside the write: changes weights and AdamW state in place
+    assert t.compute_logprobs(PROMPT, GOOD) != at_save
+    assert not path.exists()  # not before it is sealed, however far the write has got
+    write_s = t.finish_checkpoint(str(path), 60.0)
+    assert write_s > 0 and {".metadata", "trainer.json"} <= set(os.listdir(path))
+    assert not (tmp_path / "ckpt" / "step1.tmp").exists()
+    fresh = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
+    fresh.load_checkpoint(str(path))
+    assert fresh.version == 1
+    assert fresh.compute_logprobs(PROMPT, GOOD) == at_save  # exactly the staged state, not step 1's
+    # the optimizer state came back too: step 1 again gives what the original's step 1 gave
+    fresh.train_step(_batch(1))
+    assert fresh.compute_logprobs(PROMPT, BAD) == pytest.approx(t.compute_logprobs(PROMPT, BAD), abs=1e-6)
+    # a write never sealed (its finish never came: the controller died) is not a checkpoint
+    lost = tmp_path / "ckpt" / "step2"
+    t.save_checkpoint(str(lost), background=True)
+    t.close_checkpoints(60.0)  # shutdown: waits for the write, seals nothing
+    assert not lost.exists() and (tmp_path / "ckpt" / "step2.tmp").exists()
+    with pytest.raises(RuntimeError, match="no checkpoint write of"):
+        t.finish_checkpoint(str(lost), 1.0)
+    # a second save while one is in flight waits for it (and reports the wait)
+    t.save_checkpoint(str(tmp_path / "ckpt" / "a"), background=True)
+    assert t.save_checkpoint(str(tmp_path / "ckpt" / "b"), background=True) >= 0.0
+    t.finish_checkpoint(str(tmp_path / "ckpt" / "b"), 60.0)
+    assert (tmp_path / "ckpt" / "b").is_dir() and not (tmp_path / "ckpt" / "a").exists()
+    t.close_checkpoints(60.0)
+
+
 # ---------------------------------------------------------------------- real rank processes
 async def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
     run_dir = tmp / name
@@ -326,6 +363,90 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
             assert await g.compute_logprobs(PROMPT, GOOD) == pytest.approx(expect_lp, abs=1e-5)
         finally:
             await g.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_two_ranks_write_a_background_checkpoint_that_one_rank_resumes_exactly(model_path: Path,
+                                                                                      tmp_path: Path) -> None:
+    """FSDP2 at world 2 (sharded DTensor state, staged by each rank, written over the checkpoint gloo group,
+    sealed by rank 0 once every rank's write is in): a step trains beside the write, the checkpoint holds
+    the state at the save, and one rank resumes it with the same weights and version."""
+    from flashrl.checkpoint import TRAINER_DIR, CheckpointWriter, ControllerState
+
+    cfg = trainer_config(tmp_path, ranks=2, mini_batches=5, micro_batch=1)
+    root = tmp_path / "run2" / "checkpoints"
+    g = await _group(cfg, model_path, tmp_path, "run2")
+    try:
+        await g.wait_ready(120)
+        w = CheckpointWriter(root, g, "", keep=3, background=True, timeout_s=120.0)
+        await g.train_step(_batch(0))
+        at_save = await g.compute_logprobs(PROMPT, GOOD)
+        await w.save(ControllerState(step=1, version=1, elapsed_s=1.0), wait=False)
+        await g.train_step(_batch(1))  # beside the write
+        assert await g.compute_logprobs(PROMPT, GOOD) != pytest.approx(at_save, abs=1e-6)
+        await w.close()
+        assert w.saved == 1 and w.failed == 0 and (root / "step-1" / TRAINER_DIR / "trainer.json").is_file()
+    finally:
+        await g.close()
+    one = trainer_config(tmp_path, ranks=1, mini_batches=5, micro_batch=1)
+    g = await TrainerGroup.spawn(one, model_path, tmp_path / "run2", resume=root / "step-1" / TRAINER_DIR)
+    try:
+        await g.wait_ready(120)
+        assert await g.ping() == 1
+        assert await g.compute_logprobs(PROMPT, GOOD) == pytest.approx(at_save, abs=1e-5)
+    finally:
+        await g.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_the_previous_one(
+        model_path: Path, tmp_path: Path) -> None:
+    """The real trainer process, the run's CheckpointWriter in background mode: step-1 completes; step-2's
+    write is in flight (staged, not sealed) when the trainer is SIGKILLed. step-2 never appears, latest
+    stays step-1, resume picks step-1, and a trainer started from it has step 1's weights and version."""
+    import asyncio
+
+    from flashrl.checkpoint import (
+        TRAINER_DIR,
+        CheckpointWriter,
+        ControllerState,
+        find_checkpoint,
+        read_latest,
+    )
+
+    cfg = trainer_config(tmp_path, ranks=1)
+    root = tmp_path / "run" / "checkpoints"
+    g = await _group(cfg, model_path, tmp_path, "run")
+    seen: list[tuple[Path | None, object]] = []
+    try:
+        await g.wait_ready(120)
+        w = CheckpointWriter(root, g, "", keep=3, background=True, timeout_s=120.0)
+        assert w.background
+        await g.train_step(_batch(0))
+        lp1 = await g.compute_logprobs(PROMPT, GOOD)
+        assert await w.save(ControllerState(step=1, version=1, elapsed_s=1.0), wait=False) is None
+        await g.train_step(_batch(1))  # trains while step-1 is written
+        await w.wait()
+        assert read_latest(root) == root / "step-1" and w.saved == 1
+        await w.save(ControllerState(step=2, version=2, elapsed_s=2.0), wait=False,
+                     on_done=lambda p, e: seen.append((p, e)))
+        os.kill(g.procs[0].pid, signal.SIGKILL)  # the write is staged and in flight; nothing has sealed it
+        await asyncio.wait_for(w.wait(), 60)
+    finally:
+        await g.close()
+    assert len(seen) == 1 and seen[0][0] is None and "not written" in str(seen[0][1])
+    assert not (root / "step-2").exists() and read_latest(root) == root / "step-1" and w.failed == 1
+    r = find_checkpoint(tmp_path / "run")
+    assert r.step == 1 and r.skipped == []
+    g = await TrainerGroup.spawn(cfg, model_path, tmp_path / "run", resume=root / "step-1" / TRAINER_DIR)
+    try:
+        await g.wait_ready(120)
+        assert await g.ping() == 1
+        assert await g.compute_logprobs(PROMPT, GOOD) == pytest.approx(lp1, abs=1e-6)
+    finally:
+        await g.close()
 
 
 @pytest.mark.slow

@@ -57,7 +57,8 @@ class Run:
     """One controller run on fakes with checkpoints and a metrics.jsonl, like launch.driver.run_local."""
 
     def __init__(self, cfg: Config, suite: FakeSuite, *, resume: Any = None, engines: int = 2,
-                 trainer: FakeTrainer | None = None, stop_at_s: float | None = None, script: Any = None) -> None:
+                 trainer: FakeTrainer | None = None, stop_at_s: float | None = None, script: Any = None,
+                 background: bool = False) -> None:
         self.cfg = cfg
         self.trainer = trainer or FakeTrainer(train_s=0.5)
         self.engines = [FakeEngine(f"e{i}", script or default_script(token_s=0.05 * (i + 1)), sync_s=0.2)
@@ -69,7 +70,7 @@ class Run:
         self.writer = MetricsWriter(metrics)
         self.records: list[dict[str, Any]] = []
         self.ckpt = CheckpointWriter(cfg.run_dir / "checkpoints", self.trainer, to_toml(cfg), cfg.run.keep_checkpoints,
-                                     last_step=resume.step if resume else None)
+                                     last_step=resume.step if resume else None, background=background)
         self.controller = Controller(cfg, TOK, suite, self.engines, self.trainer, on_step=self._on_step,
                                      checkpoints=self.ckpt, resume=resume.state if resume else None)
         self.stop_at_s = stop_at_s
@@ -103,25 +104,36 @@ def sync_cfg(tmp: Path, stale: str = "partial", **run: Any) -> Config:
     )
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
 @pytest.mark.parametrize("stale", ["drop", "partial"])
-def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path, stale: str) -> None:
+def test_sync_resume_trains_exactly_what_the_uninterrupted_run_trains(tmp_path: Path, stale: str,
+                                                                       background: bool) -> None:
     """async_ratio 0: stop at step 3, resume to 6 == 6 uninterrupted steps (prompts, samples, versions).
 
     drop re-admits the prompts in flight at the stop: the same requests, so the very same samples.
     partial keeps their rollouts' prefixes and continues them (tests/unit/test_resume_rollouts.py):
-    the same prompts at every step, but what is generated after the cut is sampled anew."""
+    the same prompts at every step, but what is generated after the cut is sampled anew.
+    background: the checkpoints are written while the next steps train (trainer.checkpoint_async)."""
     suite = lambda: FakeSuite(n_train=5, n_eval=3)  # noqa: E731  (5 prompts: the epoch ends mid-batch)
     ref = Run(sync_cfg(tmp_path / "a", stale), suite())
     ref.go()
 
     cfg = sync_cfg(tmp_path / "b", stale, steps=3)
-    first = Run(cfg, suite())
+    trainer = FakeTrainer(train_s=0.5)
+    trainer.ckpt_write_s = 0.8  # longer than a step: the step after the checkpoint trains beside its write
+    first = Run(cfg, suite(), trainer=trainer, background=background)
     s1 = first.go()
+    if background:
+        assert trainer.train_during_write == [2]  # step-2's write went on while step 3 (batch 2) trained
+        assert [(r["step"], r["time/ckpt_write_s"]) for r in first.records if "time/ckpt_write_s" in r] == [
+            (3, pytest.approx(0.8, abs=0.01))]  # reported with the step it completed in
+    else:
+        assert trainer.train_during_write == []
     assert s1.steps == 3 and s1.checkpoints == 2 and s1.last_checkpoint == str(cfg.run_dir / "checkpoints" / "step-3")
     assert [n for n, _ in list_checkpoints(cfg.run_dir / "checkpoints")] == [2, 3]
     r = prepare_resume(with_run(cfg, steps=6))  # run.steps may change on resume
     assert r.step == 3 and r.state.metrics_through == 3
-    second = Run(with_run(cfg, steps=6), suite(), resume=r)
+    second = Run(with_run(cfg, steps=6), suite(), resume=r, background=background)
     s2 = second.go()
     assert s2.steps == 6 and s2.resumed_from == 3
 
@@ -361,3 +373,78 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path: Path) ->
     Run(more, FakeSuite(n_train=5), resume=r).go()
     assert [n for n, _ in list_checkpoints(root)] == [5, 6] and (root / "step-4.abandoned").is_dir()
     assert [x["step"] for x in read_jsonl(cfg.run_dir / "metrics.jsonl")] == list(range(1, 7))  # (no eval split: no step 0)
+
+
+# ---------------------------------------------------------------------- background (asynchronous) checkpoints
+def _state(step: int) -> ControllerState:
+    return ControllerState(step=step, version=step, elapsed_s=float(step), train_size=5, next_uid=2 * step)
+
+
+def test_a_background_checkpoint_counts_only_once_its_write_completes(tmp_path: Path) -> None:
+    """save(wait=False) returns once staged; step-N and ``latest`` appear only after the trainer's write
+    finished; on_done hears it then; a second save waits for the first (last_wait_s)."""
+    root = tmp_path / "checkpoints"
+    trainer = FakeTrainer()
+    trainer.ckpt_write_s = 5.0
+    w = CheckpointWriter(root, trainer, "", keep=3, background=True, timeout_s=60.0)
+    done: list[tuple[Any, Any]] = []
+
+    async def main() -> None:
+        import anyio
+
+        assert await w.save(_state(1), wait=False, on_done=lambda p, e: done.append((p, e))) is None
+        assert w.in_flight and w.last_wait_s == 0.0
+        await anyio.sleep(4.0)
+        assert not (root / "step-1").exists() and read_latest(root) is None and done == []
+        t0 = anyio.current_time()
+        await w.save(_state(2), wait=False, on_done=lambda p, e: done.append((p, e)))  # waits for step-1 first
+        assert anyio.current_time() - t0 == pytest.approx(1.0, abs=0.01) and w.last_wait_s > 0
+        assert done == [(root / "step-1", None)] and read_latest(root) == root / "step-1"
+        assert not (root / "step-2").exists()
+        await w.close()
+        assert read_latest(root) == root / "step-2" and done[-1] == (root / "step-2", None)
+
+    run_virtual(main)
+    assert w.saved == 2 and w.failed == 0 and w.take_write_s() == pytest.approx(10.0, abs=0.1)
+    assert verify(root / "step-2").step == 2
+
+
+def test_a_failed_or_late_background_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    trainer = FakeTrainer()
+    w = CheckpointWriter(root, trainer, "", keep=3, background=True, timeout_s=10.0)
+    errors: list[Any] = []
+
+    async def main() -> None:
+        await w.save(_state(1))  # wait=True: complete on return
+        trainer.fail_write = OSError(errno.ENOSPC, "No space left on device")
+        await w.save(_state(2), wait=False, on_done=lambda p, e: errors.append(e))
+        await w.wait()
+        trainer.fail_write = None
+        trainer.ckpt_write_s = 100.0  # past timeout_s: the trainer's finish gives up, nothing is sealed
+        await w.save(_state(3), wait=False, on_done=lambda p, e: errors.append(e))
+        await w.close()
+
+    run_virtual(main)
+    assert [type(e).__name__ for e in errors] == ["CheckpointError", "CheckpointError"]
+    assert "step-2 not written" in str(errors[0]) and "No space left" in str(errors[0]) and "step-1 is intact" in str(errors[0])
+    assert "step-3 not written" in str(errors[1])
+    assert read_latest(root) == root / "step-1" and [n for n, _ in list_checkpoints(root)] == [1]
+    assert w.saved == 1 and w.failed == 2
+    assert find_checkpoint(tmp_path).step == 1
+
+
+def test_the_run_end_waits_for_a_background_checkpoint_and_records_it(tmp_path: Path) -> None:
+    """A controller run whose writes outlast its steps: the final checkpoint waits for the one in flight and
+    for itself; the summary names it; time/ckpt_wait_s says how long a save waited for the write before it."""
+    cfg = sync_cfg(tmp_path, steps=4, checkpoint_every=1)
+    trainer = FakeTrainer(train_s=0.5)
+    trainer.ckpt_write_s = 2.0  # 4 steps of 0.5 s: each checkpoint waits for the one before
+    run = Run(cfg, FakeSuite(n_train=5), trainer=trainer, background=True)
+    s = run.go()
+    root = cfg.run_dir / "checkpoints"
+    assert s.checkpoints == 4 and s.last_checkpoint == str(root / "step-4") and read_latest(root) == root / "step-4"
+    waits = [r.get("time/ckpt_wait_s") for r in run.records if "time/ckpt_wait_s" in r]
+    assert waits and max(waits) > 0.5  # a save waited for the write before it
+    assert trainer.train_during_write  # and steps trained beside the writes
+    assert not list(root.glob("*.tmp"))

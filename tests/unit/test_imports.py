@@ -38,6 +38,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.plugins",
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs
+    "flashrl.deadlines",  # deadlines that scale with the model's size
     "flashrl.rewards",
     "flashrl.metrics",
     "flashrl.interfaces",
