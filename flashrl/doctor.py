@@ -19,6 +19,9 @@ Checks, one output line each (``PASS|FAIL|SKIP  name  detail``), exit code 1 on 
                       checksums) of the trained weights: every bucket verifies, the names are the model's
     dcp[world N]      Trainer.save_checkpoint after step 1 (DCP, atomic rename), step 2, load_checkpoint:
                       the weights and version are step 1's again
+    dcp-async[world N] the same state saved in the background (trainer.checkpoint_async: staged to host
+                      buffers, written by DCP on the trainer's write thread while step 2 trains, sealed by
+                      finish_checkpoint), loaded: step 1's weights exactly
     broadcast         the weight sync's transport between two processes (nccl: needs two GPUs; gloo on
                       the CPU): trainer/weights.py's WeightSender (rank 0) -> a receiver joined with
                       wire/weights.py's join_group (rank 1) that verifies every bucket's checksum; the
@@ -177,6 +180,9 @@ def _batch(step: int) -> Any:
     return TrainBatch(step=step, samples=samples)
 
 
+_WRITE_TIMEOUT_S = 120.0  # a small model's background checkpoint write (the parent's deadline kills a hung child)
+
+
 def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
     """trainer / pack / dcp checks of one rank (every rank runs the same collectives; rank 0 reports)."""
     import torch
@@ -204,12 +210,32 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
         ckpt = str(Path(spec.workdir) / "ckpt")
         trainer.save_checkpoint(ckpt)
         saved = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+        # the same state again, in the background (trainer.checkpoint_async): staged, then written while step 2 trains
+        bg = str(Path(spec.workdir) / "ckpt-bg")
+        bg_error = ""
+        try:
+            trainer.save_checkpoint(bg, background=True)
+        except Exception as e:  # noqa: BLE001 - reported as dcp-async's FAIL; the other checks go on
+            bg_error = f"background save: {type(e).__name__}: {e}"
         r2 = trainer.train_step(_batch(1))
         step_s = time.perf_counter() - t0
+        if not bg_error:
+            try:
+                if rank == 0:
+                    trainer.finish_checkpoint(bg, _WRITE_TIMEOUT_S)
+                else:
+                    trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001
+                bg_error = f"background write: {type(e).__name__}: {e}"
+        dist.barrier()  # rank 0 sealed (renamed) it before any rank loads it
         after = {k: v.clone() for k, v in trainer.full_state_dict().items()}  # a plain model's are live views
         lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
         manifest = trainer.prepare_weights(trainer.version)
         prepared = trainer._prepared
+        restored_bg: dict[str, Any] = {}
+        if not bg_error:
+            trainer.load_checkpoint(bg)
+            restored_bg = {k: v.clone() for k, v in trainer.full_state_dict().items()}
         trainer.load_checkpoint(ckpt)
         restored = trainer.full_state_dict()
         if rank != 0:
@@ -267,6 +293,18 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
             problems.append("step 2 changed nothing, so the load proved nothing")
         _report(spec, Check(f"dcp{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
                             f"save (atomic), step, load on {device}: weights and version restored exactly"))
+        # ---- dcp-async: the background checkpoint of step 1, written while step 2 trained
+        problems = [bg_error] if bg_error else []
+        if not bg_error:
+            if not Path(bg).is_dir() or Path(bg + ".tmp").exists():
+                problems.append(f"{bg} not sealed (renamed into place)")
+            changed = [k for k in saved if not torch.equal(saved[k], restored_bg[k])]
+            if changed:
+                problems.append(f"{len(changed)} tensors differ from step 1's after load (e.g. {changed[0]}): the "
+                                "write saw the step trained beside it")
+        _report(spec, Check(f"dcp-async{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
+                            f"background save (staged, written while step 2 trained), sealed, load on {device}: "
+                            "step 1's weights restored exactly"))
     finally:
         dist.destroy_process_group()
 
@@ -391,7 +429,8 @@ def run_checks(device: Literal["cuda", "cpu"], timeout_s: float = 600.0, workdir
 
     first = _device_check(device)
     emit([first])
-    names = ["weights", *(f"{c}[world {w}]" for w in worlds for c in ("trainer", "pack", "dcp")), "broadcast"]
+    names = ["weights", *(f"{c}[world {w}]" for w in worlds for c in ("trainer", "pack", "dcp", "dcp-async")),
+             "broadcast"]
     if device == "cuda" and first.status != "PASS":
         why = "CUDA is not usable here (see the cuda line)" if first.status == "FAIL" else "no CUDA device"
         emit([Check(n, "SKIP", why) for n in names])
@@ -411,7 +450,7 @@ def run_checks(device: Literal["cuda", "cpu"], timeout_s: float = 600.0, workdir
         model = str(build_chat_model(Path(tmp) / "model", size="tiny"))
         for world in worlds:
             tag = f"[world {world}]"
-            group = [f"trainer{tag}", f"pack{tag}", f"dcp{tag}"]
+            group = [f"trainer{tag}", f"pack{tag}", f"dcp{tag}", f"dcp-async{tag}"]
             if world == 2 and not two:
                 emit([Check(n, "SKIP", not_two) for n in group])
                 continue

@@ -448,18 +448,25 @@ class Trainer(PolicyTrainer):
         return self._ckpt_group
 
     def _checkpoint_stager(self) -> Any:
-        """DCP's DefaultStager, synchronous, kept for the run: it reuses its host buffers from one
-        checkpoint to the next (no fresh allocation and page faults per checkpoint); pinned on CUDA."""
+        """A synchronous DCP stager kept for the run, reusing its host buffers from one checkpoint to the
+        next (no fresh allocation and page faults per checkpoint).
+
+        On CUDA: DCP's BlockingAsyncStager with its cache (pinned host buffers, built by torch's
+        ``_create_cpu_state_dict``, which knows FSDP2's DTensors): DefaultStager's deep copy raised
+        ``KeyError: <class 'type'>`` on FSDP2's DTensors under torch 2.11 on an H200
+        (bench/results/realsize/README.md). On the CPU: DefaultStager (no pinning), measured here."""
         if self._stager is None:
-            cuda = self.device.type == "cuda"
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            if self.device.type == "cuda":
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
+                return self._stager
             try:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError:  # an older torch: its blocking stager (cached and pinned only on CUDA)
-                from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-                self._stager = BlockingAsyncStager(cache_staged_state_dict=cuda)
+            except ImportError:  # an older torch: its blocking stager, uncached on the CPU (no pinning there)
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
             else:
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                             use_async_staging=False, use_non_blocking_copy=False))
         return self._stager
 

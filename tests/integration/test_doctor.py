@@ -21,8 +21,8 @@ def test_gpu_checks_skip_cleanly_without_cuda() -> None:
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.output.splitlines() if ln.split("  ")[0] in ("PASS", "FAIL", "SKIP")]
     names = [ln.split("  ")[1] for ln in lines]
-    assert names == ["cuda", "weights", "trainer[world 1]", "pack[world 1]", "dcp[world 1]", "trainer[world 2]",
-                     "pack[world 2]", "dcp[world 2]", "broadcast"]
+    assert names == ["cuda", "weights", "trainer[world 1]", "pack[world 1]", "dcp[world 1]", "dcp-async[world 1]",
+                     "trainer[world 2]", "pack[world 2]", "dcp[world 2]", "dcp-async[world 2]", "broadcast"]
     assert all(ln.startswith("SKIP  ") for ln in lines), res.output
     assert "no CUDA" in res.output
 
@@ -33,11 +33,13 @@ def test_cpu_checks_pass(tmp_path: Path) -> None:
     checks = run_checks("cpu", timeout_s=300, workdir=str(tmp_path), on_check=seen.append, worlds=(1,))
     assert seen == checks
     by = {c.name: c for c in checks}
-    assert list(by) == ["cuda", "weights", "trainer[world 1]", "pack[world 1]", "dcp[world 1]", "broadcast"]
+    assert list(by) == ["cuda", "weights", "trainer[world 1]", "pack[world 1]", "dcp[world 1]", "dcp-async[world 1]",
+                        "broadcast"]
     assert by["cuda"].status == "SKIP"
     for name in list(by)[1:]:
         assert by[name].status == "PASS", by[name]
     assert "GB/s" in by["broadcast"].detail and "restored exactly" in by["dcp[world 1]"].detail
+    assert "step 1's weights restored exactly" in by["dcp-async[world 1]"].detail
 
 
 def test_a_broken_checksum_fails_the_weights_check(monkeypatch: pytest.MonkeyPatch) -> None:
