@@ -446,7 +446,11 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
         steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log, progress)
         model.eval()
         eval_tasks = list(suite.eval_tasks())
-        sample = [suite.demonstration(t, random.Random(seed)) for t in eval_tasks[:64]]
+        # One rng for all 64: a fresh random.Random(seed) per task replays the same draws for every
+        # demonstration, so a teacher whose first draw picks its shortest episode (envs/tools.py, seed 1:
+        # answer at once) sized the held-out episodes to one turn of 5 tokens and reported 0% success.
+        demo_rng = random.Random(seed)
+        sample = [suite.demonstration(t, demo_rng) for t in eval_tasks[:64]]
         max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
         max_turns = max(len(d.turns) for d in sample)
         with progress.phase("held-out episodes, greedy and sampled", unit="episodes") as phase:
