@@ -18,6 +18,8 @@ Failure rules (per call; each raises ``EnvFailure`` so the controller retries th
 - the inner env raises anything else              -> "error", the worker stays.
 - an observation fails ``validate_observation``   -> "garbage" (a worker is not trusted blindly).
 - the caller cancels a call (its own deadline)    -> the worker is told to cancel that session.
+- every worker is down (restarting)               -> a new episode waits for a replacement (the caller's
+  turn deadline bounds the wait), rather than failing at once and spinning through its retries.
 
 Configuration: ``env.name = "remote"`` with ``[env.params] inner = "guess", workers = 2,
 params = {...}`` (the inner env's own params, including its ``faults`` sub-table, which then act
@@ -134,7 +136,7 @@ class RemotePool:
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
         self.workers: WorkerPool[RpcClient] = WorkerPool(
             "env worker", params.workers, start=self._spawn, ready=self._ping, on_exit=self._exited,
-            failure=EnvFailure, eager=True, startup_timeout_s=params.startup_timeout_s)
+            failure=EnvFailure, eager=True, startup_timeout_s=params.startup_timeout_s, wait_restarts=True)
         # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
         self._children: set[launch.Proc] = set()
         self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)

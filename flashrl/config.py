@@ -52,7 +52,7 @@ class ModelConfig(Section):
 
 
 class EnvConfig(Section):
-    name: Annotated[str, Meta(min_length=1, description="a built-in environment (arithmetic, scratchpad, countdown, guess, code, dataset, remote), a plug-in of the entry-point group flashrl.envs, or your own class: 'package.module:Class' or './file.py:Class'")] = "arithmetic"
+    name: Annotated[str, Meta(min_length=1, description="a built-in environment (arithmetic, scratchpad, countdown, guess, tools, code, dataset, remote), a plug-in of the entry-point group flashrl.envs, or your own class: 'package.module:Class' or './file.py:Class'")] = "arithmetic"
     params: Annotated[dict[str, Any], Meta(description="environment-specific options, checked by the environment's own struct")] = {}
     eval_size: Annotated[int, Meta(ge=1, description="held-out tasks per evaluation")] = 200
 
@@ -69,7 +69,11 @@ class RolloutConfig(Section):
     temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature for training rollouts; the trainer scores logprobs at the same temperature (logits / T)")] = 1.0
     top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling for training rollouts; below 1 the engines' logprobs are renormalized over the nucleus, the trainer's are not (importance weights carry the nucleus mass)")] = 1.0
     eval_temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature for held-out evaluation (0 = greedy)")] = 0.0
-    redundancy: Annotated[int, Meta(ge=0, description="extra rollouts per group; the first group_size to finish are kept")] = 0
+    redundancy: Annotated[int, Meta(ge=0, description="extra rollouts per group; rollout.redundant_keep says which group_size are kept")] = 0
+    redundant_keep: Annotated[Literal["finish_order", "launch_order"], Meta(description=(
+        "with redundancy: finish_order keeps the first group_size rollouts to finish (fastest; biases the trained "
+        "sample toward short, early-finishing trajectories); launch_order keeps the first group_size in launch "
+        "order that succeed, so the extra rollouts only stand in for failed or timed-out ones (unbiased)"))] = "finish_order"
     max_turns: Annotated[int, Meta(ge=1, description="environment turns per trajectory (1 = single-turn RLVR)")] = 1
     turn_timeout_s: Annotated[float, Meta(gt=0, description="deadline for one environment step")] = 60.0
     trajectory_timeout_s: Annotated[float, Meta(gt=0, description="deadline for one whole trajectory")] = 600.0

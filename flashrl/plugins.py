@@ -47,6 +47,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "remote": "envs.remote:RemoteSuite",  # any env in worker processes behind ZeroMQ
     "dataset": "envs.dataset:DatasetSuite",  # rows of a JSONL / Parquet / CSV file or a `datasets` folder
     "scratchpad": "envs.scratchpad:ScratchpadSuite",  # column addition written out: the long-tail task
+    "tools": "envs.tools:ToolsSuite",  # multi-turn tool use: call a calculator, then answer
 }
 ENTRY_POINT_GROUP = "flashrl.envs"
 _SUITE_METHODS = ("train_tasks", "eval_tasks", "make_env")

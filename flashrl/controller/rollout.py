@@ -2,7 +2,7 @@
 
     run_group(uid, need, extra)                       one asyncio task per rollout; each reports its
       ├─ run_sample(index k) x (need + extra) ──┐     result to the group's tally as it finishes:
-      │    retry loop (infra failures, stale)   │     first ``need`` ok samples -> on_sample() at once
+      │    retry loop (infra failures, stale)   │     first ``need`` ok samples (finish or launch order) -> on_sample()
       │      run_trajectory(engine i, attempt)  │     then the group cancels the rest: each cancelled
       └────── _GroupState.finish(traj) <────────┘     generate sends engine.abort([request_id])
                                                       unfillable (ok + still running < need) -> False
@@ -667,7 +667,8 @@ async def run_group(
     sample_ids: Callable[[int], str] | None = None,
     resumes: Sequence[Trajectory] = (),
 ) -> bool:
-    """Run ``need + extra`` rollouts of ``task``; hand the first ``need`` ok ones to ``on_sample``.
+    """Run ``need + extra`` rollouts of ``task``; hand ``need`` ok ones to ``on_sample``: the first to finish,
+    or with ``rollout.redundant_keep = "launch_order"`` the first in launch order (``_GroupState``).
 
     ``resumes``: a checkpoint's unfinished rollouts of this group (each its own sample index),
     continued from their prefixes; with them, ``need + extra - len(resumes)`` fresh rollouts (none
@@ -692,7 +693,8 @@ async def run_group(
             router.take(first)
         engines = [first] * n
     loop = asyncio.get_running_loop()
-    state = _GroupState(need, n, on_sample, loop.create_future())
+    in_launch_order = ctx.cfg.rollout.redundant_keep == "launch_order" and extra > 0
+    state = _GroupState(need, n, on_sample, loop.create_future(), first_index if in_launch_order else None)
     tasks: list[asyncio.Task[None]] = []
     tracked = ctx.gate is not None and group >= 0
     sids: list[str] = []
@@ -730,11 +732,23 @@ async def run_group(
 class _GroupState:
     """One run_group's tally. Samples report into it from their own tasks, in the order they finish
     (no stream, no wake-up of the group task per sample); ``decided`` resolves once the group has
-    ``need`` ok samples, can no longer get them, or a rollout raised."""
+    ``need`` ok samples, can no longer get them, or a rollout raised.
 
-    __slots__ = ("need", "n", "on_sample", "decided", "kept", "done", "error")
+    Which ``need`` are kept (``rollout.redundant_keep``):
+      finish_order (``first_index`` None): the first ``need`` ok samples to finish. Fastest, but the kept
+        set is selected on finishing time: trajectories that end early (few turns, fast env calls, an
+        early win or an early give-up) are over-represented in what the policy trains on.
+      launch_order (``first_index`` given): the ``need`` ok samples of lowest launch position
+        (``traj.index - first_index``). A sample is delivered only once every sample launched before it
+        has finished, so the kept set depends on which samples failed, never on how long any took: the
+        extra rollouts stand in for failed (or timed-out) ones only. Invariant: the kept samples are
+        exactly the first ``need`` ok ones in launch order among those decided.
+    """
 
-    def __init__(self, need: int, n: int, on_sample: Callable[[Trajectory], object], decided: asyncio.Future[None]) -> None:
+    __slots__ = ("need", "n", "on_sample", "decided", "kept", "done", "error", "first_index", "results", "cursor", "ok")
+
+    def __init__(self, need: int, n: int, on_sample: Callable[[Trajectory], object], decided: asyncio.Future[None],
+                 first_index: int | None = None) -> None:
         self.need = need
         self.n = n
         self.on_sample = on_sample
@@ -742,15 +756,29 @@ class _GroupState:
         self.kept = 0
         self.done = 0
         self.error: BaseException | None = None
+        self.first_index = first_index
+        self.results: list[Trajectory | None] = [None] * n if first_index is not None else []
+        self.cursor = 0  # launch_order: every position below it is finished and delivered (or failed)
+        self.ok = 0  # ok samples finished, delivered or not
 
     def finish(self, traj: Trajectory) -> None:
         if self.decided.done():
             return  # finished after the group had what it needed (counted as aborted)
         self.done += 1
         if traj.status == "ok":
-            self.kept += 1
-            self.on_sample(traj)
-        if self.kept == self.need or self.kept + (self.n - self.done) < self.need:
+            self.ok += 1
+        if self.first_index is None:
+            if traj.status == "ok":
+                self.kept += 1
+                self.on_sample(traj)
+        else:
+            self.results[traj.index - self.first_index] = traj
+            while self.cursor < self.n and self.kept < self.need and (t := self.results[self.cursor]) is not None:
+                if t.status == "ok":
+                    self.kept += 1
+                    self.on_sample(t)
+                self.cursor += 1
+        if self.kept == self.need or self.ok + (self.n - self.done) < self.need:
             self.decided.set_result(None)  # redundant (or hopeless) rollouts: abort them now
 
     def fail(self, e: BaseException) -> None:

@@ -343,9 +343,11 @@ def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int,
             outs = generate(model, [ctx[i] for i in alive], max_new_tokens, tok.eos_token_id, tok.pad_token_id,
                             temperature=temperature, generator=generator)
             still = []
-            for i, out in zip(alive, outs):
+            # All episodes step at once: an env whose calls take time (envs/tools.py's tool latency) costs the
+            # slowest call per turn, not the sum of them; each env draws from its own rng, so order is moot.
+            results = await asyncio.gather(*(envs[i].step(tok.decode(out)) for i, out in zip(alive, outs)))
+            for i, out, res in zip(alive, outs, results):
                 ctx[i] = ctx[i] + out
-                res = await envs[i].step(tok.decode(out))
                 reward[i] += res.reward
                 correct[i] = bool(res.info["correct"]) if "correct" in res.info else reward[i] >= 1.0
                 if not res.done:
@@ -446,7 +448,11 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
         steps, probe_acc = _warm_start_demos(model, tok, opt, suite, ws, rng, log, progress)
         model.eval()
         eval_tasks = list(suite.eval_tasks())
-        sample = [suite.demonstration(t, random.Random(seed)) for t in eval_tasks[:64]]
+        # One rng for all 64: a fresh random.Random(seed) per task replays the same draws for every
+        # demonstration, so a teacher whose first draw picks its shortest episode (envs/tools.py, seed 1:
+        # answer at once) sized the held-out episodes to one turn of 5 tokens and reported 0% success.
+        demo_rng = random.Random(seed)
+        sample = [suite.demonstration(t, demo_rng) for t in eval_tasks[:64]]
         max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
         max_turns = max(len(d.turns) for d in sample)
         with progress.phase("held-out episodes, greedy and sampled", unit="episodes") as phase:

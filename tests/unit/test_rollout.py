@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import anyio
@@ -384,3 +385,102 @@ def test_a_prompt_is_tokenized_once_for_all_the_samples_that_share_it(monkeypatc
     ctx.prompt_ids("2+2=")  # the cache is full: "12+3=" (the oldest) goes
     ctx.prompt_ids("12+3=")
     assert calls == ["12+3=", "1+1=", "2+2=", "12+3="]
+
+
+def test_a_slow_environment_never_blocks_an_engine() -> None:
+    """One engine slot; one trajectory's tool call takes 1000 s. With env_async the engine serves the
+    other trajectories meanwhile: it is busy every second until they are done; without, it idles."""
+
+    def run(env_async: bool) -> tuple[float, float, float]:
+        cfg = config(rollout={"env_async": env_async, "max_turns": 2, "turn_timeout_s": 5000.0,
+                              "trajectory_timeout_s": 5000.0}, engine={"max_num_seqs": 1})
+        suite = FakeSuite(turns=2, step_s=lambda task, turn: 1000.0 if task.id == "t0" and turn == 0 else 0.0)
+        ctx = make_ctx(cfg, [FakeEngine("e0", lambda r, v: ([ord("1")], 1.0))], suite)
+
+        async def main() -> tuple[float, float, float]:
+            slow = asyncio.ensure_future(group(ctx, need=1, uid=0))  # launched first: it has the slot first
+            await asyncio.sleep(0)
+            await group(ctx, need=3, uid=1)
+            t_fast = anyio.current_time()
+            busy = ctx.busy[0].busy_s(t_fast)
+            await slow
+            return t_fast, busy, anyio.current_time()
+
+        return run_virtual(main).result
+
+    t_fast, busy, t_slow = run(True)
+    # 1 s for the slow rollout's first turn + 3 rollouts x 2 turns x 1 s, back to back: never idle
+    assert t_fast == 7.0 and busy == 7.0
+    assert t_slow == 1000.0 + 1.0 + 1.0  # its env step from t=1, then its second turn
+    t_fast, busy, _ = run(False)
+    assert t_fast > 1000.0 and busy < 10.0  # the slot idled through the slow env step
+
+
+def _outcome_script(p_win: float = 0.5) -> Any:
+    """Sample k of group uid wins (writes the answer digit) with probability p_win, seeded by (uid, k); a
+    win takes 1-2 s, a loss 3-4 s: short wins, as in the guessing game and the tool task's direct answers."""
+
+    def script(req: Generate, version: int) -> tuple[list[int], float]:
+        sid = req.request_id.split(".")[0]
+        uid, k = (int(x) for x in sid.split("-"))
+        rng = random.Random(f"{uid}-{k}")
+        win = rng.random() < p_win
+        return [ord(str(uid % 10) if win else "x")], (1.0 if win else 3.0) + rng.random()
+
+    return script
+
+
+def _kept_rewards(keep: str, groups: int, need: int, extra: int) -> tuple[list[list[int]], list[float], list[float]]:
+    cfg = config(rollout={"redundancy": extra, "redundant_keep": keep}, engine={"max_num_seqs": 1024})
+    ctx = make_ctx(cfg, [FakeEngine("e0", _outcome_script())], FakeSuite(n_train=groups))
+
+    async def main() -> list[list[Trajectory]]:
+        outs = await asyncio.gather(*(group(ctx, need=need, extra=extra, uid=u) for u in range(groups)))
+        assert all(ok for ok, _ in outs)
+        return [o for _, o in outs]
+
+    kept = run_virtual(main).result
+    indices = [sorted(t.index for t in o) for o in kept]
+    kept_mean = [sum(t.reward for t in o) / need for o in kept]
+    # what the policy really does: the outcome of every launched sample, none selected
+    script = _outcome_script()
+    launched = [sum(script(Generate(request_id=f"{u}-{k}.0.0", prompt_ids=[1], max_tokens=1), 0)[0] == [ord(str(u % 10))]
+                    for k in range(need + extra)) / (need + extra) for u in range(groups)]
+    return indices, kept_mean, launched
+
+
+def test_redundancy_finish_order_biases_the_kept_samples_toward_short_wins() -> None:
+    indices, kept, launched = _kept_rewards("finish_order", groups=64, need=4, extra=4)
+    # wins finish first, so the kept success rate is far above the policy's own
+    assert sum(kept) / len(kept) > sum(launched) / len(launched) + 0.2
+
+
+def test_redundancy_launch_order_keeps_an_unbiased_sample() -> None:
+    indices, kept, _ = _kept_rewards("launch_order", groups=64, need=4, extra=4)
+    assert indices == [[0, 1, 2, 3]] * 64  # nothing failed: the first four launched, whatever finished first
+    firsts = []
+    script = _outcome_script()
+    for u in range(64):
+        wins = [script(Generate(request_id=f"{u}-{k}.0.0", prompt_ids=[1], max_tokens=1), 0)[0] == [ord(str(u % 10))]
+                for k in range(4)]
+        firsts.append(sum(wins) / 4)
+    assert kept == firsts  # the kept rewards are those of the first four launches exactly: no selection
+
+
+def test_redundancy_launch_order_stands_in_for_failed_rollouts_only() -> None:
+    # sample 1 fails for good (its env fails on every call); samples 4, 5 are the extras
+    cfg = config(rollout={"redundancy": 2, "redundant_keep": "launch_order", "max_retries": 0})
+    durations = [5.0, 1.0, 4.0, 3.0, 1.0, 1.0]
+    # every sample runs the same task: its first env.step to arrive (sample 1's, at 1 s) fails, for good
+    suite = FakeSuite(fail=lambda task, call: "crash" if call == 0 else None)
+    eng = FakeEngine("e0", by_index(durations, token="0"))
+    ctx = make_ctx(cfg, [eng], suite)
+
+    async def main() -> tuple[bool, list[Trajectory], float]:
+        ok, out = await group(ctx, need=4, extra=2)
+        return ok, out, anyio.current_time()
+
+    ok, out, t = run_virtual(main).result
+    assert ok and [x.index for x in out] == [0, 2, 3, 4]  # launch order, sample 1 replaced by the first extra
+    assert t == 5.0  # waited for sample 0 (the slowest kept), not for the fastest finishers
+    assert ctx.counters["rollout/failed_env_crash"] == 1 and ctx.counters["rollout/aborted_redundant"] == 0
