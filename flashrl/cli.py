@@ -88,6 +88,10 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config)
+    from flashrl.config import advice
+
+    for note in advice(cfg):
+        typer.echo(f"warning: {note}", err=True)
     typer.echo(
         f"ok: {config} (run {cfg.run.name}: {cfg.engine.count} engine(s), {cfg.trainer.ranks} trainer rank(s), "
         f"env {cfg.env.name}, loss {cfg.algorithm.loss}, async_ratio {cfg.scheduler.async_ratio})"

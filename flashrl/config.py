@@ -405,6 +405,26 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: env.name: {problem}")
 
 
+# Losses whose ratio is taken against the proximal policy only: no behaviour-policy weight per token.
+UNCORRECTED_LOSSES = ("ppo", "grpo", "asyppo")
+
+
+def advice(cfg: Config) -> list[str]:
+    """Warnings about a valid config that probably does not do what its author wants (``flashrl validate``
+    and ``flashrl run`` print them; nothing is refused)."""
+    notes = []
+    loss, ratio, stale = cfg.algorithm.loss, cfg.scheduler.async_ratio, cfg.scheduler.stale
+    if ratio > 0 and loss in UNCORRECTED_LOSSES:
+        older = (" and, with scheduler.stale = \"partial\", single tokens of a long answer older still"
+                 if stale == "partial" else "")
+        notes.append(
+            f"algorithm.loss = {loss!r} treats asynchronous samples (up to scheduler.async_ratio = {ratio} versions "
+            f"old{older}) as on-policy: no per-token behaviour correction. Use \"decoupled_ppo\" (the default), "
+            "\"tis\", \"cispo\" or \"gspo\" (docs/algorithms.md), or scheduler.async_ratio = 0 "
+            "(synchronous)")
+    return notes
+
+
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read ``path`` (TOML; None = all defaults), apply ``key.path=value`` overrides, validate."""
     data: dict[str, Any] = {}

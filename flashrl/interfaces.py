@@ -8,6 +8,7 @@ bench measures is what runs. Inside the controller, time comes from the event lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from flashrl.wire.protocol import (
@@ -44,6 +45,13 @@ class ChatTokenizer(Tokenizer, Protocol):
 
     def encode_observation(self, text: str, generated: list[int]) -> list[int]:
         """Ids appended after the generated turn ``generated`` for the env's next observation ``text``."""
+        ...
+
+    def template_mismatch(self, prompt: str, turns: Sequence[tuple[Sequence[int], str | None]],
+                          trained: Sequence[int]) -> tuple[int, int] | None:
+        """A finished multi-turn trajectory against its text re-rendering: (tokens the template's
+        re-rendering differs by, tokens that decoding and re-encoding the generated turns changes);
+        None when there is no template (models/chat.py ChatFormat.template_mismatch)."""
         ...
 
 

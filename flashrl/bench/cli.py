@@ -249,8 +249,8 @@ def _given(ctx: typer.Context) -> list[str]:
 
 def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: str, sets: list[str], out: str,
            sync_seeds: str | None, timeout_s: float | None, resume: bool, report_only: bool,
-           targets: str | None = None) -> None:
-    from flashrl.bench.peers.runner import run_bench
+           targets: str | None = None, variants: list[str] | None = None) -> None:
+    from flashrl.bench.peers.runner import parse_variant, run_bench
 
     prog = "flashrl bench seeds" if seeds_mode else "flashrl bench peers"
     title = "flashrl over seeds" if seeds_mode else "flashrl vs TRL GRPOTrainer"
@@ -261,9 +261,10 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
         _ints(sync_seeds, "--sync-seeds") if sync_seeds else seed_list[:1])
     target_list = _accuracies(targets) if targets else None
     try:
+        named = dict(parse_variant(v) for v in variants or [])
         runs = run_bench([m for m in modes.split(",") if m], seed_list, out, config, steps, sets, timeout_s,
                          title=title, sync_seeds=sync_list, resume=resume, report_only=report_only,
-                         targets=target_list)
+                         targets=target_list, variants=named)
     except ValueError as e:
         typer.echo(f"{prog}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -271,7 +272,10 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
     _exit(0 if all(r.returncode == 0 for r in runs) else 1)
 
 
-_MODES_HELP = "comma-separated subset of trl,async,sync"
+_MODES_HELP = "comma-separated subset of trl,async,sync and the --variant names, run in this order"
+Variants = Annotated[Optional[list[str]], typer.Option(
+    "--variant", help="NAME=KEY=VALUE;KEY=VALUE: another flashrl mode, the config with these overrides (repeat it; "
+                      "name it in --modes), e.g. envasync='scheduler.async_ratio=0;rollout.env_async=true'")]
 PeerSteps = Annotated[Optional[int], typer.Option("--steps", min=1, help="run.steps for every run (default: the config's)")]
 PeerConfig = Annotated[str, typer.Option("--config", help="the flashrl config both sides reproduce")]
 SyncSeeds = Annotated[Optional[str], typer.Option(
@@ -309,10 +313,12 @@ def peers(
     resume: Resume = False,
     report_only: ReportOnly = False,
     targets: Targets = None,
+    variants: Variants = None,
 ) -> None:
     """flashrl (async and sync) against Hugging Face TRL's GRPOTrainer, same model, data, verifier and
     hyperparameters, one run at a time (TRL comes with flashrl's `peers` extra)."""
-    _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets)
+    _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets,
+           variants)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
@@ -328,9 +334,12 @@ def seeds(
     resume: Resume = False,
     report_only: ReportOnly = False,
     targets: Targets = None,
+    variants: Variants = None,
 ) -> None:
-    """The config over several seeds (the peers bench with flashrl async only, by default seeds 0, 1, 2)."""
-    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets)
+    """The config over several seeds (the peers bench with flashrl async only, by default seeds 0, 1, 2), and
+    any --variant modes (one knob at a time: name each variant in --modes)."""
+    _peers(True, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets,
+           variants)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -35,7 +35,7 @@ from flashrl.checkpoint import CheckpointError, ControllerState
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.scheduler import DataStream, Router
-from flashrl.controller.types import Trajectory, metric_means
+from flashrl.controller.types import Trajectory, env_share, metric_means
 from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.core.staleness import lag_stats
@@ -43,7 +43,7 @@ from flashrl.env import Counting, EnvSuite
 from flashrl.interfaces import EngineClient, Tokenizer
 from flashrl.metrics import EngineStat, Snapshot
 
-__all__ = ["RATE_WINDOW_S", "Ledger", "RunMeters", "RunSummary"]
+__all__ = ["RATE_WINDOW_S", "Ledger", "RunMeters", "RunSummary", "template_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,22 @@ class RunMeters:
         self.busy = [BusyMeter(RATE_WINDOW_S, t0) for _ in range(n_engines)]
         self.tokens = [RateMeter(clock=clock, window_s=RATE_WINDOW_S) for _ in range(n_engines)]
         self.samples = RateMeter(clock=clock, window_s=RATE_WINDOW_S)
+
+
+def template_stats(samples: Sequence[Trajectory]) -> dict[str, float]:
+    """The step's rollout/template_* and rollout/retokenize_* metrics (records.BatchStats.template) over the
+    samples whose template re-rendering was measured (multi-turn chat trajectories); {} when none was."""
+    measured = [t for t in samples if t.template_mismatch >= 0]
+    if not measured:
+        return {}
+    n = len(measured)
+    return {
+        "template_checked": n,
+        "template_mismatch_rate": sum(t.template_mismatch > 0 for t in measured) / n,
+        "template_mismatch_tokens": sum(t.template_mismatch for t in measured) / n,
+        "retokenize_mismatch_rate": sum(t.retokenize_mismatch > 0 for t in measured) / n,
+        "retokenize_mismatch_tokens": sum(t.retokenize_mismatch for t in measured) / n,
+    }
 
 
 class Ledger:
@@ -159,6 +175,8 @@ class Ledger:
             reward_metrics=metric_means(samples),
             counters=dict(sorted(self.counters.items())),
             env_counters={k.removeprefix("env/"): v for k, v in self.env_counters().items()},
+            template=template_stats(samples),
+            env_share=env_share(samples),
         )
         # which prompts this step trained (resume checks)
         stats.prompt_uids = [g.uid for g in batch]
@@ -197,6 +215,9 @@ class Ledger:
             "version_first": first, "version_last": last, "updates_spanned": last - first,
             "interrupted": last > first, "restarts": t.attempts - 1,
         }
+        if t.template_mismatch >= 0:  # a multi-turn chat sample: its chat template's re-rendering, measured
+            line["template_mismatch_tokens"] = t.template_mismatch
+            line["retokenize_mismatch_tokens"] = t.retokenize_mismatch
         if kind == "train":
             line["staleness"] = step - 1 - first
             line["token_staleness_mean"] = (step - 1) - vsum / n if n else 0.0

@@ -18,7 +18,10 @@ is re-tokenized from text. With a chat model (the tokenizer's ``encode_prompt`` 
 ``encode_observation``, flashrl/models/chat.py) the prompt is the chat template's rendering and each
 observation is the template's turn: the assistant turn's closing, user(observation), the next
 generation prompt. Requests carry the model's stop tokens (``tokenizer.stop_token_ids``). Generated tokens keep the engine's logprob and per-token policy
-version; observation tokens get mask 0, logprob 0.0, version -1.
+version; observation tokens get mask 0, logprob 0.0, version -1. A finished multi-turn chat
+trajectory is also compared with the template's re-rendering of its conversation
+(``Trajectory.template_mismatch``): a template that rewrites history (Qwen3 dropping past
+``<think>`` blocks) shows there, while the trained ids stay the generated ones.
 
 Engine concurrency model (``rollout.env_async``): every engine has ``engine.max_num_seqs`` permits
 (scheduler.Router.slot). With env_async = true a rollout holds a permit only inside
@@ -350,11 +353,14 @@ async def _turn_loop(
     uid, idx = spec.seed_key
     top_p = cfg.rollout.top_p if spec.group >= 0 else 1.0
     stop_ids = chat.stop_token_ids if chat is not None else []  # the model's generation_config.json eos list
+    # chat models: each generated turn's ids and the observation appended after it (None: none was), for
+    # the template re-rendering check at the end (_measure_template)
+    conversation: list[tuple[Sequence[int], str | None]] | None = [] if chat is not None else None
     while True:
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         if room <= 0:
             traj.finish_reason = "max_model_len"
-            return
+            break
         req = Generate(
             request_id=f"{spec.sample_id}.{attempt}.{traj.turns}",
             prompt_ids=traj.prompt_ids + traj.response_ids,
@@ -382,12 +388,11 @@ async def _turn_loop(
         traj.correct = _correct(res, traj.reward)
         if res.info and "metrics" in res.info:
             traj.metrics.update(res.info["metrics"])
-        if res.done:
-            traj.finish_reason = out.finish_reason
-            return
-        if traj.turns >= cfg.rollout.max_turns:
-            traj.finish_reason = "max_turns"
-            return
+        if res.done or traj.turns >= cfg.rollout.max_turns:
+            traj.finish_reason = out.finish_reason if res.done else "max_turns"
+            if conversation is not None:
+                conversation.append((ids, None))
+            break
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         # The observation turn as the chat template renders it after this generated turn (or raw text).
         obs_ids = chat.encode_observation(res.observation, ids) if chat is not None else tok.encode(res.observation)
@@ -396,12 +401,38 @@ async def _turn_loop(
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)
         traj.versions += [-1] * len(obs_ids)
+        if conversation is not None:
+            conversation.append((ids, res.observation))
         if rule is not None and att not in ctx.watched and traj.n_generated > 0:
             # version_start is now exact (the first generated token's version), and more turns follow.
             if rule.doomed(traj.version_start):
                 traj.status, traj.failure = "failed", "stale"
                 return
             ctx.watched[att] = traj.version_start
+    if chat is not None and conversation and conversation[0][1] is not None:
+        _measure_template(chat, obs, conversation, traj)
+
+
+def _measure_template(chat: ChatTokenizer, prompt: str, conversation: list[tuple[Sequence[int], str | None]],
+                      traj: Trajectory) -> None:
+    """A multi-turn chat trajectory against its text re-rendering (ChatTokenizer.template_mismatch): the
+    tokens by which the template's rendering of the finished conversation differs from the trained ids
+    (which stay as generated either way), and how many of those decoding and re-encoding the generated
+    turns alone would change. Reported per step as rollout/template_* and rollout/retokenize_*."""
+    try:
+        m = chat.template_mismatch(prompt, conversation, traj.prompt_ids + traj.response_ids)
+    except Exception as e:  # a metric: a template that cannot re-render a conversation must not end the run
+        global _template_warned
+        if not _template_warned:
+            _template_warned = True
+            log.warning("chat template: re-rendering a finished conversation failed (%s: %s); rollout/template_* "
+                        "are not measured for such samples", type(e).__name__, e)
+        return
+    if m is not None:
+        traj.template_mismatch, traj.retokenize_mismatch = m
+
+
+_template_warned = False  # _measure_template's warning, once per process
 
 
 def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Trajectory:

@@ -55,6 +55,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
     wait_s: float = 0.0  # waiting for an engine permit
     task_id: str = ""
     metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
+    # Multi-turn chat trajectories (rollout._measure_template), -1 where not measured: tokens by which the
+    # chat template's re-rendering of the finished conversation differs from prompt_ids + response_ids,
+    # and tokens that decoding and re-encoding its generated turns alone would change.
+    template_mismatch: int = -1
+    retokenize_mismatch: int = -1
 
     @property
     def version_start(self) -> int:
@@ -107,3 +112,10 @@ def metric_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
             sums[k] = sums.get(k, 0.0) + v
             counts[k] += 1
     return {k: total / counts[k] for k, total in sums.items()}
+
+
+def env_share(trajs: Sequence[Trajectory]) -> float:
+    """The share of the trajectories' lifetimes (first start to end, summed) spent inside env.reset and
+    env.step: how much of an agentic rollout waits for its environment (0.0 when none has a lifetime)."""
+    life = sum(max(0.0, t.t_end - t.t_start) for t in trajs)
+    return min(1.0, sum(t.env_s for t in trajs) / life) if life > 0 else 0.0

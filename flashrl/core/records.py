@@ -18,10 +18,15 @@ controller counters, the suite's counters and the weight-sync phases.
     run/tokens_per_s rate/samples_per_s rate/tokens_per_s turns/mean response_len/mean tokens/trained
     len/trained_mean dropped/samples dropped/tokens staleness/token_mean lineage/updates_spanned_mean
     lineage/interrupted_frac
-    reward/<metric> count/<counter> env/<counter> prompt_uids time/train/transport_s
-    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s eval/accuracy
+    reward/<metric> count/<counter> env/<counter> rollout/<template check> prompt_uids time/train/transport_s
+    time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/eval_wait_s rollout/env_share
+    eval/accuracy
     eval/reward_mean eval/reward/<metric> time/eval_s time/eval/trainer_wait_s time/eval/gen_wait_s
     eval/engine_share mem/total_gib
+
+``rollout/template_*`` / ``rollout/retokenize_*`` (steps that trained multi-turn chat samples only):
+how far the chat template's re-rendering of each trained conversation is from its trained tokens
+(``BatchStats.template``; controller/rollout.py, models/chat.py ``template_mismatch``).
 
 What evals cost: ``time/eval_wait_s`` (every trained step) is what that step's train loop waited
 because of an eval (controller/evals.py); an eval's own line adds its wall time (``time/eval_s``),
@@ -86,6 +91,7 @@ _BATCH_MORE_KEYS: dict[str, str] = {
     "time/train/transport_s": "transport_s",
     "time/checkpoint_s": "checkpoint_s",
     "time/eval_wait_s": "eval_wait_s",
+    "rollout/env_share": "env_share",
 }
 _EVAL_KEYS: dict[str, str] = {
     "eval/accuracy": "accuracy",
@@ -140,6 +146,12 @@ class BatchStats(msgspec.Struct, kw_only=True):
     reward_metrics: dict[str, float] = {}  # mean per-trajectory metric (a reward function's extras), by name
     counters: dict[str, int] = {}  # the controller's counters
     env_counters: dict[str, float] = {}  # the suite's counters (flashrl.env.Counting), by name
+    # the trained multi-turn chat samples against the template's re-rendering of their conversations
+    # (Ledger.step_record): template_checked (samples measured), template_mismatch_rate (share whose
+    # re-rendering differs), template_mismatch_tokens (mean differing tokens), retokenize_mismatch_rate /
+    # _tokens (the same for decoding and re-encoding the generated turns alone); written as rollout/<key>;
+    # empty when no trained sample was measured
+    template: dict[str, float] = {}
     prompt_uids: list[int] | None = None  # which prompts this step trained (resume checks)
     transport_s: float | None = None  # the train request's trip beyond the trainer's own step time
     sync: dict[str, float] = {}  # weight-sync phases in seconds: quiesce_s, prepare_s, trainer/*, send_s, engine/*
@@ -148,6 +160,9 @@ class BatchStats(msgspec.Struct, kw_only=True):
     engine: dict[str, float] = {}
     checkpoint_s: float | None = None  # the checkpoint written before this step
     eval_wait_s: float = 0.0  # what this step waited because of an eval (a batch that could not be fresh before it ended)
+    # the trained trajectories' time inside env.reset/env.step over their whole time (start to end),
+    # summed over the batch: how much of an agentic rollout's life is the environment's (0 single-turn)
+    env_share: float = 0.0
 
 
 class EvalStats(msgspec.Struct, kw_only=True):
@@ -186,6 +201,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             out.update({_metric_key("reward/", k): v for k, v in b.reward_metrics.items()})
             out.update({f"count/{k}": v for k, v in b.counters.items()})
             out.update({f"env/{k}": v for k, v in b.env_counters.items()})
+            out.update({f"rollout/{k}": v for k, v in b.template.items()})
             if b.prompt_uids is not None:
                 out["prompt_uids"] = list(b.prompt_uids)
             if b.transport_s is not None:
@@ -195,6 +211,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             if b.checkpoint_s is not None:
                 out["time/checkpoint_s"] = b.checkpoint_s
             out["time/eval_wait_s"] = b.eval_wait_s
+            out["rollout/env_share"] = b.env_share
         if self.eval is not None:
             e = self.eval
             out["eval/accuracy"] = e.accuracy
@@ -222,6 +239,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
         reward: dict[str, float] = {}
         counters: dict[str, int] = {}
         env: dict[str, float] = {}
+        template: dict[str, float] = {}
         sync: dict[str, float] = {}
         engine: dict[str, float] = {}
         ev: dict[str, Any] = {}
@@ -251,6 +269,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 counters[k[len("count/"):]] = v
             elif k.startswith("env/"):
                 env[k[len("env/"):]] = v
+            elif k.startswith("rollout/"):
+                template[k[len("rollout/"):]] = v
             elif k.startswith("reward/"):
                 reward[_metric_name("reward/", k)] = v
             else:
@@ -261,7 +281,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
             if missing:
                 raise ValueError(f"step record of step {line['step']} lacks {missing}")
             batch = BatchStats(**fixed, trainer=trainer, reward_metrics=reward, counters=counters,
-                               env_counters=env, sync=sync, engine=engine)
+                               env_counters=env, template=template, sync=sync, engine=engine)
         evs = None
         if ev:
             evs = EvalStats(**ev, reward_metrics=eval_metrics)

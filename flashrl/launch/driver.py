@@ -37,7 +37,7 @@ import msgspec
 
 from flashrl.aio import supervised
 from flashrl.checkpoint import Resume
-from flashrl.config import Config, to_toml
+from flashrl.config import Config, advice, to_toml
 from flashrl.core.records import StepRecord
 from flashrl.launch import Launcher, LaunchError, make_launcher
 from flashrl.launch.processes import local_cluster
@@ -95,6 +95,9 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
     dropped = prepare_run_dir(cfg, resume)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
+    for note in advice(cfg):  # valid but probably not meant: said once, in the log and on stderr
+        log.warning(note)
+        print(f"warning: {note}", file=sys.stderr)
     if resume is not None:
         log.info("resuming from %s (step %d); metrics.jsonl continues after step %d (%d later line(s) dropped)",
                  resume.path, resume.step, resume.state.metrics_through, dropped)

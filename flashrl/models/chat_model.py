@@ -9,6 +9,12 @@ model, with nothing downloaded::
     (+ chat_template.jinja)           chat template (system / user / assistant turns)
     generation_config.json            eos_token_id = [<|im_end|>, <|endoftext|>]: the stop tokens
 
+``template="qwen3"`` (``--template qwen3``) gives it a reasoning template in Qwen3's manner instead
+(``QWEN3_TEMPLATE``): ``<think>`` / ``</think>`` are added tokens, the generation prompt opens a
+``<think>`` block, and earlier assistant turns are rendered without their reasoning. A template
+that rewrites history: re-rendering a finished multi-turn conversation does not give back the
+tokens the model saw while generating it (flashrl/models/chat.py, ``ChatFormat.template_mismatch``).
+
 It exists to exercise the paths a real chat model takes (chat template, multi-token stop list,
 BPE merges across words, Qwen3's q/k norms, untied embeddings) on the CPU, in tests and examples.
 ``init_std`` is larger than a trained model's so that greedy decoding has clear winners (random
@@ -21,10 +27,12 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CHATML_TEMPLATE", "SIZES", "SPECIAL_TOKENS", "build_chat_model", "corpus"]
+__all__ = ["CHATML_TEMPLATE", "QWEN3_TEMPLATE", "SIZES", "SPECIAL_TOKENS", "TEMPLATES", "THINK_TOKENS",
+           "build_chat_model", "corpus"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+THINK_TOKENS = ("<think>", "</think>")  # added (not special) tokens of the qwen3 template: decoded text keeps them
 
 # ChatML, as Qwen and many others ship it (without Qwen3's <think> handling). A missing system
 # message is simply absent: the configured system prompt (model.system_prompt) adds one.
@@ -34,6 +42,33 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Reasoning in Qwen3's manner (written here; what matters is that it drops past reasoning as Qwen3's does):
+#  - the generation prompt opens the reasoning block: "<|im_start|>assistant\n<think>\n"; the model writes
+#    its reasoning, "</think>", then its answer;
+#  - an assistant turn before the last user turn (history) keeps only its answer: the text after its last
+#    "</think>", leading newlines dropped; reasoning and the "<think>" the generation prompt opened are gone;
+#  - an assistant turn after the last user turn (the one being answered) is rendered as it was generated:
+#    the "<think>\n" opening, then its content verbatim.
+# So the tokens a multi-turn trajectory was generated from are not what the template renders for the
+# finished conversation: the template rewrites history, as Qwen3's does.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] %}"
+    "{%- if loop.index0 < ns.last_user %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n<think>\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+TEMPLATES = {"chatml": CHATML_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
 
 _WORDS = (
     "the a an of to and in is it you that he was for on are as with his they at be this have from or one "
@@ -97,7 +132,7 @@ def corpus(n_lines: int = 4000, seed: int = 0, lexicon: int = 0) -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedTokenizerFast
+def _train_tokenizer(vocab_size: int, seed: int, template: str = "chatml"):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,15 +149,18 @@ def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedT
     big = vocab_size > 4096
     text = corpus(n_lines=200_000, seed=seed, lexicon=vocab_size) if big else corpus(seed=seed)
     tok.train_from_iterator(text, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,  # a chat model's turn ends with <|im_end|>
         pad_token=ENDOFTEXT,
         unk_token=None,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=TEMPLATES[template],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
+    if template == "qwen3":
+        hf.add_tokens(list(THINK_TOKENS))  # one token each, as in Qwen3; not special, so decoding keeps them
+    return hf
 
 
 def build_chat_model(
@@ -131,14 +169,20 @@ def build_chat_model(
     arch: Literal["qwen3", "llama"] = "qwen3",
     size: str = "tiny",
     seed: int = 0,
+    template: Literal["chatml", "qwen3"] = "chatml",
     **shape: Any,
 ) -> Path:
     """Write the chat model folder (module docstring) to ``path``; return it. Same ``seed``, same folder.
+
+    ``template``: "chatml" (plain turns) or "qwen3" (reasoning blocks, dropped from earlier turns:
+    ``QWEN3_TEMPLATE``); the qwen3 one adds the two ``THINK_TOKENS`` to the vocabulary.
 
     ``size`` names a shape of ``SIZES``; keyword ``shape`` entries (layers, hidden, heads, kv_heads,
     intermediate, vocab_size, max_position, init_std) override single fields of it.
     head size = hidden / heads must be one vLLM's CPU attention supports (32, 64, ...).
     """
+    if template not in TEMPLATES:
+        raise ValueError(f"build_chat_model: unknown template {template!r}; use one of {sorted(TEMPLATES)}")
     if size not in SIZES:
         raise ValueError(f"build_chat_model: unknown size {size!r}; use one of {sorted(SIZES)}")
     unknown = set(shape) - set(SIZES[size])
@@ -152,7 +196,7 @@ def build_chat_model(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(vocab_size, seed)
+    tok = _train_tokenizer(vocab_size, seed, template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     common = dict(
         vocab_size=len(tok),
@@ -193,7 +237,7 @@ def build_chat_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashrl.models.chat_model OUT [--arch llama] [--seed N]``: write the folder to OUT."""
+    """``python -m flashrl.models.chat_model OUT [--arch llama] [--template qwen3] [--seed N]``: write the folder to OUT."""
     import argparse
 
     ap = argparse.ArgumentParser(description="write a small random-weight chat model folder (Qwen3 or Llama)")
@@ -201,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="a named shape (SIZES)")
     ap.add_argument("--layers", type=int, default=None, help="override the size's number of layers")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="chatml",
+                    help="chatml: plain turns; qwen3: <think> reasoning, dropped from earlier assistant turns")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     extra = {"layers": a.layers} if a.layers else {}
-    print(build_chat_model(a.out, arch=a.arch, size=a.size, seed=a.seed, **extra))
+    print(build_chat_model(a.out, arch=a.arch, size=a.size, seed=a.seed, template=a.template, **extra))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,12 @@ class HFTokenizer:
     def encode_observation(self, text: str, generated: list[int]) -> list[int]:
         """Ids appended after the generated turn ``generated`` for the env's next observation ``text``."""
         return self.chat.observation_ids(text, generated) if self.chat is not None else self.encode(text)
+
+    def template_mismatch(self, prompt: str, turns: Sequence[tuple[Sequence[int], str | None]],
+                          trained: Sequence[int]) -> tuple[int, int] | None:
+        """(template, retokenize) token differences of a finished trajectory (ChatFormat.template_mismatch);
+        None without a chat template (raw text: no template to re-render with)."""
+        return self.chat.template_mismatch(prompt, turns, trained) if self.chat is not None else None
 
     @property
     def vocab_size(self) -> int:

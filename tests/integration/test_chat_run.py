@@ -4,6 +4,10 @@ Real vLLM engine, real trainer, the real CLI. Checked: a run with chat-template 
 observation turns trains and syncs; the engines' sampled logprobs equal the trainer's recomputation
 (mismatch/kl near 0 every step), and an engine holding other weights shows up as a large mismatch/kl;
 the exported final policy, loaded with transformers, decodes greedily exactly as the last engine did.
+With the qwen3 template (past <think> reasoning dropped from history): multi-turn rollouts through a
+real vLLM engine train exactly the engine's generated ids plus the observation ids, with the engine's
+logprobs at the generated positions (recomputed by transformers over the trained sequence), while the
+template's re-rendering of the conversations differs (the template-mismatch metric).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from flashrl.config import load, to_toml
+from flashrl.config import Config, load, to_toml
 from flashrl.metrics import read_jsonl
 from flashrl.models.chat_model import build_chat_model
 from flashrl.wire.protocol import Generate
+from tests.unit.test_chat import Recorder, check_token_exact
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -99,6 +104,8 @@ def test_cli_run_with_a_chat_model_trains_syncs_and_exports(tmp_path: Path, chat
         assert r["mismatch/kl"] < 1e-6, r  # seen: ~4e-13
         assert r["mismatch/max_abs"] < 5e-3, r  # seen: ~3e-6
         assert r["turns/mean"] > 1.0  # multi-turn: observation turns were appended as chat turns
+        # ... so the step measured its multi-turn samples against the template's re-rendering (models.md)
+        assert r["rollout/template_checked"] >= 1 and 0.0 <= r["rollout/template_mismatch_rate"] <= 1.0, r
     final = run / "final"
     before, after = _weights(chat_dir), _weights(final)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # trained
@@ -186,3 +193,96 @@ def test_engine_matches_trainer_wrong_weights_show_and_export_decodes_like_the_e
         got = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=12, do_sample=False)
         assert got[0, len(p):].tolist() == want
+
+
+class _RecordingSuite:
+    """The guess suite, each env keeping the (action, observation) of its steps."""
+
+    def __init__(self, suite) -> None:
+        self.suite = suite
+        self.logs: list[list[tuple[str, str]]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.suite, name)
+
+    def make_env(self):
+        env, log = self.suite.make_env(), []
+        self.logs.append(log)
+        step = env.step
+
+        async def recorded(action: str):
+            res = await step(action)
+            log.append((action, res.observation))
+            return res
+
+        env.step = recorded
+        return env
+
+
+@pytest.mark.timeout(900)
+def test_multiturn_rollouts_on_a_history_rewriting_template_train_the_engines_tokens(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from envs import make_suite
+    from flashrl.controller.rollout import RolloutContext, run_group
+    from flashrl.controller.scheduler import Router
+    from flashrl.controller.types import Trajectory
+    from flashrl.engine.client import spawn_engine
+    from flashrl.engine.server import EngineSpec
+    from flashrl.env import Task
+    from flashrl.models.tokenizer import load_tokenizer
+    from flashrl.wire.transport import free_port
+
+    model = build_chat_model(tmp_path / "qwen3-think", template="qwen3")
+    tok = load_tokenizer(model, "auto", "Find the hidden number.")
+    cfg = msgspec.convert({"rollout": {"max_turns": 3, "max_new_tokens": 8}, "model": {"max_model_len": 256}}, Config)
+    spec = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(model), name="chat-engine",
+                      max_model_len=256, max_num_seqs=16, kv_cache_gib=0.25)
+    ep = spawn_engine(spec, tmp_path / "engine.log")
+    suite = _RecordingSuite(make_suite("guess", {"max_number": 9, "max_turns": 3}, 0, 4))
+    trajs: list[Trajectory] = []
+
+    async def main() -> Recorder:
+        await ep.wait_ready(600)
+        eng = Recorder(ep.client)
+        ctx = RolloutContext(cfg=cfg, tokenizer=tok, suite=suite, engines=[eng], router=Router(1, 16),
+                             version=lambda: 0)
+        for g in range(2):
+            task = Task(id=f"guess-{g}", prompt="Guess 0-9:\n", answer=str(7 + g))
+            assert await run_group(ctx, task=task, group=g, need=4, first_index=0, extra=0, temperature=1.0,
+                                   on_sample=trajs.append)
+        return eng
+
+    try:
+        eng = asyncio.run(main())
+    finally:
+        asyncio.run(ep.terminate(timeout=20))
+    assert len(trajs) == 8
+    calls = {}
+    for req, out in eng.calls:
+        calls.setdefault(req.request_id.rsplit(".", 2)[0], []).append((req, out))
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    multi = 0
+    for t in trajs:
+        mine = sorted(calls[t.sample_id], key=lambda c: int(c[0].request_id.rsplit(".", 1)[1]))
+        actions = [tok.decode(list(out.token_ids)) for _, out in mine]
+        log = next(lg for lg in suite.logs if [a for a, _ in lg] == actions)
+        observations = [o for _, o in log[:-1]]  # the last step ended the episode: nothing appended after it
+        check_token_exact(tok, t, mine, observations)
+        # the engine's logprobs belong to the trained sequence: transformers over prompt + response, at the
+        # generated positions, gives them back (observation positions: mask 0, logprob 0.0)
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(input_ids=ids).logits[0, :-1].float(), -1)
+        target = ids[0, 1:]
+        got = logp.gather(-1, target[:, None])[:, 0][len(t.prompt_ids) - 1:].tolist()
+        gen = [(g, b) for g, b, m in zip(got, t.behav_logp, t.loss_mask) if m]
+        assert max(abs(g - b) for g, b in gen) < 2e-3, t.sample_id
+        assert all(b == 0.0 for b, m in zip(t.behav_logp, t.loss_mask) if not m)
+        if t.turns > 1:
+            multi += 1
+            assert t.template_mismatch > 0  # past turns lost their "<think>" opening (and any reasoning)
+    assert multi >= 4
+    print("template_mismatch, retokenize_mismatch per trajectory:",
+          [(t.template_mismatch, t.retokenize_mismatch) for t in trajs])

@@ -130,11 +130,17 @@ def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tm
     assert (modes, seeds, out, config, steps, sets, timeout) == (
         ["trl", "async", "sync"], [0], "bench/results/peers", "configs/tiny.toml", None, [], None)
     assert kw == {"title": "flashrl vs TRL GRPOTrainer", "sync_seeds": [0], "resume": False, "report_only": False,
-                  "targets": None}
+                  "targets": None, "variants": {}}
     assert (modes2, seeds2, out2) == (["async"], [3, 4], "bench/results/seeds")
     assert kw2["sync_seeds"] == [3, 4] and kw2["resume"] and calls[1][5] == ["a=1"]
     assert runner.invoke(bench_app, ["peers", "--targets", "0.5,0.6"]).exit_code == 0
     assert calls[2][-1]["targets"] == [0.5, 0.6]
+    knobs = ["seeds", "--modes", "sync,envasync", "--variant", "envasync=scheduler.async_ratio=0; rollout.env_async=true",
+             "--variant", "all="]
+    assert runner.invoke(bench_app, knobs).exit_code == 0
+    assert calls[3][-1]["variants"] == {"envasync": ["scheduler.async_ratio=0", "rollout.env_async=true"], "all": []}
+    bad_variant = runner.invoke(bench_app, ["seeds", "--variant", "sync=rollout.redundancy=2"])
+    assert bad_variant.exit_code == 2 and "'sync' is a built-in mode" in _text(bad_variant)
     monkeypatch.setattr(peers_runner, "run_bench", lambda *a, **k: (_ for _ in ()).throw(ValueError("--modes x: give")))
     bad = runner.invoke(bench_app, ["peers", "--modes", "x"])
     assert bad.exit_code == 2 and "flashrl bench peers: --modes x" in _text(bad)

@@ -215,6 +215,23 @@ def test_child_commands(tmp_path: Path) -> None:
     assert trl[:4] == [sys.executable, "-m", "flashrl.bench.peers.trl_grpo", str(TINY)] and "run.seed=2" in trl
     with pytest.raises(ValueError, match="mode"):
         child_command("tr", TINY, 0, None, run_dir)
+    # a --variant: flashrl with its overrides after everything else (so they win over the bench's own)
+    red = child_command("redundant", TINY, 0, None, run_dir, ["a.b=1"], {"redundant": ["rollout.redundancy=2"]})
+    assert red[-2:] == ["--set", "rollout.redundancy=2"] and "scheduler.async_ratio=0" not in red
+    assert "a.b=1" in red
+
+
+@pytest.mark.parametrize("text, error", [
+    ("noequals", "NAME=KEY=VALUE"), ("=a.b=1", "NAME=KEY=VALUE"), ("x y=a=1", "NAME=KEY=VALUE"),
+    ("async=a.b=1", "built-in mode"), ("v=a.b", "not KEY=VALUE"), ("v=a=1;=2", "not KEY=VALUE"),
+])
+def test_variants_that_cannot_run_are_refused(text: str, error: str) -> None:
+    from flashrl.bench.peers.runner import parse_variant
+
+    with pytest.raises(ValueError, match=error):
+        parse_variant(text)
+    assert parse_variant("q-off=scheduler.queue_scheduling=false;rollout.redundancy=0") == (
+        "q-off", ["scheduler.queue_scheduling=false", "rollout.redundancy=0"])
 
 
 def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,6 +260,10 @@ def test_resume_keeps_completed_runs_and_sync_seeds_limit_sync(tmp_path: Path, m
     assert runs[0].evals == [(0, 0.5, 0.0), (10, 0.9, 5.0)] and runs[0].peak_mem_gib == 5.5
     assert (out / "results.md").is_file()
     assert peers.run_bench(["async"], [0], out, TINY, resume=False) and ran[-1] == ("async", 0)  # no resume: run again
+    with pytest.raises(ValueError, match="--variant"):  # a mode no --variant defines
+        peers.run_bench(["async", "knob"], [0], out, TINY)
+    peers.run_bench(["knob"], [0], out, TINY, variants={"knob": ["rollout.redundancy=1"]})
+    assert ran[-1] == ("knob", 0) and "knob = flashrl with rollout.redundancy=1" in (out / "results.md").read_text()
 
 
 def test_report_only_assembles_kept_and_recovered_runs(tmp_path: Path) -> None:

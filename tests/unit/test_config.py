@@ -159,3 +159,16 @@ def test_per_loss_options_live_in_their_table_and_belong_to_the_chosen_loss(tmp_
     p = tmp_path / "config.toml"
     p.write_text(to_toml(cfg))
     assert load(p) == cfg
+
+
+def test_advice_warns_about_an_uncorrected_loss_on_async_samples() -> None:
+    from flashrl.config import advice, load
+
+    assert advice(load(None)) == []  # the defaults: decoupled_ppo corrects per token
+    ppo = advice(load(None, ["algorithm.loss=ppo"]))
+    assert len(ppo) == 1 and "'ppo'" in ppo[0] and "async_ratio = 2" in ppo[0] and "partial" in ppo[0]
+    assert "decoupled_ppo" in ppo[0]  # the fix is named
+    assert advice(load(None, ["algorithm.loss=ppo", "scheduler.async_ratio=0"])) == []  # sync: on-policy
+    drop = advice(load(None, ["algorithm.loss=grpo", "scheduler.stale=drop"]))
+    assert len(drop) == 1 and "partial" not in drop[0]
+    assert advice(load(None, ["algorithm.loss=tis"])) == []

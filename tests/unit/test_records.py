@@ -41,7 +41,7 @@ TRAINED = [
     "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens", "staleness/token_mean",
     "lineage/updates_spanned_mean", "lineage/interrupted_frac", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
     "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/wait_s",
-    "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s", "time/eval_wait_s",
+    "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s", "time/eval_wait_s", "rollout/env_share",
 ]
 EVALUATED = TRAINED + ["eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", *EVAL_COST]
 
@@ -133,7 +133,7 @@ def test_every_optional_part_has_its_key() -> None:
         "turns/mean", "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens",
         "staleness/token_mean", "lineage/updates_spanned_mean", "lineage/interrupted_frac", "count/checkpoint/failed", "env/delay_s", "prompt_uids",
         "time/sync/quiesce_s", "time/sync/engine/load_s", "engine/stepping", "engine/commands", "engine/busy",
-        "time/checkpoint_s", "time/eval_wait_s", "eval/accuracy", "eval/reward_mean",
+        "time/checkpoint_s", "time/eval_wait_s", "rollout/env_share", "eval/accuracy", "eval/reward_mean",
         "time/eval_s", "time/eval/trainer_wait_s", "time/eval/gen_wait_s", "eval/engine_share", "mem/total_gib",
     ]
     assert StepRecord.from_dict(msgspec.json.decode(msgspec.json.encode(line))) == rec
@@ -146,3 +146,15 @@ def test_a_line_that_is_no_step_record_is_refused() -> None:
         StepRecord.from_dict({"step": 1, "version": 1, "bogus": 2})
     with pytest.raises(ValueError, match=r"lacks \['reward/mean'"):
         StepRecord.from_dict({"loss": 1.0, "step": 1, "version": 1})
+
+
+def test_env_share_is_env_time_over_trajectory_lifetimes() -> None:
+    from flashrl.controller.types import Trajectory, env_share
+
+    def traj(start: float, end: float, env: float) -> Trajectory:
+        return Trajectory(sample_id="s", group=0, index=0, t_start=start, t_end=end, env_s=env)
+
+    # 1 s of env in a 4 s life and 3 s in a 4 s life: 4 of 8 seconds
+    assert env_share([traj(0.0, 4.0, 1.0), traj(10.0, 14.0, 3.0)]) == 0.5
+    assert env_share([traj(0.0, 2.0, 0.0)]) == 0.0  # single-turn without env time
+    assert env_share([]) == 0.0 and env_share([traj(5.0, 5.0, 0.0)]) == 0.0  # no lifetime: no share

@@ -77,6 +77,9 @@ class Run:
     eval_wait_s: float = 0.0  # held-out evals' time taken out of the training clock (flashrl: waits for them)
     # flashrl: the least busy engine thread's share of the wall time, mean over steps (stepping, commands, busy)
     engine_busy: dict[str, float] = field(default_factory=dict)
+    # flashrl: the trained trajectories' share of their lifetime inside the environment (rollout/env_share),
+    # mean over steps; None where not logged
+    env_share: float | None = None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -149,6 +152,8 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
                        and k not in ("time/elapsed_s", "time/step_s", *EVAL_WAITS)})
         run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
         run.engine_busy = engine_busy(steady)
+        shares = [float(r["rollout/env_share"]) for r in steady if "rollout/env_share" in r]
+        run.env_share = statistics.fmean(shares) if shares else None
         rest = (run.step_s or 0.0) - sum(run.parts.values())
         if run.step_s is not None and rest > 0.0005:  # flashrl: waiting for rollouts (generation not hidden)
             run.parts["rest"] = rest
@@ -223,6 +228,8 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("engine thread busy: stepping + commands (mean over steps)",
         [f"{r.engine_busy['stepping']:.0%} + {r.engine_busy['commands']:.0%} = {r.engine_busy['busy']:.0%}"
          if r.engine_busy else ("n/a (one process)" if r.mode == "trl" else "n/a") for r in runs])
+    if any(r.env_share for r in runs):
+        row("env wait share (trajectory time inside the environment)", [fmt(r.env_share, "{:.0%}") for r in runs])
     row("peak memory (process tree)", [fmt(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
     row("held-out accuracy first -> final (best)",
         [f"{fmt(r.first_acc, '{:.1%}')} -> {fmt(r.final_acc, '{:.1%}')} ({fmt(r.best_acc, '{:.1%}')})" for r in runs])

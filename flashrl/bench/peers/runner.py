@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -109,32 +109,52 @@ def _flashrl_cmd() -> list[str]:
     return [found] if found else [sys.executable, "-m", "flashrl.cli"]
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``--variant NAME=KEY=VALUE[;KEY=VALUE...]``: a named flashrl mode, the config with these overrides
+    (e.g. ``envasync=scheduler.async_ratio=0;rollout.env_async=true``). An empty override list is the
+    config as it is."""
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--variant {text!r}: write NAME=KEY=VALUE;KEY=VALUE (NAME letters, digits, - or _)")
+    if name in MODES:
+        raise ValueError(f"--variant {text!r}: {name!r} is a built-in mode ({', '.join(MODES)}); pick another name")
+    sets = [x.strip() for x in rest.split(";") if x.strip()]
+    bad = [x for x in sets if "=" not in x or not x.split("=", 1)[0].strip()]
+    if bad:
+        raise ValueError(f"--variant {text!r}: {bad[0]!r} is not KEY=VALUE (e.g. rollout.redundancy=2)")
+    return name, sets
+
+
 def child_command(mode: str, config: str | Path, seed: int, steps: int | None, run_dir: Path,
-                  extra_sets: Sequence[str] = ()) -> list[str]:
-    """The command line of one run; its metrics land in ``run_dir``/metrics.jsonl."""
+                  extra_sets: Sequence[str] = (), variants: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+    """The command line of one run; its metrics land in ``run_dir``/metrics.jsonl. A mode named in
+    ``variants`` runs flashrl with that variant's overrides after ``extra_sets``."""
+    variants = variants or {}
     sets = [f"run.seed={seed}", *extra_sets]
     if steps is not None:
         sets.append(f"run.steps={steps}")
     if mode == "trl":
         return [sys.executable, "-m", "flashrl.bench.peers.trl_grpo", str(config), "--out", str(run_dir),
                 *(a for s in sets for a in ("--set", s))]
-    if mode not in ("async", "sync"):
-        raise ValueError(f"mode {mode!r}: give one of {MODES}")
+    if mode not in ("async", "sync") and mode not in variants:
+        raise ValueError(f"mode {mode!r}: give one of {MODES} or a --variant name ({', '.join(variants) or 'none given'})")
     sets += [f"run.name={run_dir.name}", f"run.output_dir={run_dir.parent}", "run.dashboard=plain"]
     if mode == "sync":
         sets += list(SYNC_SETS)
+    sets += list(variants.get(mode, ()))
     return [*_flashrl_cmd(), "run", str(config), *(a for s in sets for a in ("--set", s))]
 
 
 def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Path,
             extra_sets: Sequence[str] = (), timeout_s: float | None = None,
-            targets: Sequence[float] = THRESHOLDS) -> Run:
+            targets: Sequence[float] = THRESHOLDS, variants: Mapping[str, Sequence[str]] | None = None) -> Run:
     name = f"{mode}-seed{seed}"
     run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = child_command(mode, config, seed, steps, run_dir, extra_sets)
+    cmd = child_command(mode, config, seed, steps, run_dir, extra_sets, variants)
     run = Run(mode=mode, seed=seed, name=name, log=str(log))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f:
@@ -207,16 +227,21 @@ def _recovered(out: Path, mode: str, seed: int, targets: Sequence[float] = THRES
 def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, config: str | Path = "configs/tiny.toml",
               steps: int | None = None, extra_sets: Sequence[str] = (), timeout_s: float | None = None,
               title: str = "flashrl vs TRL GRPOTrainer", sync_seeds: Sequence[int] | None = None,
-              resume: bool = False, report_only: bool = False, targets: Sequence[float] | None = None) -> list[Run]:
+              resume: bool = False, report_only: bool = False, targets: Sequence[float] | None = None,
+              variants: Mapping[str, Sequence[str]] | None = None) -> list[Run]:
     """Every (seed, mode) run in turn (sync only for ``sync_seeds``, default all); results files after each.
 
     ``resume``: a run that an earlier invocation into ``out`` completed (exit 0, ``steps`` steps) is kept,
     not run again, so a long bench can be run one piece at a time and assembled by a last invocation.
-    ``targets``: the held-out accuracies timed (default report.THRESHOLDS; the first is the seed tables')."""
+    ``targets``: the held-out accuracies timed (default report.THRESHOLDS; the first is the seed tables').
+    ``variants``: named flashrl modes (name -> config overrides, ``parse_variant``); a variant runs only when
+    ``modes`` names it, in that order."""
     targets = tuple(targets) if targets else THRESHOLDS
-    bad = [m for m in modes if m not in MODES]
+    variants = dict(variants or {})
+    bad = [m for m in modes if m not in MODES and m not in variants]
     if bad or not modes:
-        raise ValueError(f"--modes {','.join(modes)}: give a comma-separated subset of {','.join(MODES)}")
+        raise ValueError(f"--modes {','.join(modes)}: give a comma-separated subset of "
+                         f"{','.join([*MODES, *variants])} (a --variant NAME=... defines another)")
     out = Path(out)
     runs = []
     for seed in seeds:
@@ -233,16 +258,19 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
                 print(f"[bench] {kept.name}: kept (completed earlier)", flush=True)
                 runs.append(kept)
             else:
-                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets))
+                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets, variants))
             if not report_only:
-                write_results(runs, out, title, _notes(config, steps, extra_sets))  # partial results survive a crash
+                write_results(runs, out, title, _notes(config, steps, extra_sets, variants))  # partial results survive a crash
     if report_only:
-        write_results(runs, out, title, _notes(config, steps, extra_sets))
+        write_results(runs, out, title, _notes(config, steps, extra_sets, variants))
     return runs
 
 
-def _notes(config: str | Path, steps: int | None, extra_sets: Sequence[str]) -> str:
+def _notes(config: str | Path, steps: int | None, extra_sets: Sequence[str],
+           variants: Mapping[str, Sequence[str]] | None = None) -> str:
     sets = " ".join(f"--set {s}" for s in extra_sets)
+    labels = {**MODE_LABEL, **{k: "flashrl with " + ("; ".join(v) if v else "the config as it is")
+                               for k, v in (variants or {}).items()}}
     return (f"Config `{config}`{f' with {sets}' if sets else ''}{f', run.steps={steps}' if steps else ''}; "
             f"runs one after another on this machine ({os.cpu_count()} cores). Modes: "
-            + "; ".join(f"{m} = {MODE_LABEL[m]}" for m in MODES) + ".\n\n")
+            + "; ".join(f"{m} = {label}" for m, label in labels.items()) + ".\n\n")
