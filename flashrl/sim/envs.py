@@ -1,7 +1,8 @@
 """Simulated environments (``env.name = "sim"``) and the character tokenizer the simulator uses.
 
     controller rollout ---reset(task)---> SimEnv: prompt text (prompt_chars characters), a delay if reset_delay
-                       ---step(action)--> SimEnv: sleeps a delay drawn from ``delay``,
+                       ---step(action)--> SimEnv: sleeps a delay drawn from ``delay`` (not on the
+                                          episode's last step when answer_delay is false),
                                           maybe fail-slow (sleeps slow_factor x longer),
                                           maybe fail-stop (raises EnvFailure("crash") or hangs),
                                           returns an observation of obs_chars characters until the
@@ -110,6 +111,9 @@ class SimEnvParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turns_max: Annotated[int, Meta(ge=1, description="most environment turns of an episode")] = 1
     delay: DelayModel = msgspec.field(default_factory=DelayModel)
     reset_delay: Annotated[bool, Meta(description="reset waits a delay too (as [env.params.faults] delays every call)")] = False
+    answer_delay: Annotated[bool, Meta(description=(
+        "the episode's last step waits a delay too; false for a tool-use env whose final answer goes to a "
+        "verifier, not a tool (envs/tools.py delays its tool calls only)"))] = True
     fail_slow_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step is slow (fail-slow)")] = 0.0
     slow_factor: Annotated[float, Meta(ge=1, description="a slow step takes this many times its delay")] = 10.0
     fail_stop_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step fails (fail-stop)")] = 0.0
@@ -158,6 +162,8 @@ class SimEnv:
         if p.fail_slow_rate and uniform(seed, key_b, b"slow") < p.fail_slow_rate:
             self._suite.fail_slows += 1
             delay *= p.slow_factor
+        if not p.answer_delay and self._turn >= self._turns:  # the answer, not a tool call: no latency
+            delay = 0.0
         if delay > 0:
             await asyncio.sleep(delay)
         self._suite.steps += 1
