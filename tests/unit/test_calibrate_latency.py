@@ -8,14 +8,14 @@ import math
 import pytest
 
 from flashrl.bench.calibrate import inner_env, sim_delay
-from flashrl.config import from_dict
+from flashrl.config import Config, from_dict
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.envs import DelayModel, SimEnvParams, SimSuite
 
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 
 
-def _tools_cfg(latency: dict, faults: dict | None = None, remote: bool = True):  # type: ignore[no-untyped-def]
+def _tools_cfg(latency: dict, faults: dict | None = None, remote: bool = True) -> Config:
     inner = {"min_operand": 10, "max_operand": 99, "max_turns": 3, "latency": latency, "faults": faults or {}}
     env = {"name": "remote", "params": {"inner": "tools", "workers": 2, "params": inner}} if remote else {"name": "tools", "params": inner}
     return from_dict({"model": {"path": "builtin:tiny"}, "env": env})
