@@ -336,7 +336,11 @@ def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> f
     gen_per_sample = run.tokens_per_s / run.samples_per_s if run.samples_per_s > 0 else run.response_len
     per_turn = max(1.0, min(float(cfg.rollout.max_new_tokens), gen_per_sample / run.turns))
     obs = max(0, round((run.response_len - gen_per_sample) / (run.turns - 1))) if run.turns > 1.05 else 0
-    params: dict[str, Any] = {"prompt_chars": prompt, "turns_min": turns, "turns_max": turns, "obs_chars": obs, "reset_delay": True}
+    # turns_mean: the measured mean, not its rounding (1.66 turns of the tools task rounded to 2 would give
+    # every episode a tool call: 64 latency draws per step where a third of the run's episodes made none,
+    # so a later slowest call in the synchronous baseline)
+    params: dict[str, Any] = {"prompt_chars": prompt, "turns_min": turns, "turns_max": turns, "turns_mean": max(1.0, run.turns),
+                              "obs_chars": obs, "reset_delay": True}
     params |= sim_delay(cfg)
     lat = {key: v * k if key.endswith("_s") and key != "weight_load_s" else v for key, v in CPU_TINY_LATENCY.items()}
     lat["max_num_seqs"] = cfg.engine.max_num_seqs

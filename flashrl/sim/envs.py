@@ -109,6 +109,10 @@ class SimEnvParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     obs_chars: Annotated[int, Meta(ge=0, description="observation length per turn in tokens")] = 32
     turns_min: Annotated[int, Meta(ge=1, description="fewest environment turns of an episode")] = 1
     turns_max: Annotated[int, Meta(ge=1, description="most environment turns of an episode")] = 1
+    turns_mean: Annotated[float, Meta(ge=0, description=(
+        "if > 0: turns per episode floor(turns_mean) or one more, drawn so their mean is turns_mean (a measured "
+        "mean such as 1.66 turns, which rounding would turn into a tool call for every episode); overrides "
+        "turns_min/turns_max"))] = 0.0
     delay: DelayModel = msgspec.field(default_factory=DelayModel)
     reset_delay: Annotated[bool, Meta(description="reset waits a delay too (as [env.params.faults] delays every call)")] = False
     answer_delay: Annotated[bool, Meta(description=(
@@ -201,8 +205,12 @@ class SimSuite:
         p = self.params
         head = f"{split}{i}: "
         prompt = (head + "q" * p.prompt_chars)[: p.prompt_chars]
-        span = p.turns_max - p.turns_min + 1
-        turns = p.turns_min + int(uniform(self.seed, f"{split}{i}".encode(), b"turns") * span)
+        u = uniform(self.seed, f"{split}{i}".encode(), b"turns")
+        if p.turns_mean > 0:
+            lo = max(1, math.floor(p.turns_mean))
+            turns = lo + (1 if u < p.turns_mean - lo else 0)
+        else:
+            turns = p.turns_min + int(u * (p.turns_max - p.turns_min + 1))
         return Task(id=f"{split}{i}", prompt=prompt, answer="", meta={"turns": turns})
 
     def count(self, key: str) -> int:

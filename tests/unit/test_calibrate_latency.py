@@ -64,3 +64,12 @@ def test_sim_env_answer_delay(answer_delay: bool) -> None:
     run = run_virtual(episode)
     assert run.result
     assert run.virtual_s == pytest.approx(2.0 if answer_delay else 1.0)
+
+
+def test_sim_env_turns_mean_gives_that_mean() -> None:
+    """turns_mean 1.66: episodes of 1 or 2 turns, 66% of them 2 (what calibration takes from a measured run)."""
+    suite = SimSuite(SimEnvParams(turns_mean=1.66, train_size=4000))
+    turns = [t.meta["turns"] for t in suite.train_tasks()]
+    assert set(turns) == {1, 2}
+    assert sum(turns) / len(turns) == pytest.approx(1.66, abs=0.02)
+    assert {t.meta["turns"] for t in SimSuite(SimEnvParams(turns_mean=3.0)).train_tasks()} == {3}
