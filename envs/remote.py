@@ -134,7 +134,7 @@ class RemotePool:
         self._dir = tempfile.mkdtemp(prefix="flashrl-envpool-")
         self.workers: WorkerPool[RpcClient] = WorkerPool(
             "env worker", params.workers, start=self._spawn, ready=self._ping, on_exit=self._exited,
-            failure=EnvFailure, eager=True, startup_timeout_s=params.startup_timeout_s)
+            failure=EnvFailure, eager=True, startup_timeout_s=params.startup_timeout_s, wait_restarts=True)
         # Live workers; each Child SIGKILLs its group if dropped unstopped. The finalizer removes the folder.
         self._children: set[launch.Proc] = set()
         self._finalizer = weakref.finalize(self, _kill_all, self._children, self._dir)

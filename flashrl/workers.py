@@ -24,7 +24,7 @@ Invariants:
   loop does not spin; counted ``restarts``) or by the next ``acquire`` (lazy).
 - ``acquire`` never hands out a dead worker, nor one with ``capacity`` calls already on it; it
   waits for room (a release, a replacement) or, when every slot is down in eager mode, raises
-  ``failure("crash", ...)`` at once instead of waiting for the restarts.
+  ``failure("crash", ...)`` at once instead of waiting for the restarts (``wait_restarts``: waits for them).
 - a supervisor that fails by itself (a bug) is logged with its traceback, never silent.
 """
 
@@ -86,6 +86,7 @@ class WorkerPool(Generic[H]):
         capacity: int | None = None,
         eager: bool = True,
         startup_timeout_s: float = 60.0,
+        wait_restarts: bool = False,
     ) -> None:
         if size < 1:
             raise ValueError(f"{name}: a pool needs at least one worker, got {size}")
@@ -98,6 +99,10 @@ class WorkerPool(Generic[H]):
         self.capacity = capacity  # most calls at once on one worker; None: no limit (least loaded first)
         self.eager = eager  # True: every slot started up front and refilled at once; False: on demand
         self.startup_timeout_s = startup_timeout_s
+        # True: when every slot is down (eager), acquire waits for a restart (the caller's deadline bounds it)
+        # instead of failing at once: a caller that retries on failure (a rollout) would otherwise spin
+        # through its retries in microseconds while the workers restart (envs/remote.py sets it).
+        self.wait_restarts = wait_restarts
         self.counters: Counter[str] = Counter()  # spawned, exits, restarts, killed:<reason>
         self._slots: list[Worker[H] | None] = [None] * size
         self._filling: set[int] = set()  # slots whose process is being started
@@ -151,7 +156,7 @@ class WorkerPool(Generic[H]):
                     self._wake()
                     raise
                 return w
-            if self.eager and not live:
+            if self.eager and not live and not self.wait_restarts:
                 raise self._failure("crash", f"no {self.name} is alive (all are restarting)")
             self._changed.clear()
             await self._changed.wait()

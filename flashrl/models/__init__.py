@@ -47,8 +47,17 @@ class ModelPathError(FileNotFoundError):
 
 
 def _task_params(cfg) -> dict:
-    """``env.params`` without ``faults``: the model learns the task, not its delays or injected faults."""
-    return {k: v for k, v in cfg.env.params.items() if k != "faults"}
+    """``env.params`` without ``faults``: the model learns the task, not its delays or injected faults.
+
+    A wrapper's inner environment (``env.name = "remote"``: ``[env.params.params.faults]``) loses its
+    ``faults`` too: they act in the workers at run time, and in the warm-start (which plays the inner
+    suite in this process) an injected crash would end the build, and a changed rate would rebuild it.
+    """
+    params = {k: v for k, v in cfg.env.params.items() if k != "faults"}
+    inner = params.get("params")
+    if cfg.env.name == "remote" and isinstance(inner, dict) and "faults" in inner:
+        params["params"] = {k: v for k, v in inner.items() if k != "faults"}
+    return params
 
 
 def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:

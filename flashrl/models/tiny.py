@@ -343,9 +343,11 @@ def play_episodes(model, tok, suite, tasks, max_new_tokens: int, max_turns: int,
             outs = generate(model, [ctx[i] for i in alive], max_new_tokens, tok.eos_token_id, tok.pad_token_id,
                             temperature=temperature, generator=generator)
             still = []
-            for i, out in zip(alive, outs):
+            # All episodes step at once: an env whose calls take time (envs/tools.py's tool latency) costs the
+            # slowest call per turn, not the sum of them; each env draws from its own rng, so order is moot.
+            results = await asyncio.gather(*(envs[i].step(tok.decode(out)) for i, out in zip(alive, outs)))
+            for i, out, res in zip(alive, outs, results):
                 ctx[i] = ctx[i] + out
-                res = await envs[i].step(tok.decode(out))
                 reward[i] += res.reward
                 correct[i] = bool(res.info["correct"]) if "correct" in res.info else reward[i] >= 1.0
                 if not res.done:

@@ -436,3 +436,21 @@ def test_held_out_episodes_are_sized_by_many_demonstrations_not_one_replayed(
     ensure_model(cfg, SMALL)
     held_out = [c for c in calls if c[0] == 16]
     assert held_out and all(n >= len("calc(99*99)") + 1 and turns >= 2 for _, n, turns in held_out), calls
+
+
+def test_a_remote_envs_inner_faults_neither_reach_the_warm_start_nor_change_the_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[env.params.params.faults] of env.name = "remote" act in the workers at run time; the warm-start plays
+    the inner suite in this process, where an injected crash once ended the build (and any rate rebuilt it)."""
+    from envs.tools import ToolsSuite
+
+    monkeypatch.setattr(ToolsSuite, "WARM_START", {"max_steps": 1, "batch": 4, "check_every": 1, "probe_size": 4,
+                                                   "target_accuracy": 1.0})
+    inner = {"train_size": 50, "latency": {"median_s": 0.0, "p99_s": 0.0}}
+
+    def cfg(faults: dict) -> Config:
+        params = {"inner": "tools", "workers": 1, "params": inner | ({"faults": faults} if faults else {})}
+        return Config(model=ModelConfig(cache_dir=str(tmp_path)), env=EnvConfig(name="remote", params=params, eval_size=8))
+
+    path = ensure_model(cfg({"crash": 1.0}), SMALL)  # every call would crash
+    assert ensure_model(cfg({}), SMALL) == path and ensure_model(cfg({"crash": 0.5, "hang": 0.5}), SMALL) == path

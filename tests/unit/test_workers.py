@@ -134,6 +134,27 @@ async def test_eager_least_loaded_and_no_live_worker_fails_at_once() -> None:
     await pool.aclose()
 
 
+async def test_wait_restarts_makes_a_caller_wait_for_a_replacement_instead_of_failing() -> None:
+    """envs/remote.py's pool: a rollout that failed fast here would burn its retries in microseconds while
+    the workers restart (a tool-use run with worker exits once counted 1.3 M retries in 4 minutes)."""
+    s = Stand()
+    pool = s.pool(2, eager=True, wait_restarts=True)
+    a = await pool.acquire()
+    b = await pool.acquire()
+    s.gate.clear()
+    for p in list(s.procs):
+        p.die(1)
+    await _until(lambda: not any(w.alive for w in (a, b)) and pool.counters["exits"] == 2)
+    assert pool.workers() == []
+    waiting = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # no live worker: it waits, it does not fail
+    s.gate.set()  # the replacements become ready
+    w = await asyncio.wait_for(waiting, 5.0)
+    assert w.alive and w not in (a, b) and pool.counters["restarts"] >= 1
+    await pool.aclose()
+
+
 async def test_a_worker_that_never_becomes_ready_fails_its_callers_with_the_reason() -> None:
     s = Stand(never_ready=True)
     pool = s.pool(1, capacity=1, eager=False, startup_timeout_s=1.0)
