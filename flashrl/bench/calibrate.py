@@ -18,7 +18,8 @@ built-in model on one CPU core, measured on the project's 2-core CPU machine: 25
 ``--latency FILE`` ([sim.latency] of a profile). Tokens per step are counted from samples x mean
 response length (prompt tokens are not in the metrics). The engines' weight load is taken as part of
 the fitted sync time (weight_load_s = 0). The simulated environment keeps the run's turns per
-sample and its ``[env.params.faults]`` lognormal or constant delay, nothing else about the env.
+sample and its delay (``sim_delay``: a ``[env.params.faults]`` lognormal or constant delay, or a tool
+env's ``[env.params.latency]``, also inside ``remote``), nothing else about the env.
 Compared steps: 2..N, leaving out step 1 (vLLM's first batch, the trainer's first step) and every
 step that ran beside an evaluation (the step after an eval record): the simulator runs no evals.
 """
@@ -98,7 +99,7 @@ def compared_steps(records: list[dict[str, Any]]) -> list[int]:
 
 def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's environment as the simulator's: prompt length, turns per sample, injected delay."""
-    suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
+    suite = make_suite(*inner_env(cfg), cfg.run.seed, 1)
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]
     turns = [r["turns/mean"] for r in records if "turns/mean" in r]
     n_turns = max(1, round(statistics.fmean(turns))) if turns else 1
@@ -107,13 +108,52 @@ def _sim_env_params(cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
         "turns_min": n_turns, "turns_max": n_turns, "obs_chars": 8,
         "p_correct": min(1.0, max(0.0, statistics.fmean(r.get("reward/mean", 0.5) for r in records if "step" in r))),
     }
-    delay = (cfg.env.params.get("faults") or {}).get("delay")
-    if isinstance(delay, dict) and delay.get("kind") == "lognormal":  # mean -> median of the same lognormal
-        sig = float(delay.get("sigma", 1.0))
-        params["delay"] = {"median_s": float(delay.get("mean_s", 1.0)) * math.exp(-sig**2 / 2), "sigma": sig}
-    elif isinstance(delay, dict) and delay.get("kind") == "constant":
-        params["delay"] = {"median_s": float(delay.get("seconds", 0.0)), "sigma": 0.0}
+    delay = sim_delay(cfg)
+    if delay.get("reset_delay"):  # a [faults] delay: as this prediction always drew it, on env.step, uncapped
+        params["delay"] = {k: v for k, v in delay["delay"].items() if k != "max_s"}
+    elif delay:  # a tool latency: tool calls only
+        params |= delay
     return params
+
+
+def inner_env(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """(name, params) of the environment that runs the episodes: ``cfg.env``, or what ``remote`` wraps
+    (``[env.params] inner = ..., [env.params.params]``; nested wrappers unwrapped in turn)."""
+    name, params = cfg.env.name, dict(cfg.env.params)
+    while name == "remote":
+        name, params = str(params.get("inner", "")), dict(params.get("params") or {})
+    return name, params
+
+
+def sim_delay(cfg: Any) -> dict[str, Any]:
+    """The run's environment latency as the simulated env's ``delay``, ``reset_delay``, ``answer_delay``
+    (``{}``: no delay). Two ways an environment says it waits, read from the env inside any ``remote``:
+      ``[..faults] delay``   envs/faults.py: every call (reset and each step) waits a draw; a lognormal
+                              given by its mean (-> median = mean e^(-sigma^2/2)) or a constant
+      ``[..latency]``         an env whose Params has ``latency`` with median_s, sigma and max_s
+                              (envs/tools.py: median_s and p99_s, sigma = ln(p99/median) / z_0.99): each
+                              tool call waits a draw; reset and the final answer (a verifier) do not
+    Both at once cannot be one simulated delay: a ValueError says so."""
+    name, params = inner_env(cfg)
+    out: dict[str, Any] = {}
+    delay = (params.get("faults") or {}).get("delay")
+    if isinstance(delay, dict) and delay.get("kind") == "lognormal":
+        sig = float(delay.get("sigma", 1.0))
+        out = {"delay": {"median_s": float(delay.get("mean_s", 1.0)) * math.exp(-sig**2 / 2), "sigma": sig,
+                         "max_s": float(delay.get("max_s", 0.0))}, "reset_delay": True, "answer_delay": True}
+    elif isinstance(delay, dict) and delay.get("kind") == "constant":
+        out = {"delay": {"median_s": float(delay.get("seconds", 0.0)), "sigma": 0.0}, "reset_delay": True, "answer_delay": True}
+    suite = make_suite(name, params, cfg.run.seed, 1) if name else None
+    while suite is not None and not hasattr(suite.params, "latency") and hasattr(suite, "inner"):
+        suite = suite.inner  # a [faults] table wraps the env in envs/faults.py's FaultySuite
+    lat = getattr(suite.params, "latency", None) if suite is not None else None
+    if lat is not None and float(getattr(lat, "median_s", 0.0)) > 0:
+        if out and out["delay"]["median_s"] > 0:
+            raise ValueError(f"env {name!r} has both a [faults] delay and a tool [latency]: the simulator models one "
+                             "delay distribution; drop one of them for calibration")
+        out = {"delay": {"median_s": float(lat.median_s), "sigma": float(lat.sigma), "max_s": float(lat.max_s)},
+               "reset_delay": False, "answer_delay": False}
+    return out
 
 
 def predict(run_dir: Path, profile: dict[str, dict[str, float]], latency: dict[str, float] | None = None) -> Prediction:
@@ -211,8 +251,9 @@ def _ranges(steps: list[int]) -> str:
 #   sync     prepare_weights_s = send_weights_s = sync_s / 2
 # What the predicted run contributes is its workload, never a timing: its config (engine count,
 # batch, scheduler, env delay distribution, max_new_tokens) and its measured turns per sample and
-# tokens per turn (the policy's behaviour). The env delay is the config's [env.params.faults] delay
-# on every call (reset and step), as envs/faults.py does.
+# tokens per turn (the policy's behaviour). The env delay (sim_delay): the config's [env.params.faults]
+# delay on every call (reset and step), as envs/faults.py does, or a tool env's [env.params.latency]
+# (envs/tools.py) on its tool calls only; inside a ``remote`` wrapper, the wrapped env's tables.
 K_MIN, K_MAX = 0.05, 50.0
 
 
@@ -277,7 +318,7 @@ def _known_keys(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prompt_chars(cfg: Any) -> int:
-    suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, 1)
+    suite = make_suite(*inner_env(cfg), cfg.run.seed, 1)  # the wrapped suite: a remote one would start workers
     prompts = [t.prompt for t in list(suite.train_tasks())[:256]]
     return max(1, round(statistics.fmean(len(p) for p in prompts)))
 
@@ -295,14 +336,12 @@ def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> f
     gen_per_sample = run.tokens_per_s / run.samples_per_s if run.samples_per_s > 0 else run.response_len
     per_turn = max(1.0, min(float(cfg.rollout.max_new_tokens), gen_per_sample / run.turns))
     obs = max(0, round((run.response_len - gen_per_sample) / (run.turns - 1))) if run.turns > 1.05 else 0
-    params: dict[str, Any] = {"prompt_chars": prompt, "turns_min": turns, "turns_max": turns, "obs_chars": obs, "reset_delay": True}
-    delay = (cfg.env.params.get("faults") or {}).get("delay")
-    if isinstance(delay, dict) and delay.get("kind") == "lognormal":
-        sig = float(delay.get("sigma", 1.0))
-        params["delay"] = {"median_s": float(delay.get("mean_s", 1.0)) * math.exp(-sig**2 / 2), "sigma": sig,
-                           "max_s": float(delay.get("max_s", 0.0))}
-    elif isinstance(delay, dict) and delay.get("kind") == "constant":
-        params["delay"] = {"median_s": float(delay.get("seconds", 0.0)), "sigma": 0.0}
+    # turns_mean: the measured mean, not its rounding (1.66 turns of the tools task rounded to 2 would give
+    # every episode a tool call: 64 latency draws per step where a third of the run's episodes made none,
+    # so a later slowest call in the synchronous baseline)
+    params: dict[str, Any] = {"prompt_chars": prompt, "turns_min": turns, "turns_max": turns, "turns_mean": max(1.0, run.turns),
+                              "obs_chars": obs, "reset_delay": True}
+    params |= sim_delay(cfg)
     lat = {key: v * k if key.endswith("_s") and key != "weight_load_s" else v for key, v in CPU_TINY_LATENCY.items()}
     lat["max_num_seqs"] = cfg.engine.max_num_seqs
     per_token = fit.train_s / _tokens_per_step(fit, fit_prompt)

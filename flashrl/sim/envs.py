@@ -1,7 +1,8 @@
 """Simulated environments (``env.name = "sim"``) and the character tokenizer the simulator uses.
 
     controller rollout ---reset(task)---> SimEnv: prompt text (prompt_chars characters), a delay if reset_delay
-                       ---step(action)--> SimEnv: sleeps a delay drawn from ``delay``,
+                       ---step(action)--> SimEnv: sleeps a delay drawn from ``delay`` (not on the
+                                          episode's last step when answer_delay is false),
                                           maybe fail-slow (sleeps slow_factor x longer),
                                           maybe fail-stop (raises EnvFailure("crash") or hangs),
                                           returns an observation of obs_chars characters until the
@@ -108,8 +109,15 @@ class SimEnvParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     obs_chars: Annotated[int, Meta(ge=0, description="observation length per turn in tokens")] = 32
     turns_min: Annotated[int, Meta(ge=1, description="fewest environment turns of an episode")] = 1
     turns_max: Annotated[int, Meta(ge=1, description="most environment turns of an episode")] = 1
+    turns_mean: Annotated[float, Meta(ge=0, description=(
+        "if > 0: turns per episode floor(turns_mean) or one more, drawn so their mean is turns_mean (a measured "
+        "mean such as 1.66 turns, which rounding would turn into a tool call for every episode); overrides "
+        "turns_min/turns_max"))] = 0.0
     delay: DelayModel = msgspec.field(default_factory=DelayModel)
     reset_delay: Annotated[bool, Meta(description="reset waits a delay too (as [env.params.faults] delays every call)")] = False
+    answer_delay: Annotated[bool, Meta(description=(
+        "the episode's last step waits a delay too; false for a tool-use env whose final answer goes to a "
+        "verifier, not a tool (envs/tools.py delays its tool calls only)"))] = True
     fail_slow_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step is slow (fail-slow)")] = 0.0
     slow_factor: Annotated[float, Meta(ge=1, description="a slow step takes this many times its delay")] = 10.0
     fail_stop_rate: Annotated[float, Meta(ge=0, le=1, description="probability a step fails (fail-stop)")] = 0.0
@@ -158,6 +166,8 @@ class SimEnv:
         if p.fail_slow_rate and uniform(seed, key_b, b"slow") < p.fail_slow_rate:
             self._suite.fail_slows += 1
             delay *= p.slow_factor
+        if not p.answer_delay and self._turn >= self._turns:  # the answer, not a tool call: no latency
+            delay = 0.0
         if delay > 0:
             await asyncio.sleep(delay)
         self._suite.steps += 1
@@ -195,8 +205,12 @@ class SimSuite:
         p = self.params
         head = f"{split}{i}: "
         prompt = (head + "q" * p.prompt_chars)[: p.prompt_chars]
-        span = p.turns_max - p.turns_min + 1
-        turns = p.turns_min + int(uniform(self.seed, f"{split}{i}".encode(), b"turns") * span)
+        u = uniform(self.seed, f"{split}{i}".encode(), b"turns")
+        if p.turns_mean > 0:
+            lo = max(1, math.floor(p.turns_mean))
+            turns = lo + (1 if u < p.turns_mean - lo else 0)
+        else:
+            turns = p.turns_min + int(u * (p.turns_max - p.turns_min + 1))
         return Task(id=f"{split}{i}", prompt=prompt, answer="", meta={"turns": turns})
 
     def count(self, key: str) -> int:
