@@ -346,7 +346,7 @@ class Trainer(PolicyTrainer):
         are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
 
         ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (DCP's
-        DefaultStager, kept between checkpoints: one more host copy of the training state) and this
+        ``_checkpoint_stager``, kept between checkpoints: one more host copy of the training state) and this
         returns; ``dcp.save`` writes ``path.tmp`` on a write thread at the lowest CPU priority, over a
         gloo group of its own (its collectives never interleave with the step's), while training goes on. ``path`` does not exist until rank 0's
         ``finish_checkpoint(path)`` has seen the write complete on every rank and renamed it: a crash
