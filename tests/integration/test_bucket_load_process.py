@@ -8,7 +8,6 @@ One engine process (~30 s to start), tests in file order; the last one ends it."
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from flashrl.trainer.weights import WeightSender
 from flashrl.wire.protocol import Generate
 from flashrl.wire.transport import PeerDead, RemoteError, free_port
 from flashrl.wire.weights import build_manifest
-from tests.integration.test_engine_process import PROMPT, _reference_logprobs
+from tests.integration.test_engine_process import PROMPT, _reference_logprobs, join_sender
 
 pytestmark = pytest.mark.slow
 
@@ -56,21 +55,7 @@ async def client(engine: EngineProcess):
 
 @pytest.fixture(scope="module")
 def sender(engine: EngineProcess) -> WeightSender:
-    port = free_port()
-    sender = WeightSender()
-    th = threading.Thread(target=sender.join, args=("engine", "127.0.0.1", port, "gloo", 60), daemon=True)
-    th.start()
-
-    async def join() -> None:
-        c = engine.new_client()
-        try:
-            await c.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60)
-        finally:
-            await c.close()
-
-    asyncio.run(join())
-    th.join(60)
-    return sender
+    return join_sender(engine)
 
 
 def _perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:

@@ -273,9 +273,8 @@ async def test_pause_holds_requests_until_resume(client: EngineProcessClient) ->
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def sender(engine: EngineProcess):
-    """The test process as trainer rank 0 of a weight-sync group with the engine as rank 1."""
+def join_sender(engine: EngineProcess) -> WeightSender:
+    """The test process as trainer rank 0 of a weight-sync group (gloo) with ``engine`` as rank 1."""
     port = free_port()
     sender = WeightSender()
     th = threading.Thread(target=sender.join, args=("engine", "127.0.0.1", port, "gloo", 60), daemon=True)
@@ -292,6 +291,11 @@ def sender(engine: EngineProcess):
     th.join(60)
     assert sender.backend == "gloo"
     return sender
+
+
+@pytest.fixture(scope="module")
+def sender(engine: EngineProcess) -> WeightSender:
+    return join_sender(engine)
 
 
 async def _sync(client: EngineProcessClient, sender: WeightSender, manifest, flats):
