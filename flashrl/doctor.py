@@ -8,7 +8,7 @@ Checks, one output line each (``PASS|FAIL|SKIP  name  detail``), exit code 1 on 
     cuda              the device: torch's CUDA build, GPU count and names, bf16 support
     weights           flashrl/wire/weights.py on the device: a seeded state dict (float32 + bfloat16, one
                       tensor larger than a bucket) packed into buckets on the device; every bucket's
-                      checksum (sum16 on a GPU, sha256 on the CPU) equals the same algorithm's on a host
+                      checksum (sum16 on a GPU, xxh3 on the CPU) equals the same algorithm's on a host
                       copy; unpacking gives back every tensor bit for bit; a changed element and two
                       swapped halves each change the checksum
     trainer[world N]  flashrl/trainer/worker.py's Trainer in N processes (N = 1, and 2 where two GPUs
@@ -113,7 +113,7 @@ def weights_check(device: str) -> Check:
 
     sd = seeded_state_dict(device)
     manifest, flats = build_manifest(sd, 1, bucket_mb=1.0, tie_word_embeddings=False)
-    algo = "sha256" if device == "cpu" else "sum16"
+    algo = "xxh3" if device == "cpu" else "sum16"
     problems = []
     if len(flats) < 3:
         problems.append(f"{len(flats)} buckets, expected >= 3 (two dtypes, one tensor over a bucket)")

@@ -73,7 +73,7 @@ def test_tied_embeddings_are_sent_once() -> None:
     assert "lm_head.weight" not in [s.name for b in forced.buckets for s in b.tensors]
 
 
-@pytest.mark.parametrize("algo", ["sha256", "sum16"])
+@pytest.mark.parametrize("algo", ["xxh3", "sha256", "sum16"])
 def test_corruption_changes_the_checksum(algo: str) -> None:
     flat = torch.randn(10_000)
     good = bucket_checksum(flat, algo)
