@@ -17,9 +17,9 @@
                  client (1 = sequential request/reply) -> requests per second, client CPU per request
 
 Counting: "generated" samples are trajectories that ended (the suite counts episodes); "trained" ones
-are those the trainer received. With async_ratio = a the controller keeps up to a batches ahead, so
-a run of S steps generates about (S + a) / S times what it trains (the tail is never trained); the
-overhead bar is on generated samples (the work the controller did), both are reported.
+are those the trainer received. A run admits no more groups than its steps train (the buffer's
+invariant 5), so the two differ only by redundant rollouts and drops; the overhead bar is on generated
+samples (the work the controller did), both are reported.
 
 GC (``gc = "tuned"``, this process only, restored afterwards): ``gc.freeze()`` once the controller
 and its inputs are built (the long-lived objects leave the collector's view) and thresholds raised

@@ -35,6 +35,11 @@ the buffer applies it, sharing the run's one ``Staleness`` object with the rollo
    deadline first, ties in that order. Inside a group, samples are ordered by their sample index.
 4. A group holds at most ``group_size`` samples: the first ``group_size`` to finish. A sample
    arriving for a group that is not RUNNING is refused (counted ``buffer/late_samples``).
+5. A run of ``total_steps`` steps admits no more groups than it will train: ``admit_room()`` is at
+   most (total_steps - staleness.next_step) * batch_prompts less the groups admitted and not yet in
+   a batch. So the last steps drain what was admitted and the run ends with nothing generating:
+   no rollout is thrown away at the end, and the trained set is not short of the long answers that
+   a fixed step count would otherwise leave in flight (the length bias of a run's tail).
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ class SampleBuffer:
         filter_ties: bool = False,
         counters: Counter[str] | None = None,
         version: Callable[[], int] = lambda: 0,
+        total_steps: int | None = None,
     ) -> None:
         """``version``: the version every live engine holds (types.Published.version), read at admission
-        (wait's deadlines) and completion (partial's bound)."""
+        (wait's deadlines) and completion (partial's bound). ``total_steps``: the run's step count
+        (run.steps), which bounds admission (invariant 5); None: no bound but the capacity."""
         self.group_size = group_size
         self.batch_prompts = batch_prompts
         self.staleness = staleness
@@ -117,6 +124,7 @@ class SampleBuffer:
         self.filter_ties = filter_ties
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.version = version
+        self.total_steps = total_steps
         self.groups: dict[int, Group] = {}  # outstanding groups only (not TRAINED / DROPPED)
         self.dropped_uids: list[int] = []  # every group given up, in order (checkpointed: no prompt unaccounted for)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
@@ -141,14 +149,29 @@ class SampleBuffer:
         return self._generating
 
     def can_admit(self) -> bool:
-        return self.outstanding < self.capacity
+        return self.admit_room() > 0
+
+    def admit_room(self) -> int:
+        """Groups that may be admitted now: the capacity left (invariant 1) and, with ``total_steps``, no
+        more than the run still trains beyond the groups admitted and not yet in a batch (invariant 5)."""
+        room = self.capacity - self.outstanding
+        if self.total_steps is not None:
+            untaken = sum(g.state is not GroupState.TRAINING for g in self.groups.values())
+            room = min(room, (self.total_steps - self.staleness.next_step) * self.batch_prompts - untaken)
+        return max(0, room)
+
+    def _left_to_train(self) -> str:
+        if self.total_steps is None:
+            return "unbounded"
+        return str((self.total_steps - self.staleness.next_step) * self.batch_prompts)
 
     # ------------------------------------------------------------------ transitions
     def admit(self, uid: int, task: Task, now: float = 0.0) -> Group:
         if not self.can_admit():
             raise RuntimeError(
                 f"admission over capacity: {self.outstanding} outstanding groups, capacity "
-                f"{self.capacity} = (async_ratio + 1) * batch_prompts; the admission loop must check can_admit()"
+                f"{self.capacity} = (async_ratio + 1) * batch_prompts, groups the run still trains "
+                f"{self._left_to_train()}; the admission loop must check admit_room()"
             )
         if uid in self.groups:
             raise RuntimeError(f"prompt uid {uid} admitted twice")
@@ -166,7 +189,7 @@ class SampleBuffer:
         rollouts. It takes an admission slot like an admitted group; its counts were the checkpoint's."""
         if uid in self.groups:
             raise RuntimeError(f"prompt uid {uid} restored twice")
-        if not self.can_admit():
+        if self.outstanding >= self.capacity:  # the capacity only: a restored group was admitted before
             raise RuntimeError(f"restoring group {uid}: {self.outstanding} outstanding groups fill the capacity "
                                f"{self.capacity}; the checkpoint holds more untrained groups than the config allows")
         g = Group(uid=uid, task=task, need=self.group_size, samples=list(samples), next_index=next_index,

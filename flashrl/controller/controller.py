@@ -141,6 +141,7 @@ class Controller:
             filter_ties=cfg.algorithm.filter_ties,
             counters=self.counters,
             version=lambda: self.published.version,  # wait's deadlines, partial's bound (set just below)
+            total_steps=cfg.run.steps,  # admit no more than the run trains: nothing left generating at its end
         )
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)

@@ -81,7 +81,9 @@ class Feed:
         for g, resumes in restored:
             self._launch(g, g.missing, resumes)
         while not self._closing:
-            for _ in range(self.admission.admit_count(b.outstanding, b.capacity, b.generating)):
+            # the capacity (staleness bound), the barrier without queue scheduling, and no more groups
+            # than the run still trains (buffer invariant 5: the run ends with nothing generating)
+            for _ in range(min(self.admission.admit_count(b.outstanding, b.capacity, b.generating), b.admit_room())):
                 uid, task = self.stream.next()
                 g = b.admit(uid, task, self._clock())
                 self._launch(g, g.need)

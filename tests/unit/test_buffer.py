@@ -220,3 +220,44 @@ def test_waiters_wake_on_a_completed_group_not_on_every_sample() -> None:
         return seen
 
     assert run_virtual(main).result == ["woken with 1 complete"]
+
+
+@given(ratio=st.integers(0, 3), batch=st.integers(1, 3), steps=st.integers(1, 6), drops=st.integers(0, 3),
+       order=st.randoms(use_true_random=False))
+@settings(max_examples=120, deadline=None)
+def test_a_run_admits_no_more_groups_than_it_trains(ratio: int, batch: int, steps: int, drops: int, order) -> None:
+    """Invariant 5: with total_steps the run admits exactly the groups it trains (plus one per group
+    dropped unfillable), whatever the completion order, so it ends with nothing outstanding."""
+    buf = make(ratio=ratio, batch=batch, total_steps=steps)
+    admitted: list[int] = []
+    trained = 0
+    step = 0
+    while step < steps:
+        for _ in range(buf.admit_room()):
+            uid = len(admitted)
+            buf.admit(uid, Task(id=str(uid), prompt=""))
+            admitted.append(uid)
+        assert buf.outstanding <= buf.capacity
+        running = [g for g in buf.groups.values() if g.state is GroupState.ADMITTED]
+        assert running, "the run must be able to go on: a batch is short and nothing generates"
+        g = order.choice(running)
+        if drops and len(running) > 1:
+            drops -= 1
+            buf.drop(g, "unfillable")
+            continue
+        fill(buf, g.uid, version=step)
+        got, _ = buf.take_batch(step)
+        if got is not None:
+            buf.mark_trained(got)
+            trained += len(got)
+            step += 1
+    assert trained == steps * batch
+    assert buf.outstanding == 0 and buf.admit_room() == 0
+    assert len(admitted) == trained + buf.counters["dropped/groups_unfillable"]
+
+
+def test_admission_room_without_total_steps_is_the_capacity() -> None:
+    buf = make(ratio=2, batch=2)
+    assert buf.admit_room() == 6
+    buf.admit(0, Task(id="0", prompt=""))
+    assert buf.admit_room() == 5

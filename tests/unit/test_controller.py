@@ -201,7 +201,7 @@ def test_stale_sample_is_dropped_counted_and_regenerated() -> None:
 @pytest.mark.parametrize("ratio,batch,queue", [(0, 2, True), (1, 2, True), (2, 3, True), (2, 3, False)])
 def test_admission_fills_capacity_exactly(ratio: int, batch: int, queue: bool) -> None:
     cfg = config(
-        run={"steps": 2},
+        run={"steps": ratio + 2},  # more groups to train than the capacity: the capacity is what binds
         rollout={"group_size": 2, "batch_prompts": batch},
         scheduler={"async_ratio": ratio, "queue_scheduling": queue},
     )
@@ -297,14 +297,22 @@ def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -
 
 
 # --------------------------------------------------------------------------- failures and shutdown
-def test_shutdown_aborts_inflight_closes_envs_leaves_no_task() -> None:
-    cfg = config(run={"steps": 3}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 2})
+@pytest.mark.parametrize("stop", ["steps", "max_time"])
+def test_shutdown_aborts_inflight_closes_envs_leaves_no_task(stop: str) -> None:
+    """A run that ends at its step count admitted nothing past its last batch (buffer invariant 5): it
+    ends with nothing generating, no rollout thrown away. One stopped by max_time_s aborts what runs."""
+    run_cfg: dict[str, Any] = {"steps": 3} if stop == "steps" else {"steps": 50, "max_time_s": 3.0}
+    cfg = config(run=run_cfg, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 2})
     engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
     suite = FakeSuite()
     c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=0.2))
     summary, left = run(c)
     assert left == set()
-    assert sum(len(e.aborted) for e in engines) > 0  # rollouts still running at the end were aborted
+    aborted = sum(len(e.aborted) for e in engines)
+    if stop == "steps":
+        assert aborted == 0 and c.counters["admitted/groups"] == 3 * 2 == c.counters["trained/groups"]
+    else:
+        assert summary.steps < 50 and aborted > 0  # rollouts still running at the deadline were aborted
     assert [e.inflight for e in engines] == [0, 0] and c.router.inflight == [0, 0] and c.ctx.live == {}
     assert suite.closed == suite.opened
     assert c.status == "done"
