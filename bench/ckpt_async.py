@@ -8,11 +8,16 @@ no tokenizer: the trainer needs none) or loads ``--model``, then, on the same Tr
 the code a run uses) and a synthetic batch, one warm-up step and ``--steps`` rounds of three steps each,
 interleaved so that a shared host's drift hits the three alike:
 
-    none   a step with no checkpoint
-    async  a background checkpoint (DCP model + AdamW + RNG; trainer.checkpoint_async = true): staged, then the
-           step runs while DCP's thread writes; a second thread waits for the write and seals it
-           (Trainer.finish_checkpoint, what rank 0's seal thread does in a run); the round waits for the seal
-    sync   a blocking checkpoint (trainer.checkpoint_async = false), then a step
+    none           a step with no checkpoint
+    async-process  a background checkpoint (DCP model + AdamW + RNG; trainer.checkpoint_async = true) written by
+                   a writer process (trainer.checkpoint_writer = "process"): staged, then the step runs while
+                   the writer writes; a second thread waits for the write and seals it (Trainer.finish_checkpoint,
+                   what rank 0's seal thread does in a run); the round waits for the seal
+    async-thread   the same, written by a thread of the trainer (checkpoint_writer = "thread")
+    sync           a blocking checkpoint (trainer.checkpoint_async = false), then a step
+
+(``--writers`` picks the background writers; the staging buffers are in shared memory for both, as the
+process writer needs.)
 
 One JSON line per step (round, mode, step_s, step_cpu_s: the step's thread CPU time (on a CPU host shared with
 other jobs the wall time mostly measures them), blocked_s: what the checkpoint call blocked before the step,
@@ -94,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--response-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--writers", default="process,thread", help="background writers to time, comma-separated")
     ap.add_argument("--workdir", type=Path, default=None, help="where the model and checkpoints go (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     a = ap.parse_args(argv)
     if a.steps < 1:
         ap.error("--steps must be >= 1")
+    writers = [w for w in a.writers.split(",") if w]
+    if not writers or any(w not in ("process", "thread") for w in writers):
+        ap.error("--writers: a comma-separated list of process, thread")
+    modes = ["none", *(f"async-{w}" for w in writers), "sync"]
     try:
         import msgspec  # noqa: F401  (flashrl's config and messages)
         import torch
@@ -142,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_dict({
             "model": {"dtype": "bfloat16" if a.device == "cuda" else "float32"},
-            "trainer": {"lr": 1e-5, "threads": a.threads, "warmup_steps": 0, "backend": backend, "skip_inert": False},
+            "trainer": {"lr": 1e-5, "threads": a.threads, "warmup_steps": 0, "backend": backend, "skip_inert": False,
+                        "checkpoint_writer": writers[0]},
             "algorithm": {"loss": "ppo"},
         })
         t0 = time.perf_counter()
@@ -177,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t
 
         one_step()  # warm-up: first-touch costs, not timed
-        rows: dict[str, list[dict[str, Any]]] = {"none": [], "async": [], "sync": []}
+        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(a.steps):
-            for mode in ("none", "async", "sync"):
+            for mode in modes:
+                background = mode.startswith("async")
+                if background:
+                    trainer.checkpoint_writer = mode.removeprefix("async-")
                 path = str(work / f"ckpt-{mode}-{r}")
                 blocked = overlap = tail = write_s = 0.0
                 sealer: threading.Thread | None = None
@@ -187,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                 if mode != "none":
                     sync_dev()
                     t = time.perf_counter()
-                    trainer.save_checkpoint(path, background=mode == "async")
+                    trainer.save_checkpoint(path, background=background)
                     blocked = time.perf_counter() - t
-                if mode == "async":
+                if background:
                     def seal(path: str = path, sealed: dict[str, Any] = sealed) -> None:
                         try:
                             sealed["write_s"] = trainer.finish_checkpoint(path, trainer.checkpoint_timeout_s)
@@ -220,18 +234,22 @@ def main(argv: list[str] | None = None) -> int:
                 rows[mode].append(row)
                 emit(row)
         med = {m: statistics.median(x["step_s"] for x in v) for m, v in rows.items()}
-        paired = [100 * (y["step_s"] / x["step_s"] - 1) for x, y in zip(rows["none"], rows["async"])]
         cpu = {m: statistics.median(x["step_cpu_s"] for x in v) for m, v in rows.items()}
-        emit({"event": "summary", "rounds": a.steps, "median_step_s": {m: round(v, 4) for m, v in med.items()},
-              "async_step_overhead_pct_median": round(100 * (med["async"] / med["none"] - 1), 1),
-              "async_step_overhead_pct_paired": [round(x, 1) for x in paired],
-              "median_step_cpu_s": {m: round(v, 4) for m, v in cpu.items()},
-              "async_step_cpu_overhead_pct_median": round(100 * (cpu["async"] / cpu["none"] - 1), 1),
-              "async_blocked_s": [x["blocked_s"] for x in rows["async"]],
-              "async_write_s": [x["write_s"] for x in rows["async"]],
-              "async_overlap_s": [x["overlap_s"] for x in rows["async"]],
-              "sync_blocked_s": [x["blocked_s"] for x in rows["sync"]],
-              "sync_cost_pct_median": round(100 * statistics.median(x["blocked_s"] for x in rows["sync"]) / med["none"], 1)})
+        summary: dict[str, Any] = {"event": "summary", "rounds": a.steps,
+                                   "median_step_s": {m: round(v, 4) for m, v in med.items()},
+                                   "median_step_cpu_s": {m: round(v, 4) for m, v in cpu.items()}}
+        for m in modes:
+            if not m.startswith("async"):
+                continue
+            paired = [100 * (y["step_s"] / x["step_s"] - 1) for x, y in zip(rows["none"], rows[m])]
+            summary[m] = {"step_overhead_pct_median": round(100 * (med[m] / med["none"] - 1), 1),
+                          "step_overhead_pct_paired": [round(x, 1) for x in paired],
+                          "step_cpu_overhead_pct_median": round(100 * (cpu[m] / cpu["none"] - 1), 1),
+                          "blocked_s": [x["blocked_s"] for x in rows[m]], "write_s": [x["write_s"] for x in rows[m]],
+                          "overlap_s": [x["overlap_s"] for x in rows[m]]}
+        summary["sync_blocked_s"] = [x["blocked_s"] for x in rows["sync"]]
+        summary["sync_cost_pct_median"] = round(100 * statistics.median(x["blocked_s"] for x in rows["sync"]) / med["none"], 1)
+        emit(summary)
         trainer.close_checkpoints(60.0)
     finally:
         dist.destroy_process_group()

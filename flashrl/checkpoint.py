@@ -78,6 +78,7 @@ SAFE_TO_CHANGE = (
     "engine.count", "engine.device", "engine.kv_cache_gib", "engine.gpu_memory_utilization", "engine.max_num_seqs",
     "engine.threads", "engine.startup_timeout_s", "engine.heartbeat_s", "engine.max_restarts",
     "trainer.ranks", "trainer.threads", "trainer.micro_batch", "trainer.skip_inert", "trainer.checkpoint_async",
+    "trainer.checkpoint_writer",
     "trainer.checkpoint_timeout_s", "weight_sync.", "cluster.",
     "rollout.turn_timeout_s", "rollout.trajectory_timeout_s", "rollout.max_retries",
 )

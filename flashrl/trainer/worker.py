@@ -198,6 +198,10 @@ class Trainer(PolicyTrainer):
         self._writes_lock = threading.Lock()
         self._ckpt_group: Any = None
         self._stager: Any = None
+        # who writes a background checkpoint (trainer.checkpoint_writer; auto: process on the CPU, thread on
+        # CUDA, where the process writer's pinned buffers are not measured yet)
+        writer = cfg.trainer.checkpoint_writer
+        self.checkpoint_writer = writer if writer != "auto" else ("process" if device.type == "cpu" else "thread")
         self._write_pool: ThreadPoolExecutor | None = None
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, model_params(model_path))
 
@@ -347,8 +351,10 @@ class Trainer(PolicyTrainer):
 
         ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (DCP's
         ``_checkpoint_stager``, kept between checkpoints: one more host copy of the training state) and this
-        returns; ``dcp.save`` writes ``path.tmp`` on a write thread at the lowest CPU priority, over a
-        gloo group of its own (its collectives never interleave with the step's), while training goes on. ``path`` does not exist until rank 0's
+        returns; ``dcp.save`` writes ``path.tmp`` at the lowest CPU priority, over a gloo group of its own
+        (its collectives never interleave with the step's), while training goes on: in a writer process
+        (``checkpoint_writer`` "process": DCP's process-based async save of buffers in shared memory, so
+        the write's Python work never takes this interpreter's lock) or on a write thread ("thread"). ``path`` does not exist until rank 0's
         ``finish_checkpoint(path)`` has seen the write complete on every rank and renamed it: a crash
         meanwhile leaves only ``path.tmp``. A save while another is in flight first waits for that
         write. Returns the seconds waited for it.
@@ -389,7 +395,7 @@ class Trainer(PolicyTrainer):
         if self._write_pool is None:
             self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
                                                   initializer=_lowest_priority)
-        future = self._write_pool.submit(dcp.save, staged, checkpoint_id=str(tmp), process_group=group)
+        future = self._write_pool.submit(_write_staged, staged, str(tmp), group, self.checkpoint_writer == "process")
         with self._writes_lock:
             self._writes[path] = _Write(path=path, future=future, meta=meta)
         return waited
@@ -454,7 +460,8 @@ class Trainer(PolicyTrainer):
         On CUDA: DCP's BlockingAsyncStager with its cache (pinned host buffers, built by torch's
         ``_create_cpu_state_dict``, which knows FSDP2's DTensors): DefaultStager's deep copy raised
         ``KeyError: <class 'type'>`` on FSDP2's DTensors under torch 2.11 on an H200
-        (bench/results/realsize/README.md). On the CPU: DefaultStager (no pinning), measured here."""
+        (bench/results/realsize/README.md). On the CPU: DefaultStager (no pinning), its buffers in shared
+        memory for a writer process (which then maps them: nothing is copied to it), measured here."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -466,8 +473,9 @@ class Trainer(PolicyTrainer):
             except ImportError:  # an older torch: its blocking stager, uncached on the CPU (no pinning there)
                 self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
             else:
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=False, use_shared_memory=self.checkpoint_writer == "process",
+                    use_async_staging=False, use_non_blocking_copy=False))
         return self._stager
 
     def close_checkpoints(self, timeout_s: float) -> None:
@@ -512,6 +520,46 @@ class Trainer(PolicyTrainer):
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict staged already (Trainer._checkpoint_stager, on the
+    compute thread, before the next step may change the weights): dcp.async_save takes it as it is."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _write_staged(staged: Any, checkpoint_id: str, group: Any, process: bool) -> None:
+    """On the trainer's write thread (nice 19): write a staged checkpoint over ``group``.
+
+    ``process``: through DCP's process-based async save. Its writer process (one per rank, started on
+    the first such save and kept for the run; gloo among the ranks' writers) is spawned from a thread
+    this write thread starts, so it inherits nice 19; it maps the staged shared-memory buffers, and it
+    is in the trainer's process group, so whatever ends the trainer's group ends it too. This thread
+    waits for its result, so the caller's future (finish_checkpoint's wait) means the same in both
+    ways: the write is complete on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    if not process:
+        dcp.save(staged, checkpoint_id=checkpoint_id, process_group=group)
+        return
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if "MASTER_ADDR" not in os.environ and dist.get_world_size(group) == 1:
+        # DCP's writers meet at rank 0's MASTER_ADDR (else its host name); one rank in this process (a test,
+        # a bench) may have made its group without one: loopback
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dcp.async_save(staged, checkpoint_id=checkpoint_id, process_group=group,
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_AlreadyStaged()).result()
 
 
 def _lowest_priority() -> None:

@@ -236,11 +236,14 @@ def test_checkpoint_is_atomic_refuses_overwrite_and_restores(world1, model_path:
     assert fresh.compute_logprobs(PROMPT, BAD) == pytest.approx(t.compute_logprobs(PROMPT, BAD), abs=1e-6)
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
 def test_background_checkpoint_is_the_state_at_the_save_and_appears_only_when_sealed(world1, model_path: Path,
-                                                                                   tmp_path: Path) -> None:
+                                                                                   tmp_path: Path, writer: str) -> None:
     """trainer.checkpoint_async: the save stages the state and returns; a step trained meanwhile does not leak
-    into it; ``path`` appears only after finish_checkpoint; loading it restores weights, optimizer and version."""
-    t = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
+    into it; ``path`` appears only after finish_checkpoint; loading it restores weights, optimizer and version.
+    Written by a writer process (the CPU's default) or a thread of the trainer (trainer.checkpoint_writer)."""
+    t = Trainer(trainer_config(tmp_path, checkpoint_writer=writer), str(model_path), torch.device("cpu"))
+    assert t.checkpoint_writer == writer
     t.train_step(_batch(0))
     at_save = t.compute_logprobs(PROMPT, GOOD)
     path = tmp_path / "ckpt" / "step1"
@@ -274,6 +277,27 @@ def test_background_checkpoint_is_the_state_at_the_save_and_appears_only_when_se
 
 
 # ---------------------------------------------------------------------- real rank processes
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (/proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 async def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
     run_dir = tmp / name
     run_dir.mkdir()
@@ -432,10 +456,19 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
         assert read_latest(root) == root / "step-1" and w.saved == 1
         await w.save(ControllerState(step=2, version=2, elapsed_s=2.0), wait=False,
                      on_done=lambda p, e: seen.append((p, e)))
+        # the trainer's children: DCP's writer process (trainer.checkpoint_writer "auto" = process on the CPU)
+        # and multiprocessing's resource tracker, all in its process group
+        writers = _children(g.procs[0].pid)
+        assert writers, "no writer process under the trainer: the background write did not use one"
         os.kill(g.procs[0].pid, signal.SIGKILL)  # the write is staged and in flight; nothing has sealed it
         await asyncio.wait_for(w.wait(), 60)
     finally:
         await g.close()
+    for _ in range(100):  # the trainer's writer goes with it (its process group is ended): no process outlives it
+        if not any(_alive(p) for p in writers):
+            break
+        await asyncio.sleep(0.1)
+    assert not [p for p in writers if _alive(p)], f"the trainer's children outlived it: {writers}"
     assert len(seen) == 1 and seen[0][0] is None and "not written" in str(seen[0][1])
     assert not (root / "step-2").exists() and read_latest(root) == root / "step-1" and w.failed == 1
     r = find_checkpoint(tmp_path / "run")
