@@ -526,7 +526,11 @@ class _AlreadyStaged:
     """DCP's AsyncStager protocol for a state dict staged already (Trainer._checkpoint_stager, on the
     compute thread, before the next step may change the weights): dcp.async_save takes it as it is."""
 
-    should_synchronize_after_execute = False
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
 
     def stage(self, state_dict: Any) -> Any:
         return state_dict
@@ -558,8 +562,10 @@ def _write_staged(staged: Any, checkpoint_id: str, group: Any, process: bool) ->
         # DCP's writers meet at rank 0's MASTER_ADDR (else its host name); one rank in this process (a test,
         # a bench) may have made its group without one: loopback
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dcp.async_save(staged, checkpoint_id=checkpoint_id, process_group=group,
-                   async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_AlreadyStaged()).result()
+    done = dcp.async_save(staged, checkpoint_id=checkpoint_id, process_group=group,
+                          async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_AlreadyStaged())
+    # a Future here (the stage is synchronous); an AsyncSaveResponse only with a stager that returns futures
+    (done.upload_completion if hasattr(done, "upload_completion") else done).result()
 
 
 def _lowest_priority() -> None:
