@@ -17,7 +17,8 @@ interleaved so that a shared host's drift hits the three alike:
     sync           a blocking checkpoint (trainer.checkpoint_async = false), then a step
 
 (``--writers`` picks the background writers; the staging buffers are in shared memory for both, as the
-process writer needs.)
+process writer needs.) Before the rounds, each writer's first background checkpoint is made and reported on
+its own (``first_checkpoint``): it allocates the staging buffers and starts the writer process, once a run.
 
 One JSON line per step (round, mode, step_s, step_cpu_s: the step's thread CPU time (on a CPU host shared with
 other jobs the wall time mostly measures them), blocked_s: what the checkpoint call blocked before the step,
@@ -188,6 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t
 
         one_step()  # warm-up: first-touch costs, not timed
+        # each writer's first background checkpoint, reported on its own and not a round: it allocates the staging
+        # buffers and (process) starts the writer process, once per run
+        for w in writers:
+            trainer.checkpoint_writer = w
+            path = str(work / f"ckpt-first-{w}")
+            t = time.perf_counter()
+            trainer.save_checkpoint(path, background=True)
+            blocked = time.perf_counter() - t
+            write_s = trainer.finish_checkpoint(path, trainer.checkpoint_timeout_s)
+            shutil.rmtree(path, ignore_errors=True)
+            emit({"event": "first_checkpoint", "writer": w, "blocked_s": round(blocked, 4), "write_s": round(write_s, 3)})
         rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(a.steps):
             for mode in modes:
