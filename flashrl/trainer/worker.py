@@ -198,12 +198,10 @@ class Trainer(PolicyTrainer):
         self._writes_lock = threading.Lock()
         self._ckpt_group: Any = None
         self._stager: Any = None
-        # who writes a background checkpoint (trainer.checkpoint_writer; auto: process on the CPU, thread on
-        # CUDA, where the process writer's pinned buffers are not measured yet)
-        writer = cfg.trainer.checkpoint_writer
-        self.checkpoint_writer = writer if writer != "auto" else ("process" if device.type == "cpu" else "thread")
+        params = model_params(model_path)
+        self.checkpoint_writer = checkpoint_writer(cfg.trainer.checkpoint_writer, device, params)
         self._write_pool: ThreadPoolExecutor | None = None
-        self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, model_params(model_path))
+        self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, params)
 
     # ------------------------------------------------------------------ dispatch
     def execute(self, msg: Msg) -> Msg | None:
@@ -520,6 +518,22 @@ class Trainer(PolicyTrainer):
         flag = torch.tensor([1 if err else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, 0)
         return bool(flag.item())
+
+
+# "auto" picks the writer process from this many float32 weight bytes: at 0.27B (1 GiB of weights, a 3.2 GB
+# checkpoint) a write thread cost the step beside it +24% and the process +13% (bench/results/realsize); at
+# the built-in model's 6 MB a write takes milliseconds, less than starting the process (torch's import: 2-3 s
+# of a core, ~0.3 GiB) would cost the run.
+PROCESS_WRITER_MIN_BYTES = 256 << 20
+
+
+def checkpoint_writer(setting: str, device: torch.device, params: int) -> str:
+    """trainer.checkpoint_writer resolved: "auto" is "process" for a CPU trainer of a model of at least
+    PROCESS_WRITER_MIN_BYTES of float32 weights, else "thread" (small models; CUDA, where the process writer's
+    pinned buffers are not measured yet)."""
+    if setting != "auto":
+        return setting
+    return "process" if device.type == "cpu" and 4 * params >= PROCESS_WRITER_MIN_BYTES else "thread"
 
 
 class _AlreadyStaged:

@@ -241,7 +241,7 @@ def test_background_checkpoint_is_the_state_at_the_save_and_appears_only_when_se
                                                                                    tmp_path: Path, writer: str) -> None:
     """trainer.checkpoint_async: the save stages the state and returns; a step trained meanwhile does not leak
     into it; ``path`` appears only after finish_checkpoint; loading it restores weights, optimizer and version.
-    Written by a writer process (the CPU's default) or a thread of the trainer (trainer.checkpoint_writer)."""
+    Written by a writer process (the CPU default for large models) or a thread of the trainer (trainer.checkpoint_writer)."""
     t = Trainer(trainer_config(tmp_path, checkpoint_writer=writer), str(model_path), torch.device("cpu"))
     assert t.checkpoint_writer == writer
     t.train_step(_batch(0))
@@ -440,7 +440,7 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
         read_latest,
     )
 
-    cfg = trainer_config(tmp_path, ranks=1)
+    cfg = trainer_config(tmp_path, ranks=1, checkpoint_writer="process")
     root = tmp_path / "run" / "checkpoints"
     g = await _group(cfg, model_path, tmp_path, "run")
     seen: list[tuple[Path | None, object]] = []
@@ -456,8 +456,7 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
         assert read_latest(root) == root / "step-1" and w.saved == 1
         await w.save(ControllerState(step=2, version=2, elapsed_s=2.0), wait=False,
                      on_done=lambda p, e: seen.append((p, e)))
-        # the trainer's children: DCP's writer process (trainer.checkpoint_writer "auto" = process on the CPU)
-        # and multiprocessing's resource tracker, all in its process group
+        # the trainer's children: DCP's writer process and multiprocessing's resource tracker, in its process group
         writers = _children(g.procs[0].pid)
         assert writers, "no writer process under the trainer: the background write did not use one"
         os.kill(g.procs[0].pid, signal.SIGKILL)  # the write is staged and in flight; nothing has sealed it

@@ -172,3 +172,16 @@ def test_advice_warns_about_an_uncorrected_loss_on_async_samples() -> None:
     drop = advice(load(None, ["algorithm.loss=grpo", "scheduler.stale=drop"]))
     assert len(drop) == 1 and "partial" not in drop[0]
     assert advice(load(None, ["algorithm.loss=tis"])) == []
+
+
+def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model_on_the_cpu() -> None:
+    import torch
+
+    from flashrl.trainer.worker import PROCESS_WRITER_MIN_BYTES, checkpoint_writer
+
+    big, small = PROCESS_WRITER_MIN_BYTES // 4, PROCESS_WRITER_MIN_BYTES // 4 - 1
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert checkpoint_writer("auto", cpu, big) == "process"
+    assert checkpoint_writer("auto", cpu, small) == "thread"  # the built-in model: its write takes milliseconds
+    assert checkpoint_writer("auto", cuda, big) == "thread"
+    assert checkpoint_writer("process", cuda, small) == "process" and checkpoint_writer("thread", cpu, big) == "thread"
