@@ -80,7 +80,7 @@ SAFE_TO_CHANGE = (
     "trainer.ranks", "trainer.threads", "trainer.micro_batch", "trainer.skip_inert", "trainer.checkpoint_async",
     "trainer.checkpoint_writer",
     "trainer.checkpoint_timeout_s", "weight_sync.", "cluster.",
-    "rollout.turn_timeout_s", "rollout.trajectory_timeout_s", "rollout.max_retries",
+    "rollout.turn_timeout_s", "rollout.trajectory_timeout_s", "rollout.max_retries", "scheduler.drain",
 )
 
 

@@ -141,7 +141,8 @@ class Controller:
             filter_ties=cfg.algorithm.filter_ties,
             counters=self.counters,
             version=lambda: self.published.version,  # wait's deadlines, partial's bound (set just below)
-            total_steps=cfg.run.steps,  # admit no more than the run trains: nothing left generating at its end
+            # scheduler.drain: admit no more than the run trains, so nothing is left generating at its end
+            total_steps=cfg.run.steps if cfg.scheduler.drain else None,
         )
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)

@@ -297,12 +297,14 @@ def test_max_time_one_line_per_step_whatever_the_eval_cadence(eval_every: int) -
 
 
 # --------------------------------------------------------------------------- failures and shutdown
-@pytest.mark.parametrize("stop", ["steps", "max_time"])
+@pytest.mark.parametrize("stop", ["steps", "steps-no-drain", "max_time"])
 def test_shutdown_aborts_inflight_closes_envs_leaves_no_task(stop: str) -> None:
-    """A run that ends at its step count admitted nothing past its last batch (buffer invariant 5): it
-    ends with nothing generating, no rollout thrown away. One stopped by max_time_s aborts what runs."""
-    run_cfg: dict[str, Any] = {"steps": 3} if stop == "steps" else {"steps": 50, "max_time_s": 3.0}
-    cfg = config(run=run_cfg, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 2})
+    """A run that ends at its step count admitted nothing past its last batch (scheduler.drain, buffer
+    invariant 5): it ends with nothing generating, no rollout thrown away. Without drain, or stopped by
+    max_time_s, it aborts what still runs."""
+    run_cfg: dict[str, Any] = {"steps": 50, "max_time_s": 3.0} if stop == "max_time" else {"steps": 3}
+    cfg = config(run=run_cfg, rollout={"group_size": 2, "batch_prompts": 2},
+                 scheduler={"async_ratio": 2, "drain": stop != "steps-no-drain"})
     engines = [FakeEngine(f"e{i}", long_tail(i)) for i in range(2)]
     suite = FakeSuite()
     c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=0.2))
@@ -311,6 +313,8 @@ def test_shutdown_aborts_inflight_closes_envs_leaves_no_task(stop: str) -> None:
     aborted = sum(len(e.aborted) for e in engines)
     if stop == "steps":
         assert aborted == 0 and c.counters["admitted/groups"] == 3 * 2 == c.counters["trained/groups"]
+    elif stop == "steps-no-drain":
+        assert aborted > 0 and c.counters["admitted/groups"] > c.counters["trained/groups"] == 3 * 2
     else:
         assert summary.steps < 50 and aborted > 0  # rollouts still running at the deadline were aborted
     assert [e.inflight for e in engines] == [0, 0] and c.router.inflight == [0, 0] and c.ctx.live == {}
