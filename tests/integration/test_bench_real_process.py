@@ -52,6 +52,9 @@ loss = "decoupled_ppo"
 "rollout.env_async" = false
 [flash]
 "scheduler.async_ratio" = 2
+# 3 steps of 2 prompts at ratio 2: with the run's drain (the default) all 6 groups are admitted at once and
+# generated before the measured window (steps 2-3) begins, leaving the engine idle in it
+"scheduler.drain" = false
 [[points]]
 label = "tiny"
 """)
