@@ -20,8 +20,9 @@ Checks, one output line each (``PASS|FAIL|SKIP  name  detail``), exit code 1 on 
     dcp[world N]      Trainer.save_checkpoint after step 1 (DCP, atomic rename), step 2, load_checkpoint:
                       the weights and version are step 1's again
     dcp-async[world N] the same state saved in the background (trainer.checkpoint_async: staged to host
-                      buffers, written by DCP on the trainer's write thread while step 2 trains, sealed by
-                      finish_checkpoint), loaded: step 1's weights exactly
+                      buffers, written by DCP while step 2 trains, by the writer "auto" picks, sealed by
+                      finish_checkpoint), loaded: step 1's weights exactly; then step 2's state by the other
+                      writer (trainer.checkpoint_writer: a write thread, a writer process), loaded exactly
     broadcast         the weight sync's transport between two processes (nccl: needs two GPUs; gloo on
                       the CPU): trainer/weights.py's WeightSender (rank 0) -> a receiver joined with
                       wire/weights.py's join_group (rank 1) that verifies every bucket's checksum; the
@@ -229,9 +230,28 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
                 bg_error = f"background write: {type(e).__name__}: {e}"
         dist.barrier()  # rank 0 sealed (renamed) it before any rank loads it
         after = {k: v.clone() for k, v in trainer.full_state_dict().items()}  # a plain model's are live views
+        # the other background writer (trainer.checkpoint_writer: "auto" picked one above), on step 2's state
+        first_writer = trainer.checkpoint_writer
+        other = "process" if first_writer == "thread" else "thread"
+        bg2 = str(Path(spec.workdir) / f"ckpt-bg-{other}")
+        bg2_error = ""
+        try:
+            trainer.checkpoint_writer = other
+            trainer.save_checkpoint(bg2, background=True)
+            if rank == 0:
+                trainer.finish_checkpoint(bg2, _WRITE_TIMEOUT_S)
+            else:
+                trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - reported in dcp-async's detail; the other checks go on
+            bg2_error = f"background save by the {other} writer: {type(e).__name__}: {e}"
+        dist.barrier()
         lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
         manifest = trainer.prepare_weights(trainer.version)
         prepared = trainer._prepared
+        restored_bg2: dict[str, Any] = {}
+        if not bg2_error:
+            trainer.load_checkpoint(bg2)
+            restored_bg2 = {k: v.clone() for k, v in trainer.full_state_dict().items()}
         restored_bg: dict[str, Any] = {}
         if not bg_error:
             trainer.load_checkpoint(bg)
@@ -302,9 +322,17 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
             if changed:
                 problems.append(f"{len(changed)} tensors differ from step 1's after load (e.g. {changed[0]}): the "
                                 "write saw the step trained beside it")
+        if bg2_error:
+            problems.append(bg2_error)
+        else:
+            changed = [k for k in after if not torch.equal(after[k], restored_bg2[k])]
+            if changed:
+                problems.append(f"the {other} writer's checkpoint: {len(changed)} tensors differ from step 2's after "
+                                f"load (e.g. {changed[0]})")
         _report(spec, Check(f"dcp-async{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
-                            f"background save (staged, written while step 2 trained), sealed, load on {device}: "
-                            "step 1's weights restored exactly"))
+                            f"background save by the {first_writer} writer (staged, written while step 2 trained), "
+                            f"sealed, load on {device}: step 1's weights restored exactly; by the {other} writer: "
+                            "step 2's restored exactly"))
     finally:
         dist.destroy_process_group()
 
