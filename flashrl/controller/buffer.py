@@ -155,15 +155,17 @@ class SampleBuffer:
         """Groups that may be admitted now: the capacity left (invariant 1) and, with ``total_steps``, no
         more than the run still trains beyond the groups admitted and not yet in a batch (invariant 5)."""
         room = self.capacity - self.outstanding
-        if self.total_steps is not None:
+        left = self._left_to_train()
+        if left is not None:
             untaken = sum(g.state is not GroupState.TRAINING for g in self.groups.values())
-            room = min(room, (self.total_steps - self.staleness.next_step) * self.batch_prompts - untaken)
+            room = min(room, left - untaken)
         return max(0, room)
 
-    def _left_to_train(self) -> str:
+    def _left_to_train(self) -> int | None:
+        """Groups the run's batches still to be taken will train (None: no ``total_steps``)."""
         if self.total_steps is None:
-            return "unbounded"
-        return str((self.total_steps - self.staleness.next_step) * self.batch_prompts)
+            return None
+        return (self.total_steps - self.staleness.next_step) * self.batch_prompts
 
     # ------------------------------------------------------------------ transitions
     def admit(self, uid: int, task: Task, now: float = 0.0) -> Group:
@@ -171,7 +173,7 @@ class SampleBuffer:
             raise RuntimeError(
                 f"admission over capacity: {self.outstanding} outstanding groups, capacity "
                 f"{self.capacity} = (async_ratio + 1) * batch_prompts, groups the run still trains "
-                f"{self._left_to_train()}; the admission loop must check admit_room()"
+                f"{self._left_to_train() or 'unbounded'}; the admission loop must check admit_room()"
             )
         if uid in self.groups:
             raise RuntimeError(f"prompt uid {uid} admitted twice")

@@ -471,6 +471,9 @@ class Trainer(PolicyTrainer):
             except ImportError:  # an older torch: its blocking stager, uncached on the CPU (no pinning there)
                 self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
             else:
+                # shared memory only for a writer process (a container's /dev/shm may be small); should the
+                # writer change later (doctor's dcp-async does), torch moves a buffer into shared memory as
+                # it sends it, once: the buffers are kept
                 self._stager = DefaultStager(StagingOptions(
                     use_pinned_memory=False, use_shared_memory=self.checkpoint_writer == "process",
                     use_async_staging=False, use_non_blocking_copy=False))
