@@ -167,8 +167,8 @@ class TrainerConfig(Section):
                                  "checkpoint (checkpoint_async): 'process', a writer process per rank (DCP's "
                                  "process-based async save; staged into shared memory, at the lowest CPU priority), "
                                  "so the write never takes the trainer's interpreter lock; 'thread', a thread of "
-                                 "the trainer; 'auto': process on the CPU for a model of >= 256 MiB of float32 weights, "
-                                 "else thread (docs/checkpoints.md)")] = "auto"
+                                 "the trainer; 'auto': process for a model of >= 256 MiB of float32 weights "
+                                 "(CPU or GPU), else thread (docs/checkpoints.md)")] = "auto"
     checkpoint_timeout_s: Annotated[float, Meta(ge=0, description="deadline for one checkpoint write (and for the "
                                                 "wait for it at shutdown); 0 = auto: 300 s + 3 x the model's float32 "
                                                 "bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0

@@ -174,7 +174,7 @@ def test_advice_warns_about_an_uncorrected_loss_on_async_samples() -> None:
     assert advice(load(None, ["algorithm.loss=tis"])) == []
 
 
-def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model_on_the_cpu() -> None:
+def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model() -> None:
     import torch
 
     from flashrl.trainer.worker import PROCESS_WRITER_MIN_BYTES, checkpoint_writer
@@ -183,5 +183,6 @@ def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model_on_the_cp
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert checkpoint_writer("auto", cpu, big) == "process"
     assert checkpoint_writer("auto", cpu, small) == "thread"  # the built-in model: its write takes milliseconds
-    assert checkpoint_writer("auto", cuda, big) == "thread"
+    assert checkpoint_writer("auto", cuda, big) == "process"  # measured on an H200: +45% vs the thread's +171%
+    assert checkpoint_writer("auto", cuda, small) == "thread"
     assert checkpoint_writer("process", cuda, small) == "process" and checkpoint_writer("thread", cpu, big) == "thread"
