@@ -249,7 +249,7 @@ def _given(ctx: typer.Context) -> list[str]:
 
 def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: str, sets: list[str], out: str,
            sync_seeds: str | None, timeout_s: float | None, resume: bool, report_only: bool,
-           targets: str | None = None, variants: list[str] | None = None) -> None:
+           targets: str | None = None, variants: list[str] | None = None, clock_from: str | None = None) -> None:
     from flashrl.bench.peers.runner import parse_variant, run_bench
 
     prog = "flashrl bench seeds" if seeds_mode else "flashrl bench peers"
@@ -264,7 +264,7 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
         named = dict(parse_variant(v) for v in variants or [])
         runs = run_bench([m for m in modes.split(",") if m], seed_list, out, config, steps, sets, timeout_s,
                          title=title, sync_seeds=sync_list, resume=resume, report_only=report_only,
-                         targets=target_list, variants=named)
+                         targets=target_list, variants=named, clock_from=clock_from)
     except ValueError as e:
         typer.echo(f"{prog}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -284,6 +284,9 @@ PeerTimeout = Annotated[Optional[float], typer.Option("--timeout-s", help="stop 
 Resume = Annotated[bool, typer.Option("--resume", help="keep the runs in --out that an earlier invocation completed")]
 ReportOnly = Annotated[bool, typer.Option(
     "--report-only", help="run nothing: write the results files from the runs already in --out")]
+ClockFrom = Annotated[Optional[str], typer.Option(
+    "--clock-from", help="the --out of an invocation of the same modes and seeds run with --set run.eval_every=0: "
+                         "results.md also times the targets on its clocks (the evals' engine time taken out)")]
 Targets = Annotated[Optional[str], typer.Option(
     "--targets", help="comma-separated held-out accuracies to time, e.g. 0.5 (default 0.7,0.8,0.85); the first "
                       "is the one the seed-by-seed tables compare (default 0.8)")]
@@ -314,11 +317,12 @@ def peers(
     report_only: ReportOnly = False,
     targets: Targets = None,
     variants: Variants = None,
+    clock_from: ClockFrom = None,
 ) -> None:
     """flashrl (async and sync) against Hugging Face TRL's GRPOTrainer, same model, data, verifier and
     hyperparameters, one run at a time (TRL comes with flashrl's `peers` extra)."""
     _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets,
-           variants)
+           variants, clock_from)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)

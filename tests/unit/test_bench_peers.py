@@ -304,3 +304,40 @@ def test_paired_table_compares_seed_by_seed_on_the_seeds_both_reached() -> None:
     assert cells[5] == "trl: seeds 1"
     assert cells[6] == f"{(0.8 + 0.82 + 0.6 + 0.8) / 4:.1%} / {(0.7 + 0.81 + 0.6 + 0.7) / 4:.1%}"
     assert paired_table([r for r in runs if r.mode == "async"]) == ""  # nothing to pair with
+
+
+def _write_run(out: Path, name: str, recs: list[dict]) -> None:
+    d = out / "runs" / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_clock_from_reads_each_crossing_on_the_timing_runs_clock(tmp_path: Path) -> None:
+    """--clock-from: the step at which a run here first reached a target, on the clock of the same mode and seed
+    in an invocation without evals; TRL on its own clock; the conservative column takes sync's faster clock."""
+    from flashrl.bench.peers import runner as peers
+
+    learn, timing = tmp_path / "learn", tmp_path / "timing"
+    # evals inline: async crosses 50% at step 20 (its own clock: 0.5 s a step), sync at step 30 (1.0 s a step)
+    _write_run(learn, "async-seed0", _records({0: 0.3, 10: 0.45, 20: 0.55, 30: 0.6}, 30, step_s=0.5))
+    _write_run(learn, "sync-seed0", _records({0: 0.3, 10: 0.4, 20: 0.48, 30: 0.52}, 30, step_s=1.0))
+    _write_run(learn, "trl-seed0", _records({0: 0.3, 10: 0.5, 20: 0.6, 30: 0.6}, 30, step_s=2.0))
+    # without evals: async 0.25 s a step, sync 0.8 s a step; a step that waited for the step-0 eval is taken out
+    fast = _records({0: 0.3, 30: 0.6}, 30, step_s=0.25)
+    for r in fast[1:]:
+        r["time/elapsed_s"] += 0.5
+    fast[1]["time/eval_wait_s"] = 0.5
+    _write_run(timing, "async-seed0", fast)
+    _write_run(timing, "sync-seed0", _records({0: 0.3, 30: 0.5}, 30, step_s=0.8))
+    peers.run_bench(["trl", "async", "sync"], [0], learn, TINY, report_only=True, targets=[0.5], clock_from=timing)
+    md = (learn / "results.md").read_text()
+    # async: step 20 on the timing clock = 20 x 0.25 s = 5.0 s; sync: step 30 x 0.8 = 24.0 s (faster than its
+    # own 30.0 s, so both sync columns agree); TRL: its own clock at step 10 = 20.0 s
+    assert "| 0 | 50% | 20.0 s (10) | 5.0 s (20) | 24.0 s (30) | 4.80x | 4.80x | 4.00x |" in md
+    # a sync timing run slower than sync's own run: the conservative column uses sync's own clock
+    (timing / "runs" / "sync-seed0" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in _records({0: 0.3}, 30, step_s=1.2)) + "\n")
+    peers.run_bench(["trl", "async", "sync"], [0], learn, TINY, report_only=True, targets=[0.5], clock_from=timing)
+    assert "| 0 | 50% | 20.0 s (10) | 5.0 s (20) | 36.0 s (30) | 7.20x | 6.00x | 4.00x |" in (learn / "results.md").read_text()
+    with pytest.raises(ValueError, match="run.eval_every=0"):
+        peers.run_bench(["async"], [0], learn, TINY, report_only=True, clock_from=tmp_path / "nowhere")

@@ -107,21 +107,30 @@ def startup_offset(appeared: Sequence[tuple[float, float]]) -> float | None:
     return max(0.0, min(diffs)) if diffs else None
 
 
+def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
+
+
+def training_clock(records: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> the training clock at its end (step 0: 0). The training clock leaves held-out evals out, for
+    both sides: TRL's evals run between its steps and its time/elapsed_s already excludes them; flashrl's
+    run on the engines beside training, and what a step waited for one (eval_wait) is taken out here."""
+    clock, waited = {0: 0.0}, 0.0
+    for r in _step_records(records):
+        waited += eval_wait(r)
+        clock[int(r["step"])] = float(r["time/elapsed_s"]) - waited
+    return clock
+
+
 def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[float] = THRESHOLDS,
               primary: str | None = None) -> None:
     """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys).
 
     ``thresholds``: the held-out accuracies timed (first eval at or above each); ``primary``: the one the
     seed tables compare (default: 80% when it is timed, else the first)."""
-    steps = sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
-    # The training clock leaves held-out evals out, for both: TRL's evals run between its steps and
-    # its time/elapsed_s already excludes them; flashrl's run on the engines beside training, and what a
-    # step waited for one (eval_wait) is taken out here.
-    clock, waited = {0: 0.0}, 0.0
-    for r in steps:
-        waited += eval_wait(r)
-        clock[int(r["step"])] = float(r["time/elapsed_s"]) - waited
-    run.eval_wait_s = waited
+    steps = _step_records(records)
+    clock = training_clock(records)
+    run.eval_wait_s = sum(eval_wait(r) for r in steps)
     evals = []
     for r in records:
         if r.get("eval/accuracy") is None:
@@ -164,7 +173,7 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
     keys = [f"{thr:.0%}" for thr in thresholds]
     run.primary = primary or (PRIMARY if PRIMARY in keys else keys[0])
     for thr in thresholds:
-        hit = next(((s, t) for s, a, t in evals if a >= thr - 1e-9), None)
+        hit = first_at(evals, thr)
         run.time_to[f"{thr:.0%}"] = {
             "step": hit[0] if hit else None,
             "train_s": hit[1] if hit else None,
@@ -320,6 +329,55 @@ def paired_table(runs: Sequence[Run], baseline: str = "trl") -> str:
     return "\n".join(head + rows) + "\n"
 
 
+def first_at(evals: Sequence[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """(step, training clock) of the first eval at or above ``target``; None: never reached."""
+    return next(((s, t) for s, a, t in evals if a >= target - 1e-9), None)
+
+
+def clock_table(runs: Sequence[Run], timing: Path, targets: Sequence[float]) -> str:
+    """Time to each target with the evals' engine time taken out: the step at which each run here first
+    reached the target, read on the training clock of the same mode and seed in ``timing``, an invocation of
+    the same modes and seeds with ``run.eval_every = 0`` (its runs/<mode>-seed<N>/metrics.jsonl). TRL keeps
+    its own clock (its evals run between its steps, off it). Why: flashrl evaluates on its training engines,
+    and on one busy engine an async run's eval takes generation time from its rollouts, on its clock; a sync
+    run's eval mostly fills engine idle time. The last ratio column takes the faster of sync's two clocks
+    (its own run's and the timing run's): sync runs of two invocations can differ in step time by a fifth on
+    a shared host. "" when no run here has a timing run."""
+    by = {(r.mode, r.seed): r for r in runs}
+    seeds = sorted({r.seed for r in runs})
+    timed = {(m, s) for m, s in by if m != "trl" and (timing / "runs" / f"{m}-seed{s}" / "metrics.jsonl").exists()}
+    if not timed:
+        return ""
+    modes = [m for m in dict.fromkeys(r.mode for r in runs) if m == "trl" or any((m, s) in timed for s in seeds)]
+    clocks = {k: training_clock(read_metrics(timing / "runs" / f"{k[0]}-seed{k[1]}" / "metrics.jsonl")) for k in timed}
+    lines = ["| seed | target | " + " | ".join(modes) + " | sync / async | sync / async, sync's faster clock | trl / async |",
+             "|---|---:|" + "---:|" * (len(modes) + 3)]
+    for seed in seeds:
+        for thr in targets:
+            secs: dict[str, float | None] = {}
+            cells = []
+            for m in modes:
+                r = by.get((m, seed))
+                hit = first_at(r.evals, thr) if r else None
+                if r is None or hit is None:
+                    secs[m] = None
+                    cells.append("-" if r is None else "not reached")
+                    continue
+                sec = hit[1] if m == "trl" else clocks[(m, seed)].get(hit[0]) if (m, seed) in clocks else None
+                secs[m] = sec
+                cells.append(f"{sec:.1f} s ({hit[0]})" if sec is not None else f"no timing run ({hit[0]})")
+            sync = by.get(("sync", seed))
+            own = first_at(sync.evals, thr) if sync else None
+            fast = min((x for x in (secs.get("sync"), own[1] if own else None) if x is not None), default=None)
+
+            def ratio(x: float | None, y: float | None) -> str:
+                return f"{x / y:.2f}x" if x and y else ""
+            cells += [ratio(secs.get("sync"), secs.get("async")), ratio(fast, secs.get("async")),
+                      ratio(secs.get("trl"), secs.get("async"))]
+            lines.append(f"| {seed} | {thr:.0%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 DIFFERENCES = """\
 What is the same: model folder (the built-in tiny model, float32, built by `ensure_model` for the seed),
 train prompts and their order (flashrl's DataStream for the seed), held-out split (the env's eval
@@ -355,7 +413,10 @@ What differs:
 """
 
 
-def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -> dict[str, Path]:
+def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "", timing: Path | None = None,
+                  targets: Sequence[float] = THRESHOLDS) -> dict[str, Path]:
+    """results.json/.csv/.md/.png in ``out``; with ``timing`` (an invocation without evals) results.md also
+    gets the time to each of ``targets`` with the evals' engine time taken out (``clock_table``)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {k: out / f"results.{k}" for k in ("json", "csv", "md", "png")}
     paths["json"].write_text(json.dumps([asdict(r) for r in runs], indent=1))
@@ -377,6 +438,13 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "") -
         paired = paired_table(runs, base)
         if paired:
             md += f"Seed by seed against {base}:\n\n" + paired + "\n"
+    if timing is not None:
+        table = clock_table(runs, timing, targets)
+        md += (f"Time to target with the evals' engine time taken out: the step at which each run here first "
+               f"reached it, on the training clock of the same mode and seed in {timing} (run without evals); "
+               f"TRL on its own clock. A composite of two runs: a sync run is deterministic, so for sync it is "
+               f"what one run without evals gives; for async it is the clock of the step at which this run "
+               f"crossed.\n\n" + (table or f"(no run in {timing} matches a mode and seed here)\n") + "\n")
     if any(r.mode == "trl" for r in runs):
         md += DIFFERENCES
     paths["md"].write_text(md)

@@ -228,15 +228,21 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
               steps: int | None = None, extra_sets: Sequence[str] = (), timeout_s: float | None = None,
               title: str = "flashrl vs TRL GRPOTrainer", sync_seeds: Sequence[int] | None = None,
               resume: bool = False, report_only: bool = False, targets: Sequence[float] | None = None,
-              variants: Mapping[str, Sequence[str]] | None = None) -> list[Run]:
+              variants: Mapping[str, Sequence[str]] | None = None, clock_from: str | Path | None = None) -> list[Run]:
     """Every (seed, mode) run in turn (sync only for ``sync_seeds``, default all); results files after each.
 
     ``resume``: a run that an earlier invocation into ``out`` completed (exit 0, ``steps`` steps) is kept,
     not run again, so a long bench can be run one piece at a time and assembled by a last invocation.
     ``targets``: the held-out accuracies timed (default report.THRESHOLDS; the first is the seed tables').
     ``variants``: named flashrl modes (name -> config overrides, ``parse_variant``); a variant runs only when
-    ``modes`` names it, in that order."""
+    ``modes`` names it, in that order. ``clock_from``: an earlier invocation of the same modes and seeds with
+    ``run.eval_every = 0``; results.md then also times the targets with the evals' engine time taken out
+    (report.clock_table)."""
     targets = tuple(targets) if targets else THRESHOLDS
+    timing = Path(clock_from) if clock_from is not None else None
+    if timing is not None and not (timing / "runs").is_dir():
+        raise ValueError(f"--clock-from {timing}: no runs/ folder there; give the --out of an invocation of the "
+                         f"same modes and seeds run with --set run.eval_every=0")
     variants = dict(variants or {})
     bad = [m for m in modes if m not in MODES and m not in variants]
     if bad or not modes:
@@ -260,9 +266,10 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
             else:
                 runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets, variants))
             if not report_only:
-                write_results(runs, out, title, _notes(config, steps, extra_sets, variants))  # partial results survive a crash
+                # partial results survive a crash
+                write_results(runs, out, title, _notes(config, steps, extra_sets, variants), timing, targets)
     if report_only:
-        write_results(runs, out, title, _notes(config, steps, extra_sets, variants))
+        write_results(runs, out, title, _notes(config, steps, extra_sets, variants), timing, targets)
     return runs
 
 
