@@ -113,16 +113,19 @@ def test_a_scenario_that_is_not_there_is_named(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "not found: give a .toml path or one of" in _text(result)
 
 
-def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from flashrl.bench.peers import runner as peers_runner
+def _fake_bench(modes: list[str], seeds: list[int], out: str, *a: Any, **k: Any) -> list[Any]:
+    """run_bench's stand-in: writes the results.md the CLI prints, returns completed runs."""
     from flashrl.bench.peers.report import Run
 
-    def fake(modes: list[str], seeds: list[int], out: str, *a: Any, **k: Any) -> list[Run]:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "results.md").write_text("# table\n")
-        return [Run(mode=m, seed=s, name="x", returncode=0) for m in modes for s in seeds]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "results.md").write_text("# table\n")
+    return [Run(mode=m, seed=s, name="x", returncode=0) for m in modes for s in seeds]
 
-    calls = _capture(monkeypatch, peers_runner, "run_bench", fake)
+
+def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from flashrl.bench.peers import runner as peers_runner
+
+    calls = _capture(monkeypatch, peers_runner, "run_bench", _fake_bench)
     monkeypatch.chdir(tmp_path)
     assert runner.invoke(bench_app, ["peers"]).exit_code == 0
     assert runner.invoke(bench_app, ["seeds", "--seeds", "3,4", "--sync-seeds", "all", "-s", "a=1", "--resume"]).exit_code == 0
@@ -130,7 +133,7 @@ def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tm
     assert (modes, seeds, out, config, steps, sets, timeout) == (
         ["trl", "async", "sync"], [0], "bench/results/peers", "configs/tiny.toml", None, [], None)
     assert kw == {"title": "flashrl vs TRL GRPOTrainer", "sync_seeds": [0], "resume": False, "report_only": False,
-                  "targets": None, "variants": {}}
+                  "targets": None, "variants": {}, "clock_from": None}
     assert (modes2, seeds2, out2) == (["async"], [3, 4], "bench/results/seeds")
     assert kw2["sync_seeds"] == [3, 4] and kw2["resume"] and calls[1][5] == ["a=1"]
     assert runner.invoke(bench_app, ["peers", "--targets", "0.5,0.6"]).exit_code == 0
@@ -199,3 +202,12 @@ def test_controller_profile_passes_its_sizes(monkeypatch: pytest.MonkeyPatch) ->
     result = runner.invoke(bench_app, ["controller-profile", "--engines", "2", "--steps", "3"])
     assert result.exit_code == 0 and "hot functions" in result.output
     assert calls == [(128, 8, 2, 3, 30, {})]
+
+
+def test_peers_passes_clock_from(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from flashrl.bench.peers import runner as peers_runner
+
+    calls = _capture(monkeypatch, peers_runner, "run_bench", _fake_bench)
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(bench_app, ["peers", "--report-only", "--clock-from", "timing"]).exit_code == 0
+    assert calls[0][-1]["clock_from"] == "timing" and calls[0][-1]["report_only"]
