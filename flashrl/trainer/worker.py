@@ -199,7 +199,7 @@ class Trainer(PolicyTrainer):
         self._ckpt_group: Any = None
         self._stager: Any = None
         params = model_params(model_path)
-        self.checkpoint_writer = checkpoint_writer(cfg.trainer.checkpoint_writer, device, params)
+        self.checkpoint_writer = checkpoint_writer(cfg.trainer.checkpoint_writer, params)
         self._write_pool: ThreadPoolExecutor | None = None
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, params)
 
@@ -530,12 +530,11 @@ class Trainer(PolicyTrainer):
 PROCESS_WRITER_MIN_BYTES = 256 << 20
 
 
-def checkpoint_writer(setting: str, device: torch.device, params: int) -> str:
+def checkpoint_writer(setting: str, params: int) -> str:
     """trainer.checkpoint_writer resolved: "auto" is "process" for a model of at least PROCESS_WRITER_MIN_BYTES
     of float32 weights, on the CPU and on CUDA alike (both measured), else "thread"."""
     if setting != "auto":
         return setting
-    del device  # the rule is the same on both devices since the H200 measurement; kept for callers and a later split
     return "process" if 4 * params >= PROCESS_WRITER_MIN_BYTES else "thread"
 
 
