@@ -184,6 +184,15 @@ def _batch(step: int) -> Any:
 _WRITE_TIMEOUT_S = 120.0  # a small model's background checkpoint write (the parent's deadline kills a hung child)
 
 
+def _seal(trainer: Any, path: str, rank: int) -> None:
+    """A background checkpoint's end, as a run ends it: rank 0 waits for every rank's write and seals it
+    (finish_checkpoint); the other ranks wait for their own write."""
+    if rank == 0:
+        trainer.finish_checkpoint(path, _WRITE_TIMEOUT_S)
+    else:
+        trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
+
+
 def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
     """trainer / pack / dcp checks of one rank (every rank runs the same collectives; rank 0 reports)."""
     import torch
@@ -222,10 +231,7 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
         step_s = time.perf_counter() - t0
         if not bg_error:
             try:
-                if rank == 0:
-                    trainer.finish_checkpoint(bg, _WRITE_TIMEOUT_S)
-                else:
-                    trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
+                _seal(trainer, bg, rank)
             except Exception as e:  # noqa: BLE001
                 bg_error = f"background write: {type(e).__name__}: {e}"
         dist.barrier()  # rank 0 sealed (renamed) it before any rank loads it
@@ -238,10 +244,7 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
         try:
             trainer.checkpoint_writer = other
             trainer.save_checkpoint(bg2, background=True)
-            if rank == 0:
-                trainer.finish_checkpoint(bg2, _WRITE_TIMEOUT_S)
-            else:
-                trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
+            _seal(trainer, bg2, rank)
         except Exception as e:  # noqa: BLE001 - reported in dcp-async's detail; the other checks go on
             bg2_error = f"background save by the {other} writer: {type(e).__name__}: {e}"
         dist.barrier()
