@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import matplotlib.font_manager  # noqa: F401  (see below)
 import pytest
 
 from tests.isolation import MESSAGE, forbid
+
+# matplotlib builds its per-user font cache on first import by running `fc-list`, a process the guard below
+# refuses. On a machine where the cache exists (the one that built the project) nothing runs; on a new one
+# (an empty HOME, as in CI) the first unit test that plots would fail. Build it here, before any guard.
 
 _refused: list[str] = []
 
