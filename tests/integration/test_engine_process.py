@@ -344,6 +344,36 @@ async def test_weight_sync_serves_the_new_weights(
 
 
 @pytest.mark.slow
+async def test_a_request_across_an_update_continues_with_kv_of_the_new_weights(
+    client: EngineProcessClient, sender: WeightSender, model_dir: Path
+) -> None:
+    """After an update mid-generation the engine resets its prefix cache, running requests included: the
+    request in flight recomputes the KV of its prompt and of its tokens so far with the new weights. Each
+    token it generates after the update then has the logprob the new weights give over that same prefix
+    (scored here by transformers over prompt + every token before it); with the old KV kept, attention over
+    the prefix would still see the old weights' keys and values and every later logprob would be off."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    version = await client.ping() + 1
+    manifest, flats = build_manifest(model.state_dict(), version=version, bucket_mb=0.25)
+    long = await _start_and_pin(client, Generate(prompt_ids=PROMPT, max_tokens=200, temperature=0.0, ignore_eos=True))
+    reply, _ = await _sync(client, sender, manifest, flats)
+    assert reply.ok and reply.version == version, reply
+    out = await asyncio.wait_for(long, 60)
+    assert len(out.token_ids) == 200
+    k = out.versions.index(version)  # the first token of the new weights
+    assert k >= 5 and out.versions[k:] == [version] * (200 - k), out.versions
+    expected = _reference_logprobs(model, PROMPT + out.token_ids[:k], out.token_ids[k:])
+    got = torch.tensor(out.logprobs[k:])
+    assert torch.allclose(got, expected, atol=1e-3), (k, (got - expected).abs().max().item())
+
+
+@pytest.mark.slow
 async def test_corrupt_sync_is_rejected_and_the_engine_keeps_serving(
     client: EngineProcessClient, sender: WeightSender, model_dir: Path
 ) -> None:
