@@ -67,7 +67,8 @@ TRAINER_DIR = "trainer"
 LATEST = "latest"
 FORMAT = 2  # 2: the untrained rollouts in ROLLOUTS_FILE (1, without them, is read too: its groups are re-admitted)
 READS = (1, 2)
-ROLLOUTS_FORMAT = 1
+ROLLOUTS_FORMAT = 2  # 2: SavedGroup.held (1, without it, is read too)
+ROLLOUTS_READS = (1, 2)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Config keys a resumed run may change: how long, how often, how it is shown, where engines run and
@@ -132,6 +133,9 @@ class SavedGroup(msgspec.Struct, kw_only=True):
     completed_version: int = 0  # complete groups: the version when they completed (partial mode's bound)
     samples: list[SavedRollout] = []  # finished samples, in the order they joined the group
     unfinished: list[SavedRollout] = []  # one per rollout in flight (not complete groups)
+    # finished samples not yet in ``samples``: each waits for an earlier-launched rollout of its group
+    # (rollout.redundant_keep = "launch_order"); the resumed group tallies them before it runs anything
+    held: list[SavedRollout] = []
 
 
 class RolloutSnapshot(msgspec.Struct, kw_only=True):
@@ -481,12 +485,13 @@ def read_rollouts(path: Path, version: int) -> RolloutSnapshot:
         snap = msgspec.msgpack.decode(path.read_bytes(), type=RolloutSnapshot)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CheckpointError(f"{path}: corrupt ({e})") from None
-    if snap.format != ROLLOUTS_FORMAT:
-        raise CheckpointError(f"{path}: rollouts format {snap.format}, this flashrl reads {ROLLOUTS_FORMAT}")
+    if snap.format not in ROLLOUTS_READS:
+        raise CheckpointError(f"{path}: rollouts format {snap.format}, this flashrl reads "
+                              f"{', '.join(map(str, ROLLOUTS_READS))}")
     if snap.version != version:
         raise CheckpointError(f"{path}: rollouts of version {snap.version}, its controller.json is at {version}")
     for g in snap.groups:
-        for t in (*g.samples, *g.unfinished):
+        for t in (*g.samples, *g.unfinished, *g.held):
             n = len(t.response_ids)
             if not (len(t.loss_mask) == len(t.behav_logp) == len(t.versions) == n) or t.group != g.uid:
                 raise CheckpointError(f"{path}: corrupt (rollout {t.sample_id!r} of group {g.uid}: {n} tokens, "

@@ -166,7 +166,7 @@ class Controller:
         self.checkpoints = checkpoints
         self._stop_requested = False
         # a resumed run's untrained groups still generating and their unfinished rollouts (to the feed)
-        self._restored: list[tuple[Group, list[Trajectory]]] = []
+        self._restored: list[tuple[Group, list[Trajectory], list[Trajectory]]] = []
         if resume is not None:
             self._restore(resume)
 
@@ -496,7 +496,7 @@ class Controller:
         A complete group that partial mode's bound no longer lets train at this version (it completed
         more than async_ratio versions ago: never, by the bound's proof, in a checkpoint this flashrl
         wrote) is re-admitted, counted under resume/over_bound_groups and its tokens under
-        resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished),
+        resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished: handed over or held back),
         restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept)."""
         n: Counter[str] = Counter(regenerated_tokens=snap.regenerated_tokens)  # this resume's (the counters add up)
         readmit: list[int] = []
@@ -516,9 +516,11 @@ class Controller:
                                     admitted_version=sg.admitted_version, completed_version=sg.completed_version)
             if not sg.complete:
                 unfinished = [unsaved(t) for t in sg.unfinished]
-                self._restored.append((g, unfinished))
+                held = [unsaved(t) for t in sg.held]  # finished, waiting for an earlier launch (launch order)
+                self._restored.append((g, unfinished, held))
                 n["restored_rollouts"] += len(unfinished)
-                kept += sum(t.n_generated for t in unfinished)
+                n["restored_samples"] += len(held)
+                kept += sum(t.n_generated for t in (*unfinished, *held))
             n["restored_groups"] += 1
             n["restored_samples"] += len(samples)
             n["restored_tokens"] += kept

@@ -68,8 +68,9 @@ class Feed:
         self._spawn = spawn
         self._stopped = stopped  # request_stop(): a batch being waited for is given up
         self._closing = False
-        # a resumed run's saved groups still generating, with their unfinished rollouts: launched first
-        self.restored: list[tuple[Group, list[Trajectory]]] = []
+        # a resumed run's saved groups still generating, with their unfinished rollouts and their finished
+        # samples held back (launch order): launched first
+        self.restored: list[tuple[Group, list[Trajectory], list[Trajectory]]] = []
 
     def close(self) -> None:
         """No more admissions (shutdown: the admission loop ends at its next wake-up or cancel)."""
@@ -78,8 +79,8 @@ class Feed:
     async def admission_loop(self) -> None:
         b = self.buffer
         restored, self.restored = self.restored, []
-        for g, resumes in restored:
-            self._launch(g, g.missing, resumes)
+        for g, resumes, held in restored:
+            self._launch(g, g.missing, resumes, held)
         while not self._closing:
             # the capacity (staleness bound), the barrier without queue scheduling, and no more groups
             # than the run still trains (buffer invariant 5: the run ends with nothing generating)
@@ -91,13 +92,16 @@ class Feed:
             with self.evals.generation_waits(idle=b.generating == 0):
                 await b.changed()
 
-    def _launch(self, g: Group, need: int, resumes: list[Trajectory] | None = None) -> None:
+    def _launch(self, g: Group, need: int, resumes: list[Trajectory] | None = None,
+                held: list[Trajectory] | None = None) -> None:
         extra = self.cfg.rollout.redundancy
         resumes = resumes or []
-        first = self.buffer.start(g, max(0, need + extra - len(resumes)))  # run_group's fresh rollouts
-        self._spawn(self._group_task(g, need, first, extra, resumes), f"group {g.uid}")
+        held = held or []
+        first = self.buffer.start(g, max(0, need + extra - len(resumes) - len(held)))  # run_group's fresh rollouts
+        self._spawn(self._group_task(g, need, first, extra, resumes, held), f"group {g.uid}")
 
-    async def _group_task(self, g: Group, need: int, first: int, extra: int, resumes: list[Trajectory]) -> None:
+    async def _group_task(self, g: Group, need: int, first: int, extra: int, resumes: list[Trajectory],
+                          held: list[Trajectory]) -> None:
         ok = await run_group(
             self.ctx,
             task=g.task,
@@ -108,6 +112,7 @@ class Feed:
             temperature=self.cfg.rollout.temperature,
             on_sample=self._on_sample,
             resumes=resumes,
+            finished=held,
         )
         if not ok and g.state is GroupState.RUNNING:
             log.info("group %d dropped: fewer than %d rollouts succeeded", g.uid, need)
@@ -156,6 +161,7 @@ class Feed:
 
         Partial mode with cuts: every outstanding group is saved, complete ones in completion order
         (the order batches take them), then the running ones by uid, each with its finished samples
+        (delivered, and ``held``: finished but waiting for an earlier-launched rollout, launch order)
         and one entry per rollout in flight: its prefix when it is still in its first turn (a
         single-turn rollout always is), else an empty one (it restarts; its tokens are counted in
         ``regenerated_tokens``). Otherwise every outstanding group is named for re-admission and its
@@ -165,6 +171,9 @@ class Feed:
         inflight: dict[int, list[tuple[str, int, Trajectory | None]]] = {}
         for sid, (uid, idx, t) in self.ctx.rollouts.items():
             inflight.setdefault(uid, []).append((sid, idx, t))
+        held: dict[int, list[Trajectory]] = {}
+        for t in self.ctx.held.values():
+            held.setdefault(t.group, []).append(t)
         running = sorted((g for g in b.groups.values() if g.state in (GroupState.ADMITTED, GroupState.RUNNING)),
                          key=lambda g: g.uid)
         groups: list[SavedGroup] = []
@@ -172,9 +181,10 @@ class Feed:
         regenerated = 0
         for g in [*b.complete, *running]:
             live = inflight.get(g.uid, []) if g.state is not GroupState.COMPLETE else []
+            waiting = held.get(g.uid, []) if g.state is not GroupState.COMPLETE else []
             if not keep:
                 readmit.append(g.uid)
-                regenerated += sum(t.n_generated for t in g.samples)
+                regenerated += sum(t.n_generated for t in (*g.samples, *waiting))
                 regenerated += sum(t.n_generated for _, _, t in live if t is not None)
                 continue
             unfinished = []
@@ -187,6 +197,7 @@ class Feed:
                 uid=g.uid, task_id=g.task.id, complete=g.state is GroupState.COMPLETE, next_index=g.next_index,
                 admitted_version=g.admitted_version, completed_version=g.completed_version,
                 samples=[saved(t) for t in g.samples], unfinished=unfinished,
+                held=[saved(t) for t in sorted(waiting, key=lambda t: t.index)],
             ))
         snap = RolloutSnapshot(version=version, groups=groups, regenerated_tokens=regenerated, unsettled=unsettled)
         return snap, readmit

@@ -57,8 +57,9 @@ training sample generates while a batch trains (capacity = batch_prompts: every 
 
 Checkpoint cuts (``RolloutContext(cuts=True)``: the controller of a partial-mode run that writes
 checkpoints): every training rollout is registered while it runs (``ctx.rollouts``: sample id ->
-its current attempt's Trajectory, gone in the same step that hands the sample to the group) and
-each of its engine requests too (``ctx.tracked``). ``ctx.cut()`` closes the gate (no training
+its current attempt's Trajectory, gone in the same step that hands the sample to the group, or, in
+launch order, that holds it back behind an earlier-launched one: ``ctx.held`` until it is handed over)
+and each of its engine requests too (``ctx.tracked``). ``ctx.cut()`` closes the gate (no training
 request starts), aborts every tracked request, and waits until each has answered and folded its
 tokens so far into its Trajectory; the caller then reads every prefix in one synchronous step, and
 ``ctx.go_on()`` reopens the gate: each interrupted rollout continues with a request for the rest of
@@ -175,6 +176,10 @@ class RolloutContext:
     # sample id -> (prompt uid, sample index, its attempt's Trajectory so far or its saved prefix or None)
     rollouts: dict[str, tuple[int, int, Trajectory | None]] = field(default_factory=dict, init=False)
     tracked: dict[str, int] = field(default_factory=dict, init=False)  # training request id -> engine
+    # sample id -> a finished sample that waits for an earlier-launched one of its group before it is handed
+    # over (rollout.redundant_keep = "launch_order"): off ``rollouts``, not yet in the buffer, so a cut
+    # saves it from here (with cuts only)
+    held: dict[str, Trajectory] = field(default_factory=dict, init=False)
     interrupts: dict[str, asyncio.Future[None]] = field(default_factory=dict, init=False)  # cut's, unanswered
 
     def prompt_ids(self, obs: str) -> list[int]:
@@ -666,13 +671,17 @@ async def run_group(
     seed_key: Callable[[int], tuple[int, int]] | None = None,
     sample_ids: Callable[[int], str] | None = None,
     resumes: Sequence[Trajectory] = (),
+    finished: Sequence[Trajectory] = (),
 ) -> bool:
     """Run ``need + extra`` rollouts of ``task``; hand ``need`` ok ones to ``on_sample``: the first to finish,
     or with ``rollout.redundant_keep = "launch_order"`` the first in launch order (``_GroupState``).
 
     ``resumes``: a checkpoint's unfinished rollouts of this group (each its own sample index),
-    continued from their prefixes; with them, ``need + extra - len(resumes)`` fresh rollouts (none
-    when that is negative) take the indices from ``first_index`` on.
+    continued from their prefixes; ``finished``: its finished samples that were held back (launch order:
+    an earlier-launched rollout had not finished), tallied as finished before anything runs. With them,
+    ``need + extra - len(resumes) - len(finished)`` fresh rollouts (none when that is negative) take the
+    indices from ``first_index`` on. Launch order is the order of the sample indices: restored ones
+    (below ``first_index``, with gaps where samples were delivered or failed) before the fresh ones.
 
     Returns True when ``need`` samples were delivered, False when the group cannot be filled
     (the caller drops it and counts it). The remaining rollouts are cancelled either way, which
@@ -680,8 +689,8 @@ async def run_group(
     (or raises) only once every one of its tasks has ended. A rollout that raises (a bug) cancels
     the others and its error is raised here.
     """
-    fresh = max(0, need + extra - len(resumes))
-    n = fresh + len(resumes)
+    fresh = max(0, need + extra - len(resumes) - len(finished))
+    n = fresh + len(resumes)  # rollouts to run (the finished ones are tallied, not run)
     router = ctx.router
     if router.all_dead and ctx.wait_engine is not None:
         await ctx.wait_engine()
@@ -694,9 +703,16 @@ async def run_group(
         engines = [first] * n
     loop = asyncio.get_running_loop()
     in_launch_order = ctx.cfg.rollout.redundant_keep == "launch_order" and extra > 0
-    state = _GroupState(need, n, on_sample, loop.create_future(), first_index if in_launch_order else None)
-    tasks: list[asyncio.Task[None]] = []
     tracked = ctx.gate is not None and group >= 0
+    order = None
+    if in_launch_order:
+        order = sorted([*(t.index for t in resumes), *(t.index for t in finished),
+                        *range(first_index, first_index + fresh)])
+    state = _GroupState(need, n + len(finished), on_sample, loop.create_future(), order,
+                        ctx.held if tracked else None)
+    for t in finished:
+        state.finish(t)
+    tasks: list[asyncio.Task[None]] = []
     sids: list[str] = []
     for k, i in enumerate(engines):
         resume = resumes[k] if k < len(resumes) else None
@@ -722,10 +738,11 @@ async def run_group(
         await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))
         for sid in sids:  # the ones cancelled before they ran (_report unregisters the others)
             ctx.rollouts.pop(sid, None)
+        state.release_held()  # samples still held back when the group decided: never handed over
     if state.error is not None:
         raise state.error
-    if state.kept == need and state.done < n:
-        ctx.counters["rollout/aborted_redundant"] += n - state.done
+    if state.kept == need and state.done < state.n:
+        ctx.counters["rollout/aborted_redundant"] += state.n - state.done
     return state.kept == need
 
 
@@ -738,17 +755,22 @@ class _GroupState:
       finish_order (``first_index`` None): the first ``need`` ok samples to finish. Fastest, but the kept
         set is selected on finishing time: trajectories that end early (few turns, fast env calls, an
         early win or an early give-up) are over-represented in what the policy trains on.
-      launch_order (``first_index`` given): the ``need`` ok samples of lowest launch position
-        (``traj.index - first_index``). A sample is delivered only once every sample launched before it
-        has finished, so the kept set depends on which samples failed, never on how long any took: the
-        extra rollouts stand in for failed (or timed-out) ones only. Invariant: the kept samples are
-        exactly the first ``need`` ok ones in launch order among those decided.
+      launch_order (``order`` given: the group's ``n`` sample indices in launch order, ascending): the
+        ``need`` ok samples of lowest launch position (a sample's slot is its index's place in ``order``:
+        a resumed group's restored indices have gaps and lie below its fresh ones). A sample is delivered
+        only once every sample launched before it has finished, so the kept set depends on which samples
+        failed, never on how long any took: the extra rollouts stand in for failed (or timed-out) ones
+        only. Invariant: the kept samples are exactly the first ``need`` ok ones in launch order among
+        those decided. A finished ok sample waiting for an earlier one is in ``held`` (when given: the
+        context's, which a checkpoint cut saves) from the step it finished to the step it is delivered
+        or the group decides without it.
     """
 
-    __slots__ = ("need", "n", "on_sample", "decided", "kept", "done", "error", "first_index", "results", "cursor", "ok")
+    __slots__ = ("need", "n", "on_sample", "decided", "kept", "done", "error", "slots", "results", "cursor", "ok",
+                 "held")
 
     def __init__(self, need: int, n: int, on_sample: Callable[[Trajectory], object], decided: asyncio.Future[None],
-                 first_index: int | None = None) -> None:
+                 order: Sequence[int] | None = None, held: dict[str, Trajectory] | None = None) -> None:
         self.need = need
         self.n = n
         self.on_sample = on_sample
@@ -756,10 +778,15 @@ class _GroupState:
         self.kept = 0
         self.done = 0
         self.error: BaseException | None = None
-        self.first_index = first_index
-        self.results: list[Trajectory | None] = [None] * n if first_index is not None else []
+        self.slots: dict[int, int] | None = None  # launch_order: sample index -> launch position
+        if order is not None:
+            if len(order) != n or len(set(order)) != n:
+                raise ValueError(f"launch order {list(order)}: {n} distinct sample indices expected")
+            self.slots = {idx: k for k, idx in enumerate(order)}
+        self.results: list[Trajectory | None] = [None] * n if order is not None else []
         self.cursor = 0  # launch_order: every position below it is finished and delivered (or failed)
         self.ok = 0  # ok samples finished, delivered or not
+        self.held = held
 
     def finish(self, traj: Trajectory) -> None:
         if self.decided.done():
@@ -767,19 +794,35 @@ class _GroupState:
         self.done += 1
         if traj.status == "ok":
             self.ok += 1
-        if self.first_index is None:
+        if self.slots is None:
             if traj.status == "ok":
                 self.kept += 1
                 self.on_sample(traj)
         else:
-            self.results[traj.index - self.first_index] = traj
+            slot = self.slots.get(traj.index)
+            if slot is None or self.results[slot] is not None:
+                raise RuntimeError(f"sample {traj.sample_id}: index {traj.index} is not one launch position of its "
+                                   f"group's ({sorted(self.slots)}) or finished twice")
+            self.results[slot] = traj
+            if self.held is not None and slot > self.cursor and traj.status == "ok":
+                self.held[traj.sample_id] = traj  # waits for an earlier launch (in the same step as its unregistering)
             while self.cursor < self.n and self.kept < self.need and (t := self.results[self.cursor]) is not None:
+                if self.held is not None:
+                    self.held.pop(t.sample_id, None)
                 if t.status == "ok":
                     self.kept += 1
                     self.on_sample(t)
                 self.cursor += 1
         if self.kept == self.need or self.ok + (self.n - self.done) < self.need:
             self.decided.set_result(None)  # redundant (or hopeless) rollouts: abort them now
+            self.release_held()
+
+    def release_held(self) -> None:
+        """The group decided: none of its samples waits to be handed over any more."""
+        if self.held:
+            for t in self.results[self.cursor:]:
+                if t is not None:
+                    self.held.pop(t.sample_id, None)
 
     def fail(self, e: BaseException) -> None:
         if self.error is None:  # a bug is raised even when it comes after the group was decided

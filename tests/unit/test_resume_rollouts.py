@@ -32,7 +32,7 @@ from flashrl.checkpoint import (
     prepare_resume,
     verify,
 )
-from flashrl.controller.rollout import RolloutContext, run_group
+from flashrl.controller.rollout import RolloutContext, _GroupState, run_group
 from flashrl.controller.scheduler import DataStream, Router
 from flashrl.controller.types import NOT_SAVED, Trajectory, saved, unsaved
 from flashrl.metrics import read_jsonl
@@ -88,7 +88,7 @@ def test_snapshot_round_trip_and_every_bad_file_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"rollouts of version 1, its controller.json is at 2"):
         verify(path)
     rfile.write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(_snapshot(), format=9)))
-    with pytest.raises(CheckpointError, match=r"rollouts format 9, this flashrl reads 1"):
+    with pytest.raises(CheckpointError, match=r"rollouts format 9, this flashrl reads 1, 2"):
         verify(path)
     bad = _snapshot()
     bad.groups[0].unfinished[0].versions = [1]  # one version short of its tokens
@@ -398,3 +398,173 @@ def test_a_restored_group_past_the_bound_is_readmitted_and_counted(tmp_path: Pat
     uids = [u for x in records for u in x.get("prompt_uids", [])]
     assert late.uid in uids
     every_uid_once(second, uids)
+
+
+# ------------------------------------------------------------------------------------------- launch order
+
+
+def by_index_script(slow: Any) -> Any:
+    """Sample index ``k`` (from the request id ``uid-k.attempt.turn``) generates its 8 tokens slowly (1 s a
+    token) when ``slow(k)``, else at once (0.05 s a token)."""
+
+    def script(req: Any, version: int) -> tuple[list[int], float]:
+        k = int(req.request_id.split(".")[0].split("-")[1])
+        n = req.max_tokens
+        return [ord(str(k % 10))] * n, n * (1.0 if slow(k) else 0.05)
+
+    return script
+
+
+def test_a_resumed_launch_order_group_with_a_gap_in_its_indices_decides() -> None:
+    """rollout.redundant_keep = "launch_order", resumed: a group's restored rollouts carry the indices they had
+    (0 and 2: index 1 finished before the checkpoint), its fresh ones start at its old next index (3). Each
+    result goes to its own launch position (a slot of ``traj.index - first_index`` wrapped -3 onto 0 and 3
+    onto 0 too: one slot never filled, the group never decided), and the kept samples are the first ``need``
+    ok ones in launch order: 0 and 2, though 3 finished first."""
+    cfg = config(Path("/nonexistent"), rollout={"max_new_tokens": 8, "redundancy": 1, "redundant_keep": "launch_order"},
+                 model={"max_model_len": 64})
+    eng = FakeEngine("e0", by_index_script(lambda k: k < 3))
+    suite = FakeSuite(n_train=1)
+    ctx = RolloutContext(cfg=cfg, tokenizer=FakeTokenizer(), suite=suite, engines=[eng], router=Router(1, 8),
+                         version=lambda: 0)
+    task = suite.train_tasks()[0]
+    resumes = [Trajectory(sample_id=f"0-{k}", group=0, index=k, prompt_ids=FakeTokenizer().encode(task.prompt))
+               for k in (0, 2)]
+    out: list[Trajectory] = []
+
+    async def main() -> bool:
+        async with asyncio.timeout(60):  # virtual seconds: the group needs 8
+            return await run_group(ctx, task=task, group=0, need=2, first_index=3, extra=1, temperature=1.0,
+                                   on_sample=out.append, resumes=resumes)
+
+    assert run_virtual(main).result is True
+    assert [t.index for t in out] == [0, 2]
+    assert ctx.counters["rollout/aborted_redundant"] == 0  # 3 had finished: nothing left to abort
+
+
+def test_group_state_slots_are_launch_positions_of_restored_indices() -> None:
+    """The issue's repro (need 2 of 3, restored indices 0 and 2, fresh 3): before, slots were ``index - 3``
+    (0 and 3 both on slot 0): kept 1, never decided. Now every index has its own launch position; an index
+    outside the group's is a bug, named."""
+    out: list[Trajectory] = []
+
+    async def main() -> None:
+        held: dict[str, Trajectory] = {}
+        st = _GroupState(2, 3, out.append, asyncio.get_running_loop().create_future(), [0, 2, 3], held)
+        st.finish(Trajectory(sample_id="0-3", group=0, index=3))
+        assert set(held) == {"0-3"} and out == []  # waits for 0 and 2
+        st.finish(Trajectory(sample_id="0-0", group=0, index=0))
+        assert not st.decided.done() and [t.index for t in out] == [0]
+        st.finish(Trajectory(sample_id="0-2", group=0, index=2))
+        assert st.decided.done() and st.kept == 2 and [t.index for t in out] == [0, 2] and held == {}
+        bad = _GroupState(1, 2, out.append, asyncio.get_running_loop().create_future(), [0, 2])
+        with pytest.raises(RuntimeError, match=r"index 1 is not one launch position of its group's \(\[0, 2\]\)"):
+            bad.finish(Trajectory(sample_id="0-1", group=0, index=1))
+
+    run_virtual(main)
+
+
+def held_back_cfg(tmp: Path, **over: Any) -> Any:
+    return config(tmp, run={"steps": 4, "seed": 1, "eval_every": 0, "checkpoint_every": 1},
+                  rollout={"group_size": 2, "batch_prompts": 1, "max_new_tokens": 8, "redundancy": 1,
+                           "redundant_keep": "launch_order", **over.get("rollout", {})},
+                  scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": "partial"})
+
+
+def go_within(run: Run, seconds: float) -> Any:
+    """Run.go with a deadline (virtual seconds): a group that never decides fails the test, never hangs it."""
+    async def main() -> Any:
+        if run.stop_at_s is not None:
+            asyncio.get_running_loop().call_later(run.stop_at_s, run.controller.request_stop)
+        async with asyncio.timeout(seconds):
+            return await run.controller.run()
+
+    try:
+        return run_virtual(main).result
+    finally:
+        run.writer.close()
+
+
+def test_a_finished_sample_held_back_behind_an_earlier_launch_is_in_the_checkpoint_and_resumes(tmp_path: Path) -> None:
+    """launch_order, partial, a checkpoint while index 1 has finished but waits for index 0 (still generating):
+    the snapshot keeps index 1 with its group (``held``), not lost between the rollouts and the samples; the
+    resumed run delivers 0 and 1 (launch order), launches no fresh rollout it does not need, trains every
+    step once and regenerates nothing."""
+    cfg = held_back_cfg(tmp_path)
+    script = by_index_script(lambda k: k % 2 == 0)  # 0 and 2 slow, 1 fast: 1 is held back behind 0
+    suite = lambda: FakeSuite(n_train=5)  # noqa: E731
+    first = Run(cfg, suite(), stop_at_s=12.0, script=script, engines=1)  # steps 1, 2 at ~8.5 s
+    s1 = go_within(first, 600)
+    assert s1.stop_reason == "interrupted" and s1.steps < 4
+    r = prepare_resume(cfg)
+    snap = r.state.rollouts
+    assert snap is not None
+    running = [g for g in snap.groups if not g.complete]
+    assert running, "no group generating at the stop: the test shows nothing"
+    g0 = running[0]
+    assert [t.index for t in g0.held] == [1] and [t.index for t in g0.unfinished] == [0, 2] and g0.samples == []
+    assert g0.held[0].response_ids == [ord("1")] * 8 and g0.held[0].finish_reason
+
+    second = Run(cfg, suite(), resume=r, script=script, engines=1)
+    s2 = go_within(second, 600)
+    assert s2.steps == 4
+    trained = {x.sample_id: x for b in second.trainer.batches for x in b.samples}
+    assert f"{g0.uid}-0" in trained and f"{g0.uid}-1" in trained and f"{g0.uid}-2" not in trained
+    assert trained[f"{g0.uid}-1"].response_ids == g0.held[0].response_ids
+    assert not [q for q in second.engines[0].requests if q.request_id.startswith(f"{g0.uid}-1.")]  # not again
+    assert s2.counters["resume/regenerated_tokens"] == 0
+    records = [x for x in first.records if x["step"] <= r.state.metrics_through] + second.records
+    every_uid_once(second, [u for x in records for u in x.get("prompt_uids", [])])
+
+
+def mixed_script(req: Any, version: int) -> tuple[list[int], float]:
+    """tail_script, with every even sample index slow: later launches finish first, so launch order holds
+    finished samples back at most cuts."""
+    ids, s = tail_script(req, version)
+    k = int(req.request_id.split(".")[0].split("-")[1])
+    return ids, s * (4.0 if k % 2 == 0 else 0.5)
+
+
+@settings(max_examples=16, deadline=None)
+@given(redundancy=st.integers(0, 2), keep=st.sampled_from(["finish_order", "launch_order"]),
+       stale=st.sampled_from(["partial", "drop", "wait"]), group=st.integers(1, 3), batch=st.integers(1, 2),
+       every=st.integers(1, 3), seed=st.integers(0, 1000), stops=st.lists(st.floats(1.0, 10.0), min_size=1, max_size=3),
+       crash=st.booleans())
+def test_no_prompt_trained_twice_or_lost_nothing_hangs_for_any_keep_rule_and_stale_mode(
+        tmp_path_factory: pytest.TempPathFactory, redundancy: int, keep: str, stale: str, group: int, batch: int,
+        every: int, seed: int, stops: list[float], crash: bool) -> None:
+    """Property: over redundancy x rollout.redundant_keep x scheduler.stale x where the run stops (SIGTERM) or
+    crashes (resumed from the checkpoint before its last), every run and resume ends within its deadline,
+    every step is trained once and every prompt uid once (or dropped, counted), and partial mode's
+    single-turn rollouts regenerate no token."""
+    tmp = tmp_path_factory.mktemp("p")
+    steps = 10
+    cfg = config(tmp, run={"steps": steps, "seed": seed, "eval_every": 0, "checkpoint_every": every},
+                 rollout={"group_size": group, "batch_prompts": batch, "max_new_tokens": 8, "redundancy": redundancy,
+                          "redundant_keep": keep},
+                 scheduler={"async_ratio": 1, "queue_scheduling": True, "stale": stale})
+    suite = lambda: FakeSuite(n_train=5)  # noqa: E731
+    records: list[dict[str, Any]] = []
+    resume = None
+    summary = None
+    for k, at in enumerate([*stops, None]):
+        run = Run(cfg, suite(), resume=resume, stop_at_s=at, script=mixed_script)
+        summary = go_within(run, 3000)  # virtual seconds; a run of 10 steps needs < 300
+        keep_through = resume.state.metrics_through if resume is not None else -1
+        records = [x for x in records if x["step"] <= keep_through] + run.records
+        if summary.steps == steps:
+            break
+        if not list_checkpoints(cfg.run_dir / "checkpoints"):  # stopped before its first step: start again
+            records, resume = [], None
+            continue
+        resume = find_checkpoint(cfg.run_dir)
+        if crash and k == 0:
+            older = [p for n, p in list_checkpoints(cfg.run_dir / "checkpoints") if n < resume.step]
+            if older:
+                resume = find_checkpoint(cfg.run_dir, older[-1])
+                prepare_folder(cfg.run_dir / "checkpoints", resume)
+    assert summary is not None and summary.steps == steps
+    if stale == "partial":
+        assert summary.counters.get("resume/regenerated_tokens", 0) == 0
+    every_uid_once(run, [u for x in records for u in x.get("prompt_uids", [])])
+    assert sorted(x["step"] for x in records if "prompt_uids" in x) == list(range(1, steps + 1))
