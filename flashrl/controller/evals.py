@@ -39,6 +39,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from flashrl.aio import cancel_and_wait
 from flashrl.config import Config
 from flashrl.controller.ledger import Ledger
 from flashrl.controller.publisher import WeightPublisher
@@ -49,6 +50,8 @@ from flashrl.core.records import EvalStats, StepRecord
 __all__ = ["Evals"]
 
 log = logging.getLogger(__name__)
+
+HEDGE_AT = 0.9  # the share of an eval's (multi-turn) episodes finished when the rest get a second copy
 
 
 class _Wait:
@@ -173,9 +176,10 @@ class Evals:
         await self.publisher.loaded(version)  # every engine holds ``version`` before the first eval request
         assert self.publisher.published.version == version, (self.publisher.published.version, version)
         tokens0 = sum(m.total for m in self.ctx.token_rates)
+        hedge = _Hedge(len(self.tasks), self.cfg.rollout.max_turns > 1)
         async with asyncio.TaskGroup() as tg:
             for k, task in enumerate(self.tasks):
-                tg.create_task(self._eval_one(k, task, version, results), name=f"eval {k}")
+                tg.create_task(self._eval_one(k, task, version, results, hedge), name=f"eval {k} of {len(self.tasks)}")
         mixed = [t.sample_id for t in results if any(v != version for v, m in zip(t.versions, t.loss_mask) if m)]
         if mixed:  # the publisher's hold failed: say so loudly, the accuracy is not of one version
             self.ledger.counters["eval/mixed_versions"] += len(mixed)
@@ -206,16 +210,57 @@ class Evals:
         self.publisher.unhold(version)  # after the emit: the records a deferred sync carries are later steps
         done.set()
 
-    async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory]) -> None:
-        await run_group(
-            self.ctx,
-            task=task,
-            group=-1 - k,
-            need=1,
-            first_index=0,
-            extra=0,
-            temperature=self.cfg.rollout.eval_temperature,
-            on_sample=results.append,
-            seed_key=lambda idx: (-1 - k, version),
-            sample_ids=lambda idx: f"eval{version}-{k}",
-        )
+    async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory], hedge: _Hedge) -> None:
+        """Task ``k``'s episode; once ``hedge`` is due and it still runs, a second copy of it (same task, same
+        sampling seeds, on the same weights), and the first of the two to finish decides."""
+
+        async def copy(c: int) -> Trajectory | None:
+            out: list[Trajectory] = []
+            await run_group(
+                self.ctx,
+                task=task,
+                group=-1 - k,
+                need=1,
+                first_index=0,
+                extra=0,
+                temperature=self.cfg.rollout.eval_temperature,
+                on_sample=out.append,
+                seed_key=lambda idx: (-1 - k, version),  # the copy's too: the same tokens on the same weights
+                sample_ids=lambda idx: f"eval{version}-{k}" + (f"-h{c}" if c else ""),
+            )
+            return out[0] if out else None  # None: failed (it counts as wrong)
+
+        first = asyncio.create_task(copy(0), name=f"eval {k}")
+        copies = [first]
+        due = asyncio.create_task(hedge.due.wait(), name=f"eval {k} hedge")
+        try:
+            await asyncio.wait([first, due], return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                copies.append(asyncio.create_task(copy(1), name=f"eval {k} copy"))
+                self.ledger.counters["eval/hedged"] += 1
+                await asyncio.wait(copies, return_when=asyncio.FIRST_COMPLETED)
+            winner = next(t for t in copies if t.done())  # the original when both are
+            t = winner.result()
+        finally:
+            await cancel_and_wait([due, *copies])  # the other copy's engine requests are aborted, its env closed
+        if winner is not first:
+            self.ledger.counters["eval/hedge_won"] += 1
+        if t is not None:
+            results.append(t)
+        hedge.finished()
+
+
+class _Hedge:
+    """When an eval's stragglers get a second copy: once ``HEDGE_AT`` of its episodes have finished, with
+    multi-turn episodes (rollout.max_turns > 1) only (see the module docstring)."""
+
+    def __init__(self, n: int, multi_turn: bool) -> None:
+        self.due = asyncio.Event()
+        self._left = max(1, int(HEDGE_AT * n)) if multi_turn and n > 1 else None  # finishes until due
+
+    def finished(self) -> None:
+        if self._left is None:
+            return
+        self._left -= 1
+        if self._left <= 0:
+            self.due.set()

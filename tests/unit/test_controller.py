@@ -826,6 +826,46 @@ def test_evals_closer_than_one_eval_queue_and_each_sees_one_version() -> None:
     assert summary.eval_s == pytest.approx(sum(r["time/eval_s"] for r in records))
 
 
+def _straggler_run(straggle_s: float) -> tuple[RunSummary, list[dict[str, Any]], list[tuple[str, list[int]]]]:
+    """A multi-turn run (2 turns, env steps of 0.1 s) whose step-0 eval has one straggler: the first
+    env call of held-out task e3 takes ``straggle_s`` (a tool call in the latency's tail). Train steps
+    1 s, async_ratio 2: the trainer can go 3 steps beside an eval."""
+    suite = FakeSuite(n_eval=10, turns=2)
+    suite.step_s = lambda task, turn: straggle_s if task.id == "e3" and suite.calls[task.id] == 1 else 0.1
+    cfg = config(run={"steps": 8, "eval_every": 0}, scheduler={"async_ratio": 2},
+                 rollout={"group_size": 2, "batch_prompts": 2, "max_turns": 2})
+    # seeded answers: an eval episode's reward is a function of its sampling seeds
+    engine = Recording("e0", 0.0, sync_s=0.1)
+    engine.script = lambda r, v: ([ord(str(random.Random(r.seed).randrange(10)))], 0.2)
+    records: list[dict[str, Any]] = []
+    summary, left = run(Controller(cfg, TOK, suite, [engine], FakeTrainer(train_s=1.0, sync_s=0.05),
+                                   on_step=lambda r: records.append(r.to_dict())))
+    assert left == set() and summary.steps == 8
+    return summary, records, [(rid, v) for rid, v in engine.outputs if rid.startswith("eval")]
+
+
+def test_a_multi_turn_eval_straggler_gets_a_second_copy_and_the_trainer_does_not_wait() -> None:
+    """configs/tools.toml: an eval lasted as long as its slowest episode (one tool call in the latency's
+    tail), longer than the async_ratio + 1 steps the trainer can take beside it, so the trainer waited.
+    Once 90% of a multi-turn eval's episodes are done, each one still running gets a second copy
+    (same task, same seeds, same weights): the copy finishes first here, the eval ends in ~1 s instead of
+    30 s, the trainer never waits for it, and the eval's result is the one a run without the straggler gets."""
+    summary, records, tokens = _straggler_run(30.0)
+    plain, plain_records, plain_tokens = _straggler_run(0.1)
+    assert summary.eval_trainer_wait_s == 0.0, summary.eval_trainer_wait_s  # 27 s before the copies
+    assert all(r["time/eval_wait_s"] == 0.0 for r in records if r["step"] >= 1)
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 8] and evals[0]["time/eval_s"] < 2.0
+    assert summary.counters["eval/hedge_won"] == 1 and summary.counters["eval/hedged"] >= 1
+    # the same result as without the straggler: the copy sampled the same tokens, on version 0 only
+    assert [r["eval/accuracy"] for r in evals] == [r["eval/accuracy"] for r in plain_records if "eval/accuracy" in r]
+    won = [(rid, v) for rid, v in tokens if rid.startswith("eval0-3-h1")]
+    assert won and all(set(v) == {0} for _, v in won)
+    assert all(set(v) == {int(rid[4:].split("-")[0])} for rid, v in tokens)
+    # the trainer's steps took the same time as without the straggler
+    assert [r["time/step_s"] for r in records if r["step"] >= 1] == [r["time/step_s"] for r in plain_records if r["step"] >= 1]
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("where", ["engine", "trainer"])
 def test_sync_failure_ends_the_run_with_its_named_error(overlap: bool, where: str) -> None:
