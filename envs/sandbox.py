@@ -7,7 +7,9 @@
         child, envs/sandbox_boot.py (trusted, runs before any untrusted byte; see its docstring):
           netns (root) -> rlimits -> preload + fresh uid (root) -> Landlock -> seccomp -> audit hook
           -> "ready" on a private pipe -> exec main.py (MemoryError -> exit 87, "memory")
-      parent: feed stdin, drain stdout/stderr (capped), wait up to wall_s
+      parent: feed stdin, drain stdout/stderr (capped), wait up to wall_s; an I/O task that fails ends
+              the run at once (the program killed) with SandboxError naming the stream, never a
+              silently truncated output or a blocked pipe taken for the program's timeout
       always: SIGKILL the process group, then (uid mode) every process of the sandbox uid
       remove the temp dir; no "ready" -> SandboxError (setup failed); else status -> SandboxResult
 
@@ -83,7 +85,44 @@ class SandboxUnavailable(RuntimeError):
 
 
 class SandboxError(OSError):
-    """The sandbox itself could not start or set up an isolation layer (not the code's fault)."""
+    """The sandbox itself could not start, set up an isolation layer or move the program's I/O (not the
+    code's fault)."""
+
+
+IO_NAMES = ("stdin", "stdout", "stderr")  # run_sandboxed's I/O tasks, in their order
+
+
+def _io_failure(io: list[asyncio.Future[None]]) -> SandboxError | None:
+    """The first I/O task that raised (a cancel is not a failure: a descendant held a pipe), as the error
+    run_sandboxed raises for it."""
+    for name, t in zip(IO_NAMES, io, strict=True):
+        if t.done() and not t.cancelled() and (e := t.exception()) is not None:
+            err = SandboxError(f"sandbox I/O failed: the program's {name} task raised {type(e).__name__}: {e}")
+            err.__cause__ = e
+            return err
+    return None
+
+
+async def _wait_exit(proc: asyncio.subprocess.Process, io: list[asyncio.Future[None]], wall_s: float) -> bool:
+    """Wait for the program to exit, at most ``wall_s`` (True: timed out); an I/O task that fails first
+    raises its SandboxError at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wall_s
+    exited = asyncio.ensure_future(proc.wait())
+    try:
+        pending: set[asyncio.Future[Any]] = {exited, *io}
+        while not exited.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                return True
+            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if (err := _io_failure(io)) is not None:
+                raise err
+        return False
+    finally:
+        if not exited.done():
+            exited.cancel()
+            await asyncio.gather(exited, return_exceptions=True)
 
 
 class SandboxLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -264,11 +303,8 @@ async def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits | None
             asyncio.ensure_future(_drain(proc.stdout, lim.max_output_chars, out)),
             asyncio.ensure_future(_drain(proc.stderr, lim.max_output_chars, err)),
         ]
-        timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), lim.wall_s)
-        except (TimeoutError, asyncio.TimeoutError):
-            timed_out = True
+            timed_out = await _wait_exit(proc, io, lim.wall_s)
         finally:
             # Descendants may still run (and hold the pipes) after the main process exits.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -281,7 +317,9 @@ async def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits | None
             _, pending = await asyncio.wait(io, timeout=1.0)
             for t in pending:  # a descendant outside our reach still holds a pipe (allow_unisolated)
                 t.cancel()
-            await asyncio.gather(*io, return_exceptions=True)
+            await asyncio.gather(*io, return_exceptions=True)  # each one's error is read just below
+        if (io_err := _io_failure(io)) is not None:  # one that failed after the program's exit
+            raise io_err
         seconds = loop.time() - start
         # The bootstrap closes its end before the code runs, so the child's death means EOF here.
         os.set_blocking(ready_r, False)

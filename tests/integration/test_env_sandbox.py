@@ -233,3 +233,27 @@ def test_non_root_sandbox_isolates_and_rewards_correct_code() -> None:
         assert res["status"] == "error" and "Operation not permitted" in res["stderr"], (name, res)
         assert res["stdout"] == "", (name, res)
     assert out["threads_and_tmp"] == {"status": "ok", "stdout": "y\n", "stderr": ""}
+
+
+async def test_an_io_task_that_fails_ends_the_run_at_once_with_a_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O task's crash (here the stdout reader's) is not swallowed: the program is killed at once (not
+    at its wall-clock limit, with a pipe nobody reads taken for its timeout) and run_sandboxed raises
+    SandboxError naming the stream, caused by the task's error; nothing of the sandbox is left."""
+    real = sandbox._drain
+    calls: list[object] = []
+
+    async def broken(stream: asyncio.StreamReader | None, keep: int, out: list[bytes]) -> None:
+        calls.append(stream)
+        if len(calls) == 1 and stream is not None:  # the first reader run_sandboxed starts: stdout's
+            await stream.read(1)
+            raise ValueError("reader bug")
+        await real(stream, keep, out)
+
+    monkeypatch.setattr(sandbox, "_drain", broken)
+    lim = SandboxLimits(wall_s=30, cpu_s=30, memory_mb=256, nproc=8)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(sandbox.SandboxError, match=r"sandbox I/O failed: the program's stdout task raised "
+                                                    r"ValueError: reader bug") as e:
+        await run_sandboxed("import time\nprint('x', flush=True)\ntime.sleep(25)", limits=lim)
+    assert asyncio.get_running_loop().time() - t0 < 10 and isinstance(e.value.__cause__, ValueError)
+    assert not _sandbox_processes()
