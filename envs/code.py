@@ -174,7 +174,7 @@ class CodeEnv(SingleTurnEnv):
             async with self.gate:
                 res = await run_sandboxed(program, nonce + "\n" + json.dumps(inputs) + "\n", self.params.limits)
         except OSError as e:
-            raise EnvFailure("crash", f"sandbox did not start: {e}") from e
+            raise EnvFailure("crash", f"sandbox failed: {e}") from e  # setup or I/O (envs/sandbox.py)
         passed = grade(res.stdout, nonce, expected) if res.status == "ok" else 0
         info = {"status": res.status, "passed": passed, "tests": len(expected), "seconds": round(res.seconds, 3)}
         return StepResult(reward=passed / len(expected), done=True, info=info)
