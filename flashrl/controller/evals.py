@@ -20,6 +20,21 @@ EvalStats): ``eval_s`` its wall time, ``trainer_wait_s`` what the train loop wai
 ``gen_wait_s`` how long no training rollout was generating while it ran, and ``engine_share``
 its tokens' share of all tokens generated while it ran.
 
+Stragglers (multi-turn episodes, rollout.max_turns > 1): an eval holds the engines until its slowest
+episode ends, and a multi-turn episode's time is mostly its environment calls, whose latency has a
+tail (configs/tools.toml: a tool call's p99 is 10x its median; the slowest of an eval's ~1000 calls took
+3-5 s, against ~1.4 s for 90% of its episodes and ~2-3 s for the async_ratio + 1 steps the trainer can
+take beside it). So once ``HEDGE_AT`` of an eval's episodes have finished, each one still running gets
+a second copy: the same task, the same sampling seeds (``seed_key`` ignores the copy), on the same
+held weights, so it samples the same tokens and earns the same reward, but its environment calls draw
+their latency afresh (a new env instance); the first of the two to finish is kept and the other is
+cancelled (its requests aborted, its env closed). Which copy wins depends on the environment's
+latency, not on what the policy does, so the eval's result is the one a run without the straggler
+gets (up to engine numerics that could turn a sampled token: then a copy whose episode is faster could
+be favoured). Counted: ``eval/hedged`` (copies started), ``eval/hedge_won`` (copies kept). The
+copies' tokens are not in ``engine_share`` (which counts the kept episodes' tokens). Single-turn
+episodes are never copied: their time is their generation, which a copy with the same seeds repeats.
+
 Invariants: every eval token comes from the evaluated weights (the eval starts once every live
 engine holds ``version``, and no newer version is loaded before it ends: publisher.hold; a token of
 another version is counted, ``eval/mixed_versions``, and logged as an error); evals run one at a
