@@ -12,6 +12,7 @@
     cancel_and_wait(tasks) cancel tasks and wait until every one has ended; a cancel of the waiter
                            is raised only after that
     supervised()           ``asyncio.TaskGroup`` that raises a lone failure as itself, not as a group
+    until_stopped(stop, t) wait for ``stop``; a task of ``t`` that ends first raises TaskDied at once
 
 Why these exist: the controller runs one task per rollout and nothing else (no per-sample helper
 tasks, streams or cancel scopes), and most env calls and cleanups finish without ever suspending.
@@ -44,12 +45,14 @@ __all__ = [
     "Permits",
     "Resumed",
     "TaskCancel",
+    "TaskDied",
     "as_coroutine",
     "cancel_and_wait",
     "first_step",
     "shielded",
     "supervised",
     "timeout",
+    "until_stopped",
 ]
 
 
@@ -387,3 +390,30 @@ def _leaves(e: BaseException) -> list[BaseException]:
     if isinstance(e, BaseExceptionGroup):
         return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
     return [e]
+
+
+class TaskDied(RuntimeError):
+    """A task meant to run until its owner stops ended first: its error is the ``__cause__`` (none: it
+    returned). The message names the task."""
+
+
+async def until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Wait until ``stop`` is set, watching ``tasks`` (each meant to run until then) meanwhile: one that
+    ends first, by an error, a return or a cancel from elsewhere, raises TaskDied naming it (its
+    ``get_name()``) at once, not when the owner gets around to awaiting it. The tasks are left as they
+    are (the caller cancels the others on its way out). The loud counterpart of ``await stop.wait()``
+    beside background tasks nobody awaits until shutdown."""
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({stopping, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if stop.is_set():
+        return
+    t = next(t for t in tasks if t.done())
+    if t.cancelled():
+        raise TaskDied(f"task {t.get_name()!r} was cancelled before its owner stopped")
+    e = t.exception()
+    if e is None:
+        raise TaskDied(f"task {t.get_name()!r} returned before its owner stopped")
+    raise TaskDied(f"task {t.get_name()!r} died: {type(e).__name__}: {e}") from e

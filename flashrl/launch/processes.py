@@ -8,6 +8,8 @@
       -> on exit, however it happens: Shutdown, SIGTERM, SIGKILL to every child, then launcher.close()
 
 An engine that dies is restarted by ``EnginePool.restart`` when the controller asks (engine.max_restarts).
+A launcher with background work of its own (the slurm launcher's poller) has a ``watch()`` coroutine: it
+runs beside the engine watchers, and its failure ends the run at once with the launcher's LaunchError.
 The same code runs with every launcher: only ``launcher.endpoint/spawn/trainer_port`` differ.
 """
 
@@ -253,6 +255,9 @@ async def local_cluster(
         async with supervised() as tasks:  # the engine watchers: one that fails ends the run with its error
             try:
                 await launcher.start()
+                watch = getattr(launcher, "watch", None)  # a launcher's own background work (slurm: its poller)
+                if watch is not None:  # watched like the engines: its failure ends the run, named, at once
+                    tasks.create_task(watch(), name=f"{launcher.name} launcher")
                 status(f"starting {cfg.engine.count} engine(s) and {cfg.trainer.ranks} trainer rank(s) "
                        f"({launcher.name} launcher)")
                 trainer = await TrainerGroup.spawn(cfg, model_path, run_dir, resume=resume, launcher=launcher)

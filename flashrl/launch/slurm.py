@@ -185,6 +185,8 @@ class SlurmLauncher:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
+        self.error: LaunchError | None = None  # the poller's crash, once it happened (``watch`` raises it)
+        self._poller_ended = asyncio.Event()
 
     def preflight(self) -> None:
         if not os.environ.get(HEAD_ENV):
@@ -216,7 +218,32 @@ class SlurmLauncher:
             self._agents[n], self._info[n] = client, info
             log.info("slurm: node %d %s (%s): agent pid %d, sockets on %s, %d GPU(s)", n, self.hosts[n], info.hostname,
                      info.pid, info.host, info.gpus)
+        self._start_poller()
+
+    def _start_poller(self) -> None:
         self._poller = asyncio.get_running_loop().create_task(self._poll(), name="slurm-poll")
+        self._poller.add_done_callback(self._poller_done)
+
+    def _poller_done(self, t: asyncio.Task[None]) -> None:
+        """The poller ended: on close (cancelled), or by a crash, which is loud at once: logged, kept in
+        ``error`` (raised by ``watch``, ``spawn``, ``endpoint`` and ``close``): without the poller no
+        process exit is seen any more."""
+        self._poller_ended.set()
+        if t.cancelled():
+            return
+        e = t.exception()
+        why = f"{type(e).__name__}: {e}" if e is not None else "it returned"
+        self.error = LaunchError(f"slurm launcher: the process poller died ({why}); the exits of the run's "
+                                 "processes can no longer be seen, so the run stops")
+        self.error.__cause__ = e
+        log.error("%s", self.error, exc_info=e)
+
+    async def watch(self) -> None:
+        """Returns when the launcher closes; raises its ``error`` at once when the poller dies (processes.
+        local_cluster runs it beside the engine watchers: the run ends with that LaunchError)."""
+        await self._poller_ended.wait()
+        if self.error is not None:
+            raise self.error
 
     def agent(self, node: int) -> RpcClient:
         try:
@@ -233,6 +260,8 @@ class SlurmLauncher:
         t.add_done_callback(self._tasks.discard)
 
     async def _port(self, node: int) -> int:
+        if self.error is not None:
+            raise self.error
         r = await self.agent(node).request(FreePort(), timeout=30.0)
         assert isinstance(r, PortReply)
         return r.port
@@ -245,6 +274,8 @@ class SlurmLauncher:
         return Endpoint(bind=url, connect=url, host=host)
 
     async def spawn(self, role: Role, index: int, argv: list[str], env: dict[str, str], log_path: Path | None) -> Proc:
+        if self.error is not None:
+            raise self.error
         assert self.plan is not None
         if self._closed:
             raise LaunchError(f"cluster: the slurm launcher is closed; cannot start {proc_name(role, index)}")
@@ -320,13 +351,16 @@ class SlurmLauncher:
         await asyncio.gather(*(stop_node(n, c) for n, c in self._agents.items()))
         if self._poller is not None:
             self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+            await asyncio.gather(self._poller, return_exceptions=True)  # a crash was seen at once: ``error``
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for c in self._agents.values():
             await c.close()
         self._agents.clear()
+        self._poller_ended.set()  # watch() returns (a launcher closed before its poller started)
+        if self.error is not None:
+            raise self.error  # everything is stopped; the crash is not swallowed here either
 
     def leftovers(self) -> dict[str, int]:
         return {"processes": sum(1 for p in self._procs if p.alive)}

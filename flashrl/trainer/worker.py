@@ -19,7 +19,10 @@ broadcast. A background checkpoint (SaveCheckpoint with ``background``) is stage
 compute thread, then written by each rank's write thread over a gloo group of its own (``save_checkpoint``).
 While idle, rank 0 broadcasts a Ping every ``KEEPALIVE_S`` so the other ranks' pending receive never
 hits the process-group timeout during a long rollout phase. Ranks 1.. poll that receive (async_op +
-short sleeps) instead of blocking in C++, so SIGTERM is handled at once.
+short sleeps) instead of blocking in C++, so SIGTERM is handled at once. Rank 0's RPC server and
+keepalive are watched as the engine server watches its own (``aio.until_stopped``): one that ends
+before a stop exits rank 0 at once (code 1, the task and its error in its log), and the controller
+sees the trainer die.
 
 The process group backend is ``trainer.backend`` (auto: nccl with CUDA, else gloo); the same code
 runs both. On CPU the weights are float32; on GPU a non-float32 ``model.dtype`` becomes FSDP2's
@@ -65,6 +68,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from flashrl.aio import TaskDied, until_stopped
 from flashrl.checkpoint import fsync_dir
 from flashrl.config import Config
 from flashrl.deadlines import checkpoint_timeout_s, model_params
@@ -723,7 +727,17 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
                        curve=keys.server() if keys is not None else None)
     tasks = [loop.create_task(server.serve(), name="trainer-rpc"), loop.create_task(keepalive(), name="keepalive")]
     log.info("rank 0 serving %s (world %d)", address, trainer.world)
-    await stop.wait()
+    try:
+        # as the engine server does: the RPC server or the keepalive ending before a stop is fatal at once
+        # (a dead keepalive leaves the other ranks' receive to time out half an hour later)
+        await until_stopped(stop, tasks)
+    except TaskDied:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the one that died is the TaskDied's cause
+        for ex in (compute, sends, joins, seals):
+            ex.shutdown(wait=False, cancel_futures=True)
+        raise
     await asyncio.sleep(0.2)  # let the last reply (Shutdown's Ok) leave the socket before it closes
     for t in tasks:
         t.cancel()
@@ -779,7 +793,14 @@ def main() -> int:
         log.info("rank %d/%d ready: backend %s, model %s, version %d", rank, world, backend, spec.model, trainer.version)
         fanout = Fanout(device, stop)
         if rank == 0:
-            asyncio.run(leader_loop(trainer, fanout, spec.address))
+            try:
+                asyncio.run(leader_loop(trainer, fanout, spec.address))
+            except TaskDied:
+                # named, with its cause, then out at once: the other ranks may sit in a collective that
+                # destroy_process_group would wait for; the controller sees the rank exit (code 1)
+                log.critical("rank 0: a task of the leader loop died; exiting", exc_info=True)
+                logging.shutdown()
+                os._exit(1)
         else:
             follower_loop(trainer, fanout)
     finally:
