@@ -55,6 +55,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -92,7 +93,7 @@ class SandboxError(OSError):
 IO_NAMES = ("stdin", "stdout", "stderr")  # run_sandboxed's I/O tasks, in their order
 
 
-def _io_failure(io: list[asyncio.Future[None]]) -> SandboxError | None:
+def _io_failure(io: Sequence[asyncio.Future[None]]) -> SandboxError | None:
     """The first I/O task that raised (a cancel is not a failure: a descendant held a pipe), as the error
     run_sandboxed raises for it."""
     for name, t in zip(IO_NAMES, io, strict=True):
@@ -103,7 +104,7 @@ def _io_failure(io: list[asyncio.Future[None]]) -> SandboxError | None:
     return None
 
 
-async def _wait_exit(proc: asyncio.subprocess.Process, io: list[asyncio.Future[None]], wall_s: float) -> bool:
+async def _wait_exit(proc: asyncio.subprocess.Process, io: Sequence[asyncio.Future[None]], wall_s: float) -> bool:
     """Wait for the program to exit, at most ``wall_s`` (True: timed out); an I/O task that fails first
     raises its SandboxError at once."""
     loop = asyncio.get_running_loop()
