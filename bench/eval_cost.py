@@ -27,6 +27,7 @@ noisy: compare rows of one invocation (or one host, back to back) only.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -69,6 +70,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "engine_share": statistics.fmean(float(r["eval/engine_share"]) for r in records if "eval/engine_share" in r)
         if any("eval/engine_share" in r for r in records) else None,
         "train_s": statistics.fmean(float(r["time/train_s"]) for r in steps) if steps else None,
+        # a multi-turn eval's second copies of its stragglers (newer trees): started, kept
+        "hedged": max((int(r.get("count/eval/hedged", 0)) for r in records), default=0),
+        "hedge_won": max((int(r.get("count/eval/hedge_won", 0)) for r in records), default=0),
     }
 
 
@@ -102,13 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="more config overrides, KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run, at most")
     ap.add_argument("--collect", action="store_true",
-                    help="run nothing: one row per run folder already in --out (<label>-every<E>/metrics.jsonl)")
+                    help="run nothing: one row per run folder already in --out (<label>-every<E>/metrics.jsonl, or .jsonl.gz)")
     args = ap.parse_args(argv)
     if args.collect:
         rows = []
-        for m in sorted(Path(args.out).glob("*-every*/metrics.jsonl")):
+        for m in sorted([*Path(args.out).glob("*-every*/metrics.jsonl"), *Path(args.out).glob("*-every*/metrics.jsonl.gz")]):
             label, _, every = m.parent.name.rpartition("-every")
-            records = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+            text = gzip.decompress(m.read_bytes()).decode() if m.suffix == ".gz" else m.read_text()
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
             rows.append({"label": label, "every": int(every), **summarize(records)})
         rows.sort(key=lambda r: (r["every"] == 0, r["every"], r["label"]))
         print(json.dumps(rows, indent=1) if args.label == "json" else table(rows))
