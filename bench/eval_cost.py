@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         rows = []
         for m in sorted([*Path(args.out).glob("*-every*/metrics.jsonl"), *Path(args.out).glob("*-every*/metrics.jsonl.gz")]):
-            label, _, every = m.parent.name.rpartition("-every")
+            label, _, every_s = m.parent.name.rpartition("-every")
             text = gzip.decompress(m.read_bytes()).decode() if m.suffix == ".gz" else m.read_text()
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
-            rows.append({"label": label, "every": int(every), **summarize(records)})
+            rows.append({"label": label, "every": int(every_s), **summarize(records)})
         rows.sort(key=lambda r: (r["every"] == 0, r["every"], r["label"]))
         print(json.dumps(rows, indent=1) if args.label == "json" else table(rows))
         return 0
