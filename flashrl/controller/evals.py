@@ -24,8 +24,8 @@ Stragglers (multi-turn episodes, rollout.max_turns > 1): an eval holds the engin
 episode ends, and a multi-turn episode's time is mostly its environment calls, whose latency has a
 tail (configs/tools.toml: a tool call's p99 is 10x its median; the slowest of an eval's ~1000 calls took
 3-5 s, against ~1.4 s for 90% of its episodes and ~2-3 s for the async_ratio + 1 steps the trainer can
-take beside it). So once ``HEDGE_AT`` of an eval's episodes have finished, each one still running gets
-a second copy: the same task, the same sampling seeds (``seed_key`` ignores the copy), on the same
+take beside it). So once ``HEDGE_AT`` (75%) of an eval's episodes have finished, each one still running
+gets a second copy: the same task, the same sampling seeds (``seed_key`` ignores the copy), on the same
 held weights, so it samples the same tokens and earns the same reward, but its environment calls draw
 their latency afresh (a new env instance); the first of the two to finish is kept and the other is
 cancelled (its requests aborted, its env closed). Which copy wins depends on the environment's
@@ -66,7 +66,7 @@ __all__ = ["Evals"]
 
 log = logging.getLogger(__name__)
 
-HEDGE_AT = 0.9  # the share of an eval's (multi-turn) episodes finished when the rest get a second copy
+HEDGE_AT = 0.75  # the share of an eval's (multi-turn) episodes finished when the rest get a second copy
 
 
 class _Wait:

@@ -847,7 +847,7 @@ def _straggler_run(straggle_s: float) -> tuple[RunSummary, list[dict[str, Any]],
 def test_a_multi_turn_eval_straggler_gets_a_second_copy_and_the_trainer_does_not_wait() -> None:
     """configs/tools.toml: an eval lasted as long as its slowest episode (one tool call in the latency's
     tail), longer than the async_ratio + 1 steps the trainer can take beside it, so the trainer waited.
-    Once 90% of a multi-turn eval's episodes are done, each one still running gets a second copy
+    Once 75% of a multi-turn eval's episodes are done, each one still running gets a second copy
     (same task, same seeds, same weights): the copy finishes first here, the eval ends in ~1 s instead of
     30 s, the trainer never waits for it, and the eval's result is the one a run without the straggler gets."""
     summary, records, tokens = _straggler_run(30.0)
