@@ -31,13 +31,9 @@ import collections
 import contextlib
 import inspect
 import math
-import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
     "Deadline",

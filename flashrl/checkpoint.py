@@ -358,7 +358,7 @@ class CheckpointWriter:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             await asyncio.wait_for(asyncio.shield(task), limit)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             log.error("checkpoint write still in flight after %.0f s at the run's end: abandoned (incomplete, "
                       "not resumable; the previous checkpoint stays the latest)", limit)
             task.cancel()

@@ -30,11 +30,11 @@ import math
 import statistics
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import tomllib
 
 from flashrl.bench.scenario import SimModel
 from flashrl.bench.simulate import run_variant

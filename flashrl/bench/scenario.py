@@ -16,12 +16,12 @@ import copy
 import importlib.resources
 import math
 import sys
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 from flashrl.config import Config, ConfigError, from_dict, set_dotted

@@ -175,7 +175,7 @@ class TrainerGroup:
         """
         try:
             reply = await self._call(Ping(), timeout=timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise TimeoutError(f"trainer group not ready after {timeout:.0f}s; see {self.logs[0]}:\n"
                                f"{tail(self.logs[0], 30)}") from None
         assert isinstance(reply, Pong), type(reply)

@@ -358,7 +358,7 @@ class RpcClient:
                 reply = await self.request(Ping(), timeout=timeout)
                 if not isinstance(reply, Pong):
                     raise PeerDead(f"{self.name} answered Ping with {type(reply).__name__}")
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 self._kill(PeerDead(f"{self.name} missed its heartbeat ({timeout:.0f}s without a Pong)"))
             except PeerDead:
                 return

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import tomllib
 
 from flashrl.config import Config, ConfigError, load, to_toml
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import tomllib
 from pathlib import Path
 
 import msgspec
 import pytest
-import tomllib
 
 from envs import make_suite
 from envs.tools import MALFORMED_OBS, ToolLatency, ToolsEnv, ToolsParams, ToolsSuite, parse_call, parse_prompt
