@@ -34,7 +34,7 @@ guarantees its own bound on every trained sample (R = async_ratio, s = the step 
              holds as many), and an admission cannot break it, because a group admitted at version a
              (deadline a + R) finds at most capacity - (batches taken and not yet freed) groups
              untaken, which is exactly the room its deadline leaves (the batch of step t is taken
-             only once version t - 1 is published). tests/test_staleness.py proves both halves.
+             only once version t - 1 is published). tests/unit/test_staleness.py proves both halves.
     partial  s - completed <= R, with ``completed`` the version the engines held when the group's
              last sample finished; nothing is ever dropped, no step is held. Generation goes on
              under the new weights while a group waits, so each token's own lag may exceed R: the
