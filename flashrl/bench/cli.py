@@ -21,12 +21,12 @@ scenarios from the package data folder with ``tomllib`` only (their titles becom
 from __future__ import annotations
 
 import importlib.resources
+import tomllib
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import tomllib
 import typer
 from typer.core import TyperGroup
 
@@ -411,6 +411,26 @@ def scenario(
     """One scenario file: its points' sync baseline and flash variant; results.json, .csv and a plot under OUT/NAME/.
     A scenario's `profile` is looked up in profiles/ beside it, then among the shipped ones."""
     _sweep(path, out, mode, steps)
+
+
+@bench_app.command(rich_help_panel=MODES_PANEL)
+def readme(
+    check: Annotated[bool, typer.Option("--check", help="write nothing; exit 1 naming the tables that differ")] = False,
+) -> None:
+    """README's results tables from the committed results (bench/results/readme.toml names each table's folder)."""
+    from flashrl.bench.readme import ReadmeError, update
+
+    try:
+        differ = update(".", check=check)
+    except ReadmeError as e:
+        typer.echo(f"bench readme: {e}", err=True)
+        raise typer.Exit(2) from None
+    if check and differ:
+        typer.echo(f"README.md disagrees with the committed results in: {', '.join(differ)}; run "
+                   f"`flashrl bench readme` to regenerate them", err=True)
+        raise typer.Exit(1)
+    typer.echo("README.md's results tables " + ("agree with the results" if check else
+                                                  f"updated: {', '.join(differ) or 'none changed'}"))
 
 
 # the shipped scenarios last: `flashrl bench --help` lists the measurements first

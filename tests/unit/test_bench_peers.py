@@ -25,6 +25,13 @@ from flashrl.bench.peers.runner import child_command
 from flashrl.bench.peers.trl_grpo import PeerConfigError, trl_settings
 from flashrl.config import load
 
+
+@pytest.fixture(autouse=True)
+def _no_host_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_bench records the host with `git` (a process): tests/unit/test_provenance.py covers that record."""
+    import flashrl.bench.peers.runner as runner
+    monkeypatch.setattr(runner, "append_record", lambda out, record=None: {})
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 

@@ -37,6 +37,7 @@ from flashrl.bench.peers.report import (
     summarize,
     write_results,
 )
+from flashrl.bench.provenance import append_record
 
 
 class _Watch:
@@ -249,6 +250,8 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
         raise ValueError(f"--modes {','.join(modes)}: give a comma-separated subset of "
                          f"{','.join([*MODES, *variants])} (a --variant NAME=... defines another)")
     out = Path(out)
+    if not report_only:
+        append_record(out)  # host.json: this invocation's host, commit and load
     runs = []
     for seed in seeds:
         for mode in modes:
