@@ -182,3 +182,26 @@ def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model() -> None
     assert checkpoint_writer("auto", big) == "process"
     assert checkpoint_writer("auto", small) == "thread"  # the built-in model: its write takes milliseconds
     assert checkpoint_writer("process", small) == "process" and checkpoint_writer("thread", big) == "thread"
+
+
+def _flat(tree: Any, key: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for name, sub in tree.items() for k, v in _flat(sub, f"{key}.{name}".lstrip(".")).items()}
+    return {key: tree}
+
+
+def test_sync_toml_is_tiny_toml_with_the_async_knobs_off() -> None:
+    """configs/sync.toml, "the synchronous baseline", is tiny.toml's synchronous twin: the resolved configs
+    differ only in the knobs `flashrl bench peers` sets for its sync runs (and the run's name)."""
+    from flashrl.bench.peers.report import SYNC_SETS
+
+    tiny = _flat(msgspec.to_builtins(load(ROOT / "configs/tiny.toml")))
+    sync = _flat(msgspec.to_builtins(load(ROOT / "configs/sync.toml")))
+    allowed = {s.split("=", 1)[0] for s in SYNC_SETS} | {"run.name"}
+    assert tiny.keys() == sync.keys()
+    differ = {k: (tiny[k], sync[k]) for k in tiny if tiny[k] != sync[k]}
+    assert set(differ) - allowed == set(), f"sync.toml differs from tiny.toml beyond the async knobs: {differ}"
+    # and those knobs are the synchronous ones, as the peers' sync runs set them
+    twin = load(ROOT / "configs/tiny.toml", [*SYNC_SETS, f"run.name={sync['run.name']}"])
+    assert _flat(msgspec.to_builtins(twin)) == sync
+    assert sync["scheduler.async_ratio"] == 0 and sync["scheduler.queue_scheduling"] is False
