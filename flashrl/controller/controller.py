@@ -6,6 +6,7 @@ loops and shutdown; each other job is a part of its own, wired here:
     supervisor.py  EngineSupervisor  engine deaths, restarts, a restarted engine's catch-up; the watcher
     evals.py       Evals             held-out evals on exactly the evaluated weights
     ledger.py      Ledger            step records, histories, meters, the checkpoint state
+    resume.py      restore           a resumed run's state put back (ledger, stream, buffer, rollouts)
     rollout.py     RolloutContext    what every rollout shares (built complete when run() starts)
 
     admission loop (feed.py) ──> SampleBuffer <── group task per prompt (rollout.run_group)
@@ -72,10 +73,11 @@ from flashrl.controller.evals import Evals
 from flashrl.controller.feed import Feed
 from flashrl.controller.ledger import Ledger, RunMeters, RunSummary
 from flashrl.controller.publisher import WeightPublisher
+from flashrl.controller.resume import Restored, restore
 from flashrl.controller.rollout import RolloutContext
 from flashrl.controller.scheduler import Admission, DataStream, Router
 from flashrl.controller.supervisor import EngineSupervisor
-from flashrl.controller.types import Published, Trajectory, unsaved
+from flashrl.controller.types import Published
 from flashrl.core.records import StepRecord
 from flashrl.core.staleness import Staleness
 from flashrl.env import Closable, EnvSuite
@@ -166,9 +168,10 @@ class Controller:
         self.checkpoints = checkpoints
         self._stop_requested = False
         # a resumed run's untrained groups still generating and their unfinished rollouts (to the feed)
-        self._restored: list[tuple[Group, list[Trajectory], list[Trajectory]]] = []
-        if resume is not None:
-            self._restore(resume)
+        self._restored: Restored = []
+        if resume is not None:  # resume.py: the ledger, the stream, the buffer and the staleness rule continue
+            self.version = self.published.version = resume.version
+            self._restored = restore(resume, cfg, self.stream, self.buffer, self.staleness, self.ledger, self.counters)
 
     @property
     def on_step(self) -> Callable[[StepRecord], None] | None:
@@ -473,67 +476,6 @@ class Controller:
         ``cut``: feed.Feed.snapshot's, taken in the same step)."""
         eval_record = self.evals.record if self._ran else None
         return self.ledger.state(self.version, self._clock() - self._t0, held, eval_record, self.stream, self.buffer, cut)
-
-    def _restore(self, st: ControllerState) -> None:
-        if st.train_size != self.stream.size or st.seed != self.cfg.run.seed:
-            raise ValueError(
-                f"checkpoint does not match this run's data: train split of {st.train_size} tasks with seed "
-                f"{st.seed}, this run has {self.stream.size} with seed {self.cfg.run.seed} (env.params / run.seed changed?)"
-            )
-        self.version = self.published.version = st.version
-        self.ledger.restore(st)
-        self.staleness.next_step = st.step  # the next batch is step ``st.step``
-        readmit = list(st.readmit)
-        if st.rollouts is not None:
-            readmit += self._restore_rollouts(st.rollouts)
-        self.stream.restore(st.next_uid, readmit)
-        self.buffer.dropped_uids = list(st.dropped_uids)
-
-    def _restore_rollouts(self, snap: RolloutSnapshot) -> list[int]:
-        """Put a checkpoint's untrained groups back into the buffer (their unfinished rollouts are
-        launched first when run() starts: feed.Feed.restored); the uids to re-admit instead.
-
-        A complete group that partial mode's bound no longer lets train at this version (it completed
-        more than async_ratio versions ago: never, by the bound's proof, in a checkpoint this flashrl
-        wrote) is re-admitted, counted under resume/over_bound_groups and its tokens under
-        resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished: handed over or held back),
-        restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept)."""
-        n: Counter[str] = Counter(regenerated_tokens=snap.regenerated_tokens)  # this resume's (the counters add up)
-        readmit: list[int] = []
-        for sg in snap.groups:
-            task = self.stream.task_of(sg.uid)
-            if task.id != sg.task_id:
-                raise ValueError(f"checkpoint's rollouts of prompt uid {sg.uid} are for task {sg.task_id!r}, this run's "
-                                 f"data gives {task.id!r} (env.params / the dataset changed?)")
-            samples = [unsaved(t) for t in sg.samples]
-            kept = sum(t.n_generated for t in samples)
-            if sg.complete and not self.staleness.fresh(self.version, sg.completed_version):
-                n["over_bound_groups"] += 1
-                n["regenerated_tokens"] += kept
-                readmit.append(sg.uid)
-                continue
-            g = self.buffer.restore(sg.uid, task, samples, complete=sg.complete, next_index=sg.next_index,
-                                    admitted_version=sg.admitted_version, completed_version=sg.completed_version)
-            if not sg.complete:
-                unfinished = [unsaved(t) for t in sg.unfinished]
-                held = [unsaved(t) for t in sg.held]  # finished, waiting for an earlier launch (launch order)
-                self._restored.append((g, unfinished, held))
-                n["restored_rollouts"] += len(unfinished)
-                n["restored_samples"] += len(held)
-                kept += sum(t.n_generated for t in (*unfinished, *held))
-            n["restored_groups"] += 1
-            n["restored_samples"] += len(samples)
-            n["restored_tokens"] += kept
-        n["readmitted_groups"] += len(readmit)
-        for k in ("restored_groups", "restored_samples", "restored_rollouts", "restored_tokens", "regenerated_tokens",
-                  "readmitted_groups", "over_bound_groups"):
-            if n[k] or k != "over_bound_groups":
-                self.counters[f"resume/{k}"] += n[k]
-        log.info("resume: %d untrained groups restored (%d finished samples, %d unfinished rollouts continued, "
-                 "%d generated tokens kept); %d tokens to generate again; %d groups re-admitted",
-                 n["restored_groups"], n["restored_samples"], n["restored_rollouts"], n["restored_tokens"],
-                 n["regenerated_tokens"], n["readmitted_groups"])
-        return readmit
 
     # ------------------------------------------------------------------ the dashboard
     def snapshot(self) -> Snapshot:

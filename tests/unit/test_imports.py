@@ -212,7 +212,7 @@ def test_known_exceptions_still_exist() -> None:
 # Inside the controller (issue 26): each part imports only the parts before it. Shared types sit in
 # types.py, so the buffer and the rollouts never import each other; the supervisor (deaths, restarts)
 # sits below the publisher, which hands it the engines that fail a sync.
-CONTROLLER_ORDER = ["types", "scheduler", "buffer", "rollout", "supervisor", "publisher", "ledger", "evals", "feed", "controller"]
+CONTROLLER_ORDER = ["types", "scheduler", "buffer", "rollout", "supervisor", "publisher", "ledger", "resume", "evals", "feed", "controller"]
 
 
 def _controller_violations(edges: dict[str, set[str]]) -> list[str]:
