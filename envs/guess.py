@@ -127,6 +127,11 @@ class GuessSuite:
     def eval_tasks(self) -> Sequence[Task]:
         return self._eval
 
+    @property
+    def max_turns(self) -> int:
+        """The most guesses of an episode (flashrl.env.MultiTurn: validate wants rollout.max_turns this high)."""
+        return self.params.max_turns
+
     def make_env(self) -> Env:
         return GuessEnv(self.params)
 

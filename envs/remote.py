@@ -52,7 +52,7 @@ from msgspec import Meta
 from envs.faults import WORKER_ENV_VAR, validate_observation
 from flashrl import launch
 from flashrl.env import Env, EnvFailure, StepResult, Task
-from flashrl.plugins import make_suite
+from flashrl.plugins import PluginError, make_suite
 from flashrl.procs import Child, child_init
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.protocol import Codec, Error, Msg, Ok, Ping, Pong, Shutdown
@@ -119,6 +119,7 @@ class EnvWorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_size: Annotated[int, Meta(ge=0)] = 200
 
 
+INNER_KEY, INNER_PARAMS = "env.params.inner", "env.params.params"  # where the wrapped env is written
 WORKER_ARGV = ["python", "-m", "envs.remote"]  # for ``Launcher.spawn``; the spec travels in the environment
 
 
@@ -232,7 +233,7 @@ class RemoteEnv:
             raise EnvFailure("crash", f"env worker {w.slot} was replaced; the episode is lost")
         try:
             return await w.handle.request(msg, timeout=self.pool.params.call_timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self.pool.kill(w, "timeout")
             raise EnvFailure("timeout", f"env worker {w.slot} took over {self.pool.params.call_timeout_s:g}s; replaced") from None
         except PeerDead as e:
@@ -293,18 +294,24 @@ class RemoteSuite:
 
     def __init__(self, params: RemoteParams, seed: int = 0, eval_size: int = 200) -> None:
         self.params = params
-        try:  # data + early param errors, named by their full path under the remote wrapper
-            self.local = make_suite(params.inner, dict(params.params), seed, eval_size)
-        except ValueError as e:
-            raise ValueError(str(e).replace("env.params", "env.params.params")) from None
+        # data + early errors, named by their full path under the remote wrapper: a name that does not load
+        # as env.params.inner, a bad inner param as env.params.params.<key>
+        try:
+            self.local = make_suite(params.inner, dict(params.params), seed, eval_size, key=INNER_KEY,
+                                    prefix=INNER_PARAMS)
+        except ValueError as e:  # the inner suite's own checks name their keys as env.params.<key>
+            msg = str(e)
+            if msg.startswith((INNER_KEY, INNER_PARAMS)):
+                raise
+            raise PluginError(msg.replace("env.params", INNER_PARAMS)) from None
         self.pool = RemotePool(params, seed, eval_size)
 
     @staticmethod
-    def warm_start_overrides(params: dict[str, Any]) -> dict[str, Any]:
-        """The wrapped suite's warm-start overrides (see envs.warm_start_overrides)."""
-        from flashrl.plugins import warm_start_overrides
-
-        return warm_start_overrides(str(params.get("inner", "")), dict(params.get("params", {})))
+    def wrapped_env(params: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+        """(env name, its params, the key that names it) of the wrapped environment, from ``[env.params]``
+        as written: what the built-in model's warm-start, its cache key and ``flashrl validate`` look at
+        (flashrl.plugins.task_env)."""
+        return str(params.get("inner", "")), dict(params.get("params", {})), INNER_KEY
 
     @property
     def task_suite(self) -> Any:

@@ -255,6 +255,11 @@ class ToolsSuite:
     def eval_tasks(self) -> Sequence[Task]:
         return self._eval
 
+    @property
+    def max_turns(self) -> int:
+        """The most turns of an episode (flashrl.env.MultiTurn: validate wants rollout.max_turns this high)."""
+        return self.params.max_turns
+
     def make_env(self) -> Env:
         rng = random.Random(f"tools-latency:{self.seed}:{next(self._instances)}")
         return ToolsEnv(self.params, rng, self.counters)

@@ -45,29 +45,35 @@ def _load_or_exit(config: Path | None, overrides: list[str] | None) -> Config:
 
 
 def _check_env_or_exit(cfg: Config, config: Path) -> None:
-    """The environment's own params struct checks [env.params]; a problem exits 2 like any config error."""
-    from flashrl.plugins import make_suite
+    """The environment's own params struct checks [env.params], flashrl/envcheck.py the rest (WARM_START keys,
+    a multi-turn env's rollout.max_turns); a problem exits 2 like any config error, a doubt is a warning."""
+    from flashrl.envcheck import check_env
 
     try:
-        make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+        notes = check_env(cfg)
     except ValueError as e:
         typer.echo(f"config error: {config}: {e}", err=True)
         raise typer.Exit(code=2) from None
+    for note in notes:
+        typer.echo(f"warning: {note}", err=True)
 
 
-def _check_model_or_exit(cfg: Config, config: Path) -> None:
-    """A local model folder: its tokenizer loads and its chat template fits model.chat_template (exit 2)."""
+def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
+    """A local model folder: its tokenizer loads and its chat template fits model.chat_template (exit 2).
+    ``build`` False (validate): a folder [model.build] would build is noted, not built."""
     from flashrl.models import BUILTIN_TINY
 
     if cfg.model.path == BUILTIN_TINY:
         return
-    from flashrl.models import ModelPathError, ensure_model, load_tokenizer
+    from flashrl.models import ModelNotBuilt, ModelPathError, ensure_model, load_tokenizer
     from flashrl.models.chat import ChatTemplateError
     from flashrl.procs import paused_gc
 
     try:
         with paused_gc():  # transformers' import, before anything is spawned (procs.paused_gc)
-            load_tokenizer(ensure_model(cfg), cfg.model.chat_template, cfg.model.system_prompt)
+            load_tokenizer(ensure_model(cfg, build=build), cfg.model.chat_template, cfg.model.system_prompt)
+    except ModelNotBuilt as e:
+        typer.echo(f"note: {e}", err=True)
     except (ModelPathError, ChatTemplateError, FileNotFoundError) as e:
         typer.echo(f"config error: {config}: model: {e}", err=True)
         raise typer.Exit(code=2) from None
@@ -87,7 +93,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
         except LaunchError as e:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
-    _check_model_or_exit(cfg, config)
+    _check_model_or_exit(cfg, config, build=False)
     from flashrl.config import advice
 
     for note in advice(cfg):
@@ -106,10 +112,26 @@ def run(
     resume: Annotated[bool, typer.Option("--resume", help="continue from the latest checkpoint of runs/<name> (or of PATH: `--resume PATH`)")] = False,
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="where the processes start: local, ray or slurm (= --set cluster.launcher=...)", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="with --launcher slurm: write and print the sbatch script, submit nothing")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="restart the controller from the latest checkpoint when it dies (OOM, SIGKILL, a crash); Ctrl-C / SIGTERM stop it all (flashrl/supervise.py)")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="with --supervise: controller restarts allowed before giving up")] = 10,
 ) -> None:
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
     overrides = list(set_ or []) + ([f"cluster.launcher={launcher}"] if launcher is not None else [])
     cfg = _load_or_exit(config, overrides)
+    if supervise:
+        if path is not None or dry_run:
+            typer.echo("error: --supervise resumes from the latest checkpoint of runs/<name>; it takes no PATH and "
+                       "no --dry-run", err=True)
+            raise typer.Exit(code=2)
+        if cfg.cluster.launcher == "slurm" and not os.environ.get("FLASHRL_SLURM_HEAD"):
+            typer.echo("error: --supervise runs beside the controller: with --launcher slurm, start "
+                       "`flashrl run CONFIG --supervise` inside the allocation (in your sbatch script)", err=True)
+            raise typer.Exit(code=2)
+        _check_env_or_exit(cfg, config)
+        _check_model_or_exit(cfg, config)
+        from flashrl.supervise import main as supervise_main
+
+        raise typer.Exit(code=supervise_main(config, overrides, cfg.run_dir, max_restarts, resume))
     if path is not None and not resume:
         typer.echo(f"error: unexpected argument {path}; to resume from it write `flashrl run {config} --resume {path}`", err=True)
         raise typer.Exit(code=2)
@@ -162,12 +184,18 @@ def _submit_slurm(cfg: Config, config: Path, dry_run: bool, resume: bool) -> Non
 
 @app.command("init-model")
 def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Build (once, cached) the model a config names; for builtin:tiny, warm-start it on the task."""
+    """Build (once, cached) the model a config names: for builtin:tiny, warm-start it on the task; a missing
+    folder, with its [model.build] recipe; a model you provide is only checked."""
     cfg = _load_or_exit(config, set_)
-    from flashrl.models import Progress, ensure_model
+    from flashrl.models import ModelPathError, Progress, ensure_model
+    from flashrl.plugins import PluginError
 
     # every phase of a build on stderr (a bar on a terminal, a line each otherwise); the path on stdout
-    path = ensure_model(cfg, progress=Progress.for_stderr("init-model"))
+    try:
+        path = ensure_model(cfg, progress=Progress.for_stderr("init-model"))
+    except (ModelPathError, PluginError) as e:  # a model that is the user's to provide, a bad env / WARM_START
+        typer.echo(f"config error: {config}: {e}", err=True)
+        raise typer.Exit(code=2) from None
     typer.echo(str(path))
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 from flashrl.config_errors import describe
@@ -42,6 +42,22 @@ class RunConfig(Section):
     keep_checkpoints: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest are deleted once a newer one is complete)")] = 3
 
 
+class ModelBuildConfig(Section):
+    """``[model.build]``: how flashrl builds the folder ``model.path`` names when it is missing (``flashrl
+    init-model``, or ``flashrl run``); ``recipe = "none"``: the folder is yours to provide."""
+
+    recipe: Annotated[Literal["none", "chat"], Meta(description=(
+        'none: model.path is a model you provide (downloaded, or your own); chat: a random-weight chat model '
+        'built locally, a byte-level BPE trained on the fly and a chat template (flashrl/models/chat_model.py)'))] = "none"
+    size: Annotated[Literal["tiny", "0.25b"], Meta(description=(
+        "chat: tiny (2 layers, a 512-token BPE; seconds) or 0.25b (a 0.27B-parameter Qwen3, a 32k BPE; "
+        "minutes)"))] = "tiny"
+    arch: Annotated[Literal["qwen3", "llama"], Meta(description="chat: the architecture")] = "qwen3"
+    template: Annotated[Literal["chatml", "qwen3"], Meta(description=(
+        "chat: chatml (plain turns) or qwen3 (<think> reasoning, dropped from earlier assistant turns)"))] = "chatml"
+    seed: Annotated[int, Meta(ge=0, description="chat: seed of the weights and the tokenizer's corpus")] = 0
+
+
 class ModelConfig(Section):
     path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" (built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
     cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
@@ -49,6 +65,7 @@ class ModelConfig(Section):
     max_model_len: Annotated[int, Meta(ge=16, le=1 << 20, description="prompt + response tokens per sequence")] = 128
     chat_template: Annotated[Literal["auto", "on", "off"], Meta(description="auto: prompts and multi-turn observations rendered with the model folder's chat template when it has one; on: require one; off: raw prompt text")] = "auto"
     system_prompt: Annotated[str, Meta(description="system message of every chat prompt (needs a chat template; empty = none)")] = ""
+    build: ModelBuildConfig = msgspec.field(default_factory=ModelBuildConfig)
 
 
 class EnvConfig(Section):
@@ -403,6 +420,13 @@ def _check(cfg: Config, source: str) -> None:
         key = "model.system_prompt" if cfg.model.system_prompt else "model.chat_template"
         raise ConfigError(f"{source}: {key}: the built-in model has no chat template; use a Hugging Face model "
                           "folder with one (model.path), or leave model.chat_template = \"auto\" and model.system_prompt empty")
+    build = cfg.model.build
+    if build.recipe == "none" and build != ModelBuildConfig():
+        raise ConfigError(f"{source}: model.build: options of a build recipe, but model.build.recipe = \"none\"; "
+                          "set model.build.recipe (e.g. \"chat\") or remove [model.build]")
+    if build.recipe != "none" and cfg.model.path == "builtin:tiny":
+        raise ConfigError(f"{source}: model.build.recipe: {build.recipe!r} builds a model folder, but model.path is "
+                          "\"builtin:tiny\" (built by flashrl anyway); set model.path to the folder to build")
     if cfg.model.system_prompt and cfg.model.chat_template == "off":
         raise ConfigError(f"{source}: model.system_prompt: a system prompt needs the chat template, but "
                           "model.chat_template = \"off\"; set it to \"auto\" or remove the system prompt")

@@ -27,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 __all__ = [
-    "EOS_MARKS", "Closable", "Counting", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "SingleTurnEnv",
-    "StepResult", "Task", "Wrapping", "cut_at_eos", "states_integer",
+    "EOS_MARKS", "Closable", "Counting", "Demo", "Demonstrating", "Env", "EnvFailure", "EnvSuite", "MultiTurn",
+    "SingleTurnEnv", "StepResult", "Task", "Wrapping", "cut_at_eos", "states_integer",
 ]
 
 
@@ -42,7 +42,13 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class StepResult(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What one env.step returns. ``observation`` is appended to the context when not done."""
+    """What one env.step returns. ``observation`` is appended to the context when not done.
+
+    ``info`` keys the controller reads: ``"correct"`` (bool), whether the episode counts as solved in
+    ``eval/accuracy`` and ``samples.jsonl`` (without it: total reward >= 1); ``"metrics"`` (a dict of
+    numbers), logged per step as ``reward/<name>`` (held-out: ``eval/reward/<name>``), the mean over
+    the trajectories that have the name, each trajectory with the last value its steps gave.
+    """
 
     observation: str = ""
     reward: float = 0.0
@@ -111,7 +117,7 @@ class EnvSuite(Protocol):
     """An environment family as the controller uses it: data splits plus a factory of episodes.
 
     Optional parts, each its own protocol below: ``aclose()`` (Closable), ``counters`` (Counting),
-    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating). A suite *class*, as env.name names
+    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating), ``max_turns`` (MultiTurn). A suite *class*, as env.name names
     it, also has ``Params: ClassVar[type]``, a msgspec Struct (forbid_unknown_fields) of its
     ``[env.params]`` options, and is built as ``cls(params, seed=..., eval_size=...)``
     (flashrl.plugins checks both when it loads the class; the controller never needs them).
@@ -144,10 +150,23 @@ class Counting(Protocol):
 @runtime_checkable
 class Wrapping(Protocol):
     """An EnvSuite that serves another one's tasks in another way (``remote``: in worker processes): the
-    built-in model warm-starts on ``task_suite``, the wrapped suite in this process."""
+    built-in model warm-starts on ``task_suite``, the wrapped suite in this process. Its class also says,
+    from its params alone, what it wraps: ``wrapped_env(params) -> (env name, params, config key)``
+    (flashrl.plugins.task_env; the model's cache key and ``flashrl validate`` look there)."""
 
     @property
     def task_suite(self) -> EnvSuite: ...
+
+
+@runtime_checkable
+class MultiTurn(Protocol):
+    """An EnvSuite whose episodes take more than one turn, saying at most how many: an episode ends (done)
+    by its ``max_turns``-th step at the latest. ``flashrl validate`` refuses ``rollout.max_turns = 1`` for
+    it (every episode would be cut after its first action) and warns when rollout.max_turns is below it.
+    A Demonstrating suite that does not say is judged by its demonstrations' turns (flashrl/envcheck.py)."""
+
+    @property
+    def max_turns(self) -> int: ...
 
 
 class Demo(msgspec.Struct, kw_only=True, frozen=True):
@@ -167,7 +186,8 @@ class Demonstrating(EnvSuite, Protocol):
     """An EnvSuite whose warm-start imitates a multi-turn teacher instead of ``prompt -> answer``.
 
     Any suite may also set ``WARM_START: ClassVar[dict]``, fields of flashrl.models.WarmStart it
-    overrides for the built-in model (e.g. more steps; flashrl.plugins.warm_start_overrides).
+    overrides for the built-in model (e.g. more steps; flashrl.plugins.warm_start_overrides checks the
+    keys, ``flashrl validate`` runs it; docs/models.md lists them).
     """
 
     def demonstration(self, task: Task, rng: Any) -> Demo:

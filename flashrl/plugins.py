@@ -18,6 +18,8 @@ An environment class is an EnvSuite (flashrl/env.py): a ``Params`` msgspec Struc
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -33,8 +35,8 @@ import msgspec
 from flashrl.config_errors import describe
 
 __all__ = [
-    "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "PluginError", "entry_point_names", "env_name_problem", "load_object",
-    "make_suite", "suite_class", "warm_start_overrides",
+    "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "PluginError", "code_fingerprint", "entry_point_names", "env_name_problem",
+    "load_object", "make_suite", "suite_class", "task_env", "warm_start_overrides",
 ]
 
 # env.name -> "module:Class" of an EnvSuite. Strings, so that naming one imports none of the others.
@@ -146,9 +148,9 @@ def env_name_problem(name: str) -> str | None:
             f"or your own class as 'package.module:Class' or './file.py:Class'")
 
 
-def suite_class(name: str) -> type:
-    """The EnvSuite class ``env.name`` names (imported on demand); PluginError naming env.name if not."""
-    key = "env.name"
+def suite_class(name: str, key: str = "env.name") -> type:
+    """The EnvSuite class ``name`` names (imported on demand); PluginError naming ``key`` (where the name is
+    written: ``env.name``, or ``env.params.inner`` under the remote wrapper) if not."""
     if name in BUILTIN_ENVS:
         cls = load_object(BUILTIN_ENVS[name], key)
     elif is_reference(name):
@@ -174,27 +176,107 @@ def suite_class(name: str) -> type:
     return cls
 
 
+def task_env(name: str, params: dict[str, Any], key: str = "env.name") -> tuple[type, dict[str, Any], str]:
+    """(class, params, key) of the environment whose tasks ``name`` serves: ``name``'s own class, or, for a
+    wrapper (a class with ``wrapped_env(params) -> (name, params, key)``, like ``remote``), what it wraps."""
+    cls: Any = suite_class(name, key)
+    hook = getattr(cls, "wrapped_env", None)
+    if hook is None:
+        return cls, params, key
+    inner, inner_params, inner_key = hook(params)
+    return task_env(inner, dict(inner_params), inner_key)
+
+
 def warm_start_overrides(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The WarmStart fields ``env.name`` overrides for the built-in model (flashrl.env.Demonstrating);
-    a wrapper suite (remote) answers for the suite it wraps."""
-    cls = suite_class(name)
-    hook = getattr(cls, "warm_start_overrides", None)
-    return dict(hook(params)) if hook is not None else dict(getattr(cls, "WARM_START", {}))
+    """The WarmStart fields ``env.name`` overrides for the built-in model (its suite's ``WARM_START``,
+    flashrl.env.Demonstrating); a wrapper suite (remote) answers for the suite it wraps. A key WarmStart
+    does not have, or a value of the wrong type, is a PluginError naming it and the keys accepted."""
+    cls, _, key = task_env(name, params)
+    overrides = dict(getattr(cls, "WARM_START", {}))
+    from flashrl.models.tiny import WarmStart  # msgspec only: no torch
+
+    where = f"{cls.__module__}.{cls.__qualname__}.WARM_START"
+    try:
+        msgspec.convert(overrides, WarmStart, strict=True)
+    except msgspec.ValidationError as e:
+        path, what = describe(str(e), WarmStart, prefix=where, owner="the built-in model's warm-start")
+        raise PluginError(f"{key}: {path}: {what.replace(f'[{where}]', 'WARM_START')} "
+                          "(docs/models.md: the warm-start's knobs)") from None
+    return overrides
 
 
-def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int) -> Any:
-    """Build the EnvSuite ``env.name`` names; bad params raise ValueError naming ``env.params.<key>``."""
-    cls: Any = suite_class(name)
+def code_fingerprint(name: str, params: dict[str, Any]) -> str:
+    """A hash of the code of the environment whose tasks ``name`` serves (``task_env``): the source of the
+    module that defines its class, of its base classes' modules, and of the modules beside it (same folder)
+    that those import, directly or through one another. Docstrings, comments and layout are left out
+    (the source's syntax tree is hashed), so only a change in what the code does gives another hash.
+    The built-in model's cache key holds it: an edited ``demonstration()`` rebuilds the model."""
+    cls, _, _ = task_env(name, params)
+    files: set[Path] = set()
+    for base in cls.__mro__:
+        mod = sys.modules.get(base.__module__)
+        if mod is not None and base.__module__.partition(".")[0] not in sys.stdlib_module_names:
+            _module_files(mod, files)
+    digest = hashlib.sha256()
+    for f in sorted(files):
+        digest.update(f.name.encode() + b"\0" + _normalized_source(f) + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _module_files(mod: Any, out: set[Path]) -> None:
+    """``mod``'s source file, then (recursively) those of the modules in its folder that it refers to."""
+    src = getattr(mod, "__file__", None)
+    if not src or not src.endswith(".py"):
+        return
+    path = Path(src).resolve()
+    if path in out:
+        return
+    out.add(path)
+    for value in list(vars(mod).values()):
+        try:
+            name = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+        except Exception:  # an object whose attribute lookup runs code of its own
+            continue
+        other = sys.modules.get(name) if isinstance(name, str) else None
+        other_file = getattr(other, "__file__", None)
+        if isinstance(other_file, str) and Path(other_file).resolve().parent == path.parent:
+            _module_files(other, out)
+
+
+def _normalized_source(path: Path) -> bytes:
+    """``path``'s syntax tree without docstrings, as text (its bytes when it does not parse)."""
+    raw = path.read_bytes()
+    try:
+        tree = ast.parse(raw)
+    except (SyntaxError, ValueError):
+        return raw
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
+def make_suite(name: str, params: dict[str, Any], seed: int, eval_size: int, key: str = "env.name",
+               prefix: str = "env.params") -> Any:
+    """Build the EnvSuite ``name`` names; bad params raise ValueError naming ``<prefix>.<key>``, a name that
+    does not load one naming ``key`` (the remote wrapper's inner env: env.params.inner, env.params.params)."""
+    cls: Any = suite_class(name, key)
     # ``faults`` is reserved for every env: delays and injected faults around it (envs/faults.py).
     faults = params.get("faults")
     params = {k: v for k, v in params.items() if k != "faults"}
     try:
         p = msgspec.convert(params, cls.Params, strict=True)
     except msgspec.ValidationError as e:
-        key, what = describe(str(e), cls.Params, prefix="env.params", owner=f"env {name!r}", extra_keys=("faults",))
-        raise PluginError(f"{key}: {what}" if what.startswith("unknown key") else f"{key}: {what} (env {name!r})") from None
+        where, what = describe(str(e), cls.Params, prefix=prefix, owner=f"env {name!r}", extra_keys=("faults",))
+        raise PluginError(f"{where}: {what}" if what.startswith("unknown key") else f"{where}: {what} (env {name!r})") from None
     suite = cls(p, seed=seed, eval_size=eval_size)
     if faults is not None:
-        with_faults = load_object("envs.faults:with_faults", "env.params.faults")
-        suite = with_faults(suite, faults, seed)
+        with_faults = load_object("envs.faults:with_faults", f"{prefix}.faults")
+        try:
+            suite = with_faults(suite, faults, seed)
+        except ValueError as e:
+            raise PluginError(str(e).replace("env.params.faults", f"{prefix}.faults")) from None
     return suite

@@ -1,12 +1,16 @@
 """Model resolution: ``model.path`` -> a local Hugging Face model folder every process can load.
 
     ensure_model(cfg)
-      "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, params but faults, seed)
+      "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, its params but faults,
+                                                    its code (flashrl.plugins.code_fingerprint), seed; for a
+                                                    demonstrating env also the RL eval's turns and tokens)
           lock <cache_dir>/tiny-<key>.lock (fcntl, so concurrent callers build it once)
             hit : the folder exists -> return it
             miss: build_untrained -> warm_start on the env's train split -> flashrl_warmstart.json
                   in <cache_dir>/.build-*, then os.rename into place (a reader never sees half a model)
-      anything else  -> must be a folder holding config.json, returned as is
+      a folder path  -> holds config.json: returned as is
+                        missing, and [model.build] names a recipe: built by it (locked, aside, renamed in)
+                        missing otherwise: ModelPathError (the model is the user's to provide)
 
 The built-in model is deterministic for a key: it is built on one torch thread with seeded init,
 seeded batches and greedy probes, so two machines build the same weights.
@@ -32,7 +36,7 @@ from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
-__all__ = ["BUILTIN_TINY", "ModelPathError", "Progress", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
 WARMSTART_FILE = "flashrl_warmstart.json"
@@ -44,6 +48,11 @@ log = logging.getLogger("flashrl.models")
 
 class ModelPathError(FileNotFoundError):
     """model.path does not name a usable model folder; the message says how to fix it."""
+
+
+class ModelNotBuilt(ModelPathError):
+    """model.path is missing and [model.build] names the recipe that builds it, but the caller asked not to
+    build (``flashrl validate``); ``flashrl init-model`` (or ``flashrl run``) builds it."""
 
 
 def _task_params(cfg) -> dict:
@@ -60,16 +69,33 @@ def _task_params(cfg) -> dict:
     return params
 
 
+def _eval_play(cfg) -> tuple[int, int] | None:
+    """(turns, tokens per turn) the RL eval plays an episode with, for an environment that demonstrates
+    (its warm-start report plays its held-out episodes the same way); None for the others."""
+    from flashrl.plugins import task_env
+
+    cls, _, _ = task_env(cfg.env.name, _task_params(cfg))
+    if not callable(getattr(cls, "demonstration", None)):
+        return None
+    return cfg.rollout.max_turns, cfg.rollout.max_new_tokens
+
+
 def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:
+    from flashrl.plugins import code_fingerprint
+
     blob = {
         "recipe": _RECIPE_VERSION,
         "spec": msgspec.to_builtins(spec),
         "warm": msgspec.to_builtins(warm),
         "env": cfg.env.name,
         "params": _task_params(cfg),
+        "code": code_fingerprint(cfg.env.name, _task_params(cfg)),  # an edited demonstration() rebuilds
         "eval_size": cfg.env.eval_size,
         "seed": cfg.run.seed,
     }
+    play = _eval_play(cfg)
+    if play is not None:  # only the report's held-out play uses them; a single-turn env ignores them
+        blob["eval_play"] = list(play)
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -100,22 +126,17 @@ def _is_built(folder: Path) -> bool:
 
 
 def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None,
-                 progress: Progress | None = None) -> Path:
-    """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once.
+                 progress: Progress | None = None, build: bool = True) -> Path:
+    """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once, and
+    building a missing folder that ``[model.build]`` has a recipe for.
 
     ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()``,
     ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
-    phase of a build shown as it runs (progress.py); None: only the log.
+    phase of a build shown as it runs (progress.py); None: only the log. ``build`` False: a missing
+    folder with a recipe raises ModelNotBuilt instead of being built (``flashrl validate``).
     """
     if cfg.model.path != BUILTIN_TINY:
-        p = Path(cfg.model.path).expanduser()
-        if not (p / "config.json").is_file():
-            what = "does not exist" if not p.exists() else "holds no config.json"
-            raise ModelPathError(
-                f"model.path: {str(p)!r} {what}; set model.path to a local Hugging Face model folder "
-                f"(with config.json, weights and tokenizer files) or to {BUILTIN_TINY!r}"
-            )
-        return p
+        return _model_folder(cfg, progress or Progress.off(), build)
 
     spec = spec or TinySpec()
     if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
@@ -146,7 +167,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
                 with progress.phase("building the untrained model"):
                     build_untrained(tmp, seed=cfg.run.seed, spec=spec)
                 report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
-                                    log=log.info, suite=suite, progress=progress)
+                                    log=log.info, suite=suite, progress=progress, eval_play=_eval_play(cfg))
             report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
                        "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
             (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
@@ -158,3 +179,56 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+# --------------------------------------------------------------------------- model folders flashrl builds
+def _build_chat(cfg, out: Path, progress: Progress) -> None:
+    from flashrl.models import chat_model
+
+    b = cfg.model.build
+    with progress.phase(f"building the {b.size} chat model ({b.arch}, {b.template} template, seed {b.seed}; "
+                        f"flashrl/models/chat_model.py)"):
+        chat_model.build_chat_model(out, arch=b.arch, size=b.size, seed=b.seed, template=b.template)
+
+
+# [model.build] recipe -> its builder(cfg, folder to write, progress)
+BUILD_RECIPES = {"chat": _build_chat}
+
+
+def _model_folder(cfg, progress: Progress, build: bool) -> Path:
+    """``model.path`` as a folder: as it is when it holds config.json, else built by its [model.build] recipe."""
+    p = Path(cfg.model.path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    recipe = cfg.model.build.recipe
+    if recipe == "none":
+        if p.exists():
+            raise ModelPathError(f"model.path: {str(p)!r} holds no config.json; set model.path to a local Hugging "
+                                 f"Face model folder (with config.json, weights and tokenizer files) or to {BUILTIN_TINY!r}")
+        raise ModelPathError(
+            f"model.path: {str(p)!r} does not exist. flashrl builds only {BUILTIN_TINY!r} and the folders a "
+            f"[model.build] recipe names; this model is yours to provide: download it (e.g. `hf download "
+            f"<org>/<model> --local-dir {p}`) or copy it there, set model.path to a local Hugging Face model "
+            f"folder (config.json, weights and tokenizer files), or use {BUILTIN_TINY!r}")
+    if p.exists() and any(p.iterdir()):
+        raise ModelPathError(f"model.path: {str(p)!r} holds no config.json but is not empty, so the [model.build] "
+                             f"recipe {recipe!r} will not build over it; remove it (or point model.path elsewhere) "
+                             "and run `flashrl init-model CONFIG`")
+    if not build:
+        raise ModelNotBuilt(f"model.path: {str(p)!r} is not built yet; `flashrl init-model CONFIG` (or `flashrl "
+                            f"run`) builds it with the [model.build] recipe {recipe!r}")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(p.parent / f".{p.name}.lock"):
+        if (p / "config.json").is_file():  # another process built it while we waited for the lock
+            return p
+        tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.build-", dir=p.parent))
+        try:
+            log.info("building %s with the [model.build] recipe %r", p, recipe)
+            BUILD_RECIPES[recipe](cfg, tmp, progress)
+            if p.exists():  # the empty folder checked above
+                p.rmdir()
+            os.rename(tmp, p)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return p

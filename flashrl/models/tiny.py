@@ -419,13 +419,17 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log, progress:
 
 
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
-               log=None, suite=None, progress: Progress | None = None) -> dict:
+               log=None, suite=None, progress: Progress | None = None, eval_play: tuple[int, int] | None = None) -> dict:
     """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
 
     Deterministic for a seed on one thread (the caller sets torch threads). Report keys: eval_accuracy
     (greedy, on ``eval_tasks``), probe_accuracy, steps, seconds; for a ``suite`` that demonstrates
     (flashrl.env.Demonstrating: multi-turn teacher episodes) also eval_success_sampled and eval_reward_sampled
-    (temperature 1, what the RL rollouts start from). ``progress``: its phases (load, warm-start, eval).
+    (temperature 1, what the RL rollouts start from), and eval_turns / eval_max_new_tokens, how its
+    held-out episodes were played: ``eval_play`` (turns, tokens per turn), the RL eval's rollout.max_turns
+    and rollout.max_new_tokens (ensure_model passes them), so that the report's numbers are the RL eval's
+    at step 0 (greedy or at T = 1); None: sized by the teacher's episodes (its longest action and most
+    turns over 64 held-out demonstrations). ``progress``: its phases (load, warm-start, eval).
     """
     import random
     import time
@@ -451,10 +455,13 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
         # One rng for all 64: a fresh random.Random(seed) per task replays the same draws for every
         # demonstration, so a teacher whose first draw picks its shortest episode (envs/tools.py, seed 1:
         # answer at once) sized the held-out episodes to one turn of 5 tokens and reported 0% success.
-        demo_rng = random.Random(seed)
-        sample = [suite.demonstration(t, demo_rng) for t in eval_tasks[:64]]
-        max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
-        max_turns = max(len(d.turns) for d in sample)
+        if eval_play is not None:
+            max_turns, max_new = eval_play
+        else:
+            demo_rng = random.Random(seed)
+            sample = [suite.demonstration(t, demo_rng) for t in eval_tasks[:64]]
+            max_new = max(len(tok.encode(a)) for d in sample for a, _ in d.turns) + 1
+            max_turns = max(len(d.turns) for d in sample)
         with progress.phase("held-out episodes, greedy and sampled", unit="episodes") as phase:
             greedy = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns)
             phase.advance(len(eval_tasks), success=sum(c for _, c in greedy) / max(len(eval_tasks), 1))
@@ -466,6 +473,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
         return {"eval_accuracy": sum(c for _, c in greedy) / n, "probe_accuracy": probe_acc, "steps": steps,
                 "eval_success_sampled": sum(c for _, c in sampled) / n,
                 "eval_reward_sampled": sum(r for r, _ in sampled) / n,
+                "eval_turns": max_turns, "eval_max_new_tokens": max_new,
                 "seconds": round(time.perf_counter() - t0, 2)}
     probe = list(train_tasks[: ws.probe_size])
     max_new = answer_tokens(list(train_tasks) + list(eval_tasks))

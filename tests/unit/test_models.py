@@ -413,12 +413,15 @@ def test_progress_on_a_terminal_draws_bars_and_says_when_a_phase_failed() -> Non
                         chatty.getvalue().splitlines()[1])
 
 
-def test_held_out_episodes_are_sized_by_many_demonstrations_not_one_replayed(
+def test_held_out_episodes_are_played_as_the_rl_eval_plays_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The held-out play of a demonstrating env gets the turns and tokens its teacher's episodes need. Seed 1
-    of the tool task once drew every sizing demonstration from a fresh random.Random(1), whose first draw
-    makes the teacher answer at once: one turn of 5 tokens, and a reported held-out success of 0%."""
+    """The warm-start report's held-out play of a demonstrating env takes the RL eval's turns and tokens per
+    turn (rollout.max_turns, rollout.max_new_tokens), so its numbers are the RL eval's at step 0 (issue 39:
+    sized by the teacher's episodes, it played fewer turns than the eval). Sizing by the teacher once also
+    drew every sizing demonstration from a fresh random.Random(1) (tool task, seed 1): one turn of 5 tokens
+    and a reported held-out success of 0%."""
     from envs.tools import ToolsSuite
+    from flashrl.config import RolloutConfig
     from flashrl.models import tiny
 
     monkeypatch.setattr(ToolsSuite, "WARM_START", {"max_steps": 1, "batch": 4, "check_every": 1, "probe_size": 4,
@@ -432,10 +435,12 @@ def test_held_out_episodes_are_sized_by_many_demonstrations_not_one_replayed(
     monkeypatch.setattr(tiny, "play_episodes", fake_play)
     params = {"train_size": 50, "latency": {"median_s": 0.0, "p99_s": 0.0}}
     cfg = Config(run=RunConfig(seed=1), model=ModelConfig(cache_dir=str(tmp_path)),
-                 env=EnvConfig(name="tools", params=params, eval_size=16))
-    ensure_model(cfg, SMALL)
+                 env=EnvConfig(name="tools", params=params, eval_size=16), rollout=RolloutConfig(max_turns=5, max_new_tokens=17))
+    path = ensure_model(cfg, SMALL)
     held_out = [c for c in calls if c[0] == 16]
-    assert held_out and all(n >= len("calc(99*99)") + 1 and turns >= 2 for _, n, turns in held_out), calls
+    assert held_out == [(16, 17, 5), (16, 17, 5)], calls  # greedy, then sampled
+    report = json.loads((path / "flashrl_warmstart.json").read_text())
+    assert report["eval_turns"] == 5 and report["eval_max_new_tokens"] == 17
 
 
 def test_a_remote_envs_inner_faults_neither_reach_the_warm_start_nor_change_the_model(

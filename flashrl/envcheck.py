@@ -1,0 +1,100 @@
+"""What ``flashrl validate`` (and ``flashrl run``, before anything starts) checks of the environment beyond
+its ``[env.params]``: the traps a config can set that would otherwise only show as a run that learns nothing.
+
+    check_env(cfg) -> warnings; raises ValueError (a config error, exit 2) for
+      - [env.params] the suite's Params refuses (flashrl.plugins.make_suite: env.params.<key>, or under the
+        remote wrapper env.params.inner / env.params.params.<key>)
+      - a WARM_START key flashrl.models.WarmStart does not have (flashrl.plugins.warm_start_overrides)
+      - a multi-turn environment with rollout.max_turns = 1: every episode would be cut after its first
+        action (a tool call, a first guess) and score 0
+    warnings (printed, nothing refused):
+      - rollout.max_turns below the turns the environment's episodes can take
+      - with the built-in model, prompt, answer or demonstration text with characters its tokenizer lacks
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from flashrl.env import Demonstrating, MultiTurn, Wrapping
+
+__all__ = ["check_env", "episode_turns", "foreign_chars"]
+
+_SAMPLE = 32  # tasks (and demonstrations) looked at: enough to see a format, cheap for any suite
+
+
+def _task_suite(suite: Any) -> Any:
+    while isinstance(suite, Wrapping):
+        suite = suite.task_suite
+    return suite
+
+
+def episode_turns(suite: Any) -> tuple[int, str]:
+    """(the most turns an episode of ``suite`` takes, how that is known): the suite's ``max_turns``
+    (flashrl.env.MultiTurn), else the longest of its demonstrations of the first train tasks
+    (flashrl.env.Demonstrating), else 1 (a single-turn environment, as far as anything says)."""
+    suite = _task_suite(suite)
+    if isinstance(suite, MultiTurn) and isinstance(suite.max_turns, int) and not isinstance(suite.max_turns, bool):
+        return suite.max_turns, "its max_turns"
+    if isinstance(suite, Demonstrating):
+        rng = random.Random(0)
+        tasks = list(suite.train_tasks())[:_SAMPLE]
+        most = max((len(suite.demonstration(t, rng).turns) for t in tasks), default=1)
+        return most, "its demonstrations"
+    return 1, ""
+
+
+def foreign_chars(suite: Any, charset: str) -> dict[str, str]:
+    """Characters outside ``charset`` in the first tasks' prompts and answers and in their demonstrations:
+    {character: where first seen}."""
+    suite = _task_suite(suite)
+    allowed = set(charset)
+    found: dict[str, str] = {}
+
+    def look(text: str, where: str) -> None:
+        for c in text:
+            if c not in allowed and c not in found:
+                found[c] = where
+
+    rng = random.Random(0)
+    for split in ("train_tasks", "eval_tasks"):
+        for t in list(getattr(suite, split)())[:_SAMPLE]:
+            look(t.prompt, f"the prompt of task {t.id!r}")
+            look(t.answer, f"the answer of task {t.id!r}")
+            if split == "train_tasks" and isinstance(suite, Demonstrating):
+                for action, obs in suite.demonstration(t, rng).turns:
+                    look(action + obs, f"the demonstration of task {t.id!r}")
+    return found
+
+
+def check_env(cfg: Any) -> list[str]:
+    """Build the suite ``cfg`` names and check it against the config (module docstring); the warnings."""
+    from flashrl.models import BUILTIN_TINY
+    from flashrl.plugins import make_suite, warm_start_overrides
+
+    env = cfg.env
+    suite = make_suite(env.name, env.params, cfg.run.seed, env.eval_size)
+    warm_start_overrides(env.name, env.params)
+    warnings: list[str] = []
+    turns, known = episode_turns(suite)
+    have = cfg.rollout.max_turns
+    what = f"env {env.name!r}" + (f" (inner {env.params.get('inner')!r})" if isinstance(suite, Wrapping) else "")
+    if turns > 1 and have == 1:
+        raise ValueError(
+            f"rollout.max_turns: {what} is multi-turn (an episode takes up to {turns} turns, by {known}), but "
+            f"rollout.max_turns = 1 ends every episode after its first action, before the environment can "
+            f"answer it (reward 0); set max_turns = {turns} in [rollout] (docs/environments.md)")
+    if turns > have:
+        warnings.append(f"rollout.max_turns = {have} cuts the episodes of {what}, which take up to {turns} turns "
+                        f"(by {known}): an episode past it ends unfinished; raise rollout.max_turns to {turns}")
+    if cfg.model.path == BUILTIN_TINY:
+        from flashrl.models.tokenizer import CHARSET
+
+        bad = foreign_chars(suite, CHARSET)
+        if bad:
+            shown = ", ".join(f"{c!r} ({where})" for c, where in list(bad.items())[:5])
+            warnings.append(f"{what}: the built-in model's tokenizer has no token for {len(bad)} character(s) its "
+                            f"text uses: {shown}; each reads as <unk> and is lost in decoding, so the model can "
+                            "neither see nor write it (docs/models.md: the built-in model's characters)")
+    return warnings
