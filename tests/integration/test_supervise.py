@@ -1,0 +1,100 @@
+"""`flashrl run --supervise` with the real parts: the controller SIGKILLed mid-run is restarted from its
+latest checkpoint and the run ends with every step trained once; a SIGTERM to the supervisor stops it all and
+restarts nothing. The decisions alone: tests/unit/test_supervise.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashrl.metrics import read_jsonl
+from flashrl.supervise import leftovers
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+STEPS = 200
+
+
+def _start(tmp: Path, out: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--supervise",
+           "--set", f"run.output_dir={tmp}", "--set", "run.name=sup", "--set", f"run.steps={STEPS}",
+           "--set", "run.checkpoint_every=10", "--set", "run.eval_every=50", "--set", "env.eval_size=16",
+           "--set", "run.dashboard=plain"]
+    env = {**os.environ, "FLASHRL_PARENT_PID": str(os.getpid())}  # dies with this test
+    with out.open("wb") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_for(what: str, ok, deadline_s: float, sup: subprocess.Popen[bytes], out: Path):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = ok()
+        if got:
+            return got
+        if sup.poll() is not None:
+            pytest.fail(f"the supervisor exited ({sup.returncode}) before {what}:\n{out.read_text()[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"no {what} within {deadline_s} s:\n{out.read_text()[-3000:]}")
+
+
+def _controllers(log: Path) -> list[int]:
+    text = log.read_text() if log.exists() else ""
+    return [int(p) for p in re.findall(r"started the controller \(pid (\d+)", text)]
+
+
+def _finish(sup: subprocess.Popen[bytes], timeout: float) -> int:
+    try:
+        return sup.wait(timeout)
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.wait()
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_controller_is_restarted_and_every_step_is_trained_once(tmp_path: Path) -> None:
+    run_dir, out = tmp_path / "sup", tmp_path / "out.txt"
+    log = run_dir / "supervisor.log"
+    sup = _start(tmp_path, out)
+    try:
+        _wait_for("a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists(), 300, sup, out)
+        first = _controllers(log)[0]
+        os.kill(first, signal.SIGKILL)
+        _wait_for("a restart", lambda: len(_controllers(log)) >= 2, 120, sup, out)
+        assert _finish(sup, 600) == 0, out.read_text()[-3000:]
+    finally:
+        _finish(sup, 0.1) if sup.poll() is None else None
+    text = log.read_text()
+    assert f"death 1: the controller (pid {first}) was killed by SIGKILL; restart 1 of 10" in text, text
+    assert "--resume" in text.splitlines()[-2] or "--resume" in text, text
+    assert "the run finished" in text and "1 restart(s)" in text, text
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(STEPS + 1))  # no step missing, none twice
+    assert "resuming from" in (run_dir / "logs" / "controller.log").read_text()
+    for pid in [*_controllers(log), sup.pid]:
+        assert leftovers(pid) == [], f"processes of {pid} outlived the run"
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_supervisor_stops_the_run_and_restarts_nothing(tmp_path: Path) -> None:
+    run_dir, out = tmp_path / "sup", tmp_path / "out.txt"
+    log = run_dir / "supervisor.log"
+    sup = _start(tmp_path, out)
+    try:
+        _wait_for("a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists(), 300, sup, out)
+        os.kill(sup.pid, signal.SIGTERM)
+        assert _finish(sup, 120) == 130, out.read_text()[-3000:]
+    finally:
+        _finish(sup, 0.1) if sup.poll() is None else None
+    text = log.read_text()
+    assert "got SIGTERM: stopping the run" in text and "not restarted" in text, text
+    assert "death" not in text and len(_controllers(log)) == 1, text
+    for pid in [*_controllers(log), sup.pid]:
+        assert leftovers(pid) == [], f"processes of {pid} outlived the run"
