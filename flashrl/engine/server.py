@@ -54,6 +54,7 @@ from msgspec import Meta
 
 from flashrl.core.meters import BusyMeter
 from flashrl.engine.inproc import EngineDead, InprocEngine
+from flashrl.engine.vllm_compat import require_vllm
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.wire.protocol import (
     ENGINE_REQUESTS,
@@ -465,6 +466,7 @@ def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEvent
     """Create vLLM's LLMEngine in this process and the thread that steps it (~1 s on the CPU for the tiny
     model, after ~4 s importing vLLM)."""
     with paused_gc():
+        require_vllm()  # an older vLLM: a clear error naming the version to install, before anything is built
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
