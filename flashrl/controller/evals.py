@@ -22,9 +22,9 @@ its tokens' share of all tokens generated while it ran.
 
 Stragglers (multi-turn episodes, rollout.max_turns > 1): an eval holds the engines until its slowest
 episode ends, and a multi-turn episode's time is mostly its environment calls, whose latency has a
-tail (configs/tools.toml: a tool call's p99 is 10x its median; the slowest of an eval's ~1000 calls took
-3-5 s, against ~1.4 s for 90% of its episodes and ~2-3 s for the async_ratio + 1 steps the trainer can
-take beside it). So once ``HEDGE_AT`` (75%) of an eval's episodes have finished, each one still running
+tail (configs/tools.toml: a tool call's p99 is 10x its median; an eval's last episode ended 2.4-5.8 s
+after it began, 90% of its episodes by 1.2-1.7 s, and the async_ratio + 1 steps the trainer can take
+beside it took ~2-2.5 s: bench/results/evals). So once ``HEDGE_AT`` (75%) of an eval's episodes have finished, each one still running
 gets a second copy: the same task, the same sampling seeds (``seed_key`` ignores the copy), on the same
 held weights, so it samples the same tokens and earns the same reward, but its environment calls draw
 their latency afresh (a new env instance); the first of the two to finish is kept and the other is

@@ -775,6 +775,7 @@ def test_a_slow_eval_does_not_stop_the_train_loop() -> None:
     assert summary.eval_trainer_wait_s == 0.0 and summary.eval_s == pytest.approx(sum(r["time/eval_s"] for r in evals))
     assert check_staleness(trainer.batches, 2) == 2  # it did train samples of the held version, 2 steps on
     assert summary.counters["weight_sync/skipped_versions"] > 0
+    assert summary.counters.get("eval/hedged", 0) == 0  # single-turn: a copy would only repeat the same generation
 
 
 def test_an_eval_longer_than_the_staleness_bound_makes_the_trainer_wait_and_says_so() -> None:
@@ -864,6 +865,17 @@ def test_a_multi_turn_eval_straggler_gets_a_second_copy_and_the_trainer_does_not
     assert all(set(v) == {int(rid[4:].split("-")[0])} for rid, v in tokens)
     # the trainer's steps took the same time as without the straggler
     assert [r["time/step_s"] for r in records if r["step"] >= 1] == [r["time/step_s"] for r in plain_records if r["step"] >= 1]
+
+
+def test_single_turn_evals_get_no_copies() -> None:
+    """A single-turn eval's time is its generation, which a copy with the same seeds repeats on a real
+    engine: no copies (configs/tiny.toml's evals are as before), even with one slow request."""
+    cfg = config(run={"steps": 4, "eval_every": 0}, scheduler={"async_ratio": 2},
+                 rollout={"group_size": 2, "batch_prompts": 2})
+    engine = FakeEngine("e0", lambda r, v: ([ord("1")], 5.0 if r.request_id.startswith("eval0-3") and "-h" not in r.request_id else 0.2), sync_s=0.1)
+    summary, left = run(Controller(cfg, TOK, FakeSuite(n_eval=10), [engine], FakeTrainer(train_s=1.0, sync_s=0.05)))
+    assert left == set() and summary.steps == 4
+    assert summary.counters.get("eval/hedged", 0) == 0 and summary.eval_trainer_wait_s > 0.0
 
 
 @pytest.mark.parametrize("overlap", [True, False])
