@@ -221,6 +221,8 @@ def _model_folder(cfg, progress: Progress, build: bool) -> Path:
     with _file_lock(p.parent / f".{p.name}.lock"):
         if (p / "config.json").is_file():  # another process built it while we waited for the lock
             return p
+        for stale in p.parent.glob(f".{p.name}.build-*"):  # a killed build's (we hold the lock: nobody writes it)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.build-", dir=p.parent))
         try:
             log.info("building %s with the [model.build] recipe %r", p, recipe)

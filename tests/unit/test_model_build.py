@@ -45,6 +45,7 @@ def test_init_model_builds_realsize_with_its_recipe(tmp_path: Path, fake_builder
     """configs/realsize.toml as shipped (but its folder): init-model runs the 0.25b chat recipe once, aside and
     renamed into place; validate notes the missing folder without building it."""
     folder = tmp_path / "realsize" / "model"
+    (folder.parent / ".model.build-killed").mkdir(parents=True)  # what a build killed by SIGKILL/SIGTERM leaves
     args = ["configs/realsize.toml", "--set", f"model.path={folder}"]
     r = CliRunner().invoke(app, ["validate", str(ROOT / args[0]), *args[1:]])
     assert r.exit_code == 0 and "is not built yet; `flashrl init-model CONFIG`" in r.output and fake_builder == [], r.output
