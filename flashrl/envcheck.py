@@ -4,7 +4,7 @@ its ``[env.params]``: the traps a config can set that would otherwise only show 
     check_env(cfg) -> warnings; raises ValueError (a config error, exit 2) for
       - [env.params] the suite's Params refuses (flashrl.plugins.make_suite: env.params.<key>, or under the
         remote wrapper env.params.inner / env.params.params.<key>)
-      - a WARM_START key flashrl.models.WarmStart does not have (flashrl.plugins.warm_start_overrides)
+      - a WARM_START key flashrl.models.WarmStart does not have (flashrl.models.warm_start_of)
       - a multi-turn environment with rollout.max_turns = 1: every episode would be cut after its first
         action (a tool call, a first guess) and score 0
     warnings (printed, nothing refused):
@@ -70,12 +70,12 @@ def foreign_chars(suite: Any, charset: str) -> dict[str, str]:
 
 def check_env(cfg: Any) -> list[str]:
     """Build the suite ``cfg`` names and check it against the config (module docstring); the warnings."""
-    from flashrl.models import BUILTIN_TINY
-    from flashrl.plugins import make_suite, warm_start_overrides
+    from flashrl.models import BUILTIN_TINY, warm_start_of
+    from flashrl.plugins import make_suite
 
     env = cfg.env
     suite = make_suite(env.name, env.params, cfg.run.seed, env.eval_size)
-    warm_start_overrides(env.name, env.params)
+    warm_start_of(env.name, env.params)
     warnings: list[str] = []
     turns, known = episode_turns(suite)
     have = cfg.rollout.max_turns

@@ -36,7 +36,7 @@ from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
-__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
 WARMSTART_FILE = "flashrl_warmstart.json"
@@ -67,6 +67,24 @@ def _task_params(cfg) -> dict:
     if cfg.env.name == "remote" and isinstance(inner, dict) and "faults" in inner:
         params["params"] = {k: v for k, v in inner.items() if k != "faults"}
     return params
+
+
+def warm_start_of(name: str, params: dict) -> WarmStart:
+    """The warm-start of env ``name``: WarmStart's defaults with its suite's ``WARM_START`` (the wrapped
+    suite's under remote). A key WarmStart does not have, or a value of the wrong type, is a PluginError
+    naming it and the keys accepted (``flashrl validate`` runs this: flashrl/envcheck.py)."""
+    from flashrl.config_errors import describe
+    from flashrl.plugins import PluginError, task_env, warm_start_overrides
+
+    overrides = warm_start_overrides(name, params)
+    try:
+        return msgspec.convert(msgspec.to_builtins(WarmStart()) | overrides, WarmStart, strict=True)
+    except msgspec.ValidationError as e:
+        cls, _, key = task_env(name, params)
+        where = f"{cls.__module__}.{cls.__qualname__}.WARM_START"
+        path, what = describe(str(e), WarmStart, prefix=where, owner="the built-in model's warm-start")
+        raise PluginError(f"{key}: {path}: {what.replace(f'[{where}]', 'WARM_START')} "
+                          "(docs/models.md: the warm-start and its knobs)") from None
 
 
 def _eval_play(cfg) -> tuple[int, int] | None:
@@ -140,9 +158,7 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
 
     spec = spec or TinySpec()
     if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
-        from flashrl.plugins import warm_start_overrides
-
-        warm = msgspec.structs.replace(WarmStart(), **warm_start_overrides(cfg.env.name, _task_params(cfg)))
+        warm = warm_start_of(cfg.env.name, _task_params(cfg))
     cache = Path(cfg.model.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     key = _cache_key(cfg, spec, warm)

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from flashrl.cli import app
 from flashrl.config import Config, EnvConfig, ModelConfig, RolloutConfig
-from flashrl.models import _cache_key
+from flashrl.models import _cache_key, warm_start_of
 from flashrl.models.tiny import TinySpec, WarmStart
-from flashrl.plugins import PluginError, code_fingerprint, warm_start_overrides
+from flashrl.plugins import PluginError, code_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,9 +86,9 @@ def test_a_misspelled_warm_start_key_fails_validate_naming_it_and_the_keys_accep
     # a wrong type too, and every built-in env's WARM_START is right
     tool_env(tmp_path, "typed.py", warm='{"batch": "32"}')
     with pytest.raises(PluginError, match=r"WARM_START\.batch: Expected `int`, got `str`"):
-        warm_start_overrides("./typed.py:LookupSuite", {})
+        warm_start_of("./typed.py:LookupSuite", {})
     for name in ("arithmetic", "guess", "tools", "scratchpad", "countdown"):
-        warm_start_overrides(name, {})
+        warm_start_of(name, {})
     code, out = validate(tmp_path, toml.replace(env, tool_env(tmp_path, "good.py")))
     assert code == 0, out
 
