@@ -1,4 +1,5 @@
-"""The one child-process supervisor: every process a run starts is a ``Child``.
+"""The child-process supervisor: every process a run starts is a ``Child``, but the reward workers
+(flashrl/rewards.py starts them with stdin/stdout pipes; they run ``child_init`` all the same).
 
     parent (controller)                                      child (engine, trainer rank, env worker)
       Child.spawn(name, cmd, log)                              main(): procs.child_init(name) first
