@@ -53,6 +53,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.doctor",  # `flashrl doctor --gpu`: the trainer, the weight sync and a built chat model, checked on a device
     "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher
     "flashrl.launch.driver",  # `flashrl run`: the one entry of a run
+    "flashrl.supervise",  # `flashrl run --supervise`: restarts a dead controller (a process, not an import of it)
     # `flashrl bench` (one package), and apart from it the TRL peer program it starts as a child process:
     # neither imports the other (the peer reproduces flashrl's run with TRL, it does not run flashrl's code)
     ("flashrl.bench", "flashrl.bench.peers.trl_grpo"),
