@@ -79,6 +79,38 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
         raise typer.Exit(code=2) from None
 
 
+def _check_lora_or_exit(cfg: Config, config: Path, running: bool = False) -> None:
+    """[model.lora] fits the model: every target projection takes the rank (exit 2 naming the fix). A model
+    folder not built yet is not checked. ``running`` (flashrl run): LoRA runs are refused, the run path
+    (trainer, weight sync, engines) does not train adapters yet."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return
+    import json
+
+    from flashrl.models import BUILTIN_TINY
+    from flashrl.wire.lora import model_problems
+
+    if cfg.model.path == BUILTIN_TINY:
+        from flashrl.models.tiny import TinySpec
+
+        t = TinySpec()
+        hf = {"hidden_size": t.hidden, "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads,
+              "intermediate_size": t.intermediate}
+    else:
+        cfg_json = Path(cfg.model.path).expanduser() / "config.json"
+        hf = json.loads(cfg_json.read_text()) if cfg_json.is_file() else {}
+    problems = model_problems(lora.rank, lora.target_modules, hf)
+    if problems:
+        typer.echo(f"config error: {config}: model.lora: " + "; ".join(problems), err=True)
+        raise typer.Exit(code=2)
+    if running:
+        typer.echo(f"config error: {config}: model.lora.rank = {lora.rank}: `flashrl run` does not train adapters "
+                   "yet (the adapter sync and the LoRA engine exist as parts: flashrl/engine/lora.py, "
+                   "flashrl/trainer/lora.py); set model.lora.rank = 0", err=True)
+        raise typer.Exit(code=2)
+
+
 @app.command()
 def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     """Check CONFIG (types, bounds, unknown keys, environment params) without starting anything."""
@@ -94,6 +126,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config, build=False)
+    _check_lora_or_exit(cfg, config)
     from flashrl.config import advice
 
     for note in advice(cfg):
@@ -118,6 +151,7 @@ def run(
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
     overrides = list(set_ or []) + ([f"cluster.launcher={launcher}"] if launcher is not None else [])
     cfg = _load_or_exit(config, overrides)
+    _check_lora_or_exit(cfg, config, running=True)
     if supervise:
         if path is not None or dry_run:
             typer.echo("error: --supervise resumes from the latest checkpoint of runs/<name>; it takes no PATH and "

@@ -58,6 +58,23 @@ class ModelBuildConfig(Section):
     seed: Annotated[int, Meta(ge=0, description="chat: seed of the weights and the tokenizer's corpus")] = 0
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """``[model.lora]``: train low-rank adapters on the model's projections instead of every weight (peft's
+    LoRA: W x + (alpha / rank) B A x); rank 0 (the default) is full fine-tuning."""
+
+    rank: Annotated[int, Meta(ge=0, le=512, description=(
+        "adapter rank r (0 = off: full fine-tuning); at most the smaller side of every target projection, "
+        "and 512 (the largest rank vLLM serves)"))] = 0
+    alpha: Annotated[int, Meta(ge=1, description="scaling numerator: the adapter's output is scaled by alpha / rank")] = 32
+    dropout: Annotated[float, Meta(ge=0.0, lt=1.0, description="dropout on the adapter's input while training")] = 0.0
+    target_modules: Annotated[list[LoraTarget], Meta(min_length=1, description=(
+        "projections that get an adapter (Llama / Qwen2 / Qwen3 names)"))] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 class ModelConfig(Section):
     path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" (built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
     cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
@@ -66,6 +83,7 @@ class ModelConfig(Section):
     chat_template: Annotated[Literal["auto", "on", "off"], Meta(description="auto: prompts and multi-turn observations rendered with the model folder's chat template when it has one; on: require one; off: raw prompt text")] = "auto"
     system_prompt: Annotated[str, Meta(description="system message of every chat prompt (needs a chat template; empty = none)")] = ""
     build: ModelBuildConfig = msgspec.field(default_factory=ModelBuildConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 class EnvConfig(Section):

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from flashrl.wire.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, VLLM_MAX_RANK, save_adapter
+from flashrl.wire.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, model_problems, save_adapter
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TARGET_MODULES", "save_adapter"]  # re-exported for callers of this module
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TARGET_MODULES", "model_problems", "save_adapter"]  # re-exported for callers of this module
 
 
 @dataclass(frozen=True)
@@ -57,31 +57,6 @@ class LoraSpec:
         if bad:
             out.append(f"target_modules: unknown module(s) {bad}; use any of " + ", ".join(TARGET_MODULES))
         return out
-
-
-def model_problems(spec: LoraSpec, hf_config: Mapping[str, Any]) -> list[str]:
-    """What keeps ``spec`` from fitting the model whose config.json is ``hf_config``: a rank above a target
-    projection's smaller side (the adapter would not be low-rank: a full-rank update costs more than the
-    weight it adapts), or a rank above what vLLM serves."""
-    out = []
-    if spec.rank > VLLM_MAX_RANK:
-        out.append(f"rank {spec.rank} is above the largest rank vLLM serves ({VLLM_MAX_RANK})")
-    hidden = int(hf_config.get("hidden_size", 0))
-    heads = int(hf_config.get("num_attention_heads", 0))
-    head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
-    kv = int(hf_config.get("num_key_value_heads") or heads)
-    inter = int(hf_config.get("intermediate_size", 0))
-    sides = {
-        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
-        "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    for m in spec.target_modules:
-        small = min(sides.get(m, (0, 0)))
-        if small and spec.rank > small:
-            out.append(f"rank {spec.rank} is above {m}'s smaller side ({small}: {m} is {sides[m][0]} -> {sides[m][1]}); "
-                       f"use a rank <= {small}, or leave {m} out of target_modules")
-    return out
 
 
 def peft_config(spec: LoraSpec) -> Any:

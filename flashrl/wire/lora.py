@@ -45,6 +45,31 @@ def vllm_max_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above the largest rank vLLM serves ({VLLM_MAX_RANK}); use a smaller model.lora.rank")
 
 
+def model_problems(rank: int, target_modules: Sequence[str], hf_config: Mapping[str, Any]) -> list[str]:
+    """What keeps an adapter of ``rank`` on ``target_modules`` from fitting the model whose config.json is
+    ``hf_config``: a rank above a target projection's smaller side (the adapter would not be low-rank: a full-rank update costs more than the
+    weight it adapts), or a rank above what vLLM serves."""
+    out = []
+    if rank > VLLM_MAX_RANK:
+        out.append(f"rank {rank} is above the largest rank vLLM serves ({VLLM_MAX_RANK})")
+    hidden = int(hf_config.get("hidden_size", 0))
+    heads = int(hf_config.get("num_attention_heads", 0))
+    head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    inter = int(hf_config.get("intermediate_size", 0))
+    sides = {
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    for m in target_modules:
+        small = min(sides.get(m, (0, 0)))
+        if small and rank > small:
+            out.append(f"rank {rank} is above {m}'s smaller side ({small}: {m} is {sides[m][0]} -> {sides[m][1]}); "
+                       f"use a rank <= {small}, or leave {m} out of target_modules")
+    return out
+
+
 def verify_adapter(manifest: WeightManifest, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's tensors from received buckets, each bucket's checksum verified first; raises
     ValueError naming the first bucket that does not match (nothing is returned from a bad sync)."""

@@ -13,6 +13,7 @@ from flashrl.engine.lora import lora_engine_kwargs  # noqa: E402
 from flashrl.trainer.lora import (  # noqa: E402
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    TARGET_MODULES,
     LoraSpec,
     adapter_config,
     adapter_state_dict,
@@ -43,11 +44,11 @@ def test_spec_names_a_bad_target_module_and_bounds() -> None:
 
 
 def test_rank_the_model_cannot_take() -> None:
-    assert model_problems(LoraSpec(rank=64, alpha=64), HF) == []
-    probs = model_problems(LoraSpec(rank=65, alpha=64), HF)  # k_proj, v_proj: 128 -> 64
+    assert model_problems(64, TARGET_MODULES, HF) == []
+    probs = model_problems(65, TARGET_MODULES, HF)  # k_proj, v_proj: 128 -> 64
     assert len(probs) == 2 and "k_proj's smaller side (64" in probs[0]
-    assert model_problems(LoraSpec(rank=65, alpha=64, target_modules=("q_proj",)), HF) == []
-    assert any("largest rank vLLM serves" in p for p in model_problems(LoraSpec(rank=1024, alpha=1), {}))
+    assert model_problems(65, ("q_proj",), HF) == []
+    assert any("largest rank vLLM serves" in p for p in model_problems(1024, TARGET_MODULES, {}))
 
 
 def test_vllm_rank_is_the_smallest_allowed_above() -> None:
@@ -104,3 +105,29 @@ def test_adapter_packs_in_kilobytes_verifies_and_loads_in_peft(tmp_path) -> None
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
+
+
+def test_config_is_off_by_default_and_names_bad_keys() -> None:
+    from flashrl.config import ConfigError, load
+
+    assert load("configs/tiny.toml").model.lora.rank == 0  # existing configs: full fine-tuning, unchanged
+    lora = load("configs/tiny.toml", ["model.lora.rank=16", "model.lora.target_modules=['q_proj','v_proj']"]).model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (16, 32, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules\[1\].*'qkv'"):
+        load("configs/tiny.toml", ["model.lora.rank=16", "model.lora.target_modules=['q_proj','qkv']"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank.*512"):
+        load("configs/tiny.toml", ["model.lora.rank=1024"])
+
+
+def test_validate_refuses_a_rank_the_model_cannot_take_and_run_refuses_lora() -> None:
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["validate", "configs/tiny.toml", "--set", "model.lora.rank=64"])
+    assert ok.exit_code == 0, ok.output
+    bad = runner.invoke(app, ["validate", "configs/tiny.toml", "--set", "model.lora.rank=100"])
+    assert bad.exit_code == 2 and "k_proj's smaller side (64" in bad.output
+    run = runner.invoke(app, ["run", "configs/tiny.toml", "--set", "model.lora.rank=16"])
+    assert run.exit_code == 2 and "does not train adapters yet" in run.output
