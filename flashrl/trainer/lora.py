@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,18 @@ def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_from_state_dict(state: Mapping[str, torch.Tensor], adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's tensors from a full state dict of the wrapped model (what FSDP2's
+    ``get_model_state_dict(full_state_dict=True)`` gathers on rank 0), under the names
+    ``adapter_state_dict`` gives: ``...lora_A.<adapter>.weight`` -> ``...lora_A.weight``; the base
+    weights are left out."""
+    out = {}
+    for k, v in state.items():
+        if ".lora_A." in k or ".lora_B." in k:
+            out[k.replace(f".{adapter}.weight", ".weight")] = v
+    return out
 
 
 def adapter_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:

@@ -93,3 +93,71 @@ def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: P
     assert max(abs(a - b) for a, b in zip(*seen)) > 1e-3  # version 2 replaced version 1
     assert llm.list_loras() == {1}  # one slot, reloaded in place
     assert _generate(llm, "base-again", None)[1] == pytest.approx(base_lps, abs=1e-6)  # the base is untouched
+
+
+IDS = [[1, 12, 5, 13, 7, 14, 9, 10]] * 2
+
+
+def _train(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two AdamW steps over the trainable (adapter) parameters; (base logits before, reference after, policy after)."""
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        before = model(ids).logits
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        torch.log_softmax(model(ids).logits.float(), -1)[..., 3].mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        with reference_disabled(model):
+            ref = model(ids).logits
+        return before, ref, model(ids).logits
+
+
+def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.trainer.lora import adapter_from_state_dict
+    from flashrl.trainer.worker import _decoder_layers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), SPEC).eval()
+        for layer in _decoder_layers(model.get_base_model()):  # as trainer/worker.py build_policy shards
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        before, ref, pol = _train(model)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"before": before, "ref": ref, "pol": pol, "adapter": adapter_from_state_dict(full)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_trains_only_the_adapter_as_one_process_does(model_dir: Path, tmp_path: Path) -> None:
+    """Two gloo ranks, FSDP2 per decoder layer as the trainer shards: the adapter's update equals an
+    unsharded one's, the reference (adapter disabled) stays the base model bit for bit."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.wire.transport import free_port
+
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_fsdp_rank, args=(free_port(), str(model_dir), str(out)), nprocs=2, start_method="spawn")
+    got = torch.load(out)
+    torch.manual_seed(0)
+    plain = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), SPEC).eval()
+    before, ref, pol = _train(plain)
+    assert torch.equal(got["before"], before) and torch.equal(got["ref"], before)  # reference = base, exactly
+    assert (got["pol"] - ref).abs().max() > 1e-2  # the adapter learned something
+    assert torch.allclose(got["pol"], pol, atol=1e-5)
+    want = adapter_state_dict(plain)
+    assert got["adapter"].keys() == want.keys()
+    assert all(torch.allclose(got["adapter"][k], want[k], atol=1e-6) for k in want)

@@ -16,6 +16,7 @@ from flashrl.trainer.lora import (  # noqa: E402
     TARGET_MODULES,
     LoraSpec,
     adapter_config,
+    adapter_from_state_dict,
     adapter_state_dict,
     apply_lora,
     model_problems,
@@ -85,6 +86,8 @@ def test_adapter_packs_in_kilobytes_verifies_and_loads_in_peft(tmp_path) -> None
             torch.nn.init.normal_(p, std=0.1)
     state = adapter_state_dict(model)
     assert state and all(".lora_A." in k or ".lora_B." in k for k in state)
+    gathered = adapter_from_state_dict(model.state_dict())  # the FSDP2 path: from the full state dict
+    assert gathered.keys() == state.keys() and all(torch.equal(gathered[k], state[k]) for k in state)
     manifest, flats = build_manifest(state, version=3, bucket_mb=0.05)
     full, _ = build_manifest(model.get_base_model().state_dict(), version=3, bucket_mb=64)
     assert len(manifest.buckets) > 1 and manifest_nbytes(manifest) < 0.2 * manifest_nbytes(full)
