@@ -24,6 +24,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +104,26 @@ def adapter_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:
     cfg["base_model_name_or_path"] = base_model
     cfg["target_modules"] = sorted(cfg["target_modules"])  # peft keeps a set; JSON needs a list
     return json.loads(json.dumps(cfg, default=str))
+
+
+def merged_state_dict(base_dir: str | Path, adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The base model at ``base_dir`` with the peft adapter at ``adapter_dir`` merged into its weights
+    (W + (alpha / rank) B A, peft's ``merge_and_unload``), as a plain Hugging Face state dict in float32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def export_merged(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, dtype: str = "float32",
+                  replace: bool = False) -> Path:
+    """A Hugging Face folder at ``out``: the base model with the adapter merged in, the base's tokenizer and
+    generation config (trainer/hf.py save_hf_folder: atomic, ``replace`` as there)."""
+    from flashrl.trainer.hf import save_hf_folder
+
+    return save_hf_folder(merged_state_dict(base_dir, adapter_dir), base_dir, out, dtype=dtype, replace=replace)
 
 
 @contextlib.contextmanager

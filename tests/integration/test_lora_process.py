@@ -15,7 +15,14 @@ pytest.importorskip("peft")
 
 from flashrl.engine.lora import PolicyAdapter, lora_engine_kwargs  # noqa: E402
 from flashrl.engine.server import EngineSpec, engine_kwargs  # noqa: E402
-from flashrl.trainer.lora import LoraSpec, adapter_config, adapter_state_dict, apply_lora, reference_disabled  # noqa: E402
+from flashrl.trainer.lora import (  # noqa: E402
+    LoraSpec,
+    adapter_config,
+    adapter_state_dict,
+    apply_lora,
+    export_merged,
+    reference_disabled,
+)
 from flashrl.wire.lora import verify_adapter  # noqa: E402
 from flashrl.wire.weights import build_manifest  # noqa: E402
 
@@ -93,6 +100,22 @@ def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: P
     assert max(abs(a - b) for a, b in zip(*seen)) > 1e-3  # version 2 replaced version 1
     assert llm.list_loras() == {1}  # one slot, reloaded in place
     assert _generate(llm, "base-again", None)[1] == pytest.approx(base_lps, abs=1e-6)  # the base is untouched
+
+    # export: the adapter folder the engine loaded (peft format) and the merged model both load in
+    # transformers, and their greedy continuation is the engine's, with its logprobs
+    from peft import PeftModel
+
+    merged_dir = export_merged(model_dir, tmp_path / "adapters" / "v2", tmp_path / "merged")
+    for name, model in {
+        "adapter": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                             str(tmp_path / "adapters" / "v2")).eval(),
+        "merged": AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval(),
+    }.items():
+        ids = torch.tensor([PROMPT + tokens])
+        with torch.no_grad():
+            greedy = model(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
+        assert greedy == tokens, name
+        assert _max_diff(model, tokens, lps) < 1e-4, name
 
 
 IDS = [[1, 12, 5, 13, 7, 14, 9, 10]] * 2
