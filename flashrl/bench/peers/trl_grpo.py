@@ -137,11 +137,11 @@ def engine_dtype(dtype: str) -> Iterator[None]:
     import trl.generation.vllm_generation as tv
 
     llm = tv.LLM
-    tv.LLM = functools.partial(llm, dtype=dtype)  # type: ignore[misc]
+    tv.LLM = functools.partial(llm, dtype=dtype)
     try:
         yield
     finally:
-        tv.LLM = llm  # type: ignore[misc]
+        tv.LLM = llm
 
 
 def cpu_colocate_sync(generation: Any) -> None:
