@@ -83,8 +83,9 @@ class InprocEngine:
             raise self._dead()
         self._cmds.put(fn)
 
-    async def generate(self, request_id: str, prompt: Any, params: Any) -> Any:
-        """Add one request; return its final ``RequestOutput`` (finish_reason "abort" when aborted)."""
+    async def generate(self, request_id: str, prompt: Any, params: Any, lora_request: Any = None) -> Any:
+        """Add one request; return its final ``RequestOutput`` (finish_reason "abort" when aborted).
+        ``lora_request``: vLLM's LoRARequest of the adapter to serve it with (engine/lora.py), None: the base."""
         key = f"{request_id}#{next(self._seq)}"  # unique even when a caller reuses an id
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._waiting[key] = fut
@@ -92,7 +93,10 @@ class InprocEngine:
 
         def add() -> None:
             try:
-                self.llm.add_request(key, prompt, params)
+                if lora_request is None:
+                    self.llm.add_request(key, prompt, params)
+                else:
+                    self.llm.add_request(key, prompt, params, lora_request=lora_request)
             except Exception as e:  # a bad request fails alone
                 self._post(self._fail_one, key, e)
 

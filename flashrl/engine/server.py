@@ -97,6 +97,8 @@ class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
     nice: Annotated[int, Meta(ge=0, le=19, description="CPU priority: Linux nice of this process and its session")] = 0
     sync_load: Annotated[Literal["whole", "bucket"], Meta(description="weight_sync.load: load a sync once every bucket verified (whole) or bucket by bucket")] = "whole"
+    lora_rank: Annotated[int, Meta(ge=0, le=512, description="model.lora.rank: serve the policy as a LoRA adapter of this rank, each sync a new adapter version (0 = off: full weights)")] = 0
+    lora_config: Annotated[dict[str, Any], Meta(description="the adapter's adapter_config.json (peft) when lora_rank > 0")] = {}
 
 
 # --------------------------------------------------------------------------- load accounting
@@ -201,8 +203,11 @@ class EngineFatal(Exception):
 class EngineServer:
     """Turns EngineRequests into InprocEngine calls. Holds no socket: ``serve`` wires it to one."""
 
-    def __init__(self, engine: InprocEngine, name: str, meter: LoadMeter, sync_load: str = "whole") -> None:
+    def __init__(self, engine: InprocEngine, name: str, meter: LoadMeter, sync_load: str = "whole",
+                 adapter: Any = None) -> None:
         self.engine = engine
+        # LoRA (engine/lora.py PolicyAdapter): each sync is an adapter version, loaded in place; None: full weights
+        self.adapter = adapter
         self.name = name
         self.sync_load = sync_load  # weight_sync.load: "whole" or "bucket" (engine/weights.py)
         self.meter = meter
@@ -285,7 +290,9 @@ class EngineServer:
         request_id = req.request_id or uuid.uuid4().hex
         self.meter.request_started(time.monotonic())
         try:
-            final = await self.engine.generate(request_id, self._prompt(prompt_token_ids=list(req.prompt_ids)), params)
+            # LoRA: every request carries the policy's slot (none before the first adapter version: v0 is the base)
+            lora = self.adapter.request if self.adapter is not None else None
+            final = await self.engine.generate(request_id, self._prompt(prompt_token_ids=list(req.prompt_ids)), params, lora)
         finally:
             self.meter.request_finished(time.monotonic())
         if not final.outputs:
@@ -304,6 +311,22 @@ class EngineServer:
             engine=self.name,
         )
 
+    def _load_adapter(self, llm: Any, version: int) -> dict[str, Any]:
+        """LoRA: the verified tensors of ``version`` into the policy's slot through vLLM's add_lora (on the engine
+        thread, between two steps). vLLM loads the new adapter before it drops the old one: a refused adapter
+        leaves the served one intact (touched False)."""
+        t0 = time.perf_counter()
+        got = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
+        if not got["ok"]:
+            return {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}
+        try:
+            self.adapter.load(llm, version, got["tensors"])
+        except Exception as e:
+            log.exception("%s: adapter v%d: vLLM refused it", self.name, version)
+            return {"ok": False, "touched": False, "error": f"adapter load failed: {type(e).__name__}: {e}",
+                    "load_s": time.perf_counter() - t0}
+        return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}
+
     def _versions(self, spans: Any, n: int) -> list[int]:
         if not spans:
             # No label reported (no tokens, or an output vLLM did not label): stamp the current version.
@@ -320,7 +343,7 @@ class EngineServer:
         manifest_json = msgspec.json.encode(manifest).decode()
         version = manifest.version
 
-        bucket = self.sync_load == "bucket"
+        bucket = self.sync_load == "bucket" and self.adapter is None  # an adapter is small: loaded whole
 
         def receive(llm: Any) -> dict[str, Any]:
             # Beside generation (a thread of its own): buffers of its own only, nothing of vLLM's is touched.
@@ -336,7 +359,10 @@ class EngineServer:
             # read here, on the engine thread: from one update's start to the next, each counted once
             occupancy.update(self.engine.occupancy())
             try:
-                res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
+                if self.adapter is not None:
+                    res = self._load_adapter(llm, version)
+                else:
+                    res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
             except Exception as e:  # the worker's own errors are answers; this is anything else: the model's
                 # state is unknown, so it is treated as partly loaded (never served)
                 log.exception("%s: weights v%d: the load raised", self.name, version)
@@ -432,6 +458,7 @@ def yield_cpu(nice: int) -> None:
 
 def engine_kwargs(opts: EngineSpec) -> dict[str, Any]:
     """vLLM's engine arguments for ``opts`` (``EngineArgs(**engine_kwargs(opts))``; bench/engine_inproc.py too)."""
+    from flashrl.engine.lora import lora_engine_kwargs
     from flashrl.engine.weights import WORKER_EXTENSION
 
     kwargs: dict[str, Any] = {"distributed_executor_backend": "uni"}
@@ -459,6 +486,7 @@ def engine_kwargs(opts: EngineSpec) -> dict[str, Any]:
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
         **kwargs,
+        **(lora_engine_kwargs(opts.lora_rank) if opts.lora_rank else {}),
     )
 
 
@@ -487,7 +515,14 @@ async def _serve(opts: EngineSpec) -> int:
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
     meter = LoadMeter(time.monotonic())
     engine = build_engine(opts, meter, asyncio.get_running_loop())
-    server = EngineServer(engine, opts.name, meter, opts.sync_load)
+    adapter = None
+    if opts.lora_rank:
+        import tempfile
+
+        from flashrl.engine.lora import PolicyAdapter
+
+        adapter = PolicyAdapter(Path(tempfile.mkdtemp(prefix=f"flashrl-{opts.name}-lora-")), opts.lora_config)
+    server = EngineServer(engine, opts.name, meter, opts.sync_load, adapter)
     try:
         await server.start()
         rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name,
@@ -511,6 +546,10 @@ async def _serve(opts: EngineSpec) -> int:
         return 0
     finally:
         engine.shutdown(release=False)  # the process ends right after (serve's caller: procs.exit_now)
+        if adapter is not None:
+            import shutil
+
+            shutil.rmtree(adapter.root, ignore_errors=True)
 
 
 def serve(opts: EngineSpec) -> int:

@@ -505,6 +505,19 @@ class WeightSyncExtension:
             receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}
 
+    def flashrl_take_weights(self, version: int) -> dict[str, Any]:
+        """LoRA (engine/lora.py): the tensors the last receive verified for ``version``, copied out of the
+        receive buffers (which then serve the next receive), for the caller to load as an adapter.
+        Returns ok, error, tensors ({name: tensor}); nothing of vLLM's is touched."""
+        receiver = self._flashrl_receiver()
+        pending, receiver.pending = receiver.pending, None
+        if pending is None or pending[0] != version:
+            have = "nothing" if pending is None else f"v{pending[0]}"
+            return {"ok": False, "error": f"no verified adapter of v{version} (the last receive holds {have})", "tensors": {}}
+        tensors = {name: t.clone() for name, t in pending[1]}
+        receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
+        return {"ok": True, "error": "", "tensors": tensors}
+
     # ------------------------------------------------------------------ weight_sync.load = "bucket"
     def flashrl_open_stream(self, manifest_json: str) -> dict[str, Any]:
         """Bucket mode, beside generation: check the manifest, receive and verify its first bucket. Returns ok,
