@@ -79,10 +79,9 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
         raise typer.Exit(code=2) from None
 
 
-def _check_lora_or_exit(cfg: Config, config: Path, running: bool = False) -> None:
+def _check_lora_or_exit(cfg: Config, config: Path) -> None:
     """[model.lora] fits the model: every target projection takes the rank (exit 2 naming the fix). A model
-    folder not built yet is not checked. ``running`` (flashrl run): LoRA runs are refused, the run path
-    (trainer, weight sync, engines) does not train adapters yet."""
+    folder not built yet is not checked."""
     lora = cfg.model.lora
     if lora.rank == 0:
         return
@@ -103,11 +102,6 @@ def _check_lora_or_exit(cfg: Config, config: Path, running: bool = False) -> Non
     problems = model_problems(lora.rank, lora.target_modules, hf)
     if problems:
         typer.echo(f"config error: {config}: model.lora: " + "; ".join(problems), err=True)
-        raise typer.Exit(code=2)
-    if running:
-        typer.echo(f"config error: {config}: model.lora.rank = {lora.rank}: `flashrl run` does not train adapters "
-                   "yet (the adapter sync and the LoRA engine exist as parts: flashrl/engine/lora.py, "
-                   "flashrl/trainer/lora.py); set model.lora.rank = 0", err=True)
         raise typer.Exit(code=2)
 
 
@@ -151,7 +145,7 @@ def run(
     """Train: start engines and the trainer group, run the controller, show the dashboard."""
     overrides = list(set_ or []) + ([f"cluster.launcher={launcher}"] if launcher is not None else [])
     cfg = _load_or_exit(config, overrides)
-    _check_lora_or_exit(cfg, config, running=True)
+    _check_lora_or_exit(cfg, config)
     if supervise:
         if path is not None or dry_run:
             typer.echo("error: --supervise resumes from the latest checkpoint of runs/<name>; it takes no PATH and "

@@ -266,6 +266,10 @@ class WeightPublisher:
             p.engine = {**least, "busy": min(1.0, sum(least.values()))}
         if self._engine_extra:  # the largest receive-buffer footprint of an engine in this sync (weight_sync.load)
             p.engine = {**p.engine, "sync_extra_bytes": float(self._engine_extra)}
+        # the bytes each engine received in this sync: the full weights, or the adapter's tensors (model.lora)
+        nbytes = sum(b.numel * _ITEMSIZE.get(b.dtype, 0) for b in manifest.buckets)
+        if nbytes:
+            p.engine = {**p.engine, "sync_bytes": float(nbytes)}
         for q in p.carried:  # superseded versions: their batches' slots, their records (in step order)
             self._on_synced(q.batch)
             q.phases = {"weight_sync_s": 0.0, "skipped": 1.0}
@@ -358,6 +362,10 @@ class WeightPublisher:
         if r.occupancy:
             self._engine_occupancy.append(r.occupancy)
         self._engine_extra = max(self._engine_extra, r.extra_bytes)
+
+
+# bytes per element of the wire's dtypes (flashrl.wire.weights.DTYPES, without importing torch here)
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def _add_sync(b: BatchStats, phases: dict[str, float], engine: dict[str, float]) -> None:

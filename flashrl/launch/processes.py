@@ -96,7 +96,19 @@ def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str
         log_level=cfg.run.log_level,
         nice=cfg.engine.nice,
         sync_load=cfg.weight_sync.load,
+        **_lora_engine(cfg, model_path),
     )
+
+
+def _lora_engine(cfg: Config, model_path: Path) -> dict[str, Any]:
+    """EngineSpec's LoRA options: the adapter's rank and its peft config (none when model.lora is off)."""
+    lo = cfg.model.lora
+    if not lo.rank:
+        return {}
+    from flashrl.trainer.lora import LoraSpec, adapter_config
+
+    spec = LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules))
+    return {"lora_rank": lo.rank, "lora_config": adapter_config(spec, str(model_path))}
 
 
 class EnginePool:

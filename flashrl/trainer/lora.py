@@ -126,6 +126,24 @@ def export_merged(base_dir: str | Path, adapter_dir: str | Path, out: str | Path
     return save_hf_folder(merged_state_dict(base_dir, adapter_dir), base_dir, out, dtype=dtype, replace=replace)
 
 
+def save_merged(state: Mapping[str, torch.Tensor], spec: LoraSpec, base_dir: str | Path, out: str | Path,
+                dtype: str = "float32", replace: bool = False) -> Path:
+    """From the wrapped model's full state dict: the merged model as a Hugging Face folder at ``out``
+    (export_merged) and the adapter in peft format at ``<out>/adapter``."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=Path(out).parent))
+    try:
+        adapter = save_adapter(tmp / "adapter", adapter_from_state_dict(state), adapter_config(spec, str(base_dir)))
+        export_merged(base_dir, adapter, out, dtype=dtype, replace=replace)
+        adapter.rename(Path(out) / "adapter")
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out)
+
+
 @contextlib.contextmanager
 def reference_disabled(model: Any) -> Iterator[None]:
     """The base model inside the block (adapters bypassed): the reference policy of a LoRA run, computed

@@ -137,14 +137,20 @@ class ProcessCollectives(Collectives):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
-def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool) -> torch.nn.Module:
-    """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``."""
+def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = None) -> torch.nn.Module:
+    """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``.
+    ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    base = m
+    if lora is not None:
+        from flashrl.trainer.lora import apply_lora
+
+        m = apply_lora(base, lora)
     if shard:
-        for layer in _decoder_layers(m):
+        for layer in _decoder_layers(base):
             fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
@@ -178,8 +184,15 @@ class Trainer(PolicyTrainer):
         # DCP checkpoints load across the two (tests/integration/test_resume.py resumes at another world size).
         self.sharded = comm.world > 1 or mp is not None
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
+        self.lora = None
+        if cfg.model.lora.rank:
+            from flashrl.trainer.lora import LoraSpec
+
+            lo = cfg.model.lora
+            self.lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules))
+
         def build() -> torch.nn.Module:
-            m = build_policy(model_path, mesh, mp, self.sharded)
+            m = build_policy(model_path, mesh, mp, self.sharded, self.lora)
             return m if self.sharded else m.to(device)  # fully_shard places a sharded model on the mesh's device
 
         model = build()
@@ -259,8 +272,12 @@ class Trainer(PolicyTrainer):
 
         t1 = time.perf_counter()
         self._prepared = None  # free the previous version's buckets before building new ones
-        manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb,
-                                           tie_word_embeddings=self.tie_word_embeddings)
+        tied = self.tie_word_embeddings
+        if self.lora is not None:  # LoRA: only the adapter's tensors travel (engine/lora.py loads them)
+            from flashrl.trainer.lora import adapter_from_state_dict
+
+            sd, tied = adapter_from_state_dict(sd), False
+        manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb, tie_word_embeddings=tied)
         self._prepared = (version, buckets)
         manifest.timings = {"gather_s": t1 - t0, "pack_s": time.perf_counter() - t1}
         return manifest
@@ -338,7 +355,12 @@ class Trainer(PolicyTrainer):
             from flashrl.trainer.hf import save_hf_folder
 
             try:
-                save_hf_folder(sd, self.model_path, path, dtype=self.cfg.model.dtype, replace=replace)
+                if self.lora is not None:  # LoRA: the merged model, its adapter (peft) in <path>/adapter
+                    from flashrl.trainer.lora import save_merged
+
+                    save_merged(sd, self.lora, self.model_path, path, dtype=self.cfg.model.dtype, replace=replace)
+                else:
+                    save_hf_folder(sd, self.model_path, path, dtype=self.cfg.model.dtype, replace=replace)
             except Exception as e:  # raised after the barrier: the other ranks must not wait on rank 0
                 err = e
         dist.barrier()
