@@ -46,7 +46,7 @@ def _git(repo: Path, *args: str) -> str | None:
         done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    return done.stdout.rstrip() if done.returncode == 0 else None  # not lstrip: porcelain lines start with a space
 
 
 def host_record(repo: str | Path = ".") -> dict[str, Any]:
