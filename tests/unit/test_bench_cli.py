@@ -133,7 +133,7 @@ def test_peers_and_seeds_keep_their_defaults(monkeypatch: pytest.MonkeyPatch, tm
     assert (modes, seeds, out, config, steps, sets, timeout) == (
         ["trl", "async", "sync"], [0], "bench/results/peers", "configs/tiny.toml", None, [], None)
     assert kw == {"title": "flashrl vs TRL GRPOTrainer", "sync_seeds": [0], "resume": False, "report_only": False,
-                  "targets": None, "variants": {}, "clock_from": None}
+                  "targets": None, "variants": {}, "clock_from": None, "trl_python": ".venv-trl/bin/python"}
     assert (modes2, seeds2, out2) == (["async"], [3, 4], "bench/results/seeds")
     assert kw2["sync_seeds"] == [3, 4] and kw2["resume"] and calls[1][5] == ["a=1"]
     assert runner.invoke(bench_app, ["peers", "--targets", "0.5,0.6"]).exit_code == 0
