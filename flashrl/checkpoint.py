@@ -74,7 +74,7 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 # Config keys a resumed run may change: how long, how often, how it is shown, where engines run and
 # how many. Everything else changes what is trained (model, data, algorithm, batch shape) and is refused.
 SAFE_TO_CHANGE = (
-    "run.steps", "run.max_time_s", "run.eval_every", "run.dashboard", "run.log_level", "run.checkpoint_every",
+    "run.steps", "run.max_time_s", "run.eval_every", "run.eval_engines", "run.dashboard", "run.log_level", "run.checkpoint_every",
     "run.keep_checkpoints", "run.auto_resume", "run.name", "run.output_dir",
     "engine.count", "engine.device", "engine.kv_cache_gib", "engine.gpu_memory_utilization", "engine.max_num_seqs",
     "engine.threads", "engine.startup_timeout_s", "engine.heartbeat_s", "engine.max_restarts",

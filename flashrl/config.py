@@ -35,6 +35,10 @@ class RunConfig(Section):
     steps: Annotated[int, Meta(ge=1, description="training steps (weight updates) to run")] = 60
     max_time_s: Annotated[float, Meta(ge=0, description="stop after this many seconds of training (0 = no limit)")] = 0.0
     eval_every: Annotated[int, Meta(ge=0, description="evaluate on the held-out split every N steps (0 = only at start and end)")] = 10
+    eval_engines: Annotated[int, Meta(ge=0, description=(
+        "engines an eval runs on (0 = all): with fewer than engine.count, the others keep loading each new "
+        "version while an eval holds its engines at the evaluated one, so the trainer never waits for an "
+        "eval's stragglers (multi-turn evals); with all, it waits once an eval outlasts async_ratio + 1 steps"))] = 0
     dashboard: Annotated[Literal["auto", "rich", "plain", "off"], Meta(description="auto: rich live view on a terminal, plain lines otherwise")] = "auto"
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level of every process")] = "INFO"
     checkpoint_every: Annotated[int, Meta(ge=0, description="checkpoint every N steps into <run dir>/checkpoints/step-<N>/ (0 = only at the end, on Ctrl-C/SIGTERM and at max_time_s); resume with `flashrl run CONFIG --resume`")] = 50
@@ -432,6 +436,9 @@ def _check(cfg: Config, source: str) -> None:
     if alg.credit == "none" and alg.rhythm != RhythmOptions():
         raise ConfigError(f"{source}: algorithm.rhythm: options of the attention-rhythm credit, but algorithm.credit = "
                           "\"none\"; set algorithm.credit (waad, fai or rhythm) or remove [algorithm.rhythm]")
+    if cfg.run.eval_engines > cfg.engine.count:
+        raise ConfigError(f"{source}: run.eval_engines: {cfg.run.eval_engines} engines for evals, but engine.count = "
+                          f"{cfg.engine.count}; set run.eval_engines <= engine.count (0 = all of them)")
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
     if cfg.model.path == "builtin:tiny" and (cfg.model.chat_template == "on" or cfg.model.system_prompt):

@@ -59,6 +59,7 @@ from flashrl.config import Config
 from flashrl.controller.ledger import Ledger
 from flashrl.controller.publisher import WeightPublisher
 from flashrl.controller.rollout import RolloutContext, run_group
+from flashrl.controller.scheduler import EVAL_ENGINES
 from flashrl.controller.types import Trajectory, metric_means
 from flashrl.core.records import EvalStats, StepRecord
 
@@ -121,6 +122,7 @@ class Evals:
         done = asyncio.Event()
         self._done = done
         self.record = record
+        self.ledger.eval_due(record.step)
         self.publisher.hold(version)  # now: a version made before the eval begins must not load
         self._spawn(self._eval(version, record, prev, done), f"eval v{version}")
 
@@ -188,8 +190,11 @@ class Evals:
             await prev.wait()  # one eval at a time: the engines hold one version
         t0 = self._clock()
         ev = self._running = EvalStats(accuracy=0.0, reward_mean=0.0)
-        await self.publisher.loaded(version)  # every engine holds ``version`` before the first eval request
-        assert self.publisher.published.version == version, (self.publisher.published.version, version)
+        await self.publisher.loaded(version)  # every engine (or every one set apart) holds ``version`` first
+        assert self.publisher.holding(version), (self.publisher.published.version, version)
+        apart = self.publisher.eval_engines
+        if apart is not None:  # this task's requests, and those of the rollouts it starts, go there only
+            EVAL_ENGINES.set(apart)
         tokens0 = sum(m.total for m in self.ctx.token_rates)
         hedge = _Hedge(len(self.tasks), self.cfg.rollout.max_turns > 1)
         async with asyncio.TaskGroup() as tg:

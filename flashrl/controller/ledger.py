@@ -127,6 +127,10 @@ class Ledger:
         # the stale-drop counters at the previous step record (a step reports what it adds; a resume
         # starts from the checkpoint's counters, so nothing is counted twice or lost)
         self.dropped_before = (0, 0)
+        # steps whose eval has not written their record yet, and later records waiting for it (evals on
+        # engines set apart, run.eval_engines, let the train loop run ahead of an eval by any number of steps)
+        self._evals_due: list[int] = []
+        self._later: list[StepRecord] = []
 
     # ------------------------------------------------------------------ records
     def step_record(self, s: int, version: int, batch: list[Group], metrics: dict[str, float], *, step_s: float,
@@ -237,7 +241,26 @@ class Ledger:
             line["importance_ratio"] = (iw or {}).get(line["sample_id"])
         return lines
 
+    def eval_due(self, step: int) -> None:
+        """Step ``step``'s record waits for its eval: later records wait for it (records go out in step order)."""
+        self._evals_due.append(step)
+
     def emit(self, record: StepRecord) -> None:
+        due = self._evals_due
+        if due and record.step > due[0]:
+            self._later.append(record)  # after the record of an eval still running
+            return
+        if due and record.step == due[0]:
+            due.pop(0)
+        self._write(record)
+        if not due or self._later and self._later[0].step < due[0]:
+            later = sorted(self._later, key=lambda r: r.step)
+            self._later = [r for r in later if due and r.step > due[0]]
+            for r in later:
+                if not (due and r.step > due[0]):
+                    self._write(r)
+
+    def _write(self, record: StepRecord) -> None:
         self.emitted_through = max(self.emitted_through, record.step)
         if self.on_step is not None:
             self.on_step(record)

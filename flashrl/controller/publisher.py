@@ -31,6 +31,16 @@ runs, no newer version is loaded, so every eval token is from v, and the train l
         weights, like a restarted engine's catch-up (supervisor.py); during a prepare (which
         replaces the deferred version in the trainer) the prepared one goes instead, from start()
 
+Evals on engines set apart (``run.eval_engines`` = k, fewer than the live engines): ``hold(v)`` sets the
+k least busy live engines apart (router.reserve: no new training request goes to them); they load v
+and keep it for the eval, while every version made meanwhile goes to the other engines at once (no
+deferral), so the train loop never waits for the eval's stragglers. When the eval ends (``unhold``),
+``_rejoin`` sends the published version to those engines alone (the trainer re-sends its last
+version, as for a restarted engine) and only then does training route to them again. A queued eval's
+version goes to the others at once and to the eval's engines when the eval before it ends; the train
+loop's ``wait()`` for that version lasts until then (the trainer must still hold it). Records of
+steps after a running eval's wait for its record (ledger.eval_due: step order).
+
 A deferred version that a queued eval will evaluate (``hold`` of a version not yet loaded: evals
 closer together than one eval's time) is pinned: never superseded, so ``wait()`` waits for it
 (the train loop cannot prepare the next version before it is sent).
@@ -75,7 +85,7 @@ class PendingSync:
     record that gets its times (emitted by the sync when the loop released it before it was done)."""
 
     __slots__ = ("version", "batch", "task", "record", "step_record", "phases", "engine", "emit", "manifest", "t0",
-                 "carried", "pinned", "spawned")
+                 "carried", "pinned", "spawned", "apart_done")
 
     def __init__(self, version: int, batch: list[Group]) -> None:
         self.version = version
@@ -91,6 +101,8 @@ class PendingSync:
         self.carried: list[PendingSync] = []  # superseded versions, done (batches freed, records out) with this one
         self.pinned = False  # a queued eval evaluates this version: never superseded
         self.spawned = asyncio.Event()  # its task exists
+        # a queued eval evaluates this version on engines set apart (run.eval_engines): set once they hold it
+        self.apart_done: asyncio.Event | None = None
 
     @property
     def deferred(self) -> bool:
@@ -131,6 +143,9 @@ class WeightPublisher:
         self._holds: deque[int] = deque()
         self._synced = asyncio.Event()  # set (and replaced) after each finished broadcast
         self._preparing = False  # a PrepareWeights is in flight (the trainer no longer holds the deferred version)
+        # run.eval_engines: the engines the running (and queued) evals hold (None: every engine, as above)
+        self._apart: frozenset[int] | None = None
+        self._rejoining: frozenset[int] | None = None  # set apart by an eval that ended, not caught up yet
 
     @property
     def holds(self) -> tuple[int, ...]:
@@ -169,7 +184,7 @@ class WeightPublisher:
             self.counters["weight_sync/skipped_versions"] += 1
         self.pending = p
         held = self.held
-        if held is None or version <= held:
+        if held is None or version <= held or self._apart is not None:  # apart: the other engines take it now
             self._spawn_sync(p)
         return p
 
@@ -192,6 +207,8 @@ class WeightPublisher:
         if not p.task.done():
             await asyncio.wait([p.task])  # not ``await task``: a cancel of this waiter must not cancel the sync
         p.task.result()
+        if p.apart_done is not None:  # a queued eval's version: until the eval's engines hold it too
+            await p.apart_done.wait()
         return self._clock() - t0
 
     async def flush(self) -> float:
@@ -212,24 +229,104 @@ class WeightPublisher:
         if self._holds and version <= self._holds[-1]:
             raise RuntimeError(f"eval of version {version} after one of {self._holds[-1]}: evals go in version order")
         p = self.pending
-        if self._holds:
+        if not self._holds:
+            self._apart = self._set_apart()
+            if self._apart is not None:
+                self.router.reserve(self._apart)
+        elif self._apart is not None:
+            # queued: its version goes to the other engines now, and the train loop's wait() for it lasts
+            # until the eval's engines load it (the trainer must still have it then: unhold)
+            assert p is not None and p.version == version, (version, p and p.version)
+            p.pinned = True
+            p.apart_done = asyncio.Event()
+        else:
             assert p is not None and p.version == version and p.deferred, (version, p and p.version)
             p.pinned = True
         self._holds.append(version)
+
+    def _set_apart(self) -> frozenset[int] | None:
+        """The engines an eval starting now holds (run.eval_engines of the live ones, the least busy), or
+        None: every engine (eval_engines = 0, or no more live engines than that)."""
+        k = self.cfg.run.eval_engines
+        live = self.router.live
+        if not 0 < k < len(live):
+            return None
+        if self._rejoining is not None:  # still behind the others: the next eval holds them again
+            return self._rejoining
+        return frozenset(sorted(live, key=lambda i: (self.router.inflight[i], i))[:k])
+
+    @property
+    def eval_engines(self) -> frozenset[int] | None:
+        """The engines the running eval runs on (None: every engine)."""
+        return self._apart
+
+    def holding(self, version: int) -> bool:
+        """Whether the engines an eval of ``version`` runs on hold exactly ``version`` (the live ones)."""
+        if self._apart is None:
+            return self.published.version == version
+        return all(self.engine_versions[i] == version for i in self._apart if self.router.alive[i])
 
     def unhold(self, version: int) -> None:
         """The eval of ``version`` ended: the newest prepared version (or the next eval's) loads now."""
         assert self._holds and self._holds[0] == version, (version, list(self._holds))
         self._holds.popleft()
+        if self._apart is not None:  # the eval's engines rejoin: the next eval's version, or the newest
+            apart = self._apart
+            nxt = self._holds[0] if self._holds else None
+            if nxt is None:
+                self._apart = None  # the next syncs go to every engine (the rejoin's catch-up first, if due)
+                self._rejoining = apart
+            self._spawn(self._rejoin(apart, nxt, self.pending), f"eval engines to v{nxt if nxt is not None else 'newest'}")
+            return
         p = self.pending
         # a prepare in flight replaces the deferred version: start() sends the new one, at once
         if p is not None and p.deferred and not self._preparing:
             self._spawn_sync(p)
 
     async def loaded(self, version: int) -> None:
-        """Wait until the engines hold ``version`` (or newer: held, they never do during its eval)."""
-        while self.published.version < version:
+        """Wait until the engines hold ``version`` (or newer: held, they never do during its eval);
+        with engines set apart for evals, until those hold it."""
+        while not self._loaded(version):
             await self._synced.wait()
+
+    def _loaded(self, version: int) -> bool:
+        if self.published.version < version:
+            return False
+        return self._apart is None or all(self.engine_versions[i] >= version for i in self._apart if self.router.alive[i])
+
+    async def _rejoin(self, apart: frozenset[int], version: int | None, p: PendingSync | None) -> None:
+        """After an eval on engines set apart: bring them to ``version`` (the queued eval's, which the train
+        loop's wait() keeps on the trainer until then) or, None, to the newest published weights, then
+        let training requests use them again. Like a restarted engine's catch-up (supervisor.py): the
+        trainer re-sends the published version to those engines alone."""
+        while version is not None and self.published.version < version:
+            await self._synced.wait()  # the other engines first (the train loop waits for this version meanwhile)
+        async with self.published.lock:
+            m = self.published.manifest
+            behind = [i for i in self.router.live if i in apart and m is not None and self.engine_versions[i] < m.version]
+            if m is not None and behind:
+                assert version is None or m.version == version, (m.version, version)
+                limit = weight_sync_timeout_s(self.cfg)
+                try:
+                    async with timeout(limit), asyncio.TaskGroup() as tg:
+                        tg.create_task(self.trainer.send_weights(m.version, [self.engines[i].name for i in behind]),
+                                       name="trainer.send_weights (eval engines)")
+                        for i in behind:
+                            tg.create_task(self._update_engine(i, m), name=f"update {self.engines[i].name}")
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"the eval engines' catch-up to version {m.version} took longer than weight_sync.timeout_s = "
+                        f"{limit:.0f} s: check the trainer and engine logs, or raise the timeout") from None
+                self.counters["weight_sync/eval_rejoins"] += 1
+            self._synced.set()
+            self._synced = asyncio.Event()
+        if version is None:
+            if self._rejoining is apart:
+                self._rejoining = None
+            if self._apart is None:
+                self.router.reserve(frozenset())
+        elif p is not None and p.version == version and p.apart_done is not None:
+            p.apart_done.set()
 
     def attach(self, p: PendingSync, record: StepRecord) -> None:
         """``record`` (the step that made ``p``'s version) gets the sync's times, now or when it is done."""
@@ -302,6 +399,13 @@ class WeightPublisher:
             self._engine_extra = 0
             self.supervisor.mark_reported_dead("weight_sync/found_dead_engines")
             live = self.router.live
+            held = self.held
+            if self._apart is not None and held is not None and version > held:
+                # an eval holds its engines at an older version: the others take this one now (none live
+                # outside them and none reviving: they take it too, and the eval's tokens are mixed: counted)
+                outside = [i for i in live if i not in self._apart]
+                if outside or self.supervisor.reviving:
+                    live = outside
             if not live and not self.supervisor.reviving:
                 raise RuntimeError(
                     f"no live engine to publish weights version {version} to (all {len(self.engines)} dead): "

@@ -26,7 +26,8 @@ import collections
 import hashlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 
 from flashrl.aio import Permits
 from flashrl.env import Task
@@ -144,6 +145,11 @@ class Admission:
         return 0
 
 
+# The engines an eval's requests go to (evals.py sets it in the eval's task; the rollout tasks it starts
+# inherit it): None outside evals. See Router.reserve.
+EVAL_ENGINES: ContextVar[frozenset[int] | None] = ContextVar("eval_engines", default=None)
+
+
 class Router:
     """Least-loaded routing over engines, plus one concurrency permit pool per engine.
 
@@ -153,6 +159,11 @@ class Router:
     samples, all started in one tick) spreads over engines; ``EngineClient.inflight`` would only
     move once each request is actually sent. Ties go round-robin from the engine after the last
     pick. Dead engines are never picked.
+
+    Engines set apart for an eval (``reserve``: run.eval_engines, publisher.py) take no new training
+    request while they hold the evaluated version (older than the others'), unless no other engine is
+    live; a request made inside an eval (``EVAL_ENGINES`` set) goes to those engines only, while one
+    of them is live.
     """
 
     def __init__(self, n_engines: int, max_num_seqs: int) -> None:
@@ -163,12 +174,31 @@ class Router:
         self._rr = 0
         self._dead = 0  # engines marked dead (0: the fast path of pick() applies)
         self._slots = [Permits(max_num_seqs) for _ in range(n_engines)]
+        self._reserved: frozenset[int] = frozenset()  # set apart for an eval (see the class docstring)
+
+    def reserve(self, engines: frozenset[int]) -> None:
+        """Set ``engines`` apart for an eval (empty: none): no new training request goes to them."""
+        self._reserved = engines
+
+    @property
+    def reserved(self) -> frozenset[int]:
+        return self._reserved
 
     def pick(self, exclude: Sequence[int] = ()) -> int:
         """The live engine with the fewest inflight rollouts; ties round-robin. Counts it as taken."""
+        only = EVAL_ENGINES.get()
+        if only is not None:  # an eval's request: its engines, while one of them is live
+            if any(self.alive[i] and i not in exclude for i in only):
+                return self._pick_from(exclude, lambda i: i in only)
+        elif self._reserved and any(a and i not in self._reserved and i not in exclude
+                                    for i, a in enumerate(self.alive)):
+            return self._pick_from(exclude, lambda i: i not in self._reserved)
+        return self._pick_from(exclude, None)
+
+    def _pick_from(self, exclude: Sequence[int], allowed: Callable[[int], bool] | None) -> int:
         inflight = self.inflight
         n = len(inflight)
-        if not self._dead and not exclude:
+        if not self._dead and not exclude and allowed is None:
             # Every engine is live: min() and index() scan in C (once per sample, 128 engines and up).
             # The first minimum at or after the round-robin position, else the first from 0.
             low = min(inflight)
@@ -182,7 +212,7 @@ class Router:
         best = -1
         for k in range(n):
             i = (self._rr + k) % n
-            if not self.alive[i] or i in exclude:
+            if not self.alive[i] or i in exclude or (allowed is not None and not allowed(i)):
                 continue
             if best < 0 or self.inflight[i] < self.inflight[best]:
                 best = i
