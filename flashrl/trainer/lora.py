@@ -5,6 +5,8 @@
     adapter_config(spec, base)     -> adapter_config.json as peft writes it (vLLM's loader reads it)
     save_adapter(folder, ...)      -> a peft adapter folder (adapter_model.safetensors + adapter_config.json)
     reference_disabled(model)      -> context manager: the base model (adapter off) = the reference policy
+    adapter_dropout(model)         -> context manager: lora_dropout on (the training forwards only)
+    adapter_entries(state)         -> the adapter's entries of a model state dict (an adapter-only checkpoint)
 
 peft, not a module of our own: the adapter folder it writes is the format vLLM's LoRA loader
 (``LoRARequest(lora_path=...)``), transformers' ``PeftModel.from_pretrained`` and ``flashrl export``
@@ -86,6 +88,17 @@ def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def is_adapter_key(key: str) -> bool:
+    """Whether ``key`` (a wrapped model's state-dict key or a peft saved name) is an adapter tensor."""
+    return ".lora_A." in key or ".lora_B." in key
+
+
+def adapter_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The adapter's entries of the wrapped model's state dict (keys unchanged): what an adapter-only
+    checkpoint holds. The frozen base weights are left out: they are the model folder's, never trained."""
+    return {k: v for k, v in state.items() if is_adapter_key(k)}
+
+
 def adapter_from_state_dict(state: Mapping[str, torch.Tensor], adapter: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's tensors from a full state dict of the wrapped model (what FSDP2's
     ``get_model_state_dict(full_state_dict=True)`` gathers on rank 0), under the names
@@ -93,7 +106,7 @@ def adapter_from_state_dict(state: Mapping[str, torch.Tensor], adapter: str = "d
     weights are left out."""
     out = {}
     for k, v in state.items():
-        if ".lora_A." in k or ".lora_B." in k:
+        if is_adapter_key(k):
             out[k.replace(f".{adapter}.weight", ".weight")] = v
     return out
 
@@ -150,3 +163,23 @@ def reference_disabled(model: Any) -> Iterator[None]:
     by the same module with no second copy of the base weights."""
     with model.disable_adapter():
         yield
+
+
+def dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """peft's adapter-input dropouts (``lora_dropout``) with p > 0; empty when model.lora.dropout is 0."""
+    return [m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Dropout) and ".lora_dropout." in f".{n}." and m.p > 0]
+
+
+@contextlib.contextmanager
+def adapter_dropout(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """``modules`` (``dropout_modules``) in training mode inside the block, the rest of the model untouched
+    (eval: the base model's own dropouts stay off). For the gradient forwards only: the proximal, reference
+    and engine-matching logprobs are computed outside, with no dropout, as the engines sample."""
+    for m in modules:
+        m.train(True)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.train(False)

@@ -57,6 +57,7 @@ from flashrl.trainer.batch import (
     token_logprobs,
 )
 from flashrl.trainer.critics import MiniCritics
+from flashrl.trainer.lora import adapter_dropout, dropout_modules
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
@@ -245,13 +246,19 @@ class PolicyTrainer:
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         # foreach: one fused kernel per op over every parameter instead of a Python loop per tensor
         # (a third of the optimizer's time on the tiny model); same arithmetic.
+        # Only the parameters that train: every one in full fine-tuning, the adapter's with LoRA (whose
+        # checkpoints then hold optimizer state for the adapter alone).
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, foreach=True
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, foreach=True
         )
         # AsyPPO: an identical replica on every rank (same seed), with its own optimizer; not FSDP-wrapped.
         self.critics: MiniCritics | None = None
         if cfg.algorithm.loss == "asyppo":
             self.critics = MiniCritics(int(mc.vocab_size), cfg.algorithm, seed=cfg.run.seed).to(device)
+        # LoRA's adapter-input dropout (model.lora.dropout > 0): on in the gradient forwards only. The model
+        # otherwise stays in eval mode, so the proximal, reference and ComputeLogprobs logprobs are the
+        # engines' (no dropout), and mini-batch 1 then needs a proximal pass of its own (_proximal).
+        self.dropouts = dropout_modules(model)
 
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
@@ -415,18 +422,20 @@ class PolicyTrainer:
         """No-grad logprobs of the step's starting weights: proximal (mini-batches 2..) and reference.
 
         Mini-batch 1 needs no proximal pass: no optimizer step has run before its forwards, so their
-        own detached logprobs are the proximal ones (``_update`` uses them)."""
+        own detached logprobs are the proximal ones (``_update`` uses them), unless adapter dropout is on
+        (those forwards then are not the engines' policy: mini-batch 1 gets a no-dropout pass too)."""
         prox: dict[tuple[int, int], torch.Tensor] = {}
         ref: dict[tuple[int, int], torch.Tensor] = {}
-        if len(plan) == 1 and self.ref_model is None:
+        first = bool(self.dropouts)  # mini-batch 1's proximal logprobs need their own pass
+        if len(plan) == 1 and self.ref_model is None and not first:
             return prox, ref
         with torch.no_grad():
             for i, (mini, micros) in enumerate(plan):
-                if i == 0 and self.ref_model is None:
+                if i == 0 and self.ref_model is None and not first:
                     continue
                 for k, idx in enumerate(micros):
                     b = self._micro(full, mini, idx).to(self.device)
-                    if i > 0:
+                    if i > 0 or first:
                         prox[i, k] = self.forward_logprobs(self.model, b, False)[0]
                     if self.ref_model is not None:
                         ref[i, k] = self.forward_logprobs(self.ref_model, b, False)[0]
@@ -462,8 +471,11 @@ class PolicyTrainer:
                 with timer.phase("forward"):
                     b = self._micro(full, mini, idx).to(self.device)
                     em = self._rows(prep.ent_mask, mini, idx, b.loss_mask.shape[1])
-                    logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
-                    prox_logp = prox[i, k] if i > 0 else logp.detach()  # the weights at the start of the step
+                    with adapter_dropout(self.dropouts):
+                        logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
+                    # the weights at the start of the step, without dropout (mini-batch 1: this very forward
+                    # when it has no dropout)
+                    prox_logp = prox[i, k] if (i, k) in prox else logp.detach()
                     acc.mismatch.add(prox_logp, b.behav_logp, b.loss_mask, b.versions, current)
                     if len(idx):
                         acc.add_iw(idx, prox_logp, b.behav_logp, b.versions)

@@ -134,3 +134,49 @@ def test_validate_and_run_refuse_a_rank_the_model_cannot_take() -> None:
     assert bad.exit_code == 2 and "k_proj's smaller side (64" in bad.output
     run = runner.invoke(app, ["run", "configs/tiny.toml", "--set", "model.lora.rank=100"])  # refused before any start
     assert run.exit_code == 2 and "k_proj's smaller side (64" in run.output
+
+
+def _lora_trainer(model_path, dropout: float):
+    """A PolicyTrainer over the built-in model with a rank-8 adapter (lora_B non-zero: the adapter moves the
+    policy), the same initial adapter for every dropout."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.config import from_dict
+    from flashrl.trainer.step import PolicyTrainer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model = apply_lora(base, LoraSpec(rank=8, alpha=16, dropout=dropout))
+    model.train(False)  # as worker.build_policy leaves it
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    cfg = from_dict({"trainer": {"lr": 1e-2, "threads": 1, "warmup_steps": 0, "mini_batches": 1},
+                     "algorithm": {"loss": "ppo"}, "rollout": {"temperature": 1.0}})
+    return PolicyTrainer(cfg, model, torch.device("cpu"))
+
+
+def test_dropout_applies_to_the_training_forward_only(model_path) -> None:
+    """model.lora.dropout acts in the gradient forwards (the update differs from dropout 0's), never in the
+    logprobs the engines must match: the proximal logprobs are the no-dropout ones (mismatch 0 against
+    behaviour logprobs computed without dropout), and the model is back in eval mode after the step."""
+    from flashrl.wire.protocol import TrainBatch, TrainSample
+
+    prompt, good, bad = [1, 10, 11, 12], [20, 21, 22, 2], [30, 31, 2]
+    trained = {}
+    for dropout in (0.0, 0.5):
+        t = _lora_trainer(model_path, dropout)
+        assert len(t.dropouts) == (0 if dropout == 0 else 2 * 7)  # one per adapted projection
+        samples = [TrainSample(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r),
+                               behav_logp=t.compute_logprobs(prompt, r), versions=[0] * len(r),
+                               reward=float(r is good), group=0, sample_id=str(j))
+                   for j, r in enumerate((good, bad, good, bad))]
+        torch.manual_seed(1)
+        res = t.train_step(TrainBatch(step=0, samples=samples))
+        assert res is not None
+        assert res.metrics["mismatch/max_abs"] < 1e-5, dropout  # proximal = the engines' (no dropout) logprobs
+        assert t.compute_logprobs(prompt, good) == t.compute_logprobs(prompt, good)  # no dropout left on
+        assert not any(m.training for m in t.model.modules())
+        trained[dropout] = adapter_state_dict(t.model)
+    moved = max((trained[0.5][k] - trained[0.0][k]).abs().max().item() for k in trained[0.0])
+    assert moved > 1e-6  # dropout changed the update (it had no effect while the model stayed in eval mode)
