@@ -249,12 +249,14 @@ def export(
     run_dir: Annotated[Path, typer.Argument(help="run folder, e.g. runs/tiny")],
     out: Annotated[Path, typer.Option("--out", "-o", help="new folder to write the Hugging Face model to")],
     step: Annotated[Optional[int], typer.Option("--step", help="export checkpoint step N instead of the final policy")] = None,
+    adapter: Annotated[bool, typer.Option("--adapter", help="a LoRA run: write the adapter folder (peft format) instead of the merged model")] = False,
 ) -> None:
-    """Write a run's policy (final, or checkpoint --step N) as a Hugging Face folder that transformers and vLLM load."""
+    """Write a run's policy (final, or checkpoint --step N) as a Hugging Face folder that transformers and vLLM load
+    (a LoRA run: the base with the adapter merged in, or with --adapter the adapter in peft format)."""
     from flashrl.models.export import ExportError, export_run
 
     try:
-        path, what = export_run(run_dir, out, step)
+        path, what = export_run(run_dir, out, step, adapter=adapter)
     except ExportError as e:
         typer.echo(f"export error: {e}", err=True)
         raise typer.Exit(code=2) from None

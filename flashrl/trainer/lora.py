@@ -62,6 +62,11 @@ class LoraSpec:
         return out
 
 
+def spec_of(lora: Any) -> LoraSpec:
+    """The LoraSpec of a ``[model.lora]`` section (flashrl.config.LoraConfig) with rank > 0."""
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules))
+
+
 def peft_config(spec: LoraSpec) -> Any:
     from peft import LoraConfig
 

@@ -398,13 +398,18 @@ class Trainer(PolicyTrainer):
         if self._agree_error(err):
             raise FileExistsError(err or f"checkpoint {final} refused by rank 0")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.lora is not None:  # adapter-only: the frozen base is the model folder's (trainer/lora.py)
+            from flashrl.trainer.lora import adapter_entries
+
+            model_sd = adapter_entries(model_sd)
         # torch's RNG (replicated: one copy); nothing in a step samples today, but a dropout or a sampled
         # credit would, and a resumed run must then draw what the uninterrupted one would have
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
         if self.critics is not None:
             # replicated plain tensors: DCP writes one copy
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
-        meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True}
+        meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True,
+                "adapter_only": self.lora is not None}
         if not background:
             dcp.save(state, checkpoint_id=str(tmp))
             if self.rank == 0:
@@ -520,10 +525,18 @@ class Trainer(PolicyTrainer):
         """Restore model, optimizer, critics (asyppo) and version from a ``save_checkpoint`` folder (any
         world size). Critics missing from the checkpoint (it was not an asyppo run) start fresh."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         meta = json.loads((Path(path) / CHECKPOINT_META).read_text())
+        adapter_only = bool(meta.get("adapter_only"))
+        if adapter_only and self.lora is None:
+            raise ValueError(f"checkpoint {path} holds a LoRA adapter only, and this run trains the full model: resume "
+                             "it with the checkpoint's model.lora settings")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if adapter_only:  # the base weights stay the model folder's, loaded at build
+            from flashrl.trainer.lora import adapter_entries
+
+            model_sd = adapter_entries(model_sd)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         if meta.get("rng"):
             state["rng"] = torch.get_rng_state()
@@ -534,7 +547,8 @@ class Trainer(PolicyTrainer):
             else:
                 log.warning("checkpoint %s holds no critics (not an asyppo run): the critics start fresh", path)
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not adapter_only))
         if critics and self.critics is not None:
             set_state_dict(self.critics, self.critics.optimizer, model_state_dict=state["critics"],
                            optim_state_dict=state["critics_optim"])

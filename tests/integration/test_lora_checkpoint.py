@@ -1,0 +1,137 @@
+"""LoRA checkpoints with the real Trainer (one gloo rank in this process): the checkpoint holds the adapter
+and its optimizer state only (the frozen base is the model folder's), a resumed trainer continues from the
+same adapter, optimizer state, RNG and version bit for bit (dropout on, so the RNG matters), and `flashrl
+export` of the checkpoint writes the merged model or (--adapter) the peft adapter folder, both giving the
+trainer's logprobs in transformers. The engine's side of the export: tests/integration/test_lora_process.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from flashrl.config import Config, from_dict, to_toml  # noqa: E402
+from flashrl.trainer.lora import adapter_state_dict  # noqa: E402
+from flashrl.wire.protocol import TrainBatch, TrainSample  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPT = [1, 12, 5, 13]
+
+
+def lora_cfg(model_dir: Path, out: Path, rank: int = 8, dropout: float = 0.1) -> Config:
+    return from_dict({"run": {"output_dir": str(out), "name": "r"}, "model": {"path": str(model_dir),
+                      "lora": {"rank": rank, "dropout": dropout}},
+                      "trainer": {"backend": "gloo", "lr": 1e-2, "threads": 1, "warmup_steps": 0},
+                      "rollout": {"temperature": 1.0}})
+
+
+def batch(step: int) -> TrainBatch:
+    samples = [TrainSample(prompt_ids=PROMPT, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-3.0] * len(r),
+                           versions=[step] * len(r), reward=float(i % 2), group=0, sample_id=str(i))
+               for i, r in enumerate(([7, 8, 2], [9, 10, 11, 2], [7, 9, 2], [10, 2]))]
+    return TrainBatch(step=step, samples=samples)
+
+
+def train_and_checkpoint(cfg: Config, model_dir: Path, steps: int = 2) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A run folder with config.toml and checkpoints/step-<steps>/trainer after ``steps`` steps; the adapter then."""
+    from flashrl.trainer.worker import Trainer
+
+    run = cfg.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.toml").write_text(to_toml(cfg))
+    t = Trainer(cfg, str(model_dir), torch.device("cpu"))
+    for s in range(steps):
+        t.train_step(batch(s))
+    t.save_checkpoint(str(run / "checkpoints" / f"step-{steps}" / "trainer"))
+    return run, {k: v.clone() for k, v in adapter_state_dict(t.model).items()}
+
+
+def _dcp_keys(path: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_adapter_only_checkpoint_resumes_exactly(world1, model_path: Path, tmp_path: Path) -> None:
+    from flashrl.trainer.worker import Trainer
+
+    cfg = lora_cfg(model_path, tmp_path)
+    t = Trainer(cfg, str(model_path), torch.device("cpu"))
+    t.train_step(batch(0))
+    ckpt = tmp_path / "step-1"
+    t.save_checkpoint(str(ckpt))
+    saved = {k: v.clone() for k, v in adapter_state_dict(t.model).items()}
+    saved_optim = {k: {n: x.clone() for n, x in st.items()} for k, st in t.optimizer.state_dict()["state"].items()}
+    t.train_step(batch(1))  # the uninterrupted run's next step (dropout draws from torch's RNG)
+    want = adapter_state_dict(t.model)
+
+    keys = _dcp_keys(ckpt)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
+    assert not any("embed_tokens" in k or "base_layer" in k for k in keys)  # the frozen base is not re-saved
+    base_bytes = _bytes(model_path)
+    assert _bytes(ckpt) < 0.5 * base_bytes, (_bytes(ckpt), base_bytes)  # a full checkpoint is ~3x the model
+
+    r = Trainer(cfg, str(model_path), torch.device("cpu"))
+    assert any((adapter_state_dict(r.model)[k] != saved[k]).any() for k in saved)  # a fresh adapter differs
+    r.load_checkpoint(str(ckpt))
+    assert r.version == 1
+    got = adapter_state_dict(r.model)
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    optim = r.optimizer.state_dict()["state"]
+    assert len(optim) == len(saved_optim) == len(saved)  # AdamW state for the adapter's tensors only
+    assert all(torch.equal(optim[k][n], saved_optim[k][n]) for k in saved_optim for n in saved_optim[k])
+    r.train_step(batch(1))
+    cont = adapter_state_dict(r.model)
+    assert all(torch.equal(cont[k], want[k]) for k in want)  # the same step the uninterrupted run took
+
+    full = Trainer(lora_cfg(model_path, tmp_path, rank=0), str(model_path), torch.device("cpu"))
+    with pytest.raises(ValueError, match="holds a LoRA adapter only"):
+        full.load_checkpoint(str(ckpt))
+
+
+def test_export_of_a_lora_checkpoint_merged_or_adapter(world1, model_path: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+    from flashrl.models.export import ExportError, export_run
+    from flashrl.trainer.lora import apply_lora, spec_of
+
+    cfg = lora_cfg(model_path, tmp_path, rank=16, dropout=0.0)
+    run, adapter = train_and_checkpoint(cfg, model_path)
+    res = CliRunner().invoke(app, ["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter"])
+    assert res.exit_code == 0 and "adapter" in res.output, res.output
+    out, what = export_run(run, tmp_path / "merged")
+    assert "merged" in what
+
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert got.keys() == adapter.keys() and all(torch.equal(got[k], adapter[k]) for k in adapter)
+    policy = apply_lora(AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32), spec_of(cfg.model.lora))
+    policy.load_state_dict({k.replace(".weight", ".default.weight"): v for k, v in adapter.items()}, strict=False)
+    ids = torch.tensor([PROMPT + [7, 8, 9, 10]])
+    with torch.no_grad():
+        want = policy.eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+        assert (base(ids).logits - want).abs().max() > 1e-3  # the adapter moved the policy
+        for name, model in {
+            "adapter": PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(),
+            "merged": AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval(),
+        }.items():
+            assert torch.allclose(model(ids).logits, want, atol=1e-5), name
+
+    with pytest.raises(ExportError, match="trained the full model"):
+        full = lora_cfg(model_path, tmp_path / "full", rank=0)
+        full.run_dir.mkdir(parents=True)
+        (full.run_dir / "config.toml").write_text(to_toml(full))
+        export_run(full.run_dir, tmp_path / "x", adapter=True)
