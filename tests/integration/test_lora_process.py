@@ -184,3 +184,50 @@ def test_fsdp2_trains_only_the_adapter_as_one_process_does(model_dir: Path, tmp_
     want = adapter_state_dict(plain)
     assert got["adapter"].keys() == want.keys()
     assert all(torch.allclose(got["adapter"][k], want[k], atol=1e-6) for k in want)
+
+
+def _trainer_run(rank: int, port: int, model_dir: str, root: str) -> None:
+    """A child process: the real Trainer (one gloo rank) trains the adapter two steps and checkpoints it in a run
+    folder (tests/integration/test_lora_checkpoint.py train_and_checkpoint)."""
+    import torch.distributed as dist
+
+    from tests.integration.test_lora_checkpoint import lora_cfg, train_and_checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        train_and_checkpoint(lora_cfg(Path(model_dir), Path(root), rank=SPEC.rank, dropout=0.0), Path(model_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exported_checkpoint_adapter_and_merged_give_the_engines_greedy_output(llm, model_dir: Path, tmp_path: Path) -> None:
+    """`flashrl export` of a LoRA checkpoint: the adapter folder (--adapter), served by the vLLM engine through
+    its LoRA API, and the same folder in transformers + peft, and the merged model in transformers, all
+    continue the prompt with the same greedy tokens (and the engine's logprobs)."""
+    import torch.multiprocessing as mp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+    from vllm.lora.request import LoRARequest
+
+    from flashrl.cli import app
+    from flashrl.wire.transport import free_port
+
+    mp.start_processes(_trainer_run, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")
+    run = tmp_path / "r"
+    for flag, out in (("--adapter", "adapter"), (None, "merged")):
+        res = CliRunner().invoke(app, ["export", str(run), "--out", str(tmp_path / out), *([flag] if flag else [])])
+        assert res.exit_code == 0, res.output
+    tokens, lps = _generate(llm, "exported", LoRARequest("exported", 2, str(tmp_path / "adapter")))
+    base_tokens, _ = _generate(llm, "base-export", None)
+    assert tokens != base_tokens  # the trained adapter changes the greedy continuation
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for name, model in {
+        "adapter": PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(),
+        "merged": AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(),
+    }.items():
+        with torch.no_grad():  # greedy decoding, teacher-forced on the engine's tokens (EOS included: ignore_eos)
+            greedy = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
+        assert greedy == tokens, name
+        assert _max_diff(model, tokens, lps) < 1e-4, name
