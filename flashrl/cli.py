@@ -90,16 +90,25 @@ def _check_lora_or_exit(cfg: Config, config: Path) -> None:
     from flashrl.models import BUILTIN_TINY
     from flashrl.wire.lora import model_problems
 
+    model_dir = Path(cfg.model.path).expanduser()
     if cfg.model.path == BUILTIN_TINY:
         from flashrl.models.tiny import TinySpec
 
         t = TinySpec()
         hf = {"hidden_size": t.hidden, "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads,
               "intermediate_size": t.intermediate}
+        problems = model_problems(lora.rank, lora.target_modules, hf)
+    elif (model_dir / "config.json").is_file():  # the model's own projections (meta device: no weights read)
+        from flashrl.trainer.lora import fit_problems, spec_of
+
+        try:
+            problems = fit_problems(spec_of(lora), model_dir)
+        except (ValueError, KeyError, OSError) as e:  # an architecture transformers cannot build: the config's sizes
+            typer.echo(f"note: model.lora: {model_dir}'s modules not listed ({type(e).__name__}: {e}); checked the "
+                       "ranks against config.json's sizes only", err=True)
+            problems = model_problems(lora.rank, lora.target_modules, json.loads((model_dir / "config.json").read_text()))
     else:
-        cfg_json = Path(cfg.model.path).expanduser() / "config.json"
-        hf = json.loads(cfg_json.read_text()) if cfg_json.is_file() else {}
-    problems = model_problems(lora.rank, lora.target_modules, hf)
+        problems = model_problems(lora.rank, lora.target_modules, {})
     if problems:
         typer.echo(f"config error: {config}: model.lora: " + "; ".join(problems), err=True)
         raise typer.Exit(code=2)

@@ -41,12 +41,16 @@ def _fields_at(root: type, path: str) -> list[str]:
 
 def _literal_values(root: type, path: str) -> list[Any]:
     parent, _, leaf = path.rpartition(".")
+    item = leaf.endswith("]")  # an element of a list of literals: "target_modules[1]"
+    leaf = leaf.split("[", 1)[0]
     t = _struct_at(root, parent)
     if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
         return []
     for f in msgspec.structs.fields(t):
         if f.name == leaf:
             inner = typing.get_args(f.type)[0] if typing.get_origin(f.type) is Annotated else f.type
+            if item and typing.get_origin(inner) in (list, tuple, set, frozenset):
+                inner = typing.get_args(inner)[0]
             return list(typing.get_args(inner)) if typing.get_origin(inner) is Literal else []
     return []
 

@@ -67,6 +67,36 @@ def spec_of(lora: Any) -> LoraSpec:
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules))
 
 
+def linear_sides(model_dir: str | Path) -> tuple[str, dict[str, tuple[int, int]]]:
+    """The architecture of the model folder ``model_dir`` and its linear layers by name (the last part of the
+    module path, as peft matches target_modules) -> (in, out) features, the narrowest where layers differ;
+    lm_head left out. Built on the meta device from config.json alone: no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    sides: dict[str, tuple[int, int]] = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, torch.nn.Linear) and leaf != "lm_head":
+            side = (mod.in_features, mod.out_features)
+            if leaf not in sides or min(side) < min(sides[leaf]):
+                sides[leaf] = side
+    return type(model).__name__, sides
+
+
+def fit_problems(spec: LoraSpec, model_dir: str | Path) -> list[str]:
+    """What keeps ``spec`` from fitting the model folder ``model_dir``: a target module the model lacks
+    (naming the ones it has), a rank above a target's smaller side or above what vLLM serves."""
+    from flashrl.wire.lora import VLLM_MAX_RANK, module_problems, rank_problems
+
+    arch, sides = linear_sides(model_dir)
+    out = [f"rank {spec.rank} is above the largest rank vLLM serves ({VLLM_MAX_RANK})"] if spec.rank > VLLM_MAX_RANK else []
+    return out + module_problems(spec.target_modules, sides, f"{model_dir} ({arch})") + rank_problems(
+        spec.rank, spec.target_modules, sides)
+
+
 def peft_config(spec: LoraSpec) -> Any:
     from peft import LoraConfig
 

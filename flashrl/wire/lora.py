@@ -62,12 +62,31 @@ def model_problems(rank: int, target_modules: Sequence[str], hf_config: Mapping[
         "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    return out + rank_problems(rank, target_modules, sides)
+
+
+def rank_problems(rank: int, target_modules: Sequence[str], sides: Mapping[str, tuple[int, int]]) -> list[str]:
+    """A rank above a target projection's smaller side; ``sides``: projection name -> (in, out) features."""
+    out = []
     for m in target_modules:
         small = min(sides.get(m, (0, 0)))
         if small and rank > small:
             out.append(f"rank {rank} is above {m}'s smaller side ({small}: {m} is {sides[m][0]} -> {sides[m][1]}); "
                        f"use a rank <= {small}, or leave {m} out of target_modules")
     return out
+
+
+def module_problems(target_modules: Sequence[str], sides: Mapping[str, tuple[int, int]], model: str) -> list[str]:
+    """Target names the model at ``model`` has no linear projection of (``sides``: the model's projection
+    names -> (in, out) features), naming the ones it has."""
+    missing = [m for m in target_modules if m not in sides]
+    if not missing:
+        return []
+    can = [m for m in TARGET_MODULES if m in sides]
+    others = sorted(set(sides) - set(TARGET_MODULES))
+    return [f"target_modules: {', '.join(map(repr, missing))} not in {model}: its projections LoRA can target are "
+            f"{', '.join(can) or 'none'}" + (f" (its other linear layers, not served with LoRA: {', '.join(others)})"
+                                              if others else "") + "; set model.lora.target_modules to those"]
 
 
 def verify_adapter(manifest: WeightManifest, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:

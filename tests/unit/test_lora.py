@@ -180,3 +180,49 @@ def test_dropout_applies_to_the_training_forward_only(model_path) -> None:
         trained[dropout] = adapter_state_dict(t.model)
     moved = max((trained[0.5][k] - trained[0.0][k]).abs().max().item() for k in trained[0.0])
     assert moved > 1e-6  # dropout changed the update (it had no effect while the model stayed in eval mode)
+
+
+def test_fit_names_a_module_the_model_lacks_and_its_own(tmp_path) -> None:
+    """A model folder is checked against its own projections (built on the meta device from config.json):
+    a target it lacks is named with the ones it has; a rank above a projection's smaller side is refused."""
+    from transformers import LlamaConfig, PhiConfig
+
+    from flashrl.trainer.lora import fit_problems, linear_sides
+
+    llama = tmp_path / "llama"
+    LlamaConfig(vocab_size=91, num_hidden_layers=2, **HF).save_pretrained(llama)
+    arch, sides = linear_sides(llama)
+    assert arch == "LlamaForCausalLM" and set(sides) == set(TARGET_MODULES) and sides["k_proj"] == (128, 64)
+    assert fit_problems(LoraSpec(rank=64, alpha=16), llama) == []
+    (msg, _) = fit_problems(LoraSpec(rank=65, alpha=16), llama)  # k_proj and v_proj: 128 -> 64
+    assert "k_proj's smaller side (64" in msg
+
+    phi = tmp_path / "phi"  # attention q/k/v_proj + dense, MLP fc1/fc2: no o_proj, no gate/up/down_proj
+    PhiConfig(vocab_size=91, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4).save_pretrained(phi)
+    (msg,) = fit_problems(LoraSpec(rank=8, alpha=16, target_modules=("q_proj", "o_proj", "gate_proj")), phi)
+    assert "'o_proj', 'gate_proj' not in" in msg and "PhiForCausalLM" in msg
+    assert "LoRA can target are q_proj, k_proj, v_proj" in msg and "dense, fc1, fc2" in msg
+    assert fit_problems(LoraSpec(rank=8, alpha=16, target_modules=("q_proj", "v_proj")), phi) == []
+
+
+def test_validate_names_a_bad_target_module_with_the_allowed_ones() -> None:
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    bad = CliRunner().invoke(app, ["validate", "configs/tiny.toml", "--set", "model.lora.rank=16",
+                                   "--set", "model.lora.target_modules=['q_proj','qkv']"])
+    assert bad.exit_code == 2
+    assert "model.lora.target_modules[1]: invalid value 'qkv'; expected one of: 'q_proj', 'k_proj'" in bad.output
+
+
+def test_validate_checks_a_model_folder_by_its_own_projections(model_path) -> None:
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    runner = CliRunner()
+    args = ["validate", "configs/tiny.toml", "--set", f"model.path={model_path}", "--set", "model.lora.rank="]
+    assert runner.invoke(app, [*args[:-1], args[-1] + "64"]).exit_code == 0
+    bad = runner.invoke(app, [*args[:-1], args[-1] + "100"])
+    assert bad.exit_code == 2 and "model.lora: rank 100 is above k_proj's smaller side (64" in bad.output, bad.output
