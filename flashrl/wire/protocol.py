@@ -144,6 +144,9 @@ class WeightsUpdated(Msg):
     # the receive buffers the engine held for this sync, bytes (engine/sync_extra_bytes): one copy of the
     # weights in weight_sync.load "whole", a few buckets in "bucket"; 0 from an engine that does not measure it
     extra_bytes: int = 0
+    # LoRA: vLLM refused this adapter version (engine/lora.py AdapterRefused); the engine is alive and still
+    # serves ``version``, its previous one
+    adapter_refused: bool = False
 
 
 class LoadReport(Msg):

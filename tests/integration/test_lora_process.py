@@ -231,3 +231,34 @@ def test_exported_checkpoint_adapter_and_merged_give_the_engines_greedy_output(l
             greedy = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
         assert greedy == tokens, name
         assert _max_diff(model, tokens, lps) < 1e-4, name
+
+
+def test_a_refused_adapter_keeps_the_served_version_and_the_engine(llm, model_dir: Path, tmp_path: Path) -> None:
+    """An adapter vLLM refuses (rank 32 on an engine started for rank 16) is AdapterRefused, counted, after every
+    attempt; vLLM validates a new adapter before it replaces the slot's, so the engine keeps serving the
+    previous version with the same output, and the next good version loads."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.engine.lora import LOAD_ATTEMPTS, AdapterRefused
+
+    policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), SPEC)
+    torch.manual_seed(3)
+    for n, p in policy.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    adapter = PolicyAdapter(tmp_path / "adapters", adapter_config(SPEC, str(model_dir)))
+    _sync(policy, adapter, llm, 10)
+    before = _generate(llm, "before-refusal", adapter.request)
+    assert _max_diff(policy, *before) < 1e-4
+
+    wide = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+                      LoraSpec(rank=32, alpha=64))
+    big = PolicyAdapter(tmp_path / "adapters", adapter_config(LoraSpec(rank=32, alpha=64), str(model_dir)))
+    big.version, big.request = adapter.version, adapter.request  # the same slot, as the engine's one adapter
+    with pytest.raises(AdapterRefused, match=rf"adapter v11 refused by vLLM after {LOAD_ATTEMPTS} attempts \(still "
+                                             r"serving v10\): .*rank"):
+        _sync(wide, big, llm, 11)
+    assert big.refused == 1 and big.version == 10 and not (tmp_path / "adapters" / "v11").exists()
+    assert _generate(llm, "after-refusal", adapter.request) == before  # the engine serves v10, unchanged
+    _sync(policy, adapter, llm, 12)  # and takes the next good version
+    assert _max_diff(policy, *_generate(llm, "v12", adapter.request)) < 1e-4

@@ -363,6 +363,26 @@ def test_failed_weight_load_is_a_loud_error() -> None:
         run(c)
 
 
+def test_refused_adapter_is_counted_and_the_engine_kept() -> None:
+    """LoRA: a version an engine's vLLM refuses leaves that engine live at its version (no restart), counted;
+    the next version loads there as everywhere. Refusals in a row end the run, naming the error."""
+    cfg = config(run={"steps": 4}, rollout={"group_size": 1, "batch_prompts": 1})
+    picky = FakeEngine("picky", refuse_adapter=lambda v: v == 2)
+    c = Controller(cfg, TOK, FakeSuite(), [FakeEngine("e0"), picky], FakeTrainer())
+    summary, left = run(c)
+    assert summary.steps == 4 and left == set()
+    assert summary.counters["weight_sync/adapter_refused"] == 1
+    assert summary.counters.get("engine/deaths", 0) == 0 and summary.counters.get("weight_sync/engine_failed", 0) == 0
+    assert picky.updates == [1, 3, 4] and c.snapshot().engines[1].alive
+
+    cfg = config(run={"steps": 6}, rollout={"group_size": 1, "batch_prompts": 1})
+    engines = [FakeEngine("e0"), FakeEngine("bad", refuse_adapter=lambda v: v >= 2)]
+    c = Controller(cfg, TOK, FakeSuite(), engines, FakeTrainer())
+    with pytest.raises(RuntimeError, match="engine bad refused LoRA adapter version 4 and still serves version 1: "
+                                           "adapter v4 refused by vLLM .fake.; 3 versions refused in a row"):
+        run(c)
+
+
 def test_env_failures_are_retried_not_lost() -> None:
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
     suite = FakeSuite(fail=lambda t, call: "crash" if call == 0 else None)
