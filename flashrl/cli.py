@@ -4,7 +4,7 @@
     flashrl validate CONFIG [--set k=v ...]  check a config only (exit 2 on any problem)
     flashrl init-model CONFIG                build / warm-start the built-in model (cached)
     flashrl samples RUN_DIR [--step N]       what the model wrote: rollouts and eval generations of a run
-    flashrl export RUN_DIR --out DIR [--step N]  the trained policy as a Hugging Face folder
+    flashrl export RUN_DIR --out DIR [--step N] [--adapter]  the trained policy as a Hugging Face folder
     flashrl doctor --gpu [--device cpu]     what runs on a GPU machine without vLLM: trainer step, packing, NCCL, DCP
     flashrl config-reference [--out FILE]   every config key: type, default, bounds, meaning (docs/configuration.md)
     flashrl bench COMMAND                    benchmarks: scenario sweeps, calibrate, algorithms, chaos, peers, ...
