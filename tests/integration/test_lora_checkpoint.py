@@ -135,3 +135,40 @@ def test_export_of_a_lora_checkpoint_merged_or_adapter(world1, model_path: Path,
         full.run_dir.mkdir(parents=True)
         (full.run_dir / "config.toml").write_text(to_toml(full))
         export_run(full.run_dir, tmp_path / "x", adapter=True)
+
+
+def _sharded_rank(rank: int, port: int, model_dir: str, root: str) -> None:
+    """Two gloo ranks (FSDP2-sharded Trainer) train a step and save an adapter-only checkpoint."""
+    import torch.distributed as dist
+
+    from flashrl.trainer.lora import adapter_from_state_dict
+    from flashrl.trainer.worker import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        t = Trainer(lora_cfg(Path(model_dir), Path(root)), model_dir, torch.device("cpu"))
+        assert t.sharded
+        t.train_step(batch(0))
+        t.save_checkpoint(str(Path(root) / "step-1"))
+        adapter = adapter_from_state_dict(t.full_state_dict())
+        if rank == 0:
+            torch.save(adapter, Path(root) / "adapter.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adapter_checkpoint_of_two_sharded_ranks_resumes_on_one(world1, model_path: Path, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from flashrl.trainer.worker import Trainer
+    from flashrl.wire.transport import free_port
+
+    mp.start_processes(_sharded_rank, args=(free_port(), str(model_path), str(tmp_path)), nprocs=2, start_method="spawn")
+    want = torch.load(tmp_path / "adapter.pt")
+    assert not any(".base_layer." in k or "embed_tokens" in k for k in _dcp_keys(tmp_path / "step-1"))
+    r = Trainer(lora_cfg(model_path, tmp_path), str(model_path), torch.device("cpu"))
+    r.load_checkpoint(str(tmp_path / "step-1"))
+    got = adapter_state_dict(r.model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert r.version == 1 and len(r.optimizer.state_dict()["state"]) == len(want)
