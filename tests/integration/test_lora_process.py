@@ -50,6 +50,11 @@ def llm(model_dir: Path):
                                      enable_multiprocessing=False)
     yield eng
     del eng
+    # the in-process engine made this process's default process group: gone with it, so later modules (world1) can
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def _generate(llm, rid: str, lora) -> tuple[list[int], list[float]]:
