@@ -79,6 +79,23 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
         raise typer.Exit(code=2) from None
 
 
+def _check_reward_model_or_exit(cfg: Config, config: Path) -> None:
+    """reward.model names a sequence-classification folder with one label (exit 2 naming it and the fix);
+    a builtin:rm not built yet is noted, not built."""
+    if not cfg.reward.model:
+        return
+    from flashrl.rewardmodel.build import BUILTIN_RM, RewardModelError, ensure_reward_model
+
+    try:
+        ensure_reward_model(cfg, build=False)
+    except RewardModelError as e:
+        if cfg.reward.model == BUILTIN_RM:
+            typer.echo(f"note: {e}", err=True)
+            return
+        typer.echo(f"config error: {config}: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+
 def _check_lora_or_exit(cfg: Config, config: Path) -> None:
     """[model.lora] fits the model: every target projection takes the rank (exit 2 naming the fix). A model
     folder not built yet is not checked."""
@@ -120,6 +137,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config, build=False)
+    _check_reward_model_or_exit(cfg, config)
     _check_lora_or_exit(cfg, config)
     from flashrl.config import advice
 
@@ -225,6 +243,15 @@ def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
         typer.echo(f"config error: {config}: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(str(path))
+    if cfg.reward.model:  # the reward model beside it: builtin:rm built (cached), a folder checked
+        from flashrl.rewardmodel.build import RewardModelError, ensure_reward_model
+
+        try:
+            rm = ensure_reward_model(cfg, progress=Progress.for_stderr("init-model"))
+        except RewardModelError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
+        typer.echo(str(rm))
 
 
 @app.command()

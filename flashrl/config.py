@@ -304,6 +304,42 @@ MOVED_ALGORITHM_KEYS = {
 }
 
 
+class RewardModelConfig(Section):
+    """[reward]: a scalar reward model (a Hugging Face sequence-classification folder) scoring every finished
+    episode beside the environment's verifier, in worker processes of its own (docs/rewards.md)."""
+
+    model: Annotated[str, Meta(description=(
+        'the reward model: "" = none (the environment\'s verifier alone), "builtin:rm" (built by `flashrl '
+        'init-model` from the environment\'s verifier, Bradley-Terry on preference pairs, cached) or a local '
+        "Hugging Face folder whose config.json names a *ForSequenceClassification architecture with one label"))] = ""
+    combine: Annotated[Literal["sum", "gate"], Meta(description=(
+        'how the model reward and the verifier\'s reward make the training reward: "sum" = model_weight x model '
+        '+ verifier_weight x verifier; "gate" = model_weight x model where the verifier passes (reward >= '
+        "gate_threshold), gate_reward where it does not"))] = "sum"
+    model_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description="weight of the model reward")] = 1.0
+    verifier_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description=(
+        "weight of the verifier's reward in the sum (0 = the verifier is held-out truth only: logged, never trained on)"))] = 0.0
+    gate_threshold: Annotated[float, Meta(ge=-1e6, le=1e6, description="gate: the verifier reward at or above which the model reward counts")] = 1.0
+    gate_reward: Annotated[float, Meta(ge=-1e6, le=1e6, description="gate: the reward of an episode the verifier fails")] = 0.0
+    transform: Annotated[Literal["sigmoid", "raw"], Meta(description=(
+        'the model reward from the model\'s score: "sigmoid" = sigmoid(score) in (0, 1); "raw" = the score'))] = "sigmoid"
+    normalize: Annotated[bool, Meta(description=(
+        "normalize the model reward by the running mean and std of the training episodes' model rewards (Welford, "
+        "from the run's start) before combining"))] = False
+    workers: Annotated[int, Meta(ge=1, le=64, description="reward-model worker processes (torch, one batch at a time each)")] = 1
+    threads: Annotated[int, Meta(ge=1, le=256, description="torch CPU threads per reward-model worker")] = 1
+    device: Annotated[Literal["cpu", "cuda"], Meta(description="where the reward-model workers run the model")] = "cpu"
+    max_batch: Annotated[int, Meta(ge=1, le=65536, description="episodes scored in one forward")] = 64
+    batch_wait_ms: Annotated[float, Meta(ge=0, le=60_000, description=(
+        "how long a batch waits for more episodes before it is sent (a full batch goes at once)"))] = 5.0
+    timeout_s: Annotated[float, Meta(gt=0, le=86_400, description=(
+        "deadline of one batch on a worker; past it the worker is killed (counted), restarted and the batch retried"))] = 30.0
+    retries: Annotated[int, Meta(ge=0, le=100, description=(
+        "retries of a batch after a worker died, hung or sent garbage (counted apart: env/rm_retries); past them "
+        "each episode fails as an infrastructure failure (the rollout is retried, never scored 0)"))] = 3
+    startup_timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline for a worker to load the model and answer")] = 120.0
+
+
 class WeightSyncConfig(Section):
     bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
     timeout_s: Annotated[float, Meta(ge=0, description="deadline for one weight sync; 0 = auto: 300 s + the model's float32 bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0
@@ -375,6 +411,7 @@ class Config(Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    reward: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
@@ -448,6 +485,9 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.model.system_prompt and cfg.model.chat_template == "off":
         raise ConfigError(f"{source}: model.system_prompt: a system prompt needs the chat template, but "
                           "model.chat_template = \"off\"; set it to \"auto\" or remove the system prompt")
+    if not cfg.reward.model and cfg.reward != RewardModelConfig():
+        raise ConfigError(f"{source}: reward: options of a reward model, but reward.model is empty; set reward.model "
+                          "(\"builtin:rm\" or a sequence-classification folder) or remove [reward]")
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(cfg.log, key) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{source}: log.{key}: the {package} package is not installed; "
