@@ -133,3 +133,19 @@ def test_check_folder_names_what_is_wrong(tmp_path) -> None:
 def test_reward_options_without_a_model_are_refused() -> None:
     with pytest.raises(ConfigError, match="reward: options of a reward model, but reward.model is empty"):
         from_dict({"reward": {"normalize": True}})
+
+
+def test_the_gap_to_the_verifier_is_on_the_dashboard() -> None:
+    import io
+
+    from rich.console import Console
+
+    from flashrl.dashboard import format_plain, render
+    from flashrl.metrics import Snapshot
+
+    s = Snapshot(step=3, total_steps=10, gap_history=[(1, 0.25), (2, 0.1), (3, -0.05)])
+    assert "rm-gap -0.05" in format_plain(s)
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(render(s))
+    assert "model-verifier" in console.export_text()
+    assert "rm-gap" not in format_plain(Snapshot())
