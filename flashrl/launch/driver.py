@@ -245,6 +245,10 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
             from flashrl.rewardmodel import with_reward_model
 
             suite = await with_reward_model(cfg, suite, progress=shown)
+        elif cfg.judge.model:  # a generative judge beside the verifier, on engines of its own
+            from flashrl.judge import with_judge
+
+            suite = await with_judge(cfg, suite, progress=shown)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
@@ -265,7 +269,7 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         return summary
     finally:
         dash.stop()
-        if cfg.reward.model:  # the reward-model workers, when the controller never got to close the suite
+        if cfg.reward.model or cfg.judge.model:  # its workers or engines, when the controller never closed the suite
             await asyncio.shield(suite.aclose())
 
 

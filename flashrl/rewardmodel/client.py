@@ -101,6 +101,7 @@ class ProcessScorer:
         self.model = str(model)
         self.threads = threads
         self.device = device
+        self.startup_timeout_s = startup_timeout_s
         self.pool: WorkerPool[asyncio.subprocess.Process] = WorkerPool(
             f"reward-model worker ({self.model})", workers, start=self._spawn, ready=self._ready,
             failure=lambda reason, detail: ScoreFailed(reason, detail), capacity=1, eager=True,
@@ -141,8 +142,13 @@ class ProcessScorer:
             raise RuntimeError(f"the reward-model worker could not load the model: {msg.error}")
 
     async def score_batch(self, texts: list[str], timeout_s: float) -> list[float]:
-        async with asyncio.timeout(timeout_s):  # waiting for a (restarting) worker counts too
-            w = await self.pool.acquire()
+        # a worker being restarted gets its start-up deadline (loading torch and the model), not the batch's
+        try:
+            async with asyncio.timeout(self.startup_timeout_s + timeout_s):
+                w = await self.pool.acquire()
+        except TimeoutError:
+            raise ScoreFailed("timeout", f"no reward-model worker was ready within reward.startup_timeout_s = "
+                                         f"{self.startup_timeout_s} s") from None
         proc = w.handle
         assert proc.stdin is not None and proc.stdout is not None
         try:
@@ -266,12 +272,6 @@ class RewardModelClient:
                     self.counts["rm_retries"] += 1
                     log.warning("reward model: %s; retrying the batch of %d (retry %d of %d)", e, len(texts),
                                 attempt + 1, self.retries)
-                continue
-            except TimeoutError:  # no worker came back within the deadline
-                failure = ScoreFailed("timeout", f"no reward-model worker was ready within {self.timeout_s} s")
-                self.counts["rm_timeout"] += 1
-                if attempt < self.retries:
-                    self.counts["rm_retries"] += 1
                 continue
             except BaseException as e:  # cancelled (closing) or a bug: every waiter hears it
                 for _, fut, _ in batch:

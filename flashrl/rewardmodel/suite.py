@@ -58,14 +58,16 @@ class RunningStats:
 
 
 class Combiner:
-    """The training reward from the model's score and the verifier's reward (``[reward]``)."""
+    """The training reward from the model's score and the verifier's reward (``[reward]``). ``verdicts``: the
+    scores are a judge's verdicts in [0, 1], used as they are (reward.transform does not apply)."""
 
-    def __init__(self, rc: RewardModelConfig) -> None:
+    def __init__(self, rc: RewardModelConfig, verdicts: bool = False) -> None:
         self.rc = rc
+        self.verdicts = verdicts
         self.stats = RunningStats()
 
     def model_reward(self, score: float, train: bool) -> float:
-        r = 1.0 / (1.0 + math.exp(-score)) if self.rc.transform == "sigmoid" else score
+        r = 1.0 / (1.0 + math.exp(-score)) if self.rc.transform == "sigmoid" and not self.verdicts else score
         if not self.rc.normalize:
             return r
         if train:
@@ -100,7 +102,7 @@ class RewardModelEnv:
         if not res.done:
             return res
         try:
-            score = await self.suite.client.score(rm_text(self.prompt, action))
+            score = await self.suite.client.score(self.suite.text(self.prompt, action))
         except RewardFailed as e:
             raise EnvFailure(e.reason, e.detail) from None
         info = dict(res.info)
@@ -108,10 +110,11 @@ class RewardModelEnv:
         correct = ok if isinstance(ok, bool) else res.reward >= 1.0
         model = self.suite.combiner.model_reward(score, self.train)
         reward = self.suite.combiner.combine(model, res.reward)
-        prob = 1.0 / (1.0 + math.exp(-score))
+        k = self.suite.kind
+        prob = score if k == "judge" else 1.0 / (1.0 + math.exp(-score))  # the model's "correct", in [0, 1]
         metrics = dict(info.get("metrics") or {})
-        metrics.update(rm_score=score, rm_reward=model, verifier=res.reward, rm_gap=prob - res.reward,
-                       rm_agree=float((score > 0) == correct))
+        metrics.update({f"{k}_score": score, f"{k}_reward": model, "verifier": res.reward,
+                        f"{k}_gap": prob - res.reward, f"{k}_agree": float((prob > 0.5) == correct)})
         info.update(correct=correct, metrics=metrics)
         return StepResult(observation=res.observation, reward=reward, done=True, info=info)
 
@@ -122,14 +125,21 @@ class RewardModelEnv:
 class RewardModelSuite:
     """``inner`` with its episodes scored by ``client`` (see the module doc). Closable and Counting."""
 
-    def __init__(self, inner: EnvSuite, client: RewardModelClient, rc: RewardModelConfig) -> None:
+    def __init__(self, inner: EnvSuite, client: Any, rc: RewardModelConfig, kind: str = "rm") -> None:
+        """``client``: a RewardModelClient (``kind`` "rm": scores text, logits) or a judge's client (``kind``
+        "judge": ``score`` takes (prompt, response) text as its template wants it, returns a verdict in [0, 1])."""
         self.inner = inner
         self.client = client
-        self.combiner = Combiner(rc)
+        self.kind = kind
+        self.combiner = Combiner(rc, verdicts=kind == "judge")
         self.eval_ids = {t.id for t in inner.eval_tasks()}
         self._closed = False
         if isinstance(inner, MultiTurn):
             self.max_turns = inner.max_turns
+
+    def text(self, prompt: str, action: str) -> Any:
+        """What the model is asked about: the reward model reads one text, the judge its template's parts."""
+        return (prompt, action) if self.kind == "judge" else rm_text(prompt, action)
 
     def train_tasks(self) -> Sequence[Task]:
         return self.inner.train_tasks()

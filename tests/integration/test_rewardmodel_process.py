@@ -84,7 +84,7 @@ def _wait(what: str, cond, proc: subprocess.Popen, deadline_s: float):  # type: 
 
 @pytest.mark.timeout(1200)
 def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes(tmp_path: Path, rm_folder: Path) -> None:
-    steps = 14
+    steps = 20
     cmd = [
         sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "rm.toml"),
         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=rmkill", "--set", f"run.steps={steps}",
@@ -105,6 +105,8 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
         first.send_signal(signal.SIGSTOP)  # hung: a batch sent to it times out (reward.timeout_s), it is killed
         second = _wait("a replacement worker", lambda: [w for w in _workers(proc.pid) if w.pid != first.pid], proc, 120)[0]
         seen.append(second)
+        now = max(r.get("step", 0) for r in read_jsonl(metrics))
+        _wait("two more steps", at_step(now + 2), proc, 300)  # the replacement is up and scoring
         second.send_signal(signal.SIGSTOP)  # stopped, so the kill lands with a batch in flight
         time.sleep(1.0)
         os.kill(second.pid, signal.SIGKILL)
