@@ -103,7 +103,9 @@ class JudgeClient:
                 self.counts[f"judge_{e.reason}"] += 1
                 if attempt < self.jc.retries:
                     self.counts["judge_retries"] += 1
-                    log.warning("judge: %s; retrying the verdict (retry %d of %d)", e, attempt + 1, self.jc.retries)
+                    # one line per verdict would flood the log when an engine with hundreds in flight dies (its
+                    # death is logged once, by the engine's watcher); the counters carry the numbers
+                    log.debug("judge: %s; retrying the verdict (retry %d of %d)", e, attempt + 1, self.jc.retries)
                 continue
             return list(got.token_ids)
         assert failure is not None

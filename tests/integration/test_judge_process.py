@@ -59,7 +59,8 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
         "--set", "run.dashboard=plain", "--set", f'judge.model="{judge}"', "--set", 'judge.on_unparsable="default"',
         "--set", "run.checkpoint_every=0", "--set", "rollout.turn_timeout_s=300",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out_file = (tmp_path / "out.txt").open("wb")  # a file, not a pipe: nobody reads a pipe until the end
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "jkill" / "metrics.jsonl"
     seen: list[psutil.Process] = []
     try:
@@ -80,7 +81,8 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = proc.stdout.read().decode() if proc.stdout else ""
+    out_file.close()
+    out = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 0, out[-3000:]
     rows = [r for r in read_jsonl(metrics) if r.get("step", 0) >= 1]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once

@@ -92,7 +92,8 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
         "--set", "run.dashboard=plain", "--set", f"reward.model={str(rm_folder)!r}".replace("'", '"'),
         "--set", "reward.timeout_s=3.0", "--set", "run.checkpoint_every=0",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out_file = (tmp_path / "out.txt").open("wb")  # a file, not a pipe: nobody reads a pipe until the end
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "rmkill" / "metrics.jsonl"
     seen: list[psutil.Process] = []
     try:
@@ -118,7 +119,8 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = proc.stdout.read().decode() if proc.stdout else ""
+    out_file.close()
+    out = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 0, out[-3000:]
     rows = [r for r in read_jsonl(metrics) if r.get("step", 0) >= 1]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
