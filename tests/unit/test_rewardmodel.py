@@ -149,3 +149,31 @@ def test_the_gap_to_the_verifier_is_on_the_dashboard() -> None:
     console.print(render(s))
     assert "model-verifier" in console.export_text()
     assert "rm-gap" not in format_plain(Snapshot())
+
+
+def test_validate_names_a_missing_or_incompatible_reward_model_or_judge_folder(tmp_path) -> None:
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    root = Path(__file__).resolve().parents[2]
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cls = tmp_path / "cls"
+    cls.mkdir()
+    (cls / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "LABEL_0"}}))
+    cases = [
+        ("rm.toml", f"reward.model={str(tmp_path / 'nope')!r}", "does not exist"),
+        ("rm.toml", f"reward.model={str(lm)!r}", "is a LlamaForCausalLM, not a sequence-classification model"),
+        ("judge.toml", f"judge.model={str(tmp_path / 'nope')!r}", "does not exist"),
+        ("judge.toml", f"judge.model={str(cls)!r}", "a judge writes its verdict, so it must be a causal LM"),
+    ]
+    for config, override, message in cases:
+        r = CliRunner().invoke(app, ["validate", str(root / "configs" / config), "--set", override.replace("'", '"')])
+        assert r.exit_code == 2 and message in r.output, (override, r.output)
+    r = CliRunner().invoke(app, ["validate", str(root / "configs" / "rm.toml"), "--set", f'reward.model="{cls}"'])
+    assert r.exit_code == 0, r.output
