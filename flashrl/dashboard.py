@@ -123,7 +123,7 @@ def format_plain(s: Snapshot) -> str:
     if s.mismatch_kl is not None:
         parts.append(f"mismatch {s.mismatch_kl:.1e}")
     if s.gap_history:
-        parts.append(f"rm-gap {s.gap_history[-1][1]:+.2f}")
+        parts.append(f"model-gap {s.gap_history[-1][1]:+.2f}")
     parts += [f"{k}={v}" for k, v in sorted(s.counters.items()) if v and is_problem_counter(k)]
     return " ".join(parts)
 

@@ -144,11 +144,11 @@ def test_the_gap_to_the_verifier_is_on_the_dashboard() -> None:
     from flashrl.metrics import Snapshot
 
     s = Snapshot(step=3, total_steps=10, gap_history=[(1, 0.25), (2, 0.1), (3, -0.05)])
-    assert "rm-gap -0.05" in format_plain(s)
+    assert "model-gap -0.05" in format_plain(s)
     console = Console(record=True, width=120, file=io.StringIO())
     console.print(render(s))
     assert "model-verifier" in console.export_text()
-    assert "rm-gap" not in format_plain(Snapshot())
+    assert "model-gap" not in format_plain(Snapshot())
 
 
 def test_validate_names_a_missing_or_incompatible_reward_model_or_judge_folder(tmp_path) -> None:
