@@ -63,7 +63,7 @@ class RmSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     hidden: Annotated[int, Meta(ge=32, le=8192)] = 128
     heads: Annotated[int, Meta(ge=1, le=128)] = 4
     intermediate: Annotated[int, Meta(ge=16, le=65536)] = 512
-    steps: Annotated[int, Meta(ge=1)] = 3000
+    steps: Annotated[int, Meta(ge=1)] = 1200  # held-out pair accuracy ~0.90 by 1000 steps, flat to 3000 (seed 0)
     batch: Annotated[int, Meta(ge=1)] = 128  # pairs per step
     lr: Annotated[float, Meta(gt=0)] = 1e-3
     anchor: Annotated[float, Meta(ge=0)] = 0.25  # weight of the pointwise BCE terms
