@@ -49,7 +49,7 @@ log = logging.getLogger("flashrl.rewardmodel")
 
 BUILTIN_RM = "builtin:rm"
 RM_REPORT = "flashrl_rm.json"
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 class RewardModelError(FileNotFoundError):
@@ -175,6 +175,10 @@ def perturbations(answer: str, prompt: str, rng: random.Random) -> list[str]:
     try:
         n = int(answer)
         out += [str(n + d) for d in (1, -1, 10, -10, rng.choice((-100, 100, 2, -2, 11, -11, 9, -9)))]
+        # the last digit wrong, three times over: a first model trained without them passed 87% of answers off
+        # by one, and the policy trained against it learned exactly those (bench/results/rm/v1-hacked)
+        last = int(answer[-1]) if answer[-1].isdigit() else 0
+        out += [answer[:-1] + str((last + rng.randint(1, 9)) % 10) for _ in range(3)]
     except ValueError:
         pass
     slip = carry_slip_answer(prompt)
