@@ -79,6 +79,26 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
         raise typer.Exit(code=2) from None
 
 
+def _check_reward_model_or_exit(cfg: Config, config: Path) -> None:
+    """reward.model names a sequence-classification folder with one label, judge.model a causal LM (exit 2
+    naming it and the fix); a built-in one not built yet is noted, not built."""
+    from flashrl.judge.build import BUILTIN_JUDGE, JudgeModelError, ensure_judge_model
+    from flashrl.rewardmodel.build import BUILTIN_RM, RewardModelError, ensure_reward_model
+
+    for key, builtin, ensure in (("reward", BUILTIN_RM, ensure_reward_model), ("judge", BUILTIN_JUDGE, ensure_judge_model)):
+        name = getattr(cfg, key).model
+        if not name:
+            continue
+        try:
+            ensure(cfg, build=False)
+        except (RewardModelError, JudgeModelError) as e:
+            if name == builtin:
+                typer.echo(f"note: {e}", err=True)
+                continue
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
+
+
 def _check_lora_or_exit(cfg: Config, config: Path) -> None:
     """[model.lora] fits the model: every target projection takes the rank (exit 2 naming the fix). A model
     folder not built yet is not checked."""
@@ -129,6 +149,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config, build=False)
+    _check_reward_model_or_exit(cfg, config)
     _check_lora_or_exit(cfg, config)
     from flashrl.config import advice
 
@@ -234,6 +255,24 @@ def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
         typer.echo(f"config error: {config}: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(str(path))
+    if cfg.reward.model:  # the reward model beside it: builtin:rm built (cached), a folder checked
+        from flashrl.rewardmodel.build import RewardModelError, ensure_reward_model
+
+        try:
+            rm = ensure_reward_model(cfg, progress=Progress.for_stderr("init-model"))
+        except RewardModelError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
+        typer.echo(str(rm))
+    if cfg.judge.model:  # the judge beside it: builtin:judge warm-started (cached), a folder checked
+        from flashrl.judge.build import JudgeModelError, ensure_judge_model
+
+        try:
+            jm = ensure_judge_model(cfg, progress=Progress.for_stderr("init-model"))
+        except JudgeModelError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
+        typer.echo(str(jm))
 
 
 @app.command()

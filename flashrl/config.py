@@ -308,6 +308,73 @@ MOVED_ALGORITHM_KEYS = {
 }
 
 
+class RewardModelConfig(Section):
+    """[reward]: a scalar reward model (a Hugging Face sequence-classification folder) scoring every finished
+    episode beside the environment's verifier, in worker processes of its own (docs/rewards.md)."""
+
+    model: Annotated[str, Meta(description=(
+        'the reward model: "" = none (the environment\'s verifier alone), "builtin:rm" (built by `flashrl '
+        'init-model` from the environment\'s verifier, Bradley-Terry on preference pairs, cached) or a local '
+        "Hugging Face folder whose config.json names a *ForSequenceClassification architecture with one label"))] = ""
+    combine: Annotated[Literal["sum", "gate"], Meta(description=(
+        'how the model reward and the verifier\'s reward make the training reward: "sum" = model_weight x model '
+        '+ verifier_weight x verifier; "gate" = model_weight x model where the verifier passes (reward >= '
+        "gate_threshold), gate_reward where it does not"))] = "sum"
+    model_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description="weight of the model reward")] = 1.0
+    verifier_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description=(
+        "weight of the verifier's reward in the sum (0 = the verifier is held-out truth only: logged, never trained on)"))] = 0.0
+    gate_threshold: Annotated[float, Meta(ge=-1e6, le=1e6, description="gate: the verifier reward at or above which the model reward counts")] = 1.0
+    gate_reward: Annotated[float, Meta(ge=-1e6, le=1e6, description="gate: the reward of an episode the verifier fails")] = 0.0
+    transform: Annotated[Literal["sigmoid", "raw"], Meta(description=(
+        'the model reward from the model\'s score: "sigmoid" = sigmoid(score) in (0, 1); "raw" = the score'))] = "sigmoid"
+    normalize: Annotated[bool, Meta(description=(
+        "normalize the model reward by the running mean and std of the training episodes' model rewards (Welford, "
+        "from the run's start) before combining"))] = False
+    workers: Annotated[int, Meta(ge=1, le=64, description="reward-model worker processes (torch, one batch at a time each)")] = 1
+    threads: Annotated[int, Meta(ge=1, le=256, description="torch CPU threads per reward-model worker")] = 1
+    device: Annotated[Literal["cpu", "cuda"], Meta(description="where the reward-model workers run the model")] = "cpu"
+    max_batch: Annotated[int, Meta(ge=1, le=65536, description="episodes scored in one forward")] = 64
+    batch_wait_ms: Annotated[float, Meta(ge=0, le=60_000, description=(
+        "how long a batch waits for more episodes before it is sent (a full batch goes at once)"))] = 5.0
+    timeout_s: Annotated[float, Meta(gt=0, le=86_400, description=(
+        "deadline of one batch on a worker; past it the worker is killed (counted), restarted and the batch retried"))] = 30.0
+    retries: Annotated[int, Meta(ge=0, le=100, description=(
+        "retries of a batch after a worker died, hung or sent garbage (counted apart: env/rm_retries); past them "
+        "each episode fails as an infrastructure failure (the rollout is retried, never scored 0)"))] = 3
+    startup_timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline for a worker to load the model and answer")] = 120.0
+
+
+class JudgeConfig(Section):
+    """[judge]: a generative judge, a causal LM served by vLLM engine processes of its own, that reads the prompt
+    and the policy's answer and gives a verdict (pass/fail); its weights never change (docs/rewards.md).
+    The verdict (1 = pass, 0 = fail) is the model reward [reward]'s combine keys combine with the verifier's."""
+
+    model: Annotated[str, Meta(description=(
+        'the judge: "" = none, "builtin:judge" (a built-in model warm-started on verdicts the environment\'s '
+        "verifier gave, built by `flashrl init-model`, cached) or a local Hugging Face causal-LM folder"))] = ""
+    engines: Annotated[int, Meta(ge=1, le=64, description="judge engine processes (vLLM), placed on this machine")] = 1
+    template: Annotated[str, Meta(min_length=1, description=(
+        "the judge's prompt; {prompt} is the policy's prompt, {response} its answer (up to the end-of-sequence mark, stripped)"))] = "{prompt}{response}?"
+    pass_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is pass (default: its last word is 1, pass or yes, as builtin:judge writes it after its own solution)")] = "(^|\\s)(1|P|pass|PASS|yes)\\s*$"
+    fail_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is fail (default: its last word is 0, fail or no)")] = "(^|\\s)(0|F|fail|FAIL|no)\\s*$"
+    max_new_tokens: Annotated[int, Meta(ge=1, le=4096, description="tokens the judge may write per verdict (builtin:judge: its solution, a space, the verdict)")] = 6
+    temperature: Annotated[float, Meta(ge=0, le=2, description="the judge's sampling temperature (0 = greedy)")] = 0.0
+    on_unparsable: Annotated[Literal["retry", "default"], Meta(description=(
+        'a verdict neither pattern matches: "retry" asks again (sampled at temperature 1, up to parse_retries times, '
+        'then the default); "default" takes unparsable_reward at once. Counted as env/judge_unparsable either way'))] = "retry"
+    parse_retries: Annotated[int, Meta(ge=0, le=100, description="retries of an unparsable verdict (on_unparsable = \"retry\")")] = 2
+    unparsable_reward: Annotated[float, Meta(ge=0, le=1, description="the verdict an unparsable answer gets in the end (0 = fail)")] = 0.0
+    timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline of one verdict on an engine; past it the request is retried")] = 60.0
+    retries: Annotated[int, Meta(ge=0, le=100, description=(
+        "retries of a verdict after its engine died or hung (counted apart: env/judge_retries); past them the episode "
+        "fails as an infrastructure failure (the rollout is retried, never scored 0)"))] = 3
+    max_restarts: Annotated[int, Meta(ge=0, le=1000, description="restarts of a dead judge engine in the run")] = 5
+    kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache per judge engine in GiB")] = 0.25
+    max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent verdicts per judge engine")] = 256
+    threads: Annotated[int, Meta(ge=1, description="CPU threads per judge engine (cpu)")] = 1
+    startup_timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline for a judge engine to come up")] = 600.0
+
+
 class WeightSyncConfig(Section):
     bucket_mb: Annotated[float, Meta(gt=0, description="MiB per broadcast bucket")] = 64.0
     timeout_s: Annotated[float, Meta(ge=0, description="deadline for one weight sync; 0 = auto: 300 s + the model's float32 bytes / 25 MB/s (flashrl/deadlines.py)")] = 0.0
@@ -379,6 +446,8 @@ class Config(Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    reward: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
@@ -455,6 +524,26 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.model.system_prompt and cfg.model.chat_template == "off":
         raise ConfigError(f"{source}: model.system_prompt: a system prompt needs the chat template, but "
                           "model.chat_template = \"off\"; set it to \"auto\" or remove the system prompt")
+    if cfg.reward.model and cfg.judge.model:
+        raise ConfigError(f"{source}: judge.model: a run has one model reward, but both reward.model and judge.model "
+                          "are set; remove one of them")
+    if not cfg.reward.model and not cfg.judge.model and cfg.reward != RewardModelConfig():
+        raise ConfigError(f"{source}: reward: options of a reward model, but reward.model is empty; set reward.model "
+                          "(\"builtin:rm\" or a sequence-classification folder) or judge.model, or remove [reward]")
+    if not cfg.judge.model and cfg.judge != JudgeConfig():
+        raise ConfigError(f"{source}: judge: options of a judge, but judge.model is empty; set judge.model "
+                          "(\"builtin:judge\" or a causal-LM folder) or remove [judge]")
+    if cfg.judge.model:
+        for key in ("pass_pattern", "fail_pattern"):
+            try:
+                re.compile(getattr(cfg.judge, key))
+            except re.error as e:
+                raise ConfigError(f"{source}: judge.{key}: invalid regular expression: {e}") from None
+        try:
+            cfg.judge.template.format(prompt="", response="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"{source}: judge.template: {e!r}; the template takes {{prompt}} and {{response}} "
+                              "(write a literal brace as {{ or }})") from None
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(cfg.log, key) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{source}: log.{key}: the {package} package is not installed; "

@@ -122,6 +122,8 @@ def format_plain(s: Snapshot) -> str:
         parts.append(f"lr {s.lr:.1e}")
     if s.mismatch_kl is not None:
         parts.append(f"mismatch {s.mismatch_kl:.1e}")
+    if s.gap_history:
+        parts.append(f"model-gap {s.gap_history[-1][1]:+.2f}")
     parts += [f"{k}={v}" for k, v in sorted(s.counters.items()) if v and is_problem_counter(k)]
     return " ".join(parts)
 
@@ -218,6 +220,8 @@ def _curves(s: Snapshot) -> Panel:
         _curve_row("held-out acc", s.eval_history, _latest(s.eval_history),
                    s.eval_history[-1][0] if s.eval_history else None),
     ]
+    if s.gap_history:  # a reward model or judge beside the verifier: its reward minus the truth's
+        rows.append(_curve_row("model-verifier", s.gap_history, s.gap_history[-1][1], s.gap_history[-1][0]))
     return Panel(Group(*rows), title="learning", title_align="left")
 
 

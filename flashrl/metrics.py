@@ -70,6 +70,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     lr: float | None = None  # the last step's learning rate (trainer.lr and its schedule); None: no step yet
     # history for sparklines: (step, value)
     reward_history: list[tuple[int, float]] = []
+    # a reward model's (or judge's) reward minus the verifier's, mean per step (reward/rm_gap): reward hacking shows here
+    gap_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []
     # counters: dropped / retried / failed rollouts and why (nothing is lost silently)
     counters: dict[str, int] = {}

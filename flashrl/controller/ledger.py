@@ -48,6 +48,9 @@ __all__ = ["RATE_WINDOW_S", "Ledger", "RunMeters", "RunSummary", "template_stats
 
 log = logging.getLogger(__name__)
 
+# the per-step reward metrics that say how far a model's reward is from the verifier's (flashrl/rewardmodel)
+GAP_METRICS = ("rm_gap", "judge_gap")
+
 RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
 
 
@@ -111,6 +114,7 @@ class Ledger:
         self.on_step = on_step
         self.meters: RunMeters | None = None  # set by run() (the loop clock exists only then)
         self.reward_history: list[tuple[int, float]] = []
+        self.gap_history: list[tuple[int, float]] = []  # (step, model reward - verifier), flashrl.rewardmodel
         self.eval_history: list[tuple[int, float]] = []
         self.last: StepRecord | None = None  # the last trained step's record
         self.samples_trained = 0
@@ -197,6 +201,9 @@ class Ledger:
             self.checkpoint_s = self.ckpt_wait_s = 0.0
         record = StepRecord(step=s + 1, version=version, batch=stats)
         self.reward_history.append((s + 1, reward_mean))
+        gap = next((v for k, v in stats.reward_metrics.items() if k in GAP_METRICS), None)
+        if gap is not None:  # a reward model or judge beside the verifier: how far its reward is from the truth
+            self.gap_history.append((s + 1, gap))
         self.last = record
         return record
 
@@ -347,6 +354,7 @@ class Ledger:
             mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
             lr=last.trainer.get("lr") if last else None,
             reward_history=list(self.reward_history),
+            gap_history=list(self.gap_history),
             eval_history=list(self.eval_history),
             counters=self.all_counters(),
             status=status,

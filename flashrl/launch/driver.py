@@ -241,6 +241,14 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         shown = Progress(f"preparing model {cfg.model.path}", say=dash.status, every_s=10.0)
         model_path = Path(await asyncio.to_thread(ensure_model, cfg, progress=shown))
         suite = make_suite(cfg.env.name, cfg.env.params, cfg.run.seed, cfg.env.eval_size)
+        if cfg.reward.model:  # a reward model beside the verifier: the suite scores episodes with it too
+            from flashrl.rewardmodel import with_reward_model
+
+            suite = await with_reward_model(cfg, suite, progress=shown)
+        elif cfg.judge.model:  # a generative judge beside the verifier, on engines of its own
+            from flashrl.judge import with_judge
+
+            suite = await with_judge(cfg, suite, progress=shown)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
@@ -261,6 +269,8 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         return summary
     finally:
         dash.stop()
+        if cfg.reward.model or cfg.judge.model:  # its workers or engines, when the controller never closed the suite
+            await asyncio.shield(suite.aclose())
 
 
 async def _helper(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:

@@ -49,6 +49,8 @@ LAYERS: list[str | tuple[str, ...]] = [
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),
+    "flashrl.rewardmodel",  # reward models beside the verifier: built (on models), served in worker processes
+    "flashrl.judge",  # a generative judge beside the verifier: built (on models), served by engine processes
     "flashrl.envcheck",  # what validate checks of an environment beyond its params (builds the suite)
     "flashrl.doctor",  # `flashrl doctor --gpu`: the trainer, the weight sync and a built chat model, checked on a device
     "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher

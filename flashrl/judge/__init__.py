@@ -1,0 +1,38 @@
+"""A generative judge beside the policy: a causal LM served by vLLM engine processes of its own gives each
+finished episode a verdict (pass/fail) that trains the policy, the environment's verifier held out as truth.
+
+    build.py    builtin:judge (the built-in model warm-started on verifier-labelled verdicts), cached
+    engines.py  JudgeEngines: the judge's engine processes (the policy's engine server), watched, restarted
+    client.py   JudgeClient: template -> tokens -> verdict; parse, retry, count
+    the suite   flashrl.rewardmodel.suite.RewardModelSuite(kind="judge"): combined with the verifier, logged
+
+docs/rewards.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["with_judge"]
+
+
+async def with_judge(cfg: Any, suite: Any, progress: Any = None) -> Any:
+    """``suite`` whose finished episodes the judge ``cfg.judge.model`` also rates (built first when it is
+    builtin:judge); its engines start now, in the background, beside the policy's."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from flashrl.judge.build import ensure_judge_model
+    from flashrl.judge.client import JudgeClient
+    from flashrl.judge.engines import JudgeEngines
+    from flashrl.rewardmodel.suite import RewardModelSuite
+
+    folder = await asyncio.to_thread(ensure_judge_model, cfg, progress)
+    tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(folder))
+    logs = cfg.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=max(cfg.model.max_model_len, 64) * 2, seed=cfg.run.seed)
+    wrapped = RewardModelSuite(suite, JudgeClient(cfg.judge, engines, tok), cfg.reward, kind="judge")
+    await wrapped.client.start()
+    return wrapped

@@ -1,0 +1,116 @@
+"""Verdicts: the judge's prompt from its template, its answer parsed, failures retried.
+
+    score((prompt, response)) -> 1.0 (pass) | 0.0 (fail) | judge.unparsable_reward (after the parse retries)
+        text = judge.template.format(prompt=..., response=response up to its EOS mark, stripped)
+        ids  = the judge's tokenizer (no special tokens) -> JudgeEngines.generate (vLLM batches the concurrent
+               requests itself: every episode's verdict is one request, in flight beside the policy's)
+        an engine that died / hung / refused -> retried on a live (or restarted) engine, judge.retries times
+               (judge_retries, judge_engine_<reason>), then RewardFailed -> EnvFailure: never a verdict of 0
+        a verdict neither pattern matches -> judge_unparsable; "retry": asked again at temperature 1
+               (judge_parse_retries), up to judge.parse_retries times; then (or at once with "default")
+               judge.unparsable_reward (judge_defaulted)
+
+``parse_verdict`` is the parser on its own (unit-tested).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections import Counter
+from typing import Any
+
+from flashrl.config import JudgeConfig
+from flashrl.env import cut_at_eos
+from flashrl.judge.engines import JudgeEngineFailed
+from flashrl.rewards import RewardFailed
+
+__all__ = ["JudgeClient", "parse_verdict"]
+
+log = logging.getLogger("flashrl.judge")
+
+
+def parse_verdict(text: str, pass_re: re.Pattern[str], fail_re: re.Pattern[str]) -> float | None:
+    """1.0 for pass, 0.0 for fail, None when the text is neither (or both patterns match: ambiguous)."""
+    ok, bad = pass_re.search(text) is not None, fail_re.search(text) is not None
+    if ok == bad:
+        return None
+    return 1.0 if ok else 0.0
+
+
+class JudgeClient:
+    def __init__(self, jc: JudgeConfig, engines: Any, tokenizer: Any) -> None:
+        self.jc = jc
+        self.engines = engines  # JudgeEngines, or anything with its generate/start/aclose/counts/pids/busy_s
+        self.tok = tokenizer
+        self.pass_re = re.compile(jc.pass_pattern)
+        self.fail_re = re.compile(jc.fail_pattern)
+        self.counts: Counter[str] = Counter()
+        self.latency_s = 0.0
+        self._ids = itertools.count()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.counts)
+        out.update(self.engines.counts)
+        out["judge_busy_s"] = round(self.engines.busy_s, 3)
+        out["judge_inflight"] = sum(self.engines.inflight)
+        if self.counts["judge_verdicts"]:
+            out["judge_latency_ms"] = 1000 * self.latency_s / self.counts["judge_verdicts"]
+        return out
+
+    def pids(self) -> list[int]:
+        return list(self.engines.pids())
+
+    async def start(self) -> None:
+        await self.engines.start()
+
+    async def score(self, item: tuple[str, str]) -> float:
+        import time
+
+        prompt, response = item
+        text = self.jc.template.format(prompt=prompt, response=cut_at_eos(response).strip())
+        ids = self.tok.encode(text, add_special_tokens=False)
+        t0 = time.monotonic()
+        tries = 1 + (self.jc.parse_retries if self.jc.on_unparsable == "retry" else 0)
+        for attempt in range(tries):
+            temperature = self.jc.temperature if attempt == 0 else 1.0  # greedy again would say the same
+            out = await self._generate(ids, temperature)
+            self.counts["judge_tokens"] += len(out)
+            verdict = parse_verdict(self.tok.decode(out, skip_special_tokens=True), self.pass_re, self.fail_re)
+            if verdict is not None:
+                self.counts["judge_verdicts"] += 1
+                self.counts["judge_pass"] += int(verdict == 1.0)
+                self.latency_s += time.monotonic() - t0
+                return verdict
+            self.counts["judge_unparsable"] += 1
+            if attempt + 1 < tries:
+                self.counts["judge_parse_retries"] += 1
+        self.counts["judge_defaulted"] += 1
+        self.counts["judge_verdicts"] += 1
+        self.latency_s += time.monotonic() - t0
+        return self.jc.unparsable_reward
+
+    async def _generate(self, ids: list[int], temperature: float) -> list[int]:
+        failure: JudgeEngineFailed | None = None
+        for attempt in range(self.jc.retries + 1):
+            try:
+                got = await self.engines.generate(ids, max_tokens=self.jc.max_new_tokens, temperature=temperature,
+                                                  seed=next(self._ids))
+            except JudgeEngineFailed as e:
+                failure = e
+                self.counts[f"judge_{e.reason}"] += 1
+                if attempt < self.jc.retries:
+                    self.counts["judge_retries"] += 1
+                    # one line per verdict would flood the log when an engine with hundreds in flight dies (its
+                    # death is logged once, by the engine's watcher); the counters carry the numbers
+                    log.debug("judge: %s; retrying the verdict (retry %d of %d)", e, attempt + 1, self.jc.retries)
+                continue
+            return list(got.token_ids)
+        assert failure is not None
+        self.counts["judge_failed"] += 1
+        raise RewardFailed(f"judge_{failure.reason}", failure.detail)
+
+    async def aclose(self) -> None:
+        await self.engines.aclose()

@@ -1,0 +1,167 @@
+"""The judge's vLLM engine processes: the policy's engine server (flashrl/engine/server.py) serving the judge's
+weights, never synced, restarted when one dies.
+
+    JudgeEngines.start(): spawn judge.engines engine processes (flashrl.engine.client.spawn_engine: own process
+                          group, ipc:// socket), wait until each answers Ping; one watcher task per engine
+    generate(ids)       : the least-loaded live engine; Generate -> Generated within judge.timeout_s;
+                          its death (PeerDead), a refusal or the deadline -> JudgeEngineFailed(reason)
+    watcher(i)          : awaits engine i's exit -> fails its client at once (every request on it raises
+                          PeerDead now, not at a missed heartbeat) -> counted (judge_engine_died) -> restarted
+                          (judge_engine_restarts) unless judge.max_restarts are spent; the others serve meanwhile
+    aclose()            : watchers cancelled, every engine terminated (Shutdown, SIGTERM, SIGKILL to its group)
+
+Invariants: a request goes only to an engine that answered Ping and has not exited; ``generate`` waits for a
+live engine at most judge.startup_timeout_s (a restart), then fails loudly; nothing here updates weights.
+Placement: local processes on the controller's machine (the run's launcher places policy engines; judge
+engines on Ray or SLURM are not done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from pathlib import Path
+
+from flashrl.config import JudgeConfig
+from flashrl.engine.client import EngineProcess, spawn_engine
+from flashrl.engine.server import EngineSpec
+from flashrl.wire.protocol import Generate, Generated
+from flashrl.wire.transport import PeerDead, TransportError, local_address
+
+__all__ = ["JudgeEngineFailed", "JudgeEngines"]
+
+log = logging.getLogger("flashrl.judge")
+
+
+class JudgeEngineFailed(Exception):
+    """A verdict request failed for the engine's sake: ``reason`` is engine_died | engine_timeout | engine_error."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class JudgeEngines:
+    def __init__(self, jc: JudgeConfig, model: str | Path, logs: Path, *, max_model_len: int = 256, seed: int = 0) -> None:
+        self.jc = jc
+        self.model = str(model)
+        self.logs = logs
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.procs: list[EngineProcess | None] = [None] * jc.engines
+        self.inflight = [0] * jc.engines
+        self.counts: Counter[str] = Counter()
+        self.busy_s = 0.0  # summed over engines: time with at least one verdict in flight
+        self._busy_since: list[float | None] = [None] * jc.engines
+        self._watchers: dict[int, asyncio.Task[None]] = {}
+        self._live = asyncio.Event()
+        self._closing = False
+        self._generation = 0
+        self._starting: list[asyncio.Task[None]] = []
+
+    def _spec(self, i: int) -> EngineSpec:
+        return EngineSpec(address=local_address(f"judge{i}"), model=self.model, name=f"judge{i}",
+                          max_model_len=self.max_model_len, kv_cache_gib=self.jc.kv_cache_gib,
+                          max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i)
+
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self.procs if p is not None and p.alive]
+
+    async def start(self, wait: bool = False) -> None:
+        """Spawn every engine; they come up in the background (beside the policy's engines) unless ``wait``.
+        One that cannot start is logged and counted (judge_engine_start_failed); verdicts wait for a live
+        engine at most judge.startup_timeout_s."""
+        loop = asyncio.get_running_loop()
+        self._starting = [loop.create_task(self._first_start(i), name=f"judge{i}-start") for i in range(self.jc.engines)]
+        if wait:
+            await asyncio.gather(*self._starting)
+
+    async def _first_start(self, i: int) -> None:
+        try:
+            await self._start_one(i)
+        except Exception as e:
+            self.counts["judge_engine_start_failed"] += 1
+            log.error("judge engine %d could not start: %s", i, e)
+
+    async def _start_one(self, i: int) -> None:
+        self._generation += 1
+        ep = spawn_engine(self._spec(i), self.logs / f"judge{i}-{self._generation}.log", heartbeat_s=0.0)
+        try:
+            await ep.wait_ready(self.jc.startup_timeout_s)
+        except BaseException:
+            await ep.discard()
+            raise
+        self.counts["judge_engines_started"] += 1
+        self.procs[i] = ep
+        self._live.set()
+        self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i, ep), name=f"judge{i}-watcher")
+        log.info("judge engine %d up (pid %d) in %.1f s", i, ep.proc.pid, ep.ready_s or 0.0)
+
+    async def _watch(self, i: int, ep: EngineProcess) -> None:
+        code = await ep.child.exited()
+        if self._closing:
+            return
+        self.procs[i] = None
+        if not any(self.procs):
+            self._live.clear()
+        self.counts["judge_engine_died"] += 1
+        ep.client.fail(PeerDead(f"judge engine {i} (pid {ep.proc.pid}) died (exit code {code})"))
+        log.error("judge engine %d (pid %d) died (exit code %s); log %s", i, ep.proc.pid, code, ep.log_path)
+        await ep.discard()
+        if self.counts["judge_engine_restarts"] >= self.jc.max_restarts:
+            log.error("judge engine %d stays down: judge.max_restarts = %d spent", i, self.jc.max_restarts)
+            return
+        self.counts["judge_engine_restarts"] += 1
+        try:
+            await self._start_one(i)
+        except Exception as e:  # counted and logged; a verdict waiting for an engine fails at its deadline
+            self.counts["judge_engine_start_failed"] += 1
+            log.error("judge engine %d could not be restarted: %s", i, e)
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
+        """One verdict's tokens from the least-loaded live engine; JudgeEngineFailed when that engine fails."""
+        try:
+            async with asyncio.timeout(self.jc.startup_timeout_s):
+                while not any(self.procs):
+                    await self._live.wait()
+        except TimeoutError:
+            raise JudgeEngineFailed("engine_died", f"no judge engine alive within judge.startup_timeout_s = "
+                                                   f"{self.jc.startup_timeout_s} s") from None
+        i = min((k for k, p in enumerate(self.procs) if p is not None), key=lambda k: self.inflight[k])
+        ep = self.procs[i]
+        assert ep is not None
+        req = Generate(request_id=f"judge-{seed}", prompt_ids=prompt_ids, max_tokens=max_tokens,
+                       temperature=temperature, seed=seed)
+        loop = asyncio.get_running_loop()
+        self.inflight[i] += 1
+        if self.inflight[i] == 1:
+            self._busy_since[i] = loop.time()
+        try:
+            async with asyncio.timeout(self.jc.timeout_s):
+                return await ep.client.generate(req)
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                await ep.client.abort([req.request_id])
+            raise JudgeEngineFailed("engine_timeout", f"judge engine {i} gave no verdict within judge.timeout_s = "
+                                                      f"{self.jc.timeout_s} s") from None
+        except PeerDead as e:
+            raise JudgeEngineFailed("engine_died", f"judge engine {i} died: {e}") from None
+        except TransportError as e:
+            raise JudgeEngineFailed("engine_error", f"judge engine {i} failed the request: {e}") from None
+        finally:
+            self.inflight[i] -= 1
+            if self.inflight[i] == 0 and self._busy_since[i] is not None:
+                self.busy_s += loop.time() - self._busy_since[i]  # type: ignore[operator]
+                self._busy_since[i] = None
+
+    async def aclose(self) -> None:
+        self._closing = True
+        tasks = [*self._starting, *self._watchers.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(p.terminate(timeout=10.0) for p in self.procs if p is not None), return_exceptions=True)
+        self.procs = [None] * self.jc.engines

@@ -1,0 +1,46 @@
+"""A stand-in for JudgeEngines (tests, the simulator): verdict tokens from a function of the prompt's ids, and
+engine failures on demand, counted as JudgeEngines counts them.
+
+    fake = FakeJudgeEngines(lambda ids: [ord("P")], fail=["engine_died"])
+    client = JudgeClient(JudgeConfig(model="x"), fake, tokenizer)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from flashrl.judge.engines import JudgeEngineFailed
+from flashrl.wire.protocol import Generated
+
+__all__ = ["FakeJudgeEngines"]
+
+
+class FakeJudgeEngines:
+    def __init__(self, fn: Callable[[list[int]], list[int]], *, fail: list[str] | None = None) -> None:
+        self.fn = fn
+        self.fail = list(fail or [])
+        self.counts: Counter[str] = Counter()
+        self.inflight = [0]
+        self.busy_s = 0.0
+        self.requests: list[tuple[list[int], float]] = []  # (prompt ids, temperature)
+        self.closed = False
+
+    def pids(self) -> list[int]:
+        return []
+
+    async def start(self, wait: bool = False) -> None:
+        self.counts["judge_engines_started"] += 1
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
+        self.requests.append((list(prompt_ids), temperature))
+        if self.fail:
+            reason = self.fail.pop(0)
+            if reason == "engine_died":
+                self.counts["judge_engine_died"] += 1
+                self.counts["judge_engine_restarts"] += 1
+            raise JudgeEngineFailed(reason, f"fake {reason}")
+        return Generated(request_id=f"judge-{seed}", token_ids=self.fn(prompt_ids)[:max_tokens])
+
+    async def aclose(self) -> None:
+        self.closed = True

@@ -1,0 +1,98 @@
+"""flashrl/judge: the verdict parser, the client's retries and unparsable handling, on FakeJudgeEngines (the
+engine processes are tests/integration/test_judge_process.py's)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from envs.arithmetic import ArithmeticSuite
+from flashrl.config import ConfigError, JudgeConfig, RewardModelConfig, from_dict
+from flashrl.env import EnvFailure
+from flashrl.judge.client import JudgeClient, parse_verdict
+from flashrl.judge.fake import FakeJudgeEngines
+from flashrl.models.tokenizer import build_char_tokenizer
+from flashrl.rewardmodel.suite import RewardModelSuite
+
+TOK = build_char_tokenizer()
+
+
+def _says(*verdicts: str):  # type: ignore[no-untyped-def]
+    """A judge that answers with ``verdicts`` in turn (the last one from then on)."""
+    left = list(verdicts)
+
+    def fn(ids: list[int]) -> list[int]:
+        v = left.pop(0) if len(left) > 1 else left[0]
+        return TOK.encode(v, add_special_tokens=False) + [TOK.eos_token_id]
+
+    return fn
+
+
+def test_parse_verdict() -> None:
+    jc = JudgeConfig(model="x")
+    p, f = re.compile(jc.pass_pattern), re.compile(jc.fail_pattern)
+    assert parse_verdict("P", p, f) == 1.0 and parse_verdict(" pass", p, f) == 1.0
+    assert parse_verdict("F", p, f) == 0.0 and parse_verdict("no", p, f) == 0.0
+    assert parse_verdict("", p, f) is None and parse_verdict("maybe", p, f) is None
+
+
+async def test_verdicts_fill_the_template_and_parse() -> None:
+    fake = FakeJudgeEngines(_says("P", "F"))
+    c = JudgeClient(JudgeConfig(model="x", template="Q{prompt}A{response}?"), fake, TOK)
+    assert await c.score(("1+2=", "3<eos>")) == 1.0
+    assert await c.score(("1+2=", "4")) == 0.0
+    assert TOK.decode(fake.requests[0][0]) == "Q1+2=A3?"  # the eos mark cut, as the verifier reads it
+    assert c.counters["judge_verdicts"] == 2 and c.counters["judge_pass"] == 1
+
+
+async def test_unparsable_verdicts_retry_then_take_the_default() -> None:
+    fake = FakeJudgeEngines(_says("?", "?", "P"))
+    c = JudgeClient(JudgeConfig(model="x", parse_retries=2), fake, TOK)
+    assert await c.score(("1+2=", "3")) == 1.0
+    assert [t for _, t in fake.requests] == [0.0, 1.0, 1.0]  # asked again, sampled
+    assert c.counters["judge_unparsable"] == 2 and c.counters["judge_parse_retries"] == 2
+    fake = FakeJudgeEngines(_says("?"))
+    c = JudgeClient(JudgeConfig(model="x", on_unparsable="default", unparsable_reward=0.5), fake, TOK)
+    assert await c.score(("1+2=", "3")) == 0.5
+    assert len(fake.requests) == 1 and c.counters["judge_defaulted"] == 1
+
+
+async def test_engine_failures_are_retried_and_counted_apart_never_a_verdict() -> None:
+    fake = FakeJudgeEngines(_says("P"), fail=["engine_died", "engine_timeout"])
+    c = JudgeClient(JudgeConfig(model="x", retries=2), fake, TOK)
+    assert await c.score(("1+2=", "3")) == 1.0
+    assert (c.counters["judge_engine_died"], c.counters["judge_engine_timeout"], c.counters["judge_retries"]) == (1, 1, 2)
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    fake = FakeJudgeEngines(_says("P"), fail=["engine_died"] * 3)
+    suite = RewardModelSuite(inner, JudgeClient(JudgeConfig(model="x", retries=2), fake, TOK), RewardModelConfig(), kind="judge")
+    env = suite.make_env()
+    await env.reset(inner.train_tasks()[0])
+    with pytest.raises(EnvFailure) as e:
+        await env.step("12")
+    assert e.value.reason == "judge_engine_died"
+    await suite.aclose()
+    assert fake.closed
+
+
+async def test_the_judge_trains_the_verifier_stays_truth() -> None:
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    suite = RewardModelSuite(inner, JudgeClient(JudgeConfig(model="x"), FakeJudgeEngines(_says("P")), TOK),
+                             RewardModelConfig(), kind="judge")
+    task = inner.train_tasks()[0]
+    env = suite.make_env()
+    await env.reset(task)
+    res = await env.step(str(int(task.answer) + 1))
+    assert res.reward == 1.0 and res.info["correct"] is False  # a lenient judge: the gap shows it
+    assert res.info["metrics"]["judge_gap"] == 1.0 and res.info["metrics"]["judge_agree"] == 0.0
+
+
+def test_judge_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match="judge.template"):
+        from_dict({"judge": {"model": "builtin:judge", "template": "{prompt}{answer}"}})
+    with pytest.raises(ConfigError, match="judge.pass_pattern: invalid regular expression"):
+        from_dict({"judge": {"model": "builtin:judge", "pass_pattern": "("}})
+    with pytest.raises(ConfigError, match="both reward.model and judge.model"):
+        from_dict({"judge": {"model": "builtin:judge"}, "reward": {"model": "builtin:rm"}})
+    with pytest.raises(ConfigError, match="judge: options of a judge, but judge.model is empty"):
+        from_dict({"judge": {"engines": 2}})

@@ -1,0 +1,179 @@
+"""flashrl/rewardmodel: the batching client, the combiner and the suite wrapper, on the in-process FakeScorer
+(the worker processes are tests/integration/test_rewardmodel_process.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from envs.arithmetic import ArithmeticSuite
+from flashrl.config import ConfigError, RewardModelConfig, from_dict
+from flashrl.env import EnvFailure
+from flashrl.rewardmodel.build import RewardModelError, check_folder, perturbations
+from flashrl.rewardmodel.client import RewardModelClient
+from flashrl.rewardmodel.fake import FakeScorer
+from flashrl.rewardmodel.suite import Combiner, RewardModelSuite, RunningStats
+from flashrl.rewards import RewardFailed
+
+
+def _right(text: str) -> float:
+    """A perfect reward model of "a+b=c": +4 when c is the sum, -4 otherwise."""
+    q, _, a = text.partition("=")
+    x, _, y = q.partition("+")
+    try:
+        return 4.0 if int(a) == int(x) + int(y) else -4.0
+    except ValueError:
+        return -4.0
+
+
+async def test_concurrent_scores_go_in_batches() -> None:
+    fake = FakeScorer(_right)
+    client = RewardModelClient(fake, max_batch=4, batch_wait_s=0.01)
+    got = await asyncio.gather(*(client.score(f"1+{i}={1 + i}") for i in range(10)))
+    assert got == [4.0] * 10
+    assert [len(b) for b in fake.batches] == [4, 4, 2]
+    assert client.counters["rm_batches"] == 3 and client.counters["rm_scored"] == 10
+    await client.aclose()
+    assert fake.closed
+
+
+async def test_failed_batches_are_retried_and_counted_apart() -> None:
+    fake = FakeScorer(_right, fail=["crash", "garbage", "timeout"])
+    client = RewardModelClient(fake, max_batch=8, batch_wait_s=0.0, retries=3)
+    assert await asyncio.gather(client.score("2+2=4"), client.score("2+2=5")) == [4.0, -4.0]
+    c = client.counters
+    assert (c["rm_crash"], c["rm_garbage"], c["rm_timeout"], c["rm_retries"]) == (1, 1, 1, 3)
+    assert c.get("rm_failed", 0) == 0
+    await client.aclose()
+
+
+async def test_past_its_retries_a_batch_fails_loudly_never_with_a_score() -> None:
+    fake = FakeScorer(_right, fail=["crash"] * 3)
+    client = RewardModelClient(fake, max_batch=8, batch_wait_s=0.0, retries=2)
+    with pytest.raises(RewardFailed) as e:
+        await client.score("2+2=4")
+    assert e.value.reason == "rm_crash"
+    assert client.counters["rm_failed"] == 1 and client.counters["rm_retries"] == 2
+    await client.aclose()
+
+
+def test_combiner_sum_gate_and_normalization() -> None:
+    s = Combiner(RewardModelConfig(model="x", model_weight=2.0, verifier_weight=0.5, transform="raw"))
+    assert s.combine(s.model_reward(1.5, True), 1.0) == 3.5
+    g = Combiner(RewardModelConfig(model="x", combine="gate", gate_reward=-1.0))
+    assert g.combine(0.7, 1.0) == 0.7 and g.combine(0.7, 0.0) == -1.0
+    assert Combiner(RewardModelConfig(model="x")).model_reward(0.0, True) == 0.5  # sigmoid
+    n = Combiner(RewardModelConfig(model="x", transform="raw", normalize=True))
+    for x in (1.0, 3.0):
+        n.model_reward(x, True)
+    assert n.model_reward(5.0, False) == pytest.approx((5.0 - 2.0) / 1.0)  # held-out: scored, not counted
+    assert n.stats.n == 2
+    rs = RunningStats()
+    for x in (1.0, 2.0, 4.0):
+        rs.add(x)
+    assert rs.std == pytest.approx(math.sqrt(14 / 9))
+
+
+async def test_suite_trains_on_the_model_and_keeps_the_verifier_as_truth() -> None:
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    fake = FakeScorer(lambda text: 3.0)  # a reward model that likes everything: the gap must show it
+    suite = RewardModelSuite(inner, RewardModelClient(fake, batch_wait_s=0.0), RewardModelConfig(model="x"))
+    task = inner.train_tasks()[0]
+    env = suite.make_env()
+    prompt = await env.reset(task)
+    res = await env.step("0<eos>" if task.answer != "0" else "1<eos>")
+    assert fake.batches == [[prompt + ("0" if task.answer != "0" else "1")]]  # the eos mark cut, like the verifier
+    assert res.reward == pytest.approx(1 / (1 + math.exp(-3.0)))
+    assert res.info["correct"] is False  # the verifier's, not the reward model's
+    m = res.info["metrics"]
+    assert m["verifier"] == 0.0 and m["rm_agree"] == 0.0 and m["rm_gap"] == pytest.approx(res.reward)
+    await suite.aclose()
+    assert fake.closed
+
+
+async def test_a_reward_model_outage_is_an_infrastructure_failure() -> None:
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    fake = FakeScorer(_right, fail=["crash"] * 5)
+    suite = RewardModelSuite(inner, RewardModelClient(fake, batch_wait_s=0.0, retries=1), RewardModelConfig(model="x"))
+    env = suite.make_env()
+    await env.reset(inner.train_tasks()[0])
+    with pytest.raises(EnvFailure) as e:
+        await env.step("12")
+    assert e.value.reason == "rm_crash"  # the rollout is retried and counted as rollout/retry_env_rm_crash
+    await suite.aclose()
+
+
+def test_perturbations_hold_the_forgotten_carry() -> None:
+    import random
+
+    cands = perturbations("42", "17+25=", random.Random(0))
+    assert "32" in cands and "43" in cands and "41" in cands
+
+
+def test_check_folder_names_what_is_wrong(tmp_path) -> None:
+    with pytest.raises(RewardModelError, match="does not exist"):
+        check_folder(tmp_path / "nope")
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(RewardModelError, match="LlamaForCausalLM, not a sequence-classification model"):
+        check_folder(tmp_path / "lm")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    with pytest.raises(RewardModelError, match="has 2 labels"):
+        check_folder(tmp_path / "two")
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                             "num_labels": 1}))
+    assert check_folder(tmp_path / "ok") == tmp_path / "ok"
+
+
+def test_reward_options_without_a_model_are_refused() -> None:
+    with pytest.raises(ConfigError, match="reward: options of a reward model, but reward.model is empty"):
+        from_dict({"reward": {"normalize": True}})
+
+
+def test_the_gap_to_the_verifier_is_on_the_dashboard() -> None:
+    import io
+
+    from rich.console import Console
+
+    from flashrl.dashboard import format_plain, render
+    from flashrl.metrics import Snapshot
+
+    s = Snapshot(step=3, total_steps=10, gap_history=[(1, 0.25), (2, 0.1), (3, -0.05)])
+    assert "model-gap -0.05" in format_plain(s)
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(render(s))
+    assert "model-verifier" in console.export_text()
+    assert "model-gap" not in format_plain(Snapshot())
+
+
+def test_validate_names_a_missing_or_incompatible_reward_model_or_judge_folder(tmp_path) -> None:
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    root = Path(__file__).resolve().parents[2]
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cls = tmp_path / "cls"
+    cls.mkdir()
+    (cls / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "LABEL_0"}}))
+    cases = [
+        ("rm.toml", f"reward.model={str(tmp_path / 'nope')!r}", "does not exist"),
+        ("rm.toml", f"reward.model={str(lm)!r}", "is a LlamaForCausalLM, not a sequence-classification model"),
+        ("judge.toml", f"judge.model={str(tmp_path / 'nope')!r}", "does not exist"),
+        ("judge.toml", f"judge.model={str(cls)!r}", "a judge writes its verdict, so it must be a causal LM"),
+    ]
+    for config, override, message in cases:
+        r = CliRunner().invoke(app, ["validate", str(root / "configs" / config), "--set", override.replace("'", '"')])
+        assert r.exit_code == 2 and message in r.output, (override, r.output)
+    r = CliRunner().invoke(app, ["validate", str(root / "configs" / "rm.toml"), "--set", f'reward.model="{cls}"'])
+    assert r.exit_code == 0, r.output
