@@ -556,7 +556,7 @@ async def test_rank0_trains_while_a_send_runs_and_refuses_a_prepare_meanwhile(wo
 
     trainer = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     held = _HeldSender()
-    trainer._sender = held
+    trainer.weights.sender = held
     address = f"tcp://127.0.0.1:{free_port()}"
     server = asyncio.create_task(leader_loop(trainer, Fanout(torch.device("cpu"), [False]), address))
     client = RpcClient(address, protocol.TRAINER_REPLIES, name="trainer")
