@@ -110,20 +110,23 @@ class CommandLoop:
         self.keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
         self._inbox: queue.SimpleQueue[tuple[Msg, Future[Any]] | None] = queue.SimpleQueue()
         self.closed = False
+        self._closing = threading.Lock()  # closed and the inbox change together: no command put after the drain
         self.running: Msg | None = None  # the command being run (shutdown does not wait for one)
 
     def submit(self, msg: Msg) -> Future[Any]:
         reply: Future[Any] = Future()
-        if self.closed:
-            reply.set_exception(RuntimeError("trainer is shutting down"))
-        else:
-            self._inbox.put((msg, reply))
+        with self._closing:
+            if not self.closed:
+                self._inbox.put((msg, reply))
+                return reply
+        reply.set_exception(RuntimeError("trainer is shutting down"))
         return reply
 
     def close(self) -> None:
         """No new commands; ``run`` returns once the one running (if any) ends."""
-        self.closed = True
-        self._inbox.put(None)
+        with self._closing:
+            self.closed = True
+            self._inbox.put(None)
 
     def run(self) -> None:
         while True:
@@ -139,7 +142,8 @@ class CommandLoop:
                 self.running = None
             if isinstance(msg, Shutdown):
                 break
-        self.closed = True
+        with self._closing:
+            self.closed = True
         while True:  # commands that came after the end: refused, not left hanging
             try:
                 item = self._inbox.get_nowait()

@@ -109,7 +109,7 @@ def test_commands_run_in_order_errors_are_replies_and_a_handed_off_command_lets_
         assert await handle(Shutdown()) == Ok(info="Shutdown")
         return await asyncio.wait_for(task, 30)
 
-    assert asyncio.run(main()) is True
+    assert asyncio.run(asyncio.wait_for(main(), 30)) is True
     assert log == ["handed 3", "fanout PrepareWeights", "run PrepareWeights", "fanout TrainStep", "run TrainStep",
                    "fanout Shutdown", "run Shutdown", "cancel (closed=True)"]
     assert not [t for t in threading.enumerate() if t.name == "trainer-loop"]
@@ -135,7 +135,7 @@ def test_a_stop_is_close_then_cancel_then_wait() -> None:
         replies.append(await servers[0].handle(PrepareWeights(version=1)))
         return await asyncio.wait_for(task, 30)
 
-    assert asyncio.run(main()) is True
+    assert asyncio.run(asyncio.wait_for(main(), 30)) is True
     assert log == ["closed=True", "cancel (closed=True)"]
     assert isinstance(replies[0], Error) and replies[0].kind == "shutdown"
     assert not [t for t in threading.enumerate() if t.name == "trainer-loop"]
@@ -163,7 +163,27 @@ def test_a_stop_during_a_command_does_not_wait_for_it() -> None:
         return ended
 
     try:
-        assert asyncio.run(main()) is False
+        assert asyncio.run(asyncio.wait_for(main(), 30)) is False
         assert log == ["fanout PrepareWeights", "cancel (closed=True)"]
     finally:
         rank.hold.set()
+
+
+def test_a_follower_runs_what_rank_0_broadcasts_in_order_logs_errors_and_ends_at_shutdown_or_sigterm() -> None:
+    log: list[str] = []
+    rank = _Rank(log)
+    rank.rank = 1
+
+    class _Received(_Fanout):
+        def __init__(self, msgs: list[Msg | None]) -> None:
+            super().__init__(log)
+            self.msgs = msgs
+
+        def recv(self) -> Msg | None:
+            return self.msgs.pop(0)
+
+    CommandLoop(rank, _Received([Ping(), TrainStep(batch=None), Shutdown(), Ping()])).run()  # type: ignore[arg-type]
+    assert log == ["run Ping", "run TrainStep", "run Shutdown"]  # the bad batch logged, the loop kept in step
+    log.clear()
+    CommandLoop(rank, _Received([PrepareWeights(version=1), None])).run()  # type: ignore[arg-type]  # None: SIGTERM
+    assert log == ["run PrepareWeights"]
