@@ -250,7 +250,7 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
         dist.barrier()
         lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
         manifest = trainer.prepare_weights(trainer.version)
-        prepared = trainer._prepared
+        prepared = trainer.weights.prepared
         restored_bg2: dict[str, Any] = {}
         if not bg2_error:
             trainer.load_checkpoint(bg2)

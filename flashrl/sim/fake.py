@@ -249,7 +249,7 @@ class FakeTrainer:
         return WeightManifest(version=version)
 
     async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
-        # like the real trainer (trainer/worker.py claim_send): only the version just prepared, or the
+        # like the real trainer (trainer/sender.py WeightPublisher.send): only the version just prepared, or the
         # one sent last (a restarted engine's catch-up); a prepared one that a later prepare replaced is gone
         last = self.prepared[-1] if self.prepared and self._preparing is None else None
         if version != last and (not self.sent or version != self.sent[-1]):

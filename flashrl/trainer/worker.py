@@ -1,28 +1,17 @@
 """One trainer rank: an FSDP2-sharded Hugging Face causal LM, driven by the controller through rank 0.
 
-    controller --TrainerRequest (ZeroMQ)--> rank 0 RpcServer (asyncio, main thread)
-                                              | Ping: answered at once (Pong(version)), never queued
-                                              | SendWeights: on the send thread, beside the compute thread
-                                              | FinishCheckpoint: on the seal thread (waits for a background
-                                              |   checkpoint write, then renames it into place)
-                                              | anything else: one at a time (lock), on the compute thread
-                                              v
-        rank 0 compute thread: broadcast(msgspec bytes as a uint8 tensor) ---> ranks 1..R-1 (main thread)
-                               Trainer.execute(msg)  <-- same collectives, same order -->  Trainer.execute(msg)
-                                              |
-    controller <--TrainerReply-- rank 0 (only rank 0's result is sent back)
+    controller --TrainerRequest--> rank 0: RPC shell --> command loop (trainer/loop.py) --broadcast--> ranks 1..R-1
+                                            |                 | Trainer.execute(cmd)  <-- same order -->  Trainer.execute(cmd)
+                                            |                 | weights: WeightPublisher (trainer/sender.py): one sender
+                                            |                 | checkpoints: CheckpointWriter (trainer/ckpt_writer.py)
+    controller <--TrainerReply------ rank 0 (only rank 0's result is sent back)
 
-Every rank runs the same request through ``Trainer.execute``, so the collectives inside (FSDP
-all-gathers and reduce-scatters, metric reductions, state-dict gathers, DCP saves) line up by
-construction. Requests only rank 0 acts on (Ping, InitWeightSync, SendWeights, FinishCheckpoint) are not
-broadcast. A background checkpoint (SaveCheckpoint with ``background``) is staged by every rank on the
-compute thread, then written by each rank's write thread over a gloo group of its own (``save_checkpoint``).
-While idle, rank 0 broadcasts a Ping every ``KEEPALIVE_S`` so the other ranks' pending receive never
-hits the process-group timeout during a long rollout phase. Ranks 1.. poll that receive (async_op +
-short sleeps) instead of blocking in C++, so SIGTERM is handled at once. Rank 0's RPC server and
-keepalive are watched as the engine server watches its own (``aio.until_stopped``): one that ends
-before a stop exits rank 0 at once (code 1, the task and its error in its log), and the controller
-sees the trainer die.
+Every rank runs one command loop that takes the commands in order (trainer/loop.py draws it: what
+flows in and out, what it waits on, the keepalive, shutdown). Every rank runs the same command
+through ``Trainer.execute``, so the collectives inside line up by construction. The commands only
+rank 0 acts on (Ping, InitWeightSync, SendWeights, FinishCheckpoint) are not broadcast; ``beside``
+hands the last three to the weight sender and the checkpoint writer, whose threads complete them
+while the loop goes on (the next TrainStep trains while the engines receive, or a write seals).
 
 The process group backend is ``trainer.backend`` (auto: nccl with CUDA, else gloo); the same code
 runs both. On CPU the weights are float32; on GPU a non-float32 ``model.dtype`` becomes FSDP2's
@@ -37,9 +26,9 @@ rank's ``TrainerSpec`` as JSON: trainer/spec.py, flashrl/wire/spec.py)::
 The training step itself (phases, metrics) is ``flashrl.trainer.step.PolicyTrainer``, a plain class
 that needs no process group; ``Trainer`` here is that class plus the process shell: the model built
 (FSDP2-sharded with more than one rank), collectives over the default group, checkpoints, the weight
-sync's sending end, and the request fan-out above.
+sync's sending end, and the command loop above.
 
-Limits: an error raised on every rank before any collective (a malformed batch) is a per-request
+Limits: an error raised on every rank before any collective (a malformed batch) is a per-command
 Error; an error on one rank in the middle of collectives leaves the others waiting until the process
 group times out, and the client sees a dead rank. The critic replicas stay identical only if their
 kernels are deterministic (true on the CPU; on GPUs they may drift apart by rounding, harmlessly).
@@ -55,31 +44,29 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from flashrl.aio import TaskDied, until_stopped
-from flashrl.checkpoint import fsync_dir
+from flashrl.aio import TaskDied
 from flashrl.config import Config
 from flashrl.deadlines import checkpoint_timeout_s, model_params
 from flashrl.procs import child_init, exit_now, paused_gc
+from flashrl.trainer.ckpt_writer import CHECKPOINT_META, CheckpointWriter, checkpoint_writer
+from flashrl.trainer.loop import CommandLoop, Fanout, serve
+from flashrl.trainer.sender import WeightPublisher
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     CheckpointSaved,
     ComputeLogprobs,
-    Error,
     FinishCheckpoint,
     InitWeightSync,
     Logprobs,
@@ -98,13 +85,9 @@ from flashrl.wire.protocol import (
 from flashrl.wire.rendezvous import init_default_group
 from flashrl.wire.spec import read_spec_or_exit
 
-__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches"]
+__all__ = ["Trainer", "ProcessCollectives", "plan_micro_batches", "leader_loop", "follower_loop"]
 
 log = logging.getLogger("flashrl.trainer")
-
-KEEPALIVE_S = 60.0  # idle broadcast period; far below the process group's 30 min default timeout
-_RANK0_ONLY = (Ping, InitWeightSync, SendWeights, FinishCheckpoint)
-CHECKPOINT_META = "trainer.json"
 
 
 def resolve_backend(backend: str) -> str:
@@ -162,8 +145,8 @@ class Trainer(PolicyTrainer):
     """One rank: the training step (PolicyTrainer) plus what needs the process group.
 
     Needs an initialized default process group. ``execute`` must be called on every rank with the same
-    message in the same order; it returns the reply on rank 0 (None elsewhere, and None for requests
-    rank 0 answers without a reply).
+    message in the same order; it returns the reply on rank 0 (None elsewhere, and None for commands
+    rank 0 answers without a reply). ``beside`` is rank 0's: the commands that complete off the loop.
 
     Every rank holds an FSDP2-sharded model; one rank alone holds the plain module (see ``sharded``
     below), and its metric reductions and request fan-out are skipped (nothing to reduce or send).
@@ -201,26 +184,37 @@ class Trainer(PolicyTrainer):
             ref_model = build()  # the initial weights, frozen: the KL anchor
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
-        self._prepared: tuple[int, list[torch.Tensor]] | None = None
-        # The last version sent (its buckets kept for a restarted engine's catch-up: one host copy of
-        # the weights; on a GPU trainer that is GPU memory, see docs/failures.md).
-        self._published: tuple[int, list[torch.Tensor]] | None = None
-        self._sender: Any = None
-        # Versions whose first send (the publication) is in flight on rank 0's send thread (leader_loop):
-        # a PrepareWeights meanwhile is refused (check_prepare). Claimed and released on one thread only.
-        self._publishing: set[int] = set()
-        # Background checkpoint writes by path (save_checkpoint(background=True)); the compute thread adds,
-        # rank 0's finish thread (finish_checkpoint) removes: hence the lock.
-        self._writes: dict[str, _Write] = {}
-        self._writes_lock = threading.Lock()
-        self._ckpt_group: Any = None
-        self._stager: Any = None
+        self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)
         params = model_params(model_path)
-        self.checkpoint_writer = checkpoint_writer(cfg.trainer.checkpoint_writer, params)
-        self._write_pool: ThreadPoolExecutor | None = None
+        self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, params)
 
+    @property
+    def checkpoint_writer(self) -> str:
+        """The background writer, "thread" or "process" (trainer.checkpoint_writer resolved); settable
+        between checkpoints (doctor and bench/ckpt_async.py try both)."""
+        return self.checkpoints.mode
+
+    @checkpoint_writer.setter
+    def checkpoint_writer(self, mode: str) -> None:
+        self.checkpoints.mode = mode
+
     # ------------------------------------------------------------------ dispatch
+    def beside(self, msg: Msg) -> Future[Any] | None:
+        """Rank 0, on the command loop, in command order: hand a command that completes off the loop to
+        its owner (a send or a join to the weight sender, a seal to the checkpoint writer) and return its
+        reply's future; None for a command the loop runs itself (a PrepareWeights is refused first
+        while a publication is still sending: before it fans out, so no rank starts the gather)."""
+        if isinstance(msg, SendWeights):
+            return self.weights.send(msg.version, msg.peers)
+        if isinstance(msg, InitWeightSync):
+            return self.weights.join(msg)
+        if isinstance(msg, FinishCheckpoint):
+            return self.checkpoints.on_seal_thread(lambda: self.execute(msg))
+        if isinstance(msg, PrepareWeights):
+            self.weights.check_prepare(msg.version)
+        return None
+
     def execute(self, msg: Msg) -> Msg | None:
         if isinstance(msg, TrainStep):
             return self.train_step(msg.batch)
@@ -271,79 +265,24 @@ class Trainer(PolicyTrainer):
         from flashrl.wire.weights import build_manifest
 
         t1 = time.perf_counter()
-        self._prepared = None  # free the previous version's buckets before building new ones
+        self.weights.drop_prepared()  # free the previous version's buckets before building new ones
         tied = self.tie_word_embeddings
         if self.lora is not None:  # LoRA: only the adapter's tensors travel (engine/lora.py loads them)
             from flashrl.trainer.lora import adapter_from_state_dict
 
             sd, tied = adapter_from_state_dict(sd), False
         manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb, tie_word_embeddings=tied)
-        self._prepared = (version, buckets)
+        self.weights.prepare(version, buckets)
         manifest.timings = {"gather_s": t1 - t0, "pack_s": time.perf_counter() - t1}
         return manifest
 
     def send_weights(self, version: int, peers: list[str] | None = None) -> Ok:
-        """Send ``version`` to ``peers`` (None: every joined engine): the version just prepared
-        (it then becomes the published one) or the published one again (a restarted engine catching up)."""
-        claim = self.claim_send(version)
-        try:
-            return self.finish_send(claim, peers)
-        finally:
-            self.release_send(claim)
-
-    def claim_send(self, version: int) -> tuple[int, list[torch.Tensor], bool]:
-        """Take the buckets of ``version`` for a send: (version, buckets, is a publication).
-
-        Rank 0's leader_loop claims on its event-loop thread, in request order, then sends on its own
-        send thread beside the compute thread (a TrainStep runs meanwhile); the claim holds its own
-        reference to the buckets, which nothing writes after build_manifest made them (new tensors), so
-        a later PrepareWeights cannot change what is being sent."""
-        if self._sender is None:
-            raise RuntimeError("SendWeights before InitWeightSync: initialize the weight-sync group first")
-        if self._prepared is not None and self._prepared[0] == version:
-            buckets = self._prepared[1]
-            self._published, self._prepared = self._prepared, None
-            self._publishing.add(version)
-            return version, buckets, True
-        if self._published is not None and self._published[0] == version:
-            return version, self._published[1], False
-        have = [v[0] for v in (self._prepared, self._published) if v is not None]
-        raise RuntimeError(f"SendWeights({version}): prepared/published versions are {have}; "
-                           f"send PrepareWeights({version}) first")
-
-    def finish_send(self, claim: tuple[int, list[torch.Tensor], bool], peers: list[str] | None) -> Ok:
-        """The broadcast of a claimed version (any thread; the per-engine weight-sync groups only, never
-        the default process group)."""
-        version, buckets, _ = claim
-        seconds, failed = self._sender.send(buckets, peers)
-        info = f"sent version {version} in {seconds:.3f}s"
-        if failed:
-            info += "; failed: " + "; ".join(f"{p}: {e}" for p, e in sorted(failed.items()))
-        return Ok(info=info)
-
-    def release_send(self, claim: tuple[int, list[torch.Tensor], bool]) -> None:
-        if claim[2]:
-            self._publishing.discard(claim[0])
-
-    def check_prepare(self, version: int) -> None:
-        """Refuse PrepareWeights(``version``) while a publication is still sending (on rank 0, before the
-        request fans out, so no rank starts the gather). The controller awaits a sync before preparing
-        the next; this is the loud error should it ever not."""
-        if self._publishing:
-            raise RuntimeError(f"PrepareWeights({version}) while SendWeights({min(self._publishing)}) is still "
-                               "sending: the previous weight sync must finish before the next is prepared")
+        """Send ``version`` to ``peers`` (None: every joined engine) and wait for it (trainer/sender.py)."""
+        return self.weights.send(version, peers).result()
 
     def init_weight_sync(self, msg: InitWeightSync) -> Ok:
-        """Join one engine's group (``msg.peer``); may run beside a training step (rank 0's sync thread)."""
-        from flashrl.trainer.weights import WeightSender
-
-        if msg.world_size != 2:
-            raise ValueError(f"weight sync: one group of two per engine (trainer rank 0 + the engine); got world_size "
-                             f"{msg.world_size}")
-        if self._sender is None:
-            self._sender = WeightSender()
-        self._sender.join(msg.peer or "engine", msg.master_addr, msg.master_port, msg.backend, msg.timeout_s)
-        return Ok(info=f"weight sync: {msg.peer or 'engine'} joined ({msg.backend})")
+        """Join one engine's group (``msg.peer``) and wait for it (trainer/sender.py)."""
+        return self.weights.join(msg).result()
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, path: str, replace: bool = False) -> None:
@@ -373,30 +312,20 @@ class Trainer(PolicyTrainer):
         ``path`` must be on a file system every rank sees. An existing ``path`` is refused (checkpoints
         are never overwritten in place); a leftover ``path.tmp`` from a crash is removed first.
 
-        ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (DCP's
-        ``_checkpoint_stager``, kept between checkpoints: one more host copy of the training state) and this
-        returns; ``dcp.save`` writes ``path.tmp`` at the lowest CPU priority, over a gloo group of its own
-        (its collectives never interleave with the step's), while training goes on: in a writer process
-        (``checkpoint_writer`` "process": DCP's process-based async save of buffers in shared memory, so
-        the write's Python work never takes this interpreter's lock) or on a write thread ("thread"). ``path`` does not exist until rank 0's
-        ``finish_checkpoint(path)`` has seen the write complete on every rank and renamed it: a crash
-        meanwhile leaves only ``path.tmp``. A save while another is in flight first waits for that
-        write. Returns the seconds waited for it.
+        ``background`` (trainer.checkpoint_async): the state is copied into host staging buffers (kept
+        between checkpoints: one more host copy of the training state) and this returns; the write goes
+        on at the lowest CPU priority, over a gloo group of its own, while training goes on, in a writer
+        process or on a write thread (``checkpoint_writer``; trainer/ckpt_writer.py). ``path`` does not
+        exist until rank 0's ``finish_checkpoint(path)`` has seen the write complete on every rank and
+        renamed it: a crash meanwhile leaves only ``path.tmp``. A save while another is in flight first
+        waits for that write. Returns the seconds waited for it.
         """
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         waited = self.wait_checkpoint_writes(self.checkpoint_timeout_s)
-        final, tmp = Path(path), Path(path + ".tmp")
-        err = ""
-        if self.rank == 0:
-            if final.exists():
-                err = f"checkpoint {final} already exists; choose a new path or delete it"
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.parent.mkdir(parents=True, exist_ok=True)
+        err = self.checkpoints.prepare(path) if self.rank == 0 else ""
         if self._agree_error(err):
-            raise FileExistsError(err or f"checkpoint {final} refused by rank 0")
+            raise FileExistsError(err or f"checkpoint {path} refused by rank 0")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         if self.lora is not None:  # adapter-only: the frozen base is the model folder's (trainer/lora.py)
             from flashrl.trainer.lora import adapter_entries
@@ -410,116 +339,21 @@ class Trainer(PolicyTrainer):
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
         meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True,
                 "adapter_only": self.lora is not None}
-        if not background:
-            dcp.save(state, checkpoint_id=str(tmp))
-            if self.rank == 0:
-                _seal_checkpoint(tmp, final, meta)
-            dist.barrier()
-            return waited
-        # Staged synchronously (the copy is done when stage() returns: the next step may change the weights at
-        # once), then DCP's own save (what dcp.async_save runs on its thread) on this trainer's write thread,
-        # which runs at the lowest CPU priority: where cores are short (a CPU trainer) the step goes first.
-        staged = self._checkpoint_stager().stage(state)
-        group = self._checkpoint_group()
-        if self._write_pool is None:
-            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
-                                                  initializer=_lowest_priority)
-        future = self._write_pool.submit(_write_staged, staged, str(tmp), group, self.checkpoint_writer == "process")
-        with self._writes_lock:
-            self._writes[path] = _Write(path=path, future=future, meta=meta)
+        self.checkpoints.save(path, state, meta, background)
         return waited
 
     def finish_checkpoint(self, path: str, timeout_s: float) -> float:
-        """Rank 0, off the compute thread: wait (at most ``timeout_s``) for the background write of
-        ``path`` (``save_checkpoint(path, background=True)``) and seal it: trainer.json, fsync, rename
-        ``path.tmp`` -> ``path``. Rank 0's DCP save returns only after every rank's write results reached
-        it (DCP's final gather), so its completion means the whole checkpoint is on disk. Returns the
-        seconds the write took in all. A failed or late write raises and ``path`` never appears."""
-        with self._writes_lock:
-            w = self._writes.get(path)
-        if w is None:
-            raise RuntimeError(f"no checkpoint write of {path} in flight (never started, or superseded by a later "
-                               "save); the checkpoint was not written")
-        try:
-            w.future.result(timeout=timeout_s)
-        except FutureTimeout:
-            raise TimeoutError(f"checkpoint write of {path} not done after {timeout_s:.0f} s (the file system is "
-                               "slow or stuck); raise trainer.checkpoint_timeout_s") from None
-        finally:
-            if w.future.done():
-                with self._writes_lock:
-                    self._writes.pop(path, None)
-        _seal_checkpoint(Path(path + ".tmp"), Path(path), w.meta)
-        return time.monotonic() - w.started
+        """Rank 0: wait (at most ``timeout_s``) for the background write of ``path`` and seal it; the seconds
+        the write took in all. A failed or late write raises and ``path`` never appears."""
+        return self.checkpoints.finish(path, timeout_s)
 
     def wait_checkpoint_writes(self, timeout_s: float) -> float:
-        """Wait (at most ``timeout_s``) for every background write of this rank; the seconds waited.
-
-        A write that failed or is late is logged and forgotten (its ``path.tmp`` is never renamed into a
-        checkpoint); rank 0 forgets a finished write nobody sealed (its ``finish_checkpoint`` never came)."""
-        with self._writes_lock:
-            writes = list(self._writes.values())
-            self._writes.clear()
-        t0 = time.monotonic()
-        for w in writes:
-            left = max(0.0, timeout_s - (time.monotonic() - t0))
-            try:
-                w.future.result(timeout=left)
-            except FutureTimeout:
-                log.error("checkpoint write of %s not done after %.0f s: abandoned (not a checkpoint)", w.path, timeout_s)
-            except Exception as e:  # noqa: BLE001 - the write's own error; the checkpoint is simply not there
-                log.error("checkpoint write of %s failed: %s (not a checkpoint)", w.path, e)
-            else:
-                if self.rank == 0:
-                    log.warning("checkpoint write of %s finished but was never sealed: left as %s.tmp", w.path, w.path)
-        return time.monotonic() - t0 if writes else 0.0
-
-    def _checkpoint_group(self) -> Any:
-        """A gloo group for background DCP writes: the write thread's collectives then never interleave
-        with the compute thread's on the default group (and async_save needs a CPU backend under NCCL).
-        Made on the first background save, which every rank runs in the same request order."""
-        if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo")
-        return self._ckpt_group
-
-    def _checkpoint_stager(self) -> Any:
-        """A synchronous DCP stager kept for the run, reusing its host buffers from one checkpoint to the
-        next (no fresh allocation and page faults per checkpoint).
-
-        On CUDA: DCP's BlockingAsyncStager with its cache (pinned host buffers, built by torch's
-        ``_create_cpu_state_dict``, which knows FSDP2's DTensors): DefaultStager's deep copy raised
-        ``KeyError: <class 'type'>`` on FSDP2's DTensors under torch 2.11 on an H200
-        (bench/results/realsize/README.md). On the CPU: DefaultStager (no pinning), its buffers in shared
-        memory for a writer process (which then maps them: nothing is copied to it), measured here."""
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-            if self.device.type == "cuda":
-                self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
-                return self._stager
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError:  # an older torch: its blocking stager, uncached on the CPU (no pinning there)
-                self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
-            else:
-                # shared memory only for a writer process (a container's /dev/shm may be small); should the
-                # writer change later (doctor's dcp-async does), torch moves a buffer into shared memory as
-                # it sends it, once: the buffers are kept
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=False, use_shared_memory=self.checkpoint_writer == "process",
-                    use_async_staging=False, use_non_blocking_copy=False))
-        return self._stager
+        """Wait (at most ``timeout_s``) for every background write of this rank; the seconds waited."""
+        return self.checkpoints.wait(timeout_s)
 
     def close_checkpoints(self, timeout_s: float) -> None:
-        """At shutdown: wait (at most ``timeout_s``) for the writes in flight, then free the staging buffers.
-        Nothing is sealed here: only ``finish_checkpoint`` makes a checkpoint (so a half write never counts)."""
-        self.wait_checkpoint_writes(timeout_s)
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        if self._write_pool is not None:
-            self._write_pool.shutdown(wait=False)
-            self._write_pool = None
+        """At shutdown: the writes in flight end (bounded); nothing unsealed becomes a checkpoint."""
+        self.checkpoints.close(timeout_s)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, critics (asyppo) and version from a ``save_checkpoint`` folder (any
@@ -563,232 +397,28 @@ class Trainer(PolicyTrainer):
         return bool(flag.item())
 
 
-# "auto" picks the writer process from this many float32 weight bytes: at 0.27B (1 GiB of weights, a 3.2 GB
-# checkpoint) a write thread cost the step beside it +24% and the process +13% on a 2-core CPU, and on an H200
-# +171% against +45% (bench/results/realsize); at the built-in model's 6 MB a write takes milliseconds, less
-# than starting the process (torch's import: 2-3 s of a core, ~0.3 GiB) would cost the run.
-PROCESS_WRITER_MIN_BYTES = 256 << 20
-
-
-def checkpoint_writer(setting: str, params: int) -> str:
-    """trainer.checkpoint_writer resolved: "auto" is "process" for a model of at least PROCESS_WRITER_MIN_BYTES
-    of float32 weights, on the CPU and on CUDA alike (both measured), else "thread"."""
-    if setting != "auto":
-        return setting
-    return "process" if 4 * params >= PROCESS_WRITER_MIN_BYTES else "thread"
-
-
-class _AlreadyStaged:
-    """DCP's AsyncStager protocol for a state dict staged already (Trainer._checkpoint_stager, on the
-    compute thread, before the next step may change the weights): dcp.async_save takes it as it is."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _write_staged(staged: Any, checkpoint_id: str, group: Any, process: bool) -> None:
-    """On the trainer's write thread (nice 19): write a staged checkpoint over ``group``.
-
-    ``process``: through DCP's process-based async save. Its writer process (one per rank, started on
-    the first such save and kept for the run; gloo among the ranks' writers) is spawned from a thread
-    this write thread starts, so it inherits nice 19; it maps the staged shared-memory buffers, and it
-    is in the trainer's process group, so whatever ends the trainer's group ends it too. This thread
-    waits for its result, so the caller's future (finish_checkpoint's wait) means the same in both
-    ways: the write is complete on every rank."""
-    import torch.distributed.checkpoint as dcp
-
-    if not process:
-        dcp.save(staged, checkpoint_id=checkpoint_id, process_group=group)
-        return
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    if "MASTER_ADDR" not in os.environ and dist.get_world_size(group) == 1:
-        # DCP's writers meet at rank 0's MASTER_ADDR (else its host name); one rank in this process (a test,
-        # a bench) may have made its group without one: loopback
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-    done = dcp.async_save(staged, checkpoint_id=checkpoint_id, process_group=group,
-                          async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_AlreadyStaged())
-    # a Future here (the stage is synchronous); an AsyncSaveResponse only with a stager that returns futures
-    (done.upload_completion if hasattr(done, "upload_completion") else done).result()
-
-
-def _lowest_priority() -> None:
-    """The calling thread at nice 19 (Linux: a thread's own priority); elsewhere a no-op."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-class _Write:
-    """A background checkpoint write in flight (Trainer.save_checkpoint with background=True)."""
-
-    def __init__(self, path: str, future: Future, meta: dict[str, Any]) -> None:
-        self.path, self.future, self.meta = path, future, meta
-        self.started = time.monotonic()
-
-
-def _seal_checkpoint(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank's DCP write of ``tmp`` finished: trainer.json, fsync every file and the
-    folder, rename ``tmp`` -> ``final``, fsync the parent. ``final`` exists only when all of it is on disk."""
-    (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-
-
-# ---------------------------------------------------------------------- request fan-out
-class Fanout:
-    """Rank 0 sends each request to every rank as msgspec bytes in a uint8 tensor (never pickle)."""
-
-    def __init__(self, device: torch.device, stop: list[bool]) -> None:
-        self.device = device
-        self._stop = stop  # set by the SIGTERM handler; checked while polling
-
-    def send(self, msg: Msg) -> None:
-        payload = protocol.encode(msg)
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=self.device), 0)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device), 0)
-
-    def recv(self) -> Msg | None:
-        """The next request, or None when SIGTERM arrived while waiting."""
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        work = dist.broadcast(n, 0, async_op=True)
-        delay = 0.001
-        while not work.is_completed():
-            if self._stop[0]:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)  # idle ranks wake at most 20 times a second
-        work.wait()
-        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, 0)
-        return protocol.TRAINER_REQUESTS.decode(bytes(buf.cpu().numpy()))
-
-
 def follower_loop(trainer: Trainer, fanout: Fanout) -> None:
-    """Ranks 1..R-1: run every request rank 0 broadcasts until Shutdown (or SIGTERM)."""
-    while True:
-        msg = fanout.recv()
-        if msg is None:
-            log.info("SIGTERM: leaving")
-            return
-        try:
-            trainer.execute(msg)
-        except Exception:
-            # Rank 0 hit the same deterministic error (same input) and answers it; keep in step.
-            log.exception("%s failed", type(msg).__name__)
-        if isinstance(msg, Shutdown):
-            return
+    """Ranks 1..R-1: run every command rank 0 broadcasts until Shutdown (or SIGTERM)."""
+    CommandLoop(trainer, fanout).run()
 
 
 async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
-    """Rank 0: serve the controller; fan each request out and run it on the single compute thread."""
+    """Rank 0: serve the controller at ``address`` through the command loop (trainer/loop.py) until
+    Shutdown or SIGTERM; a loop or server that dies first raises TaskDied."""
+    from flashrl.wire.keys import CurveKeys
     from flashrl.wire.transport import RpcServer
 
-    loop = asyncio.get_running_loop()
-    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
-    # SendWeights runs here, not on the compute thread: the next TrainStep trains while the engines
-    # receive (weight_sync.overlap). One thread: sends stay in request order among themselves.
-    sends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-send")
-    sending = [0]
-    joins = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-join")
-    # FinishCheckpoint waits for a background DCP write: here, so training requests are not held up
-    seals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-seal")
-    lock = asyncio.Lock()
-    stop = asyncio.Event()
-    last_busy = [loop.time()]
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-
-    def run(msg: Msg) -> Msg | None:
-        if not isinstance(msg, _RANK0_ONLY) and trainer.world > 1:  # alone: nobody to fan out to
-            fanout.send(msg)
-        return trainer.execute(msg)
-
-    async def handle(msg: Msg) -> Msg | None:
-        if isinstance(msg, Ping):
-            return Pong(version=trainer.version)
-        if stop.is_set():
-            return Error(message="trainer is shutting down", kind="shutdown")
-        if isinstance(msg, InitWeightSync):
-            # A (re)started engine joins its own group while training goes on: not on the compute thread.
-            return await loop.run_in_executor(joins, trainer.init_weight_sync, msg)
-        if isinstance(msg, FinishCheckpoint):
-            return await loop.run_in_executor(seals, trainer.execute, msg)
-        if isinstance(msg, SendWeights):
-            claim = trainer.claim_send(msg.version)  # here, in request order (an error is this request's)
-            sending[0] += 1
-            try:
-                return await loop.run_in_executor(sends, trainer.finish_send, claim, msg.peers)
-            finally:
-                sending[0] -= 1
-                trainer.release_send(claim)
-                last_busy[0] = loop.time()
-        if isinstance(msg, PrepareWeights):
-            trainer.check_prepare(msg.version)
-        async with lock:
-            try:
-                return await loop.run_in_executor(compute, run, msg)
-            finally:
-                last_busy[0] = loop.time()
-                if isinstance(msg, Shutdown):
-                    stop.set()
-
-    async def keepalive() -> None:
-        while True:
-            await asyncio.sleep(KEEPALIVE_S / 4)
-            if not lock.locked() and loop.time() - last_busy[0] >= KEEPALIVE_S and trainer.world > 1:
-                async with lock:
-                    await loop.run_in_executor(compute, fanout.send, Ping())
-                    last_busy[0] = loop.time()
-
-    from flashrl.wire.keys import CurveKeys
-
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
-    server = RpcServer(address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}",
-                       curve=keys.server() if keys is not None else None)
-    tasks = [loop.create_task(server.serve(), name="trainer-rpc"), loop.create_task(keepalive(), name="keepalive")]
-    log.info("rank 0 serving %s (world %d)", address, trainer.world)
+    commands = CommandLoop(trainer, fanout)
     try:
-        # as the engine server does: the RPC server or the keepalive ending before a stop is fatal at once
-        # (a dead keepalive leaves the other ranks' receive to time out half an hour later)
-        await until_stopped(stop, tasks)
-    except TaskDied:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # the one that died is the TaskDied's cause
-        for ex in (compute, sends, joins, seals):
-            ex.shutdown(wait=False, cancel_futures=True)
-        raise
-    await asyncio.sleep(0.2)  # let the last reply (Shutdown's Ok) leave the socket before it closes
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
-    busy = lock.locked() or sending[0] > 0
-    compute.shutdown(wait=False, cancel_futures=True)
-    sends.shutdown(wait=False, cancel_futures=True)
-    joins.shutdown(wait=False, cancel_futures=True)
-    seals.shutdown(wait=False, cancel_futures=True)
-    if busy:
-        # SIGTERM in the middle of a request: the compute thread may sit in a collective whose peers
-        # are gone; waiting for it could take the whole process-group timeout.
-        log.warning("SIGTERM during a request: exiting without waiting for it")
+        ended = await serve(commands, lambda handle: RpcServer(
+            address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}",
+            curve=keys.server() if keys is not None else None), busy=lambda: trainer.weights.busy)
+    finally:
+        trainer.weights.close()
+    if not ended:
+        # a command may sit in a collective whose peers are gone: waiting for it could take the whole
+        # process-group timeout
         logging.shutdown()
         os._exit(0)
 
@@ -839,6 +469,8 @@ def main() -> int:
                 os._exit(1)
         else:
             follower_loop(trainer, fanout)
+            if stop[0]:
+                log.info("SIGTERM: leaving")
     finally:
         if not stop[0]:
             with contextlib.suppress(Exception):

@@ -253,7 +253,7 @@ class Logprobs(Msg):
 class SaveCheckpoint(Msg):
     """DCP checkpoint of the trainer's state at ``path`` (appears atomically). ``background``: reply once the
     state is staged in host memory; the write goes on beside training and ``path`` appears only after a
-    ``FinishCheckpoint(path)`` saw it complete (trainer/worker.py ``Trainer.save_checkpoint``)."""
+    ``FinishCheckpoint(path)`` saw it complete (trainer/worker.py ``Trainer.save_checkpoint``, trainer/ckpt_writer.py)."""
 
     path: str = ""
     background: bool = False
@@ -261,7 +261,7 @@ class SaveCheckpoint(Msg):
 
 class FinishCheckpoint(Msg):
     """Wait (at most ``timeout_s``) for the background write of ``path`` and seal it (rename into place);
-    answered off the compute thread, so training requests meanwhile are not held up."""
+    answered off the command loop (trainer/ckpt_writer.py), so training commands meanwhile are not held up."""
 
     path: str = ""
     timeout_s: float = 0.0

@@ -536,7 +536,7 @@ class _HeldSender:
 @pytest.mark.timeout(180)
 async def test_rank0_trains_while_a_send_runs_and_refuses_a_prepare_meanwhile(world1, model_path: Path,
                                                                                 tmp_path: Path) -> None:
-    """leader_loop: SendWeights runs on its own thread, so a TrainStep completes while it sends; the
+    """leader_loop: SendWeights runs on the weight sender's thread, so a TrainStep completes while it sends; the
     buckets being sent are the prepared version's, unchanged by that step; a PrepareWeights while the
     send runs is a loud error (before any gather), and works again once the send is done."""
     import asyncio
@@ -556,7 +556,7 @@ async def test_rank0_trains_while_a_send_runs_and_refuses_a_prepare_meanwhile(wo
 
     trainer = Trainer(trainer_config(tmp_path), str(model_path), torch.device("cpu"))
     held = _HeldSender()
-    trainer._sender = held
+    trainer.weights.sender = held
     address = f"tcp://127.0.0.1:{free_port()}"
     server = asyncio.create_task(leader_loop(trainer, Fanout(torch.device("cpu"), [False]), address))
     client = RpcClient(address, protocol.TRAINER_REPLIES, name="trainer")

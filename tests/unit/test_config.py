@@ -175,7 +175,7 @@ def test_advice_warns_about_an_uncorrected_loss_on_async_samples() -> None:
 
 
 def test_checkpoint_writer_auto_takes_a_process_only_for_a_large_model() -> None:
-    from flashrl.trainer.worker import PROCESS_WRITER_MIN_BYTES, checkpoint_writer
+    from flashrl.trainer.ckpt_writer import PROCESS_WRITER_MIN_BYTES, checkpoint_writer
 
     big, small = PROCESS_WRITER_MIN_BYTES // 4, PROCESS_WRITER_MIN_BYTES // 4 - 1
     # the same on the CPU and on CUDA (measured on an H200: the step beside a write +45% vs the thread's +171%)

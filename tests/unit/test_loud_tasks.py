@@ -2,7 +2,7 @@
 that its owner fails at once with a named error, not at shutdown (or never).
 
     aio.until_stopped           the helper: a watched task that ends before the stop raises TaskDied
-    trainer rank 0's keepalive  leader_loop raises TaskDied naming it (main() then exits the rank, code 1)
+    trainer rank 0's keepalive  its command loop dies: serve raises TaskDied naming it (main() exits the rank, code 1)
     the slurm launcher's poller watch() / spawn() / close() raise its LaunchError; local_cluster ends with it
 
 (The sandbox's I/O tasks need a process: tests/integration/test_env_sandbox.py.)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,6 @@ def test_until_stopped_returns_on_stop_and_names_a_task_that_ends_first() -> Non
 
 # ------------------------------------------------------------------------------------------- the trainer
 class _Server:
-    """Stands in for the RPC server (no socket): serves until cancelled."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     async def serve(self) -> None:
         await asyncio.Event().wait()
 
@@ -74,34 +70,29 @@ class _Fanout:
 
 
 class _Trainer:
-    world = 2
-    version = 0
+    rank, world, version = 0, 2, 0
 
 
-def test_a_trainer_leader_keepalive_that_dies_fails_rank_0_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The keepalive's broadcast raises: leader_loop raises TaskDied naming the keepalive and its error at
-    the keepalive's first broadcast (before: nothing until shutdown; the other ranks' receive would have
-    timed out half an hour later)."""
-    import flashrl.trainer.worker as worker
-    import flashrl.wire.transport as transport
+def test_a_trainer_loop_whose_keepalive_dies_fails_rank_0_at_once() -> None:
+    """The keepalive's broadcast raises: rank 0's RPC shell raises TaskDied naming the command loop and
+    the error at the keepalive's first broadcast (before: nothing until shutdown; the other ranks'
+    receive would have timed out half an hour later). Real time: the loop is a thread."""
+    from flashrl.trainer.loop import CommandLoop, serve
 
-    monkeypatch.setattr(transport, "RpcServer", _Server)
-    monkeypatch.setattr(worker, "KEEPALIVE_S", 4.0)
-    monkeypatch.delenv("FLASHRL_CURVE_KEYS", raising=False)
     fanout = _Fanout()
+    commands = CommandLoop(_Trainer(), fanout, keepalive_s=0.05)  # type: ignore[arg-type]
     seen: dict[str, float] = {}
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = time.monotonic()
         try:
-            async with asyncio.timeout(600):  # virtual seconds: the old leader waited for a stop that never came
-                await worker.leader_loop(_Trainer(), fanout, "inproc://unused")  # type: ignore[arg-type]
+            async with asyncio.timeout(30):  # the old leader waited for a stop that never came
+                await serve(commands, lambda handle: _Server())
         finally:
-            seen["s"] = loop.time() - t0
+            seen["s"] = time.monotonic() - t0
 
-    with pytest.raises(TaskDied, match=r"task 'keepalive' died: RuntimeError: broadcast to rank 1 failed"):
-        run_virtual(main)
+    with pytest.raises(TaskDied, match=r"task 'trainer-loop' died: RuntimeError: broadcast to rank 1 failed"):
+        asyncio.run(main())
     assert seen["s"] <= 5.0 and [type(m) for m in fanout.sent] == [Ping]
 
 
