@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.supervise import backoff, controller_command, decide, leftovers
+from flashrl.supervise import backoff, controller_command, decide, leftovers, streak_after
 
 
 @pytest.mark.parametrize(("code", "stopping", "restarts", "want"), [
@@ -24,6 +24,17 @@ def test_decide(code: int, stopping: bool, restarts: int, want: str) -> None:
 
 def test_backoff_doubles_to_its_cap() -> None:
     assert [backoff(n, 2.0, 60.0) for n in (1, 2, 3, 4, 5, 6, 7)] == [2, 4, 8, 16, 32, 60, 60]
+
+
+def test_the_backoff_starts_over_after_a_healthy_controller() -> None:
+    """Quick deaths in a row double the wait; one that lived HEALTHY_S resets it (a chaos run of 3 minutes
+    waited 2, 4, 8, 16, 32 and 60 s for six controllers that each trained for 20-60 s before this)."""
+    streak = 0
+    waits = []
+    for lived in (5.0, 5.0, 5.0, 61.0, 5.0, 120.0):
+        streak = streak_after(streak, lived, healthy_s=60.0)
+        waits.append(backoff(streak, 2.0, 60.0))
+    assert waits == [2, 4, 8, 2, 4, 2]
 
 
 def test_leftovers_are_the_processes_that_name_the_dead_parent(tmp_path: Path) -> None:
