@@ -7,10 +7,11 @@ that it lost nothing. The plan, the process kinds and the report: chaos_soak_rep
         process: the whole run dies with the bench)
       every 0.25 s: new metrics.jsonl lines -> OUT/chaos/steps.jsonl (every line seen, whichever
                     controller wrote it: resumes cut the file back, the history keeps what was cut)
-      at each slot of the plan (seeded; the window starts at the first trained step):
-                    the process tree under the supervisor (psutil) -> the targets by kind -> SIGKILL
-                    one -> OUT/chaos/kills.jsonl; a slot with nothing to kill waits (the controller's
-                    slots also wait for a first checkpoint: before it a restart would start over)
+      at each slot of the plan (seeded; the window starts at the first trained step): its kind
+                    (draw_kind), the process tree under the supervisor (psutil) -> the targets by kind
+                    -> SIGKILL one of that kind -> OUT/chaos/kills.jsonl; a slot with nothing of its
+                    kind alive waits (the controller's slots also wait for a first checkpoint: before
+                    it a restart would start over)
       after the window: no more kills; wait for the supervisor to exit (the run ends at step N)
     every process seen, and every process naming one of them as FLASHRL_PARENT_PID, still alive 30 s
     later -> OUT/chaos/exit.json ("left"); the bench kills them
@@ -38,7 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from flashrl.bench.chaos import _Tail
-from flashrl.bench.chaos_soak_report import ProcInfo, Slot, analyze, load, markdown, pick, plan, targets
+from flashrl.bench.chaos_soak_report import (
+    KIND_WAIT_S,
+    ProcInfo,
+    Slot,
+    analyze,
+    draw_kind,
+    load,
+    markdown,
+    pick,
+    plan,
+    redraw,
+    targets,
+)
 
 SURVIVOR_WAIT_S = 30.0
 POLL_S = 0.25
@@ -151,6 +164,8 @@ class Soak:
         start: float | None = None
         last_step = -1
         i = 0
+        kind: str | None = None  # the kind slot i kills (drawn when it is due)
+        run_kinds: set[str] = set()  # every kind seen alive so far
         deadline = time.monotonic() + self.timeout_s
         code: int | None = None
         try:
@@ -168,6 +183,8 @@ class Soak:
                 procs = _tree(sup.pid)
                 for p in procs:
                     seen.setdefault(p.pid, p.create_time)
+                alive = targets(procs, sup.pid)
+                run_kinds |= {k for k, v in alive.items() if v}
                 if sup.poll() is not None:
                     code = sup.returncode
                     break
@@ -176,20 +193,26 @@ class Soak:
                     break
                 if start is None or i >= len(self.slots) or self.now() < start + self.slots[i].t:
                     continue
-                alive = targets(procs, sup.pid)
+                due = start + self.slots[i].t
+                if kind is None:
+                    kind = draw_kind(self.rng, self.slots[i], run_kinds)
+                    if kind is None:
+                        continue
+                elif kind != "controller" and not alive.get(kind) and self.now() > due + KIND_WAIT_S:
+                    kind = redraw(self.rng, alive) or kind
                 ckpt = (self.run_dir / "checkpoints" / "latest").exists()
-                chosen = pick(self.rng, self.slots[i], alive, controller_ok=ckpt)
-                if chosen is None:
-                    continue  # nothing of the kind alive yet (restarting): the slot waits
-                kind, proc = chosen
+                proc = pick(self.rng, kind, alive, controller_ok=ckpt)
+                if proc is None:
+                    continue  # none of the kind alive now (restarting), or no checkpoint yet: the slot waits
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
-                ev = {"t": self.now(), "slot": i, "planned_t": round(start + self.slots[i].t, 2), "kind": kind,
+                ev = {"t": self.now(), "slot": i, "planned_t": round(due, 2), "kind": kind,
                       "pid": proc.pid, "step": last_step, "alive": {k: len(v) for k, v in alive.items()}}
                 kills_f.write(json.dumps(ev) + "\n")
                 kills_f.flush()
                 self.say(f"kill {i + 1}/{len(self.slots)}: SIGKILL {kind} pid {proc.pid} at step {last_step}")
                 i += 1
+                kind = None
         finally:
             steps_f.close()
             kills_f.close()
@@ -205,6 +228,7 @@ class Soak:
         left = self._survivors(seen, sup.pid)
         (rec / "exit.json").write_text(json.dumps({
             "exit_code": code, "end_t": end_t, "kills_done": i, "kills_planned": len(self.slots), "left": left,
+            "run_kinds": sorted(run_kinds),
             "window_s": round(min(self.now() - start, self.minutes * 60), 1) if start is not None else 0.0}, indent=1))
         return code
 

@@ -6,7 +6,9 @@ The plan (``plan``): kill times t_1 < t_2 < ... with gaps drawn uniformly from `
 slots (``CONTROLLER_SHARE``, at least one) is reserved for the controller, one slot drawn at random in
 each of that many equal stretches of the plan, so a 30-minute plan at 30-60 s (30 to 60 slots) holds 6
 to 12 controller kills whatever the seed; every other slot kills a random kind among the kinds alive
-at that moment (engine, trainer, env, reward), then a random process of that kind.
+(engine, trainer, env, reward: every kind the run has shown so far, equally likely), then a random
+process of that kind; a slot whose kind has no live process (the run is restarting: env workers start
+after the engines) waits for one, up to ``KIND_WAIT_S``, then takes another kind alive.
 
 Which process is which (``classify``, ``targets``): the processes under the supervisor, by the module
 each one runs (``python -m flashrl.engine.server`` ...; ``KIND_MODULES``); the controller is the
@@ -55,6 +57,7 @@ KINDS = ("engine", "trainer", "env", "reward", "controller")
 KIND_MODULES = {"flashrl.engine.server": "engine", "flashrl.trainer.worker": "trainer",
                 "envs.remote": "env", "flashrl.rewards": "reward"}
 CONTROLLER_SHARE = 0.2
+KIND_WAIT_S = 60.0  # a slot waits this long for a process of its kind (an env worker while the run restarts)
 ACCURACY_POINTS = 3.0  # held-out accuracy within this many points of the undisturbed run
 _DEATH_RE = re.compile(r"death (\d+): the controller \(pid (\d+)\) ([^;]+);")
 _REAPED_RE = re.compile(r"killed (\d+) process\(es\) the dead controller had started")
@@ -144,20 +147,28 @@ def targets(procs: Sequence[ProcInfo], supervisor_pid: int) -> dict[str, list[Pr
     return out
 
 
-def pick(rng: random.Random, slot: Slot, alive: dict[str, list[ProcInfo]],
-         controller_ok: bool) -> tuple[str, ProcInfo] | None:
-    """What a slot kills, or None (wait and try again): a controller slot the controller (once
-    ``controller_ok``: a checkpoint exists to resume from), any other slot a random kind among the
-    others alive, then a random process of it."""
+def draw_kind(rng: random.Random, slot: Slot, run_kinds: set[str]) -> str | None:
+    """The kind a slot kills: the controller for its slots, else a random one of the other kinds this run has
+    shown (``run_kinds``: every kind seen alive so far), or None while none was seen."""
     if slot.controller:
-        if controller_ok and alive.get("controller"):
-            return "controller", rng.choice(alive["controller"])
+        return "controller"
+    kinds = sorted(k for k in run_kinds if k != "controller")
+    return rng.choice(kinds) if kinds else None
+
+
+def pick(rng: random.Random, kind: str, alive: dict[str, list[ProcInfo]], controller_ok: bool) -> ProcInfo | None:
+    """A random live process of ``kind``, or None (the slot waits: none alive now, the run is restarting; or,
+    for the controller, no checkpoint yet to resume from)."""
+    if kind == "controller" and not controller_ok:
         return None
+    procs = alive.get(kind) or []
+    return rng.choice(procs) if procs else None
+
+
+def redraw(rng: random.Random, alive: dict[str, list[ProcInfo]]) -> str | None:
+    """A slot whose kind stayed dead too long (``KIND_WAIT_S``) takes a random other kind alive now."""
     kinds = [k for k in KINDS if k != "controller" and alive.get(k)]
-    if not kinds:
-        return None
-    k = rng.choice(kinds)
-    return k, rng.choice(alive[k])
+    return rng.choice(kinds) if kinds else None
 
 
 # --------------------------------------------------------------------------- the report
@@ -178,6 +189,7 @@ class Records(msgspec.Struct):
     baseline: list[dict[str, Any]] | None = None  # the undisturbed run's metrics.jsonl
     window_s: float = 0.0
     end_t: float | None = None  # bench time the run ended (the last kill's window closes there)
+    run_kinds: list[str] = []  # the kinds of process the run had (seen alive at least once)
 
 
 def _canon(row: dict[str, Any]) -> str:
@@ -296,6 +308,7 @@ def analyze(rec: Records, min_controller_kills: int = 0, points: float = ACCURAC
         "no_sample_lost": samples_lost == 0,
         "no_process_left": not rec.left,
         f"controller_kills_ge_{min_controller_kills}": per_kind["controller"]["kills"] >= min_controller_kills,
+        "every_kind_killed": all(per_kind[k]["kills"] for k in rec.run_kinds),
     }
     if rec.baseline is not None:
         checks[f"accuracy_within_{points:g}_points"] = "diff_points" in acc and abs(acc["diff_points"]) <= points
@@ -303,6 +316,7 @@ def analyze(rec: Records, min_controller_kills: int = 0, points: float = ACCURAC
         "checks": checks, "pass": all(checks.values()), "exit_code": rec.exit_code,
         "window_s": rec.window_s,
         "kills": {k: v["kills"] for k, v in per_kind.items()}, "kills_total": len(rec.kills),
+        "run_kinds": rec.run_kinds,
         "lineage": lin,
         "prompts": {k: v for k, v in prompts.items() if k != "epochs"},
         "samples_lost": samples_lost,
@@ -330,7 +344,8 @@ def markdown(rep: dict[str, Any], command: str) -> str:
         f"**{'PASS' if rep['pass'] else 'FAIL'}**: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in rep["checks"].items()),
         "", "| | |", "|---|---|",
         f"| chaos window / kills | {rep['window_s']:.0f} s / {rep['kills_total']} |",
-        "| kills per kind | " + ", ".join(f"{k} {n}" for k, n in rep["kills"].items()) + " |",
+        "| kills per kind (kinds the run had) | " + ", ".join(f"{k} {n}" for k, n in rep["kills"].items())
+        + f" ({', '.join(rep['run_kinds']) or '-'}) |",
         f"| steps in the final lineage / asked; trained twice; missing | {lin['last_step']} / {lin['steps_asked']}; "
         f"{lin['trained_twice'] or 0}; {lin['missing'] or 0} |",
         f"| prompts: trained / handed out / outstanding at end / dropped; trained twice / lost | {p.get('trained_prompts')} / "
@@ -383,4 +398,5 @@ def load(out: Path, run_dir: Path, baseline_dir: Path | None, steps_asked: int |
         supervisor_log=(run_dir / "supervisor.log").read_text() if (run_dir / "supervisor.log").exists() else "",
         group_size=group_size, steps_asked=steps_asked, left=meta.get("left", []), exit_code=meta.get("exit_code"),
         baseline=_jsonl(baseline_dir / "metrics.jsonl") if baseline_dir is not None else None,
-        window_s=float(meta.get("window_s", 0.0)), end_t=meta.get("end_t"))
+        window_s=float(meta.get("window_s", 0.0)), end_t=meta.get("end_t"),
+        run_kinds=list(meta.get("run_kinds", [])))

@@ -17,6 +17,7 @@ from flashrl.bench.chaos_soak_report import (
     Slot,
     analyze,
     classify,
+    draw_kind,
     kill_costs,
     lineage,
     load,
@@ -25,6 +26,7 @@ from flashrl.bench.chaos_soak_report import (
     pick,
     plan,
     redone,
+    redraw,
     step_time,
     targets,
 )
@@ -88,17 +90,23 @@ def test_targets_by_kind_from_the_process_tree() -> None:
     assert classify(["flashrl", "run", "x.toml"]) is None  # only what Child.spawn starts (python -m ...)
 
 
-def test_a_controller_slot_waits_for_a_checkpoint_and_other_slots_never_kill_it() -> None:
+def test_a_slot_draws_a_kind_the_run_has_and_waits_for_one_alive() -> None:
     alive = targets(_procs(), supervisor_pid=1)
     rng = random.Random(0)
-    assert pick(rng, Slot(t=1, controller=True), alive, controller_ok=False) is None
-    kind, proc = pick(rng, Slot(t=1, controller=True), alive, controller_ok=True) or ("", None)
-    assert kind == "controller" and proc is not None and proc.pid == 10
-    drawn = {pick(rng, Slot(t=1, controller=False), alive, controller_ok=True)[0] for _ in range(200)}  # type: ignore[index]
-    assert drawn == {"engine", "trainer", "env", "reward"}
-    only_engine = {"engine": alive["engine"], "controller": alive["controller"]}
-    assert {pick(rng, Slot(t=1, controller=False), only_engine, True)[0] for _ in range(20)} == {"engine"}  # type: ignore[index]
-    assert pick(rng, Slot(t=1, controller=False), {"controller": alive["controller"]}, True) is None
+    ctl = Slot(t=1, controller=True)
+    assert draw_kind(rng, ctl, set()) == "controller"
+    assert pick(rng, "controller", alive, controller_ok=False) is None  # no checkpoint yet: it waits
+    assert (pick(rng, "controller", alive, controller_ok=True) or ProcInfo(0, 0, [])).pid == 10
+    any_slot = Slot(t=1, controller=False)
+    assert draw_kind(rng, any_slot, set()) is None  # nothing seen yet
+    seen = {"engine", "trainer", "env", "controller"}
+    assert {draw_kind(rng, any_slot, seen) for _ in range(200)} == {"engine", "trainer", "env"}  # never the controller
+    # restarting: only engines and the trainer alive; an env slot waits, then takes a kind alive
+    starting = {"engine": alive["engine"], "trainer": alive["trainer"], "controller": alive["controller"]}
+    assert pick(rng, "env", starting, controller_ok=True) is None
+    assert {redraw(rng, starting) for _ in range(50)} == {"engine", "trainer"}
+    assert redraw(rng, {"controller": alive["controller"]}) is None
+    assert {(pick(rng, "engine", alive, True) or ProcInfo(0, 0, [])).pid for _ in range(50)} == {11, 12}
 
 
 def test_lineage_flags_a_step_trained_twice_and_a_missing_one() -> None:
@@ -136,7 +144,8 @@ def test_steps_redone_are_the_lines_not_in_the_lineage() -> None:
 
 
 def _write(out: Path, *, steps: list[int], uids: dict[int, list[int]], next_uid: int, kills: list[dict[str, Any]],
-           left: list[dict[str, Any]] | None = None, acc: float = 0.8, exit_code: int = 0) -> Path:
+           left: list[dict[str, Any]] | None = None, acc: float = 0.8, exit_code: int = 0,
+           run_kinds: list[str] | None = None) -> Path:
     run = out / "run"
     (out / "chaos").mkdir(parents=True)
     run.mkdir(parents=True)
@@ -155,7 +164,8 @@ def _write(out: Path, *, steps: list[int], uids: dict[int, list[int]], next_uid:
     hist += [{"t": 40.0 + i, "row": r} for i, r in enumerate(rows[3:])]
     (out / "chaos" / "steps.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     (out / "chaos" / "kills.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kills))
-    (out / "chaos" / "exit.json").write_text(json.dumps({"exit_code": exit_code, "left": left or [], "window_s": 60, "end_t": 50.0}))
+    (out / "chaos" / "exit.json").write_text(json.dumps({"exit_code": exit_code, "left": left or [], "window_s": 60, "end_t": 50.0,
+                                                          "run_kinds": run_kinds or ["controller", "engine"]}))
     (run / "config.toml").write_text("[rollout]\ngroup_size = 4\n")
     (run / "final_controller.json").write_text(json.dumps({"next_uid": next_uid, "readmit": [], "dropped_uids": [],
                                                           "counters": {}}))
@@ -213,10 +223,11 @@ def test_a_step_trained_twice_and_a_missing_step_fail_the_report(tmp_path: Path)
 def test_a_process_left_a_lost_accuracy_and_too_few_controller_kills_fail(tmp_path: Path) -> None:
     uids = {s: [2 * (s - 1), 2 * (s - 1) + 1] for s in range(1, 7)}
     run = _write(tmp_path, steps=list(range(7)), uids=uids, next_uid=12, kills=KILLS[1:],
-                 left=[{"pid": 7, "cmdline": "python -m flashrl.engine.server"}], acc=0.7, exit_code=1)
+                 left=[{"pid": 7, "cmdline": "python -m flashrl.engine.server"}], acc=0.7, exit_code=1,
+                 run_kinds=["controller", "engine", "env"])
     rep = analyze(load(tmp_path, run, tmp_path / "baseline", steps_asked=6), min_controller_kills=5)
     assert {k for k, v in rep["checks"].items() if not v} == {
-        "run_finished", "no_process_left", "controller_kills_ge_5", "accuracy_within_3_points"}
+        "run_finished", "no_process_left", "controller_kills_ge_5", "accuracy_within_3_points", "every_kind_killed"}
     assert rep["accuracy"]["diff_points"] == -9.0
 
 
