@@ -76,25 +76,26 @@ def _tree(root: int) -> list[ProcInfo]:
 
 def _still_alive(seen: dict[int, float], parents: set[int]) -> list[dict[str, Any]]:
     """Processes of the run still alive: one seen (same pid and start time) or one whose environment names a
-    seen process (or the supervisor) as its FLASHRL_PARENT_PID."""
+    seen process (or the supervisor) as its FLASHRL_PARENT_PID (one pass over /proc)."""
     import psutil
 
-    from flashrl.supervise import leftovers
+    from flashrl.procs import PARENT_ENV
 
     found: dict[int, dict[str, Any]] = {}
-    for pid, ct in seen.items():
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            if abs(p.create_time() - ct) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
-                found[pid] = {"pid": pid, "cmdline": " ".join(p.cmdline())[:200]}
-    for parent in parents:
-        for pid in leftovers(parent):
-            if pid == os.getpid() or pid in found:
-                continue
-            with contextlib.suppress(psutil.Error):
+    prefix = f"{PARENT_ENV}=".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        with contextlib.suppress(OSError, psutil.Error, ValueError):
+            named = [int(v[len(prefix):]) for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(prefix)]
+            ours = bool(named) and named[0] in parents
+            if not ours and pid in seen:
+                ours = abs(psutil.Process(pid).create_time() - seen[pid]) < 0.01
+            if ours:
                 p = psutil.Process(pid)
                 if p.status() != psutil.STATUS_ZOMBIE:
-                    found[pid] = {"pid": pid, "cmdline": " ".join(p.cmdline())[:200], "parent": parent}
+                    found[pid] = {"pid": pid, "cmdline": " ".join(p.cmdline())[:200]}
     return list(found.values())
 
 
