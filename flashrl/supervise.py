@@ -11,7 +11,8 @@
                           SIGTERM -> SIGKILL after STOP_GRACE_S; nothing restarted          -> exit 130
         anything else     a death (OOM killer, SIGKILL, a crash): logged with its cause; what the dead
                           controller started and left behind is killed; after a backoff (2 s, doubling to
-                          60 s) the controller is started again with --resume (the latest checkpoint, its
+                          60 s with each quick death in a row; back to 2 s after a controller that
+                          lived HEALTHY_S or wrote a checkpoint) the controller is started again with --resume (the latest checkpoint, its
                           unfinished rollouts continued; none yet: the run starts over), until
                           ``max_restarts`` restarts are spent                              -> exit 1
     runs/<name>/supervisor.log: one line per start, death and decision, each death with its cause.
@@ -37,11 +38,27 @@ from flashrl.procs import PARENT_ENV, Child, child_init, exit_text, signal_group
 STOP_GRACE_S = 60.0  # after a stop signal: the controller's checkpoint-and-stop, then SIGKILL
 BACKOFF_S = (2.0, 60.0)  # first wait before a restart, and its cap (doubling in between)
 LEFTOVER_WAIT_S = 10.0  # a dead controller's children kill themselves (their watchdog); after this, we do
+HEALTHY_S = 60.0  # a controller that lived this long before dying starts the backoff over
 
 
 def backoff(restart: int, first: float = BACKOFF_S[0], cap: float = BACKOFF_S[1]) -> float:
     """Seconds to wait before restart number ``restart`` (1, 2, ...): first, 2 x first, ... capped."""
     return min(cap, first * 2 ** max(0, restart - 1))
+
+
+def streak_after(streak: int, lived_s: float, progressed: bool = False, healthy_s: float = HEALTHY_S) -> int:
+    """Deaths in a row that count for the backoff: a controller that lived ``healthy_s`` or more before dying,
+    or wrote a checkpoint (``progressed``), starts it over (1); a quick death that kept nothing adds one.
+    Without this, a long run's every later death (one a day over a week) would wait the cap, however
+    healthy the run was in between; a controller that cannot start still backs off to the cap."""
+    return 1 if lived_s >= healthy_s or progressed else streak + 1
+
+
+def latest_checkpoint(run_dir: Path) -> str:
+    """What runs/<name>/checkpoints/latest names ("" when none): a new one means the controller kept progress."""
+    with contextlib.suppress(OSError):
+        return (run_dir / "checkpoints" / "latest").read_text().strip()
+    return ""
 
 
 def decide(code: int, stopping: bool, restarts: int, max_restarts: int) -> str:
@@ -75,13 +92,15 @@ class Supervisor:
     """Keeps ``flashrl run`` going; ``command(resume)`` is the controller's command line."""
 
     def __init__(self, command: Callable[[bool], Sequence[str]], log_path: Path, controller_log: Path,
-                 max_restarts: int = 10, resume_first: bool = False, first_backoff_s: float = BACKOFF_S[0]) -> None:
+                 max_restarts: int = 10, resume_first: bool = False, first_backoff_s: float = BACKOFF_S[0],
+                 checkpoint: Callable[[], str] = lambda: "") -> None:
         self.command = command
         self.log_path = log_path
         self.controller_log = controller_log
         self.max_restarts = max_restarts
         self.resume_first = resume_first
         self.first_backoff_s = first_backoff_s
+        self.checkpoint = checkpoint  # the latest checkpoint's name (latest_checkpoint): progress kept
         self.restarts = 0
         self.deaths: list[str] = []
         self._stop = asyncio.Event()
@@ -112,8 +131,10 @@ class Supervisor:
 
     async def run(self) -> int:
         resume = self.resume_first
+        streak = 0  # quick deaths in a row (streak_after): the backoff's exponent
         while True:
             cmd = list(self.command(resume))
+            kept = self.checkpoint()
             child = Child.spawn("controller", cmd, None)  # its output (the dashboard) is ours
             self.say(f"started the controller (pid {child.pid}, attempt {self.restarts + 1}"
                      f"{', --resume' if resume else ''}): {' '.join(cmd[2:])}")
@@ -147,7 +168,8 @@ class Supervisor:
                          f"({self.max_restarts}) spent, giving up. Last lines of {self.controller_log}: {last}")
                 return 1
             self.restarts += 1
-            wait_s = backoff(self.restarts, self.first_backoff_s)
+            streak = streak_after(streak, time.monotonic() - child.spawned_at, self.checkpoint() != kept)
+            wait_s = backoff(streak, self.first_backoff_s)
             self.say(f"death {len(self.deaths)}: the controller (pid {child.pid}) {cause}; restart "
                      f"{self.restarts} of {self.max_restarts} from the latest checkpoint in {wait_s:.0f} s. "
                      f"Last lines of {self.controller_log}: {last}")
@@ -179,7 +201,8 @@ def main(config: Path, overrides: Sequence[str], run_dir: Path, max_restarts: in
     """Supervise a run to its end; the process exit code (0 finished, 1 gave up, 2 refused, 130 stopped)."""
     child_init("flashrl supervise")  # started by a test or a bench: die with it
     sup = Supervisor(controller_command(config, overrides, run_dir), run_dir / "supervisor.log",
-                     run_dir / "logs" / "controller.log", max_restarts, resume, first_backoff_s)
+                     run_dir / "logs" / "controller.log", max_restarts, resume, first_backoff_s,
+                     checkpoint=lambda: latest_checkpoint(run_dir))
 
     async def go() -> int:
         loop = asyncio.get_running_loop()

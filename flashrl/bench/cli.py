@@ -6,7 +6,7 @@
     flashrl bench scenario PATH.toml [...]      your own scenario file (``flashrl bench PATH.toml`` also works)
     flashrl bench all [--mode sim|real]         every shipped scenario of one mode (default sim)
     flashrl bench calibrate RUN_DIR | --cross RESULTS.json ...
-    flashrl bench algorithms | chaos [CONFIG] | peers | seeds | steptime [--compare A.json B.json]
+    flashrl bench algorithms | chaos | chaos-scripted [CONFIG] | peers | seeds | steptime [--compare A.json B.json]
     flashrl bench controller-profile            where the controller's CPU goes (cProfile)
 
 Every command has its own ``--help``. Option errors exit 2 with click's usage line; a problem found
@@ -197,6 +197,47 @@ def algorithms(
 @bench_app.command(rich_help_panel=MODES_PANEL)
 def chaos(
     ctx: typer.Context,
+    config: Annotated[str, typer.Option("--config", help="the config of the run under failures")] = "configs/tools.toml",
+    minutes: Annotated[float, typer.Option("--minutes", min=0.1, help="length of the chaos window (from the first trained step)")] = 30.0,
+    seed: Annotated[int, typer.Option("--seed", help="the run's seed (run.seed) and the kill plan's")] = 0,
+    every: Annotated[str, typer.Option("--every", help="seconds between kills, LO-HI (drawn uniformly)")] = "30-60",
+    out: Annotated[str, typer.Option("--out", help="report.json, report.md and the runs' records")] = "bench/results/chaos-all",
+    baseline: Annotated[bool, typer.Option(
+        "--baseline", help="first run the same config and seed undisturbed (its steps: the window, or --steps); the "
+                           "chaos run then trains as many steps and must end within 3 points of its held-out accuracy")] = False,
+    baseline_dir: Annotated[Optional[str], typer.Option(
+        "--baseline-dir", help="an undisturbed run's folder to compare with (instead of --baseline)")] = None,
+    steps: Annotated[Optional[int], typer.Option(
+        "--steps", min=1, help="training steps of the run(s) (default: the baseline's; without one, the run stops "
+                               "after --minutes of training time)")] = None,
+    sets: Sets = None,
+    timeout_s: Annotated[Optional[float], typer.Option(
+        "--timeout-s", help="seconds before the chaos run is stopped (default: 3 x the window + 15 min)")] = None,
+) -> None:
+    """A supervised run (`flashrl run --supervise`) while a random process of any kind (engine, trainer rank, env
+    worker, reward worker, the controller itself) is SIGKILLed every --every seconds; the report proves every
+    step and prompt trained once, no sample lost, no process left (exit 1 when it fails)."""
+    from flashrl.bench.chaos_soak import run_soak
+    from flashrl.bench.chaos_soak_report import parse_every
+
+    if baseline and baseline_dir:
+        raise typer.BadParameter("give --baseline (run one) or --baseline-dir (an existing run), not both",
+                                 param_hint="--baseline-dir")
+    try:
+        rng = parse_every(every)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--every") from None
+    if baseline_dir and not (Path(baseline_dir) / "metrics.jsonl").exists():
+        raise typer.BadParameter(f"{baseline_dir}: no metrics.jsonl; give the folder of a finished run "
+                                 "(runs/<name>)", param_hint="--baseline-dir")
+    command = " ".join(["flashrl bench chaos", *_given(ctx)])
+    _exit(run_soak(config, out, command, minutes=minutes, every=rng, seed=seed, baseline=baseline,
+                   baseline_dir=baseline_dir, steps=steps, sets=sets or [], timeout_s=timeout_s))
+
+
+@bench_app.command("chaos-scripted", rich_help_panel=MODES_PANEL)
+def chaos_scripted(
+    ctx: typer.Context,
     config: Annotated[str, typer.Argument(metavar="CONFIG", help="the config of the run under failures")] = "configs/tiny.toml",
     out: Annotated[str, typer.Option("--out", help="report.json, report.md and the run's records")] = "bench/results/chaos",
     kill_every: Annotated[float, typer.Option("--kill-every", help="seconds between engine SIGKILLs")] = 60.0,
@@ -217,11 +258,12 @@ def chaos(
     sets: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="a config override for both segments (repeatable)")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="seconds before the run is stopped")] = 1800.0,
 ) -> None:
-    """A training run under repeated failures (engines SIGKILLed, one inside a weight sync; then `flashrl run`
-    itself, resumed), and the proof it lost nothing (exit 1 when the report fails)."""
+    """A scripted failure run: engines SIGKILLed in turn, one inside a weight sync, then `flashrl run` itself,
+    resumed by hand; and the proof it lost nothing (exit 1 when the report fails). Every kind at random,
+    supervised: `flashrl bench chaos`."""
     from flashrl.bench.chaos import run_chaos
 
-    command = " ".join(["flashrl bench chaos", *_given(ctx)])
+    command = " ".join(["flashrl bench chaos-scripted", *_given(ctx)])
     _exit(run_chaos(config, out, command, kill_every=kill_every, controller_kill_after=controller_kill_after,
                     sync_kill=sync_kill, engine_kills=engine_kills,
                     min_gain=min_gain, end_after=end_after, sets=sets or [],

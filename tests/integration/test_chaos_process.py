@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chaos_run_short(tmp_path: Path) -> None:
-    """`flashrl bench chaos`, cut down: one engine SIGKILLed inside a weight sync, then (once it is back)
+    """`flashrl bench chaos-scripted`, cut down: one engine SIGKILLed inside a weight sync, then (once it is back)
     `flashrl run` SIGKILLed and resumed. The promises: every process of the killed run gone within 30 s,
     the engine counted dead and back, metrics.jsonl steps once each, no prompt trained twice or lost
     (every uid handed out is trained or outstanding at the end), exit 0."""
     out = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "flashrl.cli", "bench", "chaos", str(ROOT / "configs" / "tiny.toml"), "--out", str(out),
+    cmd = [sys.executable, "-m", "flashrl.cli", "bench", "chaos-scripted", str(ROOT / "configs" / "tiny.toml"), "--out", str(out),
            "--kill-every", "15", "--engine-kills", "1", "--sync-kill", "0", "--controller-kill-after", "20",
            "--min-gain", "-100", "--end-after", "5", "--timeout-s", "500",
            "--set", "run.max_time_s=0", "--set", "run.steps=100000", "--set", "run.checkpoint_every=5",

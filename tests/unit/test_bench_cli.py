@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from flashrl.bench.cli import SHIPPED, bench_app
 from flashrl.cli import app
 
-MODES = ["all", "scenario", "calibrate", "algorithms", "chaos", "peers", "seeds", "steptime", "controller-profile"]
+MODES = ["all", "scenario", "calibrate", "algorithms", "chaos", "chaos-scripted", "peers", "seeds", "steptime", "controller-profile"]
 runner = CliRunner()
 
 
@@ -73,7 +73,11 @@ def test_an_unknown_option_is_a_usage_error(name: str) -> None:
     (["calibrate", "--cross", "r.json", "--no-predict"], "apply to a run directory, not to --cross"),
     (["steptime", "--compare"], "give the profiles to compare"),
     (["steptime", "a.json"], "without --compare"),
-    (["chaos", "--kill-every", "soon"], "Invalid value for '--kill-every'"),
+    (["chaos-scripted", "--kill-every", "soon"], "Invalid value for '--kill-every'"),
+    (["chaos", "--every", "60-30"], "give seconds between kills as LO-HI"),
+    (["chaos", "--every", "soon"], "give seconds between kills as LO-HI"),
+    (["chaos", "--baseline", "--baseline-dir", "x"], "not both"),
+    (["chaos", "--baseline-dir", "no/such/run"], "no metrics.jsonl"),
 ])
 def test_a_bad_value_names_the_option(args: list[str], message: str) -> None:
     result = runner.invoke(bench_app, args)
@@ -153,13 +157,28 @@ def test_chaos_names_the_command_it_was_given(monkeypatch: pytest.MonkeyPatch) -
     from flashrl.bench import chaos, chaos_report
 
     calls = _capture(monkeypatch, chaos, "run_chaos", 0)
-    args = ["chaos", "configs/x.toml", "--kill-every", "30", "-s", "a=1", "--set", "b=2"]
+    args = ["chaos-scripted", "configs/x.toml", "--kill-every", "30", "-s", "a=1", "--set", "b=2"]
     assert runner.invoke(bench_app, args).exit_code == 0
     ((config, out, command, kw),) = calls
     assert (config, out) == ("configs/x.toml", "bench/results/chaos")
-    assert command == "flashrl bench chaos configs/x.toml --kill-every 30.0 --set a=1 --set b=2"
+    assert command == "flashrl bench chaos-scripted configs/x.toml --kill-every 30.0 --set a=1 --set b=2"
     assert kw == {"kill_every": 30.0, "controller_kill_after": 150.0, "sync_kill": 1, "engine_kills": -1,
                   "min_gain": chaos_report.MIN_GAIN_POINTS, "end_after": None, "sets": ["a=1", "b=2"], "timeout_s": 1800.0}
+
+
+def test_chaos_hands_its_options_and_names_its_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrl.bench import chaos_soak
+
+    calls = _capture(monkeypatch, chaos_soak, "run_soak", 0)
+    assert runner.invoke(bench_app, ["chaos"]).exit_code == 0
+    args = ["chaos", "--config", "configs/tiny.toml", "--minutes", "3", "--every", "20-30", "--seed", "4", "-s", "a=1"]
+    assert runner.invoke(bench_app, args).exit_code == 0
+    (config, out, command, kw), (config2, out2, command2, kw2) = calls
+    assert (config, out, command) == ("configs/tools.toml", "bench/results/chaos-all", "flashrl bench chaos")
+    assert kw == {"minutes": 30.0, "every": (30.0, 60.0), "seed": 0, "baseline": False, "baseline_dir": None,
+                  "steps": None, "sets": [], "timeout_s": None}
+    assert command2 == "flashrl bench chaos --config configs/tiny.toml --minutes 3.0 --seed 4 --every 20-30 --set a=1"
+    assert kw2["every"] == (20.0, 30.0) and kw2["seed"] == 4 and kw2["sets"] == ["a=1"]
 
 
 def test_algorithms_and_steptime_keep_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

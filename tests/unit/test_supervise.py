@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashrl.supervise import backoff, controller_command, decide, leftovers
+from flashrl.supervise import backoff, controller_command, decide, latest_checkpoint, leftovers, streak_after
 
 
 @pytest.mark.parametrize(("code", "stopping", "restarts", "want"), [
@@ -24,6 +24,26 @@ def test_decide(code: int, stopping: bool, restarts: int, want: str) -> None:
 
 def test_backoff_doubles_to_its_cap() -> None:
     assert [backoff(n, 2.0, 60.0) for n in (1, 2, 3, 4, 5, 6, 7)] == [2, 4, 8, 16, 32, 60, 60]
+
+
+def test_the_backoff_starts_over_after_a_healthy_controller() -> None:
+    """Quick deaths in a row double the wait; one that lived HEALTHY_S or wrote a checkpoint resets it (a chaos
+    run of 3 minutes waited 2, 4, 8, 16, 32 and 60 s for six controllers that each trained for 20-60 s
+    before this)."""
+    streak = 0
+    waits = []
+    for lived, ckpt in ((5.0, False), (5.0, False), (5.0, False), (61.0, False), (5.0, False), (120.0, False),
+                        (5.0, False), (30.0, True), (5.0, False)):
+        streak = streak_after(streak, lived, ckpt, healthy_s=60.0)
+        waits.append(backoff(streak, 2.0, 60.0))
+    assert waits == [2, 4, 8, 2, 4, 2, 4, 2, 4]
+
+
+def test_latest_checkpoint_names_the_pointer(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) == ""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-40\n")
+    assert latest_checkpoint(tmp_path) == "step-40"
 
 
 def test_leftovers_are_the_processes_that_name_the_dead_parent(tmp_path: Path) -> None:
