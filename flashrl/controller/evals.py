@@ -32,8 +32,7 @@ cancelled (its requests aborted, its env closed). Which copy wins depends on the
 latency, not on what the policy does, so the eval's result is the one a run without the straggler
 gets (up to engine numerics that could turn a sampled token: then a copy whose episode is faster could
 be favoured). Counted: ``eval/hedged`` (copies started), ``eval/hedge_won`` (copies kept). The
-copies' tokens are not in ``engine_share`` (which counts the kept episodes' tokens). No copies for an
-eval on engines set apart (run.eval_engines): its length stalls nothing there. Single-turn
+copies' tokens are not in ``engine_share`` (which counts the kept episodes' tokens). Single-turn
 episodes are never copied: their time is their generation, which a copy with the same seeds repeats.
 
 Invariants: every eval token comes from the evaluated weights (the eval starts once every live
@@ -197,9 +196,7 @@ class Evals:
         if apart is not None:  # this task's requests, and those of the rollouts it starts, go there only
             EVAL_ENGINES.set(apart)
         tokens0 = sum(m.total for m in self.ctx.token_rates)
-        # copies only shorten the hold, which stalls nothing when the eval has engines of its own: there
-        # they would only take compute from training rollouts
-        hedge = _Hedge(len(self.tasks), self.cfg.rollout.max_turns > 1 and apart is None)
+        hedge = _Hedge(len(self.tasks), self.cfg.rollout.max_turns > 1)
         async with asyncio.TaskGroup() as tg:
             for k, task in enumerate(self.tasks):
                 tg.create_task(self._eval_one(k, task, version, results, hedge), name=f"eval {k} of {len(self.tasks)}")

@@ -146,22 +146,3 @@ def test_eval_engines_over_the_engine_count_is_refused(tmp_path: Any) -> None:
     p.write_text('[run]\neval_engines = 3\n[engine]\ncount = 2\n')
     with pytest.raises(ConfigError, match=r"run.eval_engines: 3 .* engine.count = 2; set run.eval_engines <= engine.count"):
         load(p)
-
-
-def test_a_multi_turn_eval_on_engines_set_apart_gets_no_copies() -> None:
-    """Stragglers' second copies shorten an eval's hold on every engine; on engines set apart the hold
-    stalls nothing, so copies would only take compute from training: none are made."""
-    suite = FakeSuite(n_eval=10, turns=2)
-    suite.step_s = lambda task, turn: 30.0 if task.id == "e3" and suite.calls[task.id] == 1 else 0.1
-    cfg = msgspec.convert({"run": {"steps": 8, "eval_every": 0, "eval_engines": 1}, "scheduler": {"async_ratio": 2},
-                           "rollout": {"group_size": 2, "batch_prompts": 2, "max_turns": 2},
-                           "engine": {"count": 2}}, Config)
-    engines = [Recording(f"e{i}", 0.2) for i in range(2)]
-    c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=1.0, sync_s=0.05))
-
-    async def main() -> RunSummary:
-        return await c.run()
-
-    summary = run_virtual(main).result
-    assert summary.steps == 8 and summary.counters.get("eval/hedged", 0) == 0
-    assert summary.eval_trainer_wait_s == 0.0  # the 30 s straggler held one engine, not the trainer
