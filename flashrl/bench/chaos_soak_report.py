@@ -54,8 +54,9 @@ import msgspec
 from flashrl.bench.chaos_report import verify_prompts
 
 KINDS = ("engine", "trainer", "env", "reward", "controller")
-KIND_MODULES = {"flashrl.engine.server": "engine", "flashrl.trainer.worker": "trainer",
-                "envs.remote": "env", "flashrl.rewards": "reward"}
+KIND_MODULES = {"flashrl.engine.server": "engine", "flashrl.trainer.worker": "trainer",  # judge engines too
+                "envs.remote": "env", "flashrl.rewards": "reward",
+                "flashrl.rewardmodel.worker": "reward"}  # [reward] model workers: reward workers as well
 CONTROLLER_SHARE = 0.2
 KIND_WAIT_S = 60.0  # a slot waits this long for a process of its kind (an env worker while the run restarts)
 ACCURACY_POINTS = 3.0  # held-out accuracy within this many points of the undisturbed run

@@ -86,6 +86,7 @@ def test_targets_by_kind_from_the_process_tree() -> None:
     t = targets(_procs(), supervisor_pid=1)
     assert {k: [p.pid for p in v] for k, v in t.items()} == {
         "engine": [11, 12], "trainer": [14], "env": [15], "reward": [17], "controller": [10]}
+    assert classify([PY, "-m", "flashrl.rewardmodel.worker", "--model", "m"]) == "reward"
     assert classify([PY, "-m", "flashrl.cli", "bench", "chaos"]) is None
     assert classify(["flashrl", "run", "x.toml"]) is None  # only what Child.spawn starts (python -m ...)
 
