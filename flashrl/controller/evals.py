@@ -67,6 +67,7 @@ __all__ = ["Evals"]
 
 log = logging.getLogger(__name__)
 
+DRAIN_POLL_S = 0.02  # how often an eval on engines set apart looks whether their training rollouts ended
 HEDGE_AT = 0.75  # the share of an eval's (multi-turn) episodes finished when the rest get a second copy
 
 
@@ -195,6 +196,7 @@ class Evals:
         apart = self.publisher.eval_engines
         if apart is not None:  # this task's requests, and those of the rollouts it starts, go there only
             EVAL_ENGINES.set(apart)
+            await self._drained(apart)
         tokens0 = sum(m.total for m in self.ctx.token_rates)
         hedge = _Hedge(len(self.tasks), self.cfg.rollout.max_turns > 1)
         async with asyncio.TaskGroup() as tg:
@@ -229,6 +231,15 @@ class Evals:
             self.record = None
         self.publisher.unhold(version)  # after the emit: the records a deferred sync carries are later steps
         done.set()
+
+    async def _drained(self, apart: frozenset[int]) -> None:
+        """Wait until the training rollouts still bound to the eval's engines (routed before the hold; no new
+        one goes there) have ended, at most rollout.trajectory_timeout_s: the eval's requests would take
+        those engines' permits, and leave them, and the groups they complete, waiting for the eval's end."""
+        router = self.ctx.router
+        deadline = self._clock() + self.cfg.rollout.trajectory_timeout_s
+        while any(router.inflight[i] for i in apart if router.alive[i]) and self._clock() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory], hedge: _Hedge) -> None:
         """Task ``k``'s episode; once ``hedge`` is due and it still runs, a second copy of it (same task, same

@@ -146,3 +146,44 @@ def test_eval_engines_over_the_engine_count_is_refused(tmp_path: Any) -> None:
     p.write_text('[run]\neval_engines = 3\n[engine]\ncount = 2\n')
     with pytest.raises(ConfigError, match=r"run.eval_engines: 3 .* engine.count = 2; set run.eval_engines <= engine.count"):
         load(p)
+
+
+class Timeline(FakeEngine):
+    """Keeps (start, end, request id) of every request on the loop clock."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, lambda r, v: ([ord("1")] * 3, 1.0 if r.request_id.startswith("eval") else 0.3),
+                         sync_s=0.1)
+        self.spans: list[tuple[float, float, str]] = []
+
+    async def generate(self, req: Generate) -> Any:
+        t0 = asyncio.get_running_loop().time()
+        out = await super().generate(req)
+        self.spans.append((t0, asyncio.get_running_loop().time(), req.request_id))
+        return out
+
+
+def test_an_eval_on_engines_set_apart_starts_once_their_training_rollouts_ended() -> None:
+    """Multi-turn training episodes routed to an engine before an eval set it apart stay there: the eval
+    waits for them (their later turns would wait behind the eval's requests for the engine's permits, and
+    their groups with them). On every engine, no training request runs while an eval request does."""
+    suite = FakeSuite(n_eval=6, turns=3)
+    suite.step_s = lambda task, turn: 0.2
+    cfg = msgspec.convert({"run": {"steps": 6, "eval_every": 2, "eval_engines": 1}, "scheduler": {"async_ratio": 2},
+                           "rollout": {"group_size": 2, "batch_prompts": 4, "max_turns": 3},
+                           "engine": {"count": 2, "max_num_seqs": 4}}, Config)
+    engines = [Timeline(f"e{i}") for i in range(2)]
+    c = Controller(cfg, TOK, suite, engines, FakeTrainer(train_s=1.0, sync_s=0.05))
+
+    async def main() -> RunSummary:
+        return await c.run()
+
+    summary = run_virtual(main).result
+    assert summary.steps == 6
+    overlaps = 0
+    for e in engines:
+        evals = [(a, b) for a, b, rid in e.spans if rid.startswith("eval")]
+        for a, b, rid in e.spans:
+            if not rid.startswith("eval"):
+                overlaps += sum(1 for x, y in evals if a < y and x < b)
+    assert overlaps == 0
