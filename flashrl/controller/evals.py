@@ -238,7 +238,8 @@ class Evals:
         those engines' permits, and leave them, and the groups they complete, waiting for the eval's end."""
         router = self.ctx.router
         deadline = self._clock() + self.cfg.rollout.trajectory_timeout_s
-        while any(router.inflight[i] for i in apart if router.alive[i]) and self._clock() < deadline:
+        # polled: the router is a pure decision object (scheduler.py: nothing there waits), and this wait is rare
+        while any(router.inflight[i] for i in apart if router.alive[i]) and self._clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _eval_one(self, k: int, task: Any, version: int, results: list[Trajectory], hedge: _Hedge) -> None:
