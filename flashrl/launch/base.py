@@ -45,6 +45,21 @@ def proc_name(role: Role, index: int) -> str:
     return f"env worker {index}"
 
 
+class CachedExit:
+    """``Proc.alive`` / ``returncode`` of a remote process (Ray, SLURM): its exit code as a watcher or poll
+    last saw it, in ``_code`` (None: running)."""
+
+    _code: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._code is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code
+
+
 @runtime_checkable
 class Proc(Protocol):
     """A started process, wherever it runs. ``procs.Child`` (local) satisfies it."""

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import ray
 
+from flashrl.launch.base import CachedExit
 from flashrl.procs import Child, exit_text, exited_within, group_alive, stop_ladder, tail
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def groups_alive(pgids: list[int]) -> int:
 
 
 # --------------------------------------------------------------------------- controller side
-class RayProc:
+class RayProc(CachedExit):
     """A process a ProcActor holds, as the controller sees it (the ``Proc`` interface).
 
     ``alive`` / ``returncode`` are cached: a watcher task awaits the actor's ``wait_exit``. An actor that
@@ -166,14 +167,6 @@ class RayProc:
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as e:
             self._tail = f"(the Ray actor holding it is gone: {type(e).__name__}: {str(e)[:500]})"
             self._code = -signal.SIGKILL
-
-    @property
-    def alive(self) -> bool:
-        return self._code is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._code
 
     async def exited(self) -> int:
         await asyncio.shield(self._watch)

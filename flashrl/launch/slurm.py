@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
+from flashrl.launch.base import CachedExit, Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
 from flashrl.launch.local import KEYS_FILE
 from flashrl.launch.slurm_job import HEAD_ENV, Plan, agent_client, node_hosts, plan
 from flashrl.procs import exit_text, stop_ladder, tail
@@ -91,7 +91,7 @@ async def _nothing() -> None:
     """The ladder's escalation for a RemoteProc: StopProc follows it either way."""
 
 
-class RemoteProc:
+class RemoteProc(CachedExit):
     """A process a node agent started (``Proc``); state cached from the launcher's polls."""
 
     def __init__(self, launcher: SlurmLauncher, node: int, key: str, name: str, log_path: Path | None, pid: int) -> None:
@@ -105,14 +105,6 @@ class RemoteProc:
         self._code: int | None = None
         self._why = ""
         self._exit = asyncio.Event()
-
-    @property
-    def alive(self) -> bool:
-        return self._code is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._code
 
     def _set_exit(self, code: int, why: str = "") -> None:
         if self._code is None:
