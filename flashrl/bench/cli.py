@@ -317,6 +317,9 @@ def _peers(seeds_mode: bool, modes: str, seeds: str, steps: int | None, config: 
 
 _MODES_HELP = ("comma-separated subset of trl (TRL, HF generate), trl-vllm (TRL, colocated vLLM), async, sync and "
                "the --variant names, run in this order")
+Modes = Annotated[str, typer.Option("--modes", help=_MODES_HELP)]
+PeerSeeds = Annotated[str, typer.Option("--seeds", help="comma-separated run.seed values")]
+PeerOut = Annotated[str, typer.Option("--out", help="results.json, .csv, .md, .png and the runs")]
 Variants = Annotated[Optional[list[str]], typer.Option(
     "--variant", help="NAME=KEY=VALUE;KEY=VALUE: another flashrl mode, the config with these overrides (repeat it; "
                       "name it in --modes), e.g. envasync='scheduler.async_ratio=0;rollout.env_async=true'")]
@@ -349,12 +352,12 @@ def _accuracies(text: str) -> list[float]:
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
 def peers(
-    modes: Annotated[str, typer.Option("--modes", help=_MODES_HELP)] = "trl,async,sync",
-    seeds: Annotated[str, typer.Option("--seeds", help="comma-separated run.seed values")] = "0",
+    modes: Modes = "trl,async,sync",
+    seeds: PeerSeeds = "0",
     steps: PeerSteps = None,
     config: PeerConfig = "configs/tiny.toml",
     sets: Sets = None,
-    out: Annotated[str, typer.Option("--out", help="results.json, .csv, .md, .png and the runs")] = "bench/results/peers",
+    out: PeerOut = "bench/results/peers",
     sync_seeds: SyncSeeds = None,
     timeout_s: PeerTimeout = None,
     resume: Resume = False,
@@ -375,12 +378,12 @@ def peers(
 
 @bench_app.command(rich_help_panel=MODES_PANEL)
 def seeds(
-    modes: Annotated[str, typer.Option("--modes", help=_MODES_HELP)] = "async",
-    seeds: Annotated[str, typer.Option("--seeds", help="comma-separated run.seed values")] = "0,1,2",
+    modes: Modes = "async",
+    seeds: PeerSeeds = "0,1,2",
     steps: PeerSteps = None,
     config: PeerConfig = "configs/tiny.toml",
     sets: Sets = None,
-    out: Annotated[str, typer.Option("--out", help="results.json, .csv, .md, .png and the runs")] = "bench/results/seeds",
+    out: PeerOut = "bench/results/seeds",
     sync_seeds: SyncSeeds = None,
     timeout_s: PeerTimeout = None,
     resume: Resume = False,
