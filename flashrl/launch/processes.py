@@ -30,6 +30,7 @@ from flashrl.deadlines import resolve as resolve_deadlines
 from flashrl.deadlines import startup_timeout_s, weight_sync_timeout_s
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
+from flashrl.launch.local import LocalLauncher
 from flashrl.procs import exit_text
 from flashrl.trainer.client import TrainerGroup
 from flashrl.wire.transport import PeerDead
@@ -230,6 +231,16 @@ class EnginePool:
         for w in self._watchers.values():
             w.cancel()
         await asyncio.gather(*(e.terminate(grace_s) for e in self.procs), return_exceptions=True)
+
+
+async def spawn_local_trainer(cfg: Config, model_path: str | Path, run_dir: str | Path, *,
+                              resume: str | Path | None = None) -> TrainerGroup:
+    """A trainer group on this machine through a local launcher of its own (cfg.cluster.interface), closed
+    with the group: the trainer alone, without engines (tests, benches)."""
+    launcher = LocalLauncher(Path(run_dir), cfg.cluster.interface)
+    launcher.preflight()
+    await launcher.start()
+    return await TrainerGroup.spawn(cfg, model_path, run_dir, resume=resume, launcher=launcher, close_launcher=True)
 
 
 @contextlib.asynccontextmanager

@@ -86,20 +86,15 @@ class TrainerGroup:
 
     @classmethod
     async def spawn(cls, cfg: Config, model_path: str | Path, run_dir: str | Path,
-                    *, resume: str | Path | None = None, launcher: Launcher | None = None) -> TrainerGroup:
-        """Start ``cfg.trainer.ranks`` worker processes through ``launcher`` (what torchrun would do).
-
-        ``launcher`` None: a local launcher of this group's own (cfg.cluster.interface), closed with it.
+                    *, launcher: Launcher, resume: str | Path | None = None,
+                    close_launcher: bool = False) -> TrainerGroup:
+        """Start ``cfg.trainer.ranks`` worker processes through ``launcher`` (what torchrun would do), a
+        started launcher handed in (launch/processes.py; the trainer knows no concrete launcher);
+        ``close_launcher``: the group owns it and closes it with itself (or at once, if the spawn fails).
         """
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        owned = None
-        if launcher is None:
-            from flashrl.launch.local import LocalLauncher
-
-            launcher = owned = LocalLauncher(run_dir, cfg.cluster.interface)
-            launcher.preflight()
-            await launcher.start()
+        owned = launcher if close_launcher else None
         world = cfg.trainer.ranks
         ep = await launcher.endpoint("trainer", 0)
         master, master_port = launcher.trainer_master(), await launcher.trainer_port()

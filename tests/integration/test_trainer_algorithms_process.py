@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flashrl.config import AlgorithmConfig
+from flashrl.launch.processes import spawn_local_trainer
 from flashrl.trainer.advantages import grpo_advantages, token_advantages
 from flashrl.trainer.batch import pad_batch
-from flashrl.trainer.client import TrainerGroup
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.trainer.worker import Trainer
@@ -188,7 +188,7 @@ async def test_two_ranks_with_critics_and_credit_match_one_rank(model_path: Path
         cfg = trainer_config(tmp_path, {"loss": "asyppo", "credit": "rhythm"}, ranks=ranks, micro_batch=2)
         run_dir = tmp_path / f"r{ranks}"
         run_dir.mkdir()
-        g = await TrainerGroup.spawn(cfg, model_path, run_dir)
+        g = await spawn_local_trainer(cfg, model_path, run_dir)
         try:
             await g.wait_ready(120)
             metrics = [(await g.train_step(_batch(s, extra=True))).metrics for s in range(2)]

@@ -16,6 +16,7 @@ import torch
 
 from flashrl.config import Config, TrainerConfig, from_dict
 from flashrl.core.lr_schedule import scheduled_lr, warmup_lr
+from flashrl.launch.processes import spawn_local_trainer
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer
 from flashrl.wire.protocol import TrainBatch, TrainSample
@@ -301,7 +302,7 @@ def _alive(pid: int) -> bool:
 async def _group(cfg: Config, model_path: Path, tmp: Path, name: str) -> TrainerGroup:
     run_dir = tmp / name
     run_dir.mkdir()
-    return await TrainerGroup.spawn(cfg, model_path, run_dir)
+    return await spawn_local_trainer(cfg, model_path, run_dir)
 
 
 def _load_dcp(path: Path, model_path: Path) -> dict[str, torch.Tensor]:
@@ -380,7 +381,7 @@ async def test_two_ranks_learn_match_one_rank_and_shut_down(model_path: Path, tm
         cfg = trainer_config(tmp_path, ranks=ranks, mini_batches=5, micro_batch=1)
         run_dir = tmp_path / f"resumed{ranks}"
         run_dir.mkdir()
-        g = await TrainerGroup.spawn(cfg, model_path, run_dir, resume=ckpt)
+        g = await spawn_local_trainer(cfg, model_path, run_dir, resume=ckpt)
         try:
             await g.wait_ready(120)
             assert await g.ping() == steps
@@ -414,7 +415,7 @@ async def test_two_ranks_write_a_background_checkpoint_that_one_rank_resumes_exa
     finally:
         await g.close()
     one = trainer_config(tmp_path, ranks=1, mini_batches=5, micro_batch=1)
-    g = await TrainerGroup.spawn(one, model_path, tmp_path / "run2", resume=root / "step-1" / TRAINER_DIR)
+    g = await spawn_local_trainer(one, model_path, tmp_path / "run2", resume=root / "step-1" / TRAINER_DIR)
     try:
         await g.wait_ready(120)
         assert await g.ping() == 1
@@ -472,7 +473,7 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
     assert not (root / "step-2").exists() and read_latest(root) == root / "step-1" and w.failed == 1
     r = find_checkpoint(tmp_path / "run")
     assert r.step == 1 and r.skipped == []
-    g = await TrainerGroup.spawn(cfg, model_path, tmp_path / "run", resume=root / "step-1" / TRAINER_DIR)
+    g = await spawn_local_trainer(cfg, model_path, tmp_path / "run", resume=root / "step-1" / TRAINER_DIR)
     try:
         await g.wait_ready(120)
         assert await g.ping() == 1

@@ -313,3 +313,14 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     assert _violations({"flashrl.core.x": {"flashrl.aio"}, "flashrl.aio": {"flashrl.core.x"}}) == [
         "flashrl.core.x -> flashrl.aio: an import against the layer order "
         "(flashrl.core may use only units listed before it in LAYERS)"]
+
+
+def test_the_roles_see_launchers_only_through_their_interface() -> None:
+    """The controller, the engine and the trainer get a launcher handed in (launch/processes.py builds it):
+    of the launch package they import only its interface, launch.base (Proc, Launcher), never a concrete
+    launcher (local, Ray, SLURM) or the modules that start a run."""
+    edges, _ = _imports(_modules())
+    roles = ("flashrl.controller", "flashrl.engine", "flashrl.trainer")
+    bad = sorted((m, t) for m, ts in edges.items() if m.startswith(roles) for t in ts
+                 if t.startswith("flashrl.launch") and t != "flashrl.launch.base")
+    assert bad == [], bad
