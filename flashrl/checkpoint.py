@@ -57,6 +57,7 @@ import msgspec
 
 from flashrl.config import Config, ConfigError, load
 from flashrl.core.lr_schedule import scheduled_lr
+from flashrl.wire.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ TRAINER_DIR = "trainer"
 LATEST = "latest"
 FORMAT = 2  # 2: the untrained rollouts in ROLLOUTS_FILE (1, without them, is read too: its groups are re-admitted)
 READS = (1, 2)
-ROLLOUTS_FORMAT = 2  # 2: SavedGroup.held (1, without it, is read too)
-ROLLOUTS_READS = (1, 2)
+# 3: each rollout is the trajectory record itself (wire/trajectory.py; 1 and 2 saved the same fields under
+# another name and decode as it); 2: SavedGroup.held (1, without it, is read too)
+ROLLOUTS_FORMAT = 3
+ROLLOUTS_READS = (1, 2, 3)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Config keys a resumed run may change: how long, how often, how it is shown, where engines run and
@@ -89,39 +92,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed from; the message names the file and the fix."""
 
 
-class SavedRollout(msgspec.Struct, kw_only=True):
-    """One rollout of an untrained group, as controller.types.Trajectory holds it less its timings
-    (controller/types.py converts; tests/unit/test_resume_rollouts.py keeps the two field lists in step).
-
-    Finished (in ``SavedGroup.samples``): the whole sample. Unfinished (``SavedGroup.unfinished``): the
-    prefix its checkpoint cut: ``turns`` 0 = cut inside its first generation (the resumed run continues
-    it from ``response_ids``), 1 = its generation came back (``finish_reason``) and its environment step
-    was running (the resumed run steps the environment with it, generating nothing); no tokens = not
-    started, or a multi-turn rollout past its first turn that restarts from scratch. Invariant:
-    ``loss_mask``, ``behav_logp`` and ``versions`` have one entry per ``response_ids`` token."""
-
-    sample_id: str
-    group: int
-    index: int
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
-    loss_mask: list[int] = []
-    behav_logp: list[float] = []
-    versions: list[int] = []
-    reward: float = 0.0
-    correct: bool = False
-    finish_reason: str = ""
-    turns: int = 0
-    engine: str = ""
-    attempts: int = 1
-    version_sent: int = 0
-    task_id: str = ""
-    metrics: dict[str, float] = {}
-    restored: int = 0  # how many resumes continued it from a snapshot
-    template_mismatch: int = -1  # multi-turn chat samples: the template re-rendering check (-1: not measured)
-    retokenize_mismatch: int = -1
-
-
 class SavedGroup(msgspec.Struct, kw_only=True):
     """One group outstanding at the checkpoint: complete and waiting for the trainer, or still generating."""
 
@@ -131,11 +101,16 @@ class SavedGroup(msgspec.Struct, kw_only=True):
     next_index: int  # the next sample index it would launch (indices seed requests, never reused)
     admitted_version: int
     completed_version: int = 0  # complete groups: the version when they completed (partial mode's bound)
-    samples: list[SavedRollout] = []  # finished samples, in the order they joined the group
-    unfinished: list[SavedRollout] = []  # one per rollout in flight (not complete groups)
+    samples: list[Trajectory] = []  # finished samples, in the order they joined the group
+    # one per rollout in flight (not complete groups): the prefix the cut took. ``turns`` 0 = cut inside its
+    # first generation (the resumed run continues it from ``response_ids``), 1 = its generation came back
+    # (``finish_reason``) and its environment step was running (the resumed run steps the environment with
+    # it, generating nothing); no tokens = not started, or a multi-turn rollout past its first turn that
+    # restarts from scratch
+    unfinished: list[Trajectory] = []
     # finished samples not yet in ``samples``: each waits for an earlier-launched rollout of its group
     # (rollout.redundant_keep = "launch_order"); the resumed group tallies them before it runs anything
-    held: list[SavedRollout] = []
+    held: list[Trajectory] = []
 
 
 class RolloutSnapshot(msgspec.Struct, kw_only=True):
@@ -486,8 +461,9 @@ def read_rollouts(path: Path, version: int) -> RolloutSnapshot:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CheckpointError(f"{path}: corrupt ({e})") from None
     if snap.format not in ROLLOUTS_READS:
-        raise CheckpointError(f"{path}: rollouts format {snap.format}, this flashrl reads "
-                              f"{', '.join(map(str, ROLLOUTS_READS))}")
+        raise CheckpointError(
+            f"{path}: rollouts format {snap.format}, this flashrl reads formats {', '.join(map(str, ROLLOUTS_READS))}: "
+            f"resume it with the flashrl that wrote it, or start the run afresh (a new run.name, or without --resume)")
     if snap.version != version:
         raise CheckpointError(f"{path}: rollouts of version {snap.version}, its controller.json is at {version}")
     for g in snap.groups:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flashrl.wire.protocol import TrainSample
+from flashrl.wire.trajectory import Trajectory
 
 
 class BatchError(ValueError):
-    """A TrainSample that cannot be trained on; the message names the sample and the field."""
+    """A Trajectory that cannot be trained on; the message names the sample and the field."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class PaddedBatch:
         return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def _check(i: int, s: TrainSample) -> None:
+def _check(i: int, s: Trajectory) -> None:
     where = f"sample {i} ({s.sample_id or 'no id'})"
     if not s.prompt_ids:
         raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
@@ -78,7 +78,7 @@ def _check(i: int, s: TrainSample) -> None:
                              "the engine reply and the trajectory are out of step")
 
 
-def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
+def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
     """Right-pad ``samples`` into a PaddedBatch (aligned as in the module docstring)."""
     if not samples:
         raise BatchError("empty batch: the trainer needs at least one sample")

@@ -24,6 +24,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.env",  # the public environment API (Task, Env, EnvSuite, StepResult, EnvFailure): pure
     "flashrl.aio",  # the hot path's asyncio toolkit
     # the wire: messages, sockets, CURVE keys, torch.distributed stores, weight-bucket format (no role owns it)
+    "flashrl.wire.trajectory",  # the trajectory record (buffer, checkpoint, trainer batch)
     "flashrl.wire.protocol",
     "flashrl.wire.transport",
     "flashrl.wire.keys",
