@@ -41,6 +41,7 @@ class Generate(Msg):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests); EOS stops otherwise
+    top_logprobs: int = 0  # k > 0: Generated.top_logprobs holds each token's k most likely (engine.top_logprobs)
 
 
 class Abort(Msg):
@@ -127,6 +128,8 @@ class Generated(Msg):
     token_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    # Generate.top_logprobs = k > 0: per token, the k most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] = []
     finish_reason: str = "stop"  # "stop" | "length" | "abort"
     engine: str = ""
 
