@@ -434,13 +434,8 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
     stays step-1, resume picks step-1, and a trainer started from it has step 1's weights and version."""
     import asyncio
 
-    from flashrl.checkpoint import (
-        TRAINER_DIR,
-        CheckpointWriter,
-        ControllerState,
-        find_checkpoint,
-        read_latest,
-    )
+    from flashrl.checkpoint import TRAINER_DIR, CheckpointWriter, ControllerState, read_latest
+    from flashrl.resuming import find_checkpoint
 
     cfg = trainer_config(tmp_path, ranks=1, checkpoint_writer="process")
     root = tmp_path / "run" / "checkpoints"

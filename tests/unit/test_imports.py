@@ -44,6 +44,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.metrics",
     "flashrl.interfaces",
     "flashrl.checkpoint",  # the run's checkpoint folders and the controller's state in them
+    "flashrl.resuming",  # which checkpoint a run resumes from, what it may change, its folder put back
     # the launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys; the
     # package minus its two upper modules below (processes, driver)
     "flashrl.launch",

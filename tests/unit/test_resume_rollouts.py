@@ -26,16 +26,14 @@ from flashrl.checkpoint import (
     ControllerState,
     RolloutSnapshot,
     SavedGroup,
-    find_checkpoint,
     list_checkpoints,
-    prepare_folder,
-    prepare_resume,
     verify,
 )
 from flashrl.controller.rollout import RolloutContext, _GroupState, run_group
 from flashrl.controller.scheduler import DataStream, Router
 from flashrl.controller.types import Trajectory
 from flashrl.metrics import read_jsonl
+from flashrl.resuming import find_checkpoint, prepare_folder, prepare_resume
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer, FakeTrainer
 from flashrl.wire.trajectory import NOT_SAVED, snapshot
