@@ -75,7 +75,8 @@ def make_batch(step: int, vocab: int, groups: int, group_size: int, prompt_len: 
     """``groups`` x ``group_size`` samples; half of each group rewarded 1: non-zero advantages, every step moves."""
     import random
 
-    from flashrl.wire.protocol import TrainBatch, TrainSample
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
 
     rng = random.Random(step)
     samples = []
@@ -83,7 +84,7 @@ def make_batch(step: int, vocab: int, groups: int, group_size: int, prompt_len: 
         prompt = [rng.randrange(2, vocab) for _ in range(prompt_len)]
         for j in range(group_size):
             resp = [rng.randrange(2, vocab) for _ in range(response_len)]
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * response_len,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * response_len,
                                        behav_logp=[-5.0] * response_len, versions=[step] * response_len,
                                        reward=float(j % 2), group=g, sample_id=f"{step}-{g}-{j}"))
     return TrainBatch(step=step, samples=samples)

@@ -210,7 +210,8 @@ def run(
 
     r = None
     if resume:
-        from flashrl.checkpoint import CheckpointError, prepare_resume
+        from flashrl.checkpoint import CheckpointError
+        from flashrl.resuming import prepare_resume
 
         try:
             r = prepare_resume(cfg, path)

@@ -163,6 +163,10 @@ class EngineConfig(Section):
     heartbeat_s: Annotated[float, Meta(ge=0, description="heartbeat interval (0 = off)")] = 5.0
     max_restarts: Annotated[int, Meta(ge=0, description="restarts of one engine within restart_window_s after it dies; past that it stays down and the run goes on with the others (0 = never restart)")] = 3
     restart_window_s: Annotated[float, Meta(gt=0, description="window over which engine.max_restarts counts an engine's restarts")] = 600.0
+    top_logprobs: Annotated[int, Meta(ge=0, le=20, description="the k most likely tokens' logprobs the engines return "
+                                      "for each generated token (vLLM logprobs=k, up to its max_logprobs 20), kept "
+                                      "in each trajectory's top_logprobs and padded into the trainer's batch "
+                                      "(top_ids, top_logp); 0 = off")] = 0
 
 
 class TrainerConfig(Section):

@@ -169,14 +169,15 @@ def _trainer_cfg(device: str) -> Any:
 
 def _batch(step: int) -> Any:
     """3 groups of 4 samples, two rewarded 1 and two 0 each: non-zero advantages, so the weights move."""
-    from flashrl.wire.protocol import TrainBatch, TrainSample
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
 
     samples = []
     for g in range(3):
         prompt = [5, 10 + g, 11, 12]
         for j, resp in enumerate(([20, 21, 22, 3], [30, 31, 3], [20, 21, 22, 3], [30, 31, 3])):
             n = len(resp)
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n, behav_logp=[-3.0] * n,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n, behav_logp=[-3.0] * n,
                                        versions=[step] * n, reward=1.0 - j % 2, group=g, sample_id=f"{g}-{j}"))
     return TrainBatch(step=step, samples=samples)
 

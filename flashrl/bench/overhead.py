@@ -288,7 +288,8 @@ def fixture_cost(tokens: int = 16, turns: int = 1, n: int = 4000) -> float:
         InstantSuiteParams,
         InstantTrainer,
     )
-    from flashrl.wire.protocol import Generate, TrainBatch, TrainSample
+    from flashrl.wire.protocol import Generate, TrainBatch
+    from flashrl.wire.trajectory import Trajectory
 
     suite = InstantSuite(InstantSuiteParams(turns=turns))
     eng = InstantEngine("fixture", tokens)
@@ -312,7 +313,7 @@ def fixture_cost(tokens: int = 16, turns: int = 1, n: int = 4000) -> float:
         for k in range(w, n, concurrency):
             await one(k)
 
-    sample = TrainSample(prompt_ids=[5] * 64, response_ids=[5] * tokens * turns, loss_mask=[1] * tokens * turns,
+    sample = Trajectory(prompt_ids=[5] * 64, response_ids=[5] * tokens * turns, loss_mask=[1] * tokens * turns,
                          behav_logp=[-1.0] * tokens * turns, versions=[0] * tokens * turns, reward=0.0, group=0)
 
     async def main() -> float:

@@ -71,7 +71,7 @@ class GroupState(enum.Enum):
 
 @dataclass(eq=False)
 class Group:
-    """One admitted prompt and its samples. ``uid`` is the admission index (TrainSample.group)."""
+    """One admitted prompt and its samples. ``uid`` is the admission index (Trajectory.group)."""
 
     uid: int
     task: Task

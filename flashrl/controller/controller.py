@@ -393,7 +393,7 @@ class Controller:
         into them generates with version s+1, as in the serial order (overlap = false)."""
         samples = [t for g in batch for t in g.samples]
         t0 = self._clock()
-        result = await self.trainer.train_step(TrainBatch(step=s, samples=[t.to_train_sample() for t in samples]))
+        result = await self.trainer.train_step(TrainBatch(step=s, samples=list(samples)))
         train_s = self._clock() - t0
         p = self.publisher.pending
         # version s on every engine (it ran beside this step's training), unless an eval holds it back;

@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from flashrl.checkpoint import RolloutSnapshot, SavedGroup, SavedRollout
+from flashrl.checkpoint import RolloutSnapshot, SavedGroup
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
 from flashrl.controller.evals import Evals
@@ -41,7 +41,8 @@ from flashrl.controller.ledger import RunMeters
 from flashrl.controller.publisher import WeightPublisher
 from flashrl.controller.rollout import RolloutContext, run_group
 from flashrl.controller.scheduler import Admission, DataStream
-from flashrl.controller.types import Trajectory, saved
+from flashrl.controller.types import Trajectory
+from flashrl.wire.trajectory import snapshot
 
 __all__ = ["Feed"]
 
@@ -192,12 +193,12 @@ class Feed:
                 if t is not None and not _first_turn(t):
                     regenerated += t.n_generated  # its environment's state is not saved: it restarts
                     t = None
-                unfinished.append(saved(t) if t is not None else SavedRollout(sample_id=sid, group=g.uid, index=idx))
+                unfinished.append(snapshot(t) if t is not None else Trajectory(sample_id=sid, group=g.uid, index=idx))
             groups.append(SavedGroup(
                 uid=g.uid, task_id=g.task.id, complete=g.state is GroupState.COMPLETE, next_index=g.next_index,
                 admitted_version=g.admitted_version, completed_version=g.completed_version,
-                samples=[saved(t) for t in g.samples], unfinished=unfinished,
-                held=[saved(t) for t in sorted(waiting, key=lambda t: t.index)],
+                samples=[snapshot(t) for t in g.samples], unfinished=unfinished,
+                held=[snapshot(t) for t in sorted(waiting, key=lambda t: t.index)],
             ))
         snap = RolloutSnapshot(version=version, groups=groups, regenerated_tokens=regenerated, unsettled=unsettled)
         return snap, readmit

@@ -21,7 +21,7 @@ from flashrl.config import Config
 from flashrl.controller.buffer import Group, SampleBuffer
 from flashrl.controller.ledger import Ledger
 from flashrl.controller.scheduler import DataStream
-from flashrl.controller.types import Trajectory, unsaved
+from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 
 __all__ = ["Restored", "restore"]
@@ -70,7 +70,7 @@ def _restore_rollouts(snap: RolloutSnapshot, version: int, stream: DataStream, b
         if task.id != sg.task_id:
             raise ValueError(f"checkpoint's rollouts of prompt uid {sg.uid} are for task {sg.task_id!r}, this run's "
                              f"data gives {task.id!r} (env.params / the dataset changed?)")
-        samples = [unsaved(t) for t in sg.samples]
+        samples = list(sg.samples)
         kept = sum(t.n_generated for t in samples)
         if sg.complete and not staleness.fresh(version, sg.completed_version):
             n["over_bound_groups"] += 1
@@ -80,8 +80,8 @@ def _restore_rollouts(snap: RolloutSnapshot, version: int, stream: DataStream, b
         g = buffer.restore(sg.uid, task, samples, complete=sg.complete, next_index=sg.next_index,
                            admitted_version=sg.admitted_version, completed_version=sg.completed_version)
         if not sg.complete:
-            unfinished = [unsaved(t) for t in sg.unfinished]
-            held = [unsaved(t) for t in sg.held]  # finished, waiting for an earlier launch (launch order)
+            unfinished = list(sg.unfinished)
+            held = list(sg.held)  # finished, waiting for an earlier launch (launch order)
             restored.append((g, unfinished, held))
             n["restored_rollouts"] += len(unfinished)
             n["restored_samples"] += len(held)

@@ -484,6 +484,8 @@ async def _turn_loop(
         traj.loss_mask += [0] * len(obs_ids)
         traj.behav_logp += [0.0] * len(obs_ids)
         traj.versions += [-1] * len(obs_ids)
+        if cfg.engine.top_logprobs:
+            traj.top_logprobs += [[] for _ in obs_ids]
         if conversation is not None:
             conversation.append((ids, res.observation))
         if rule is not None and att not in ctx.watched and traj.n_generated > 0:
@@ -534,6 +536,7 @@ def _continue(ctx: RolloutContext, saved: Trajectory, traj: Trajectory) -> bool:
     traj.loss_mask = list(saved.loss_mask)
     traj.behav_logp = list(saved.behav_logp)
     traj.versions = list(saved.versions)
+    traj.top_logprobs = list(saved.top_logprobs)
     traj.restored = saved.restored + 1
     if saved.turns:
         traj.turns, traj.finish_reason = saved.turns, saved.finish_reason
@@ -566,6 +569,7 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
             top_p=top_p,
             seed=request_seed(cfg.run.seed, uid, idx, traj.turns, done),
             stop_token_ids=stop_ids,
+            top_logprobs=cfg.engine.top_logprobs,
         )
         try:
             out = await _generate(ctx, i, req, traj, hold, loop)
@@ -573,16 +577,18 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
             ctx.checkin(req.request_id)  # nothing to fold: a cut reads the Trajectory as it is
             raise
         n = len(out.token_ids)
-        if not (n == len(out.logprobs) == len(out.versions)):
+        top = len(out.top_logprobs) if req.top_logprobs else n
+        if not (n == len(out.logprobs) == len(out.versions) == top):
             ctx.checkin(req.request_id)
             raise RuntimeError(
-                f"engine {ctx.engines[i].name} answered {req.request_id} with {n} tokens, "
-                f"{len(out.logprobs)} logprobs, {len(out.versions)} versions: the engine must return one of each per token"
+                f"engine {ctx.engines[i].name} answered {req.request_id} with {n} tokens, {len(out.logprobs)} "
+                f"logprobs, {len(out.versions)} versions, {top} top-k lists: the engine must return one of each per token"
             )
         traj.response_ids += out.token_ids
         traj.loss_mask += [1] * n
         traj.behav_logp += out.logprobs
         traj.versions += out.versions
+        traj.top_logprobs += out.top_logprobs
         if ctx.checkin(req.request_id) and out.finish_reason == "abort":
             part += 1  # a checkpoint cut took the tokens so far: go on (after it: the gate, in _generate)
             continue

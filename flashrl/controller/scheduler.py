@@ -62,7 +62,7 @@ class DataStream:
     """The train split in a seeded shuffled order, epoch after epoch.
 
     ``uid`` counts prompts handed out since the start of the run (0, 1, 2, ...): it names the group
-    (TrainSample.group) and seeds its requests, so a prompt seen again in a later epoch is a new
+    (Trajectory.group) and seeds its requests, so a prompt seen again in a later epoch is a new
     group with new seeds. Epoch ``e`` is ``random.Random(f"{seed}:{e}")``'s shuffle of the split.
     """
 

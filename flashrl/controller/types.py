@@ -4,10 +4,8 @@
                                                              ──> ledger.py (step records, samples.jsonl)
     publisher.py ──Published (under its lock)──> supervisor.py (a restarted engine's catch-up)
 
-``Trajectory`` is one rollout as the controller keeps it. Invariant: ``loss_mask``,
-``behav_logp`` and ``versions`` have one entry per ``response_ids`` token (generated tokens:
-mask 1, the engine's logprob and policy version; observation tokens: mask 0, 0.0, -1), so
-``version_start`` (the staleness bound's input) is the version of the first generated token.
+``Trajectory`` is one rollout: the record the buffer keeps, the checkpoint saves and the trainer
+trains on, defined once in flashrl/wire/trajectory.py (its invariant is there) and re-exported here.
 
 ``Published`` is what every live engine holds. Invariant: ``manifest`` and ``version`` change only
 under ``lock``, and only once every live engine has loaded that version; the lock also keeps a
@@ -19,96 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Literal
 
-import msgspec
+from flashrl.wire.protocol import WeightManifest
+from flashrl.wire.trajectory import Trajectory
 
-from flashrl.checkpoint import SavedRollout
-from flashrl.wire.protocol import TrainSample, WeightManifest
-
-__all__ = ["Published", "Trajectory", "metric_means", "saved", "unsaved"]
-
-
-class Trajectory(msgspec.Struct, kw_only=True):
-    """One rollout as the controller keeps it: token ids, per-token data, outcome and timings."""
-
-    sample_id: str
-    group: int  # prompt uid (admission index); eval rollouts use -1 - task position
-    index: int  # sample index inside the group (seeds, ordering)
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
-    loss_mask: list[int] = []
-    behav_logp: list[float] = []
-    versions: list[int] = []
-    reward: float = 0.0
-    correct: bool = False  # StepResult.info["correct"] when the env says, else reward >= 1
-    finish_reason: str = ""  # engine's "stop"/"length", or "max_turns", "max_model_len"
-    turns: int = 0
-    status: Literal["ok", "failed"] = "ok"
-    failure: str = ""  # counter name of the failure when status == "failed"
-    engine: str = ""
-    attempts: int = 1
-    version_sent: int = 0  # controller version when the last attempt began
-    t_start: float = 0.0
-    t_end: float = 0.0
-    gen_s: float = 0.0  # inside engine.generate
-    env_s: float = 0.0  # inside env.reset / env.step
-    wait_s: float = 0.0  # waiting for an engine permit
-    task_id: str = ""
-    metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
-    # Multi-turn chat trajectories (rollout._measure_template), -1 where not measured: tokens by which the
-    # chat template's re-rendering of the finished conversation differs from prompt_ids + response_ids,
-    # and tokens that decoding and re-encoding its generated turns alone would change.
-    template_mismatch: int = -1
-    retokenize_mismatch: int = -1
-    restored: int = 0  # resumes that continued it from a checkpoint's snapshot (its tokens before kept)
-
-    @property
-    def version_start(self) -> int:
-        """Version of the first generated token (the staleness bound is on this)."""
-        for m, v in zip(self.loss_mask, self.versions):
-            if m:
-                return v
-        return self.version_sent
-
-    @property
-    def n_generated(self) -> int:
-        return sum(self.loss_mask)
-
-    def generated_versions(self) -> list[int]:
-        """The policy version of each generated token, in order (observation tokens left out)."""
-        return [v for v, m in zip(self.versions, self.loss_mask) if m]
-
-    def to_train_sample(self) -> TrainSample:
-        return TrainSample(
-            prompt_ids=self.prompt_ids,
-            response_ids=self.response_ids,
-            loss_mask=self.loss_mask,
-            behav_logp=self.behav_logp,
-            versions=self.versions,
-            reward=self.reward,
-            group=self.group,
-            sample_id=self.sample_id,
-        )
-
-
-# Trajectory's fields a checkpoint does not keep: the timings of the process that generated it
-NOT_SAVED = ("status", "failure", "t_start", "t_end", "gen_s", "env_s", "wait_s")
-
-
-def saved(t: Trajectory) -> SavedRollout:
-    """``t`` as a checkpoint keeps it (checkpoint.SavedRollout: every field but ``NOT_SAVED``), copied: a
-    rollout that goes on after the cut appends to its own lists in place, never to the snapshot's."""
-    return SavedRollout(**{f: _copy(getattr(t, f)) for f in SavedRollout.__struct_fields__})
-
-
-def _copy(v: Any) -> Any:
-    return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
-
-
-def unsaved(s: SavedRollout) -> Trajectory:
-    """A checkpoint's rollout back as a Trajectory (status ok, no timings)."""
-    return Trajectory(**{f: getattr(s, f) for f in SavedRollout.__struct_fields__})
+__all__ = ["Published", "Trajectory", "metric_means"]
 
 
 class Published:

@@ -80,6 +80,16 @@ from flashrl.wire.spec import read_spec_or_exit
 log = logging.getLogger("flashrl.engine")
 
 
+
+def top_k_of(positions: list[Any], k: int) -> list[list[tuple[int, float]]]:
+    """vLLM's per-position logprob dicts (token id -> Logprob, ``rank`` 1 = most likely; the sampled token is
+    in it at whatever rank) -> each position's ``k`` most likely (token id, logprob), most likely first; []
+    when ``k`` is 0."""
+    if k <= 0:
+        return []
+    return [[(int(t), float(lp.logprob)) for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)
+             if lp.rank is not None and lp.rank <= k] for pos in positions]
+
 class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything one engine process needs: the parent passes it in ``FLASHRL_SPEC`` (flashrl.wire.spec)."""
 
@@ -282,7 +292,7 @@ class EngineServer:
             seed=req.seed,
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
-            logprobs=0,  # the sampled token's own logprob only
+            logprobs=req.top_logprobs,  # 0: the sampled token's own logprob only; k: and the k most likely
             detokenize=False,  # token ids in, token ids out
             output_kind=self._final_only,
             skip_clone=True,  # built for this one request: vLLM need not deep-copy it (3% of the engine thread)
@@ -306,6 +316,7 @@ class EngineServer:
             request_id=req.request_id,
             token_ids=token_ids,
             logprobs=logprobs,
+            top_logprobs=top_k_of(comp.logprobs or [], req.top_logprobs),
             versions=self._versions(comp.weight_versions, len(token_ids)),
             finish_reason=str(comp.finish_reason or "abort"),
             engine=self.name,

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from flashrl.aio import supervised
-from flashrl.checkpoint import Resume
 from flashrl.config import Config, advice, to_toml
 from flashrl.core.records import StepRecord
 from flashrl.launch import Launcher, LaunchError, make_launcher
 from flashrl.launch.processes import local_cluster
 from flashrl.procs import child_init, paused_gc
+from flashrl.resuming import Resume
 
 if TYPE_CHECKING:
     from flashrl.dashboard import Dashboard
@@ -85,7 +85,7 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
     """Run ``cfg``; returns the process exit code (0 ok, 1 failure, 2 the launcher cannot do what cfg asks,
     130 interrupted).
 
-    ``resume``: a checkpoint from ``checkpoint.prepare_resume(cfg, path)`` (verified, config checked):
+    ``resume``: a checkpoint from ``resuming.prepare_resume(cfg, path)`` (verified, config checked):
     the run continues from it (trainer state, data position, metrics.jsonl up to its step).
     """
     from flashrl.logging_setup import setup_logging
@@ -139,7 +139,8 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
 def _auto_resume(cfg: Config, attempt: int) -> Resume | None:
     """run.auto_resume: every child is stopped by now; find the latest checkpoint and get the run folder
     ready to continue from it (None, said on stderr, when there is none to resume)."""
-    from flashrl.checkpoint import CheckpointError, prepare_resume
+    from flashrl.checkpoint import CheckpointError
+    from flashrl.resuming import prepare_resume
 
     try:
         resume = prepare_resume(cfg)
@@ -159,10 +160,10 @@ def prepare_run_dir(cfg: Config, resume: Resume | None) -> int:
 
     Fresh: earlier metrics/samples .jsonl and checkpoints/ are renamed aside (kept, never mixed in).
     Resume: metrics.jsonl and samples.jsonl are cut back to the checkpoint's step, killed saves are
-    removed and newer checkpoints set aside (checkpoint.prepare_folder). Restarting after a failure in
-    the same process (run.auto_resume) is ``r = checkpoint.prepare_resume(cfg)``, this, ``run_local(cfg, r)``.
+    removed and newer checkpoints set aside (resuming.prepare_folder). Restarting after a failure in
+    the same process (run.auto_resume) is ``r = resuming.prepare_resume(cfg)``, this, ``run_local(cfg, r)``.
     """
-    from flashrl.checkpoint import continue_metrics, prepare_folder
+    from flashrl.resuming import continue_metrics, prepare_folder
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,12 @@ def request_key(req: Generate) -> bytes:
     return f"s{req.seed}".encode() if req.seed is not None else f"r{req.request_id}".encode()
 
 
+def stand_in_top_logprobs(ids: list[int], logprobs: list[float], k: int) -> list[list[tuple[int, float]]]:
+    """A stand-in engine's answer to Generate.top_logprobs = k: per token, the sampled token first with its
+    logprob, then k - 1 neighbouring ids each a nat less likely ([] when k is 0)."""
+    return [[(t + j, lp - j) for j in range(k)] for t, lp in zip(ids, logprobs)] if k > 0 else []
+
+
 def uniform(seed: int, key: bytes, salt: bytes = b"len") -> float:
     """A uniform number in (0, 1) that depends only on (seed, key, salt)."""
     h = hashlib.blake2b(key, digest_size=8, key=seed.to_bytes(8, "little") + salt).digest()
@@ -445,6 +451,7 @@ class SimEngine:
             request_id=seq.req.request_id,
             token_ids=ids,
             logprobs=[-1.0] * n,
+            top_logprobs=stand_in_top_logprobs(ids, [-1.0] * n, seq.req.top_logprobs),
             versions=versions,
             finish_reason=reason,
             engine=self.name,

@@ -27,6 +27,7 @@ import anyio
 import msgspec
 
 from flashrl.env import EnvFailure, StepResult, Task
+from flashrl.sim.engine import stand_in_top_logprobs
 from flashrl.wire.protocol import (
     Generate,
     Generated,
@@ -156,10 +157,12 @@ class FakeEngine:
         done = n if not aborted or duration <= 0 else min(n, int(n * elapsed / duration))
         times = [t0 + (k + 1) * duration / max(n, 1) for k in range(done)]
         rng = random.Random(f"{req.seed}:lp" if req.seed is not None else f"{req.request_id}:lp")
+        logprobs = [-rng.random() for _ in range(done)]
         return Generated(
             request_id=req.request_id,
             token_ids=tokens[:done],
-            logprobs=[-rng.random() for _ in range(done)],
+            logprobs=logprobs,
+            top_logprobs=stand_in_top_logprobs(tokens[:done], logprobs, req.top_logprobs),
             versions=[self._version_at(t) for t in times],
             finish_reason="abort" if aborted else ("length" if n >= req.max_tokens else "stop"),
             engine=self.name,

@@ -27,7 +27,7 @@ from typing import ClassVar
 import msgspec
 
 from flashrl.env import StepResult, Task
-from flashrl.sim.engine import EOS_ID, FIRST_TEXT_ID
+from flashrl.sim.engine import EOS_ID, FIRST_TEXT_ID, stand_in_top_logprobs
 from flashrl.wire.protocol import (
     Generate,
     Generated,
@@ -95,6 +95,7 @@ class InstantEngine:
             request_id=req.request_id,
             token_ids=ids,
             logprobs=[-1.0] * n,
+            top_logprobs=stand_in_top_logprobs(ids, [-1.0] * n, req.top_logprobs),
             versions=[self.version] * n,
             finish_reason=reason,
             engine=self.name,

@@ -72,7 +72,7 @@ class SimTrainer:
     def __init__(self, model: TrainerModel | None = None, engines: int = 1) -> None:
         self.model = model or TrainerModel()
         self.engines = engines  # weight-sync receivers (TrainerModel.sync_extra_s)
-        self.trained_ids: set[str] = set()  # TrainSample.sample_id of every trained sample
+        self.trained_ids: set[str] = set()  # Trajectory.sample_id of every trained sample
         self.version = 0  # weights the trainer holds = the number of steps taken
         self.history: list[BatchRecord] = []
         self.busy_s = 0.0
@@ -96,7 +96,7 @@ class SimTrainer:
             len_max = max(len_max, gen)
             self.trained_ids.add(s.sample_id)
             # Versions come in a few runs per sample; count() keeps this at C speed for long samples.
-            # Masked (observation) tokens carry version -1 (protocol.TrainSample).
+            # Masked (observation) tokens carry version -1 (protocol.Trajectory).
             for v in set(s.versions):
                 if v < 0:
                     continue

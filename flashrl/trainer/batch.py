@@ -8,7 +8,7 @@ Layout of one sample (P prompt tokens, R response tokens), right-padded to the b
     loss_mask        0  0 m0   m1 m2 m3  0    0               m_k = sample.loss_mask[k]
 
 So response token k sits at input position P + k and is predicted by logits position P + k - 1; every
-aligned tensor (targets, loss_mask, behav_logp, versions) has length L - 1 and puts token k's value at
+aligned tensor (targets, loss_mask, behav_logp, versions, top_ids, top_logp) has length L - 1 and puts token k's value at
 index P + k - 1. Right padding keeps the positions of real tokens 0 .. n-1 (what the engine used), so no
 position_ids are needed. A sample needs at least one prompt token (nothing predicts position 0).
 
@@ -23,11 +23,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flashrl.wire.protocol import TrainSample
+from flashrl.wire.trajectory import Trajectory
 
 
 class BatchError(ValueError):
-    """A TrainSample that cannot be trained on; the message names the sample and the field."""
+    """A Trajectory that cannot be trained on; the message names the sample and the field."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class PaddedBatch:
     rewards: torch.Tensor  # [B] float
     groups: torch.Tensor  # [B] long, GRPO group id
     prompt_lens: torch.Tensor  # [B] long
+    # engine.top_logprobs = k: the engine's k most likely token ids and their logprobs at each generated token
+    # (-1 and 0.0 elsewhere); k = 0 (the default: [B, T, 0]) when no sample carries them
+    top_ids: torch.Tensor  # [B, T, k] long
+    top_logp: torch.Tensor  # [B, T, k] float
 
     @property
     def size(self) -> int:
@@ -57,7 +61,7 @@ class PaddedBatch:
         length = max(length, 2)  # keep T >= 1 so shapes stay valid
         for name in ("input_ids", "attention_mask"):
             picked[name] = picked[name][:, :length]
-        for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages"):
+        for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages", "top_ids", "top_logp"):
             picked[name] = picked[name][:, : length - 1]
         return PaddedBatch(**picked)
 
@@ -65,20 +69,20 @@ class PaddedBatch:
         return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def _check(i: int, s: TrainSample) -> None:
+def _check(i: int, s: Trajectory) -> None:
     where = f"sample {i} ({s.sample_id or 'no id'})"
     if not s.prompt_ids:
         raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
                          "(nothing predicts position 0): prepend a BOS token")
     r = len(s.response_ids)
-    for name in ("loss_mask", "behav_logp", "versions"):
+    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs"):
         n = len(getattr(s, name))
-        if n != r:
+        if n != r and not (name == "top_logprobs" and n == 0):
             raise BatchError(f"{where}: {name} has {n} entries but response_ids has {r}; "
                              "the engine reply and the trajectory are out of step")
 
 
-def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
+def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
     """Right-pad ``samples`` into a PaddedBatch (aligned as in the module docstring)."""
     if not samples:
         raise BatchError("empty batch: the trainer needs at least one sample")
@@ -110,6 +114,7 @@ def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
             m > 0, torch.tensor([x for s in samples for x in s.behav_logp], dtype=torch.float32), 0.0)
         versions[r_rows, r_cols] = torch.where(
             m > 0, torch.tensor([x for s in samples for x in s.versions], dtype=torch.long), -1)
+    top_ids, top_logp = _top_k(samples, b, t)
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -121,7 +126,24 @@ def pad_batch(samples: Sequence[TrainSample], pad_id: int) -> PaddedBatch:
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         groups=torch.tensor([s.group for s in samples], dtype=torch.long),
         prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+        top_ids=top_ids,
+        top_logp=top_logp,
     )
+
+
+def _top_k(samples: Sequence[Trajectory], b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_logprobs`` aligned like behav_logp: [B, T, k] token ids (-1 where none) and logprobs (0.0),
+    k the longest list in the batch (the engines' engine.top_logprobs; 0 when no sample carries any)."""
+    k = max((len(top) for s in samples for top in s.top_logprobs), default=0)
+    ids = torch.full((b, t, k), -1, dtype=torch.long)
+    logp = torch.zeros((b, t, k), dtype=torch.float32)
+    at = [(i, len(s.prompt_ids) - 1 + j, r, tok, lp) for i, s in enumerate(samples)
+          for j, top in enumerate(s.top_logprobs) for r, (tok, lp) in enumerate(top)]
+    if at:  # one scatter per tensor, as pad_batch does
+        rows, cols, ranks, toks, lps = zip(*at)
+        ids[rows, cols, ranks] = torch.tensor(toks, dtype=torch.long)
+        logp[rows, cols, ranks] = torch.tensor(lps, dtype=torch.float32)
+    return ids, logp
 
 
 # vLLM's sampler (vllm/v1/sample/sampler.py, sampling_params.py): a temperature below 1e-5 is greedy and

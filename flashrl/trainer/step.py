@@ -60,7 +60,8 @@ from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.lora import adapter_dropout, dropout_modules
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
-from flashrl.wire.protocol import TrainBatch, TrainResult, TrainSample
+from flashrl.wire.protocol import TrainBatch, TrainResult
+from flashrl.wire.trajectory import Trajectory
 
 MicroBatchPlan = list[tuple[torch.Tensor, list[torch.Tensor]]]  # per mini-batch: (its sample indices, this rank's micro-batches)
 
@@ -571,7 +572,7 @@ class PolicyTrainer:
         """Logprob of each response token given the prompt, current weights (every rank forwards), at
         ``temperature`` (None: rollout.temperature), as ``forward_logprobs`` scores it in a train step."""
         r = len(response_ids)
-        sample = TrainSample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * r,
+        sample = Trajectory(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * r,
                              behav_logp=[0.0] * r, versions=[0] * r, reward=0.0, group=0)
         b = pad_batch([sample], self.pad_id).to(self.device)
         with torch.no_grad():

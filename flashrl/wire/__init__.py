@@ -1,5 +1,6 @@
 """The wire: everything that crosses a process boundary, owned by no role.
 
+    trajectory.py  the trajectory record: one rollout, as the buffer keeps, a checkpoint saves and the trainer trains on it
     protocol.py    the msgspec messages (controller <-> engine, trainer, node agents); no pickle
     transport.py   ZeroMQ request/reply channels carrying them (CURVE off loopback), addresses, ports
     keys.py        the per-run CURVE keys (the file a launcher writes, the child reads)

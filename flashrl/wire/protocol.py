@@ -19,6 +19,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from flashrl.wire.trajectory import Trajectory
+
 
 class Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
     """Base of every wire message. ``rid`` pairs a reply with its request."""
@@ -39,6 +41,7 @@ class Generate(Msg):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests); EOS stops otherwise
+    top_logprobs: int = 0  # k > 0: Generated.top_logprobs holds each token's k most likely (engine.top_logprobs)
 
 
 class Abort(Msg):
@@ -125,6 +128,8 @@ class Generated(Msg):
     token_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    # Generate.top_logprobs = k > 0: per token, the k most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] = []
     finish_reason: str = "stop"  # "stop" | "length" | "abort"
     engine: str = ""
 
@@ -181,27 +186,9 @@ EngineReply = Union[Generated, WeightsUpdated, LoadReport, Ok, Pong, Error]
 
 
 # --------------------------------------------------------------------------- trainer
-class TrainSample(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """One trajectory as the trainer sees it.
-
-    ``response_ids`` is everything after the prompt: generated tokens and (multi-turn) environment
-    observation tokens. ``loss_mask[i]`` is 1 where the policy generated token i, 0 for observations.
-    ``behav_logp[i]`` and ``versions[i]`` are the engine's values (0.0 / -1 on masked tokens).
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    behav_logp: list[float]
-    versions: list[int]
-    reward: float
-    group: int
-    sample_id: str = ""
-
-
 class TrainBatch(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     step: int
-    samples: list[TrainSample]
+    samples: list[Trajectory]  # the record itself (wire/trajectory.py): the batch builder reads its fields
 
 
 class TrainStep(Msg):

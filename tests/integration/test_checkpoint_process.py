@@ -13,12 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from flashrl.checkpoint import (
-    CheckpointWriter,
-    ControllerState,
-    find_checkpoint,
-    read_latest,
-)
+from flashrl.checkpoint import CheckpointWriter, ControllerState, read_latest
+from flashrl.resuming import find_checkpoint
 from flashrl.sim.fake import (
     FakeTrainer,
 )

@@ -31,7 +31,8 @@ def world1():
 def test_export_reads_final_or_a_dcp_checkpoint(world1, tmp_path: Path, chat_dir: Path) -> None:
     """A run folder as `flashrl run` leaves it: final/ (HF) and checkpoints/step-N/trainer (DCP)."""
     from flashrl.trainer.worker import Trainer
-    from flashrl.wire.protocol import TrainBatch, TrainSample
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
 
     cfg = from_dict({"run": {"output_dir": str(tmp_path), "name": "r"}, "model": {"path": str(chat_dir)},
                      "trainer": {"backend": "gloo", "lr": 1e-2, "threads": 1}})
@@ -42,7 +43,7 @@ def test_export_reads_final_or_a_dcp_checkpoint(world1, tmp_path: Path, chat_dir
         export_run(run, tmp_path / "x")
 
     t = Trainer(cfg, str(chat_dir), torch.device("cpu"))
-    samples = [TrainSample(prompt_ids=[1, 5, 6], response_ids=[7, 8, 2], loss_mask=[1, 1, 1], behav_logp=[-3.0] * 3,
+    samples = [Trajectory(prompt_ids=[1, 5, 6], response_ids=[7, 8, 2], loss_mask=[1, 1, 1], behav_logp=[-3.0] * 3,
                            versions=[0] * 3, reward=float(r), group=0) for r in (0, 1)]
     t.train_step(TrainBatch(step=0, samples=samples))
     t.save_checkpoint(str(run / "checkpoints" / "step-1" / "trainer"))

@@ -175,7 +175,7 @@ def test_cli_run_writes_metrics_and_stops_cleanly_on_signal(tmp_path: Path, sig:
     # steps finishing within one refresh share a line, so which steps get one depends on the timing)
     assert re.search(r"^step \d+/100000 ", out, re.M), out[-3000:]
     # the signal let the step in progress finish and wrote a checkpoint of it (resume: --resume)
-    from flashrl.checkpoint import find_checkpoint
+    from flashrl.resuming import find_checkpoint
 
     ck = find_checkpoint(run_dir)
     assert f"checkpoint {ck.path} written" in out

@@ -15,7 +15,8 @@ pytest.importorskip("peft")
 
 from flashrl.config import Config, from_dict, to_toml  # noqa: E402
 from flashrl.trainer.lora import adapter_state_dict  # noqa: E402
-from flashrl.wire.protocol import TrainBatch, TrainSample  # noqa: E402
+from flashrl.wire.protocol import TrainBatch  # noqa: E402
+from flashrl.wire.trajectory import Trajectory  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = [1, 12, 5, 13]
@@ -29,7 +30,7 @@ def lora_cfg(model_dir: Path, out: Path, rank: int = 8, dropout: float = 0.1) ->
 
 
 def batch(step: int) -> TrainBatch:
-    samples = [TrainSample(prompt_ids=PROMPT, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-3.0] * len(r),
+    samples = [Trajectory(prompt_ids=PROMPT, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-3.0] * len(r),
                            versions=[step] * len(r), reward=float(i % 2), group=0, sample_id=str(i))
                for i, r in enumerate(([7, 8, 2], [9, 10, 11, 2], [7, 9, 2], [10, 2]))]
     return TrainBatch(step=step, samples=samples)

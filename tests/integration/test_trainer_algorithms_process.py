@@ -20,7 +20,8 @@ from flashrl.trainer.batch import pad_batch
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.trainer.worker import Trainer
-from flashrl.wire.protocol import TrainBatch, TrainSample
+from flashrl.wire.protocol import TrainBatch
+from flashrl.wire.trajectory import Trajectory
 from tests.helpers import full_weights, trainer_config
 
 LOSSES = typing.get_args(typing.get_args(typing.get_type_hints(AlgorithmConfig, include_extras=True)["loss"])[0])
@@ -36,7 +37,7 @@ def _batch(step: int = 0, groups: int = 4, extra: bool = False) -> TrainBatch:
         prompt = [1] + torch.randint(3, 90, (4 + g % 3,), generator=gen).tolist()
         for j, n in enumerate((20, 15) if g < groups else (10,)):
             resp = torch.randint(3, 90, (n,), generator=gen).tolist()
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
                                        behav_logp=[-4.0] * n, versions=[step] * n, reward=1.0 - j,
                                        group=g, sample_id=f"{g}-{j}"))
     return TrainBatch(step=step, samples=samples)

@@ -19,7 +19,8 @@ from flashrl.core.lr_schedule import scheduled_lr, warmup_lr
 from flashrl.launch.processes import spawn_local_trainer
 from flashrl.trainer.client import TrainerDied, TrainerGroup
 from flashrl.trainer.worker import Trainer
-from flashrl.wire.protocol import TrainBatch, TrainSample
+from flashrl.wire.protocol import TrainBatch
+from flashrl.wire.trajectory import Trajectory
 from flashrl.wire.transport import RemoteError
 from flashrl.wire.weights import build_manifest
 from tests.helpers import full_weights, trainer_config
@@ -36,7 +37,7 @@ def _batch(step: int) -> TrainBatch:
         prompt = PROMPT + [13 + g] * g
         for j, resp in enumerate((GOOD, BAD, GOOD if g % 2 else BAD)):
             n = len(resp)
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
                                        behav_logp=[-3.0] * n, versions=[max(0, step - j)] * n,
                                        reward=1.0 if resp is GOOD else 0.0, group=g, sample_id=f"{g}-{j}"))
     return TrainBatch(step=step, samples=samples)
@@ -433,13 +434,8 @@ async def test_trainer_killed_during_a_background_checkpoint_write_resumes_from_
     stays step-1, resume picks step-1, and a trainer started from it has step 1's weights and version."""
     import asyncio
 
-    from flashrl.checkpoint import (
-        TRAINER_DIR,
-        CheckpointWriter,
-        ControllerState,
-        find_checkpoint,
-        read_latest,
-    )
+    from flashrl.checkpoint import TRAINER_DIR, CheckpointWriter, ControllerState, read_latest
+    from flashrl.resuming import find_checkpoint
 
     cfg = trainer_config(tmp_path, ranks=1, checkpoint_writer="process")
     root = tmp_path / "run" / "checkpoints"

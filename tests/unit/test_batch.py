@@ -13,17 +13,17 @@ from flashrl.trainer.batch import (
     to_aligned,
     token_logprobs,
 )
-from flashrl.wire.protocol import TrainSample
+from flashrl.wire.trajectory import Trajectory
 
 PAD = 0
 
 
-def _samples() -> list[TrainSample]:
+def _samples() -> list[Trajectory]:
     # A: prompt of 3, response of 4 whose third token is an environment observation (mask 0).
-    a = TrainSample(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23, 24], loss_mask=[1, 1, 0, 1],
+    a = Trajectory(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23, 24], loss_mask=[1, 1, 0, 1],
                     behav_logp=[-0.1, -0.2, 0.0, -0.4], versions=[3, 3, -1, 4], reward=1.0, group=5)
     # B: prompt of 1, response of 2 (shorter: padded).
-    b = TrainSample(prompt_ids=[31], response_ids=[41, 42], loss_mask=[1, 1], behav_logp=[-1.0, -2.0],
+    b = Trajectory(prompt_ids=[31], response_ids=[41, 42], loss_mask=[1, 1], behav_logp=[-1.0, -2.0],
                     versions=[2, 2], reward=0.0, group=6)
     return [a, b]
 
@@ -47,7 +47,7 @@ def test_layout_exact() -> None:
 def test_logprob_alignment_with_a_known_model() -> None:
     # "Model" whose logits at position j put all mass on input_ids[j] + 1: with targets = next tokens
     # the logprob is ~0 exactly where the next token is current + 1, and very negative elsewhere.
-    s = TrainSample(prompt_ids=[5, 6], response_ids=[7, 9], loss_mask=[1, 1], behav_logp=[0.0, 0.0],
+    s = Trajectory(prompt_ids=[5, 6], response_ids=[7, 9], loss_mask=[1, 1], behav_logp=[0.0, 0.0],
                     versions=[0, 0], reward=0.0, group=0)
     pb = pad_batch([s], PAD)
     logits = torch.full((1, pb.input_ids.shape[1], 16), -30.0)
@@ -86,11 +86,11 @@ def test_select_trims_and_keeps_alignment() -> None:
 
 
 def test_errors_name_the_sample_and_field() -> None:
-    bad = TrainSample(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1], behav_logp=[0.0, 0.0],
+    bad = Trajectory(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1], behav_logp=[0.0, 0.0],
                       versions=[0, 0], reward=0.0, group=0, sample_id="s7")
     with pytest.raises(BatchError, match=r"sample 0 \(s7\): loss_mask has 1 entries but response_ids has 2"):
         pad_batch([bad], PAD)
-    empty = TrainSample(prompt_ids=[], response_ids=[2], loss_mask=[1], behav_logp=[0.0], versions=[0],
+    empty = Trajectory(prompt_ids=[], response_ids=[2], loss_mask=[1], behav_logp=[0.0], versions=[0],
                         reward=0.0, group=0)
     with pytest.raises(BatchError, match="prompt_ids is empty"):
         pad_batch([empty], PAD)
@@ -98,8 +98,8 @@ def test_errors_name_the_sample_and_field() -> None:
         pad_batch([], PAD)
 
 
-def _group(prompt: list[int], responses: list[list[int]], group: int) -> list[TrainSample]:
-    return [TrainSample(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-1.0] * len(r),
+def _group(prompt: list[int], responses: list[list[int]], group: int) -> list[Trajectory]:
+    return [Trajectory(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r), behav_logp=[-1.0] * len(r),
                         versions=[0] * len(r), reward=0.0, group=group) for r in responses]
 
 

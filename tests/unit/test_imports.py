@@ -24,6 +24,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.env",  # the public environment API (Task, Env, EnvSuite, StepResult, EnvFailure): pure
     "flashrl.aio",  # the hot path's asyncio toolkit
     # the wire: messages, sockets, CURVE keys, torch.distributed stores, weight-bucket format (no role owns it)
+    "flashrl.wire.trajectory",  # the trajectory record (buffer, checkpoint, trainer batch)
     "flashrl.wire.protocol",
     "flashrl.wire.transport",
     "flashrl.wire.keys",
@@ -43,6 +44,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.metrics",
     "flashrl.interfaces",
     "flashrl.checkpoint",  # the run's checkpoint folders and the controller's state in them
+    "flashrl.resuming",  # which checkpoint a run resumes from, what it may change, its folder put back
     # the launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys; the
     # package minus its two upper modules below (processes, driver)
     "flashrl.launch",

@@ -160,14 +160,15 @@ def test_dropout_applies_to_the_training_forward_only(model_path) -> None:
     """model.lora.dropout acts in the gradient forwards (the update differs from dropout 0's), never in the
     logprobs the engines must match: the proximal logprobs are the no-dropout ones (mismatch 0 against
     behaviour logprobs computed without dropout), and the model is back in eval mode after the step."""
-    from flashrl.wire.protocol import TrainBatch, TrainSample
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
 
     prompt, good, bad = [1, 10, 11, 12], [20, 21, 22, 2], [30, 31, 2]
     trained = {}
     for dropout in (0.0, 0.5):
         t = _lora_trainer(model_path, dropout)
         assert len(t.dropouts) == (0 if dropout == 0 else 2 * 7)  # one per adapted projection
-        samples = [TrainSample(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r),
+        samples = [Trajectory(prompt_ids=prompt, response_ids=r, loss_mask=[1] * len(r),
                                behav_logp=t.compute_logprobs(prompt, r), versions=[0] * len(r),
                                reward=float(r is good), group=0, sample_id=str(j))
                    for j, r in enumerate((good, bad, good, bad))]

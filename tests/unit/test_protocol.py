@@ -47,7 +47,7 @@ def test_engine_replies_round_trip() -> None:
 
 
 def test_trainer_messages_round_trip() -> None:
-    sample = P.TrainSample(
+    sample = P.Trajectory(
         prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1], behav_logp=[-0.1, 0.0, -0.2],
         versions=[0, -1, 1], reward=1.0, group=7, sample_id="g7-s0",
     )

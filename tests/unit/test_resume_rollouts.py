@@ -20,49 +20,79 @@ from hypothesis import strategies as st
 
 from flashrl.checkpoint import (
     ROLLOUTS_FILE,
+    ROLLOUTS_FORMAT,
     CheckpointError,
     CheckpointWriter,
     ControllerState,
     RolloutSnapshot,
     SavedGroup,
-    SavedRollout,
-    find_checkpoint,
     list_checkpoints,
-    prepare_folder,
-    prepare_resume,
     verify,
 )
 from flashrl.controller.rollout import RolloutContext, _GroupState, run_group
 from flashrl.controller.scheduler import DataStream, Router
-from flashrl.controller.types import NOT_SAVED, Trajectory, saved, unsaved
+from flashrl.controller.types import Trajectory
 from flashrl.metrics import read_jsonl
+from flashrl.resuming import find_checkpoint, prepare_folder, prepare_resume
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer, FakeTrainer
+from flashrl.wire.trajectory import NOT_SAVED, snapshot
 from tests.unit.test_checkpoint import Run, config, epoch_check
 
 # ------------------------------------------------------------------------------------------- the format
 
 
-def test_saved_rollout_keeps_every_trajectory_field_but_the_timings() -> None:
-    """checkpoint.SavedRollout mirrors controller.types.Trajectory: a field added to one and not the other
-    (or to NOT_SAVED) fails here, before a checkpoint silently loses it."""
-    assert set(SavedRollout.__struct_fields__) == set(Trajectory.__struct_fields__) - set(NOT_SAVED)
+def test_a_checkpoint_keeps_the_trajectory_record_but_its_timings() -> None:
+    """The checkpoint saves the one trajectory record (wire/trajectory.py), no second field list: a
+    snapshot is a copy with the NOT_SAVED fields back at their defaults, every other field kept."""
     t = Trajectory(sample_id="3-1", group=3, index=1, prompt_ids=[1, 2], response_ids=[5, 6, 7], loss_mask=[1, 1, 1],
                    behav_logp=[-0.1, -0.2, -0.3], versions=[4, 4, 5], reward=1.0, correct=True, finish_reason="stop",
                    turns=1, engine="e0", attempts=2, version_sent=4, task_id="t3", metrics={"m": 1.5}, restored=1,
-                   t_start=1.0, t_end=2.0, gen_s=0.5)
-    s = saved(t)
+                   top_logprobs=[[(5, -0.1), (9, -2.0)], [(6, -0.2), (1, -3.0)], [(7, -0.3), (2, -1.5)]],
+                   t_start=1.0, t_end=2.0, gen_s=0.5, status="failed", failure="x")
+    s = snapshot(t)
     t.response_ids += [9]  # the rollout goes on after the cut: the snapshot keeps what it had
     t.metrics["m"] = 2.0
     assert s.response_ids == [5, 6, 7] and s.metrics == {"m": 1.5}
-    back = unsaved(msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=SavedRollout))
-    assert back.response_ids == [5, 6, 7] and back.behav_logp == [-0.1, -0.2, -0.3] and back.versions == [4, 4, 5]
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Trajectory)
+    blank = Trajectory(group=0)
+    for f in Trajectory.__struct_fields__:
+        want = getattr(blank, f) if f in NOT_SAVED else getattr(s, f)
+        assert getattr(back, f) == want, f
     assert back.version_start == 4 and back.restored == 1 and back.attempts == 2 and back.t_start == 0.0
+    assert back.top_logprobs[2] == [(7, -0.3), (2, -1.5)]
+
+
+# A rollout as formats 1 and 2 saved it (checkpoint.SavedRollout, before the one record): these fields only.
+FORMAT_2_ROLLOUT = dict(sample_id="7-0", group=7, index=0, prompt_ids=[1], response_ids=[3, 4], loss_mask=[1, 1],
+                        behav_logp=[-1.0, -2.0], versions=[1, 2], reward=0.0, correct=False, finish_reason="",
+                        turns=0, engine="e1", attempts=1, version_sent=1, task_id="t7", metrics={}, restored=0,
+                        template_mismatch=-1, retokenize_mismatch=-1)
+
+
+def test_a_format_2_rollouts_file_still_resumes_and_an_unknown_format_names_the_fix(tmp_path: Path) -> None:
+    state = ControllerState(step=2, version=2, elapsed_s=1.0, rollouts=_snapshot())
+    path = run_virtual(lambda: _save(tmp_path, state)).result
+    rfile = path / ROLLOUTS_FILE
+    assert msgspec.msgpack.decode(rfile.read_bytes())["format"] == ROLLOUTS_FORMAT == 3
+    old = {"format": 2, "version": 2, "regenerated_tokens": 3, "unsettled": 0, "groups": [
+        {"uid": 7, "task_id": "t7", "complete": False, "next_index": 2, "admitted_version": 1, "completed_version": 0,
+         "samples": [], "unfinished": [FORMAT_2_ROLLOUT], "held": []}]}
+    rfile.write_bytes(msgspec.msgpack.encode(old))
+    snap = verify(path).rollouts
+    assert snap is not None and snap.format == 2
+    (t,) = snap.groups[0].unfinished
+    assert t == Trajectory(**FORMAT_2_ROLLOUT)  # every field it saved, the newer ones at their defaults
+    assert t.top_logprobs == [] and t.version_start == 1
+    rfile.write_bytes(msgspec.msgpack.encode({**old, "format": 4}))
+    with pytest.raises(CheckpointError, match=r"rollouts format 4, this flashrl reads formats 1, 2, 3: resume it "
+                                              r"with the flashrl that wrote it, or start the run afresh"):
+        verify(path)
 
 
 def _snapshot(version: int = 2) -> RolloutSnapshot:
-    r = SavedRollout(sample_id="7-0", group=7, index=0, prompt_ids=[1], response_ids=[3, 4], loss_mask=[1, 1],
-                     behav_logp=[-1.0, -2.0], versions=[1, 2])
+    r = Trajectory(sample_id="7-0", group=7, index=0, prompt_ids=[1], response_ids=[3, 4], loss_mask=[1, 1],
+                   behav_logp=[-1.0, -2.0], versions=[1, 2])
     return RolloutSnapshot(version=version, groups=[
         SavedGroup(uid=7, task_id="t7", complete=False, next_index=2, admitted_version=1, unfinished=[r]),
     ], regenerated_tokens=3)
@@ -88,7 +118,7 @@ def test_snapshot_round_trip_and_every_bad_file_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"rollouts of version 1, its controller.json is at 2"):
         verify(path)
     rfile.write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(_snapshot(), format=9)))
-    with pytest.raises(CheckpointError, match=r"rollouts format 9, this flashrl reads 1, 2"):
+    with pytest.raises(CheckpointError, match=r"rollouts format 9, this flashrl reads formats 1, 2, 3"):
         verify(path)
     bad = _snapshot()
     bad.groups[0].unfinished[0].versions = [1]  # one version short of its tokens
@@ -196,7 +226,7 @@ def every_uid_once(run: Run, uids: list[int]) -> None:
     assert set(uids) | left | set(c.buffer.dropped_uids) == set(range(c.stream.uid)), "a prompt was lost"
 
 
-def snapshot_prefixes(snap: RolloutSnapshot) -> dict[str, SavedRollout]:
+def snapshot_prefixes(snap: RolloutSnapshot) -> dict[str, Trajectory]:
     return {t.sample_id: t for g in snap.groups for t in g.unfinished if t.response_ids}
 
 

@@ -17,7 +17,7 @@ from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer
-from flashrl.wire.protocol import Generate, TrainSample
+from flashrl.wire.protocol import Generate, TrainBatch
 
 TOK = FakeTokenizer()
 
@@ -81,8 +81,8 @@ def test_multi_turn_concatenates_token_ids_with_masks() -> None:
     assert len({r.seed for r in eng.requests}) == 3  # one seed per turn
     assert t.reward == 1.0 and t.correct
     assert t.gen_s == 3.0 and suite.closed == suite.opened == 1
-    s = t.to_train_sample()
-    assert isinstance(s, TrainSample)
+    (s,) = msgspec.msgpack.decode(msgspec.msgpack.encode(TrainBatch(step=0, samples=[t])), type=TrainBatch).samples
+    assert s == t  # the record itself reaches the trainer
     assert (s.response_ids, s.loss_mask, s.versions, s.group, s.sample_id) == (t.response_ids, t.loss_mask, t.versions, 0, "0-0")
 
 

@@ -12,7 +12,8 @@ from flashrl.sim.clock import run_virtual
 from flashrl.sim.engine import LatencyModel, LengthModel, SimEngine, steps_within, uniform
 from flashrl.sim.envs import DelayModel, SimEnvParams, SimSuite, SimTokenizer
 from flashrl.sim.trainer import SimTrainer, TrainerModel
-from flashrl.wire.protocol import Generate, TrainBatch, TrainSample, WeightManifest
+from flashrl.wire.protocol import Generate, TrainBatch, WeightManifest
+from flashrl.wire.trajectory import Trajectory
 
 LAT = LatencyModel(decode_base_s=0.01, decode_per_seq_s=0.001, prefill_per_token_s=0.0001, max_num_seqs=2, weight_load_s=0.5)
 
@@ -190,12 +191,12 @@ def test_trainer_time_and_staleness() -> None:
 
     async def main() -> tuple[float, int, float]:
         tr = SimTrainer(model)
-        s = TrainSample(prompt_ids=[1] * 10, response_ids=[1] * 90, loss_mask=[1] * 90, behav_logp=[0.0] * 90, versions=[0] * 90, reward=1.0, group=0)
+        s = Trajectory(prompt_ids=[1] * 10, response_ids=[1] * 90, loss_mask=[1] * 90, behav_logp=[0.0] * 90, versions=[0] * 90, reward=1.0, group=0)
         await tr.train_step(TrainBatch(step=0, samples=[s, s]))
         t_train = asyncio.get_running_loop().time()
         await tr.prepare_weights(1)
         await tr.send_weights(1)
-        s2 = TrainSample(prompt_ids=[], response_ids=[1] * 4, loss_mask=[1, 1, 0, 1], behav_logp=[0.0] * 4, versions=[0, 1, -1, 1], reward=0.0, group=1)
+        s2 = Trajectory(prompt_ids=[], response_ids=[1] * 4, loss_mask=[1, 1, 0, 1], behav_logp=[0.0] * 4, versions=[0, 1, -1, 1], reward=0.0, group=1)
         res = await tr.train_step(TrainBatch(step=1, samples=[s2]))
         return t_train, tr.history[1].staleness_max, res.metrics["staleness/mean"]
 

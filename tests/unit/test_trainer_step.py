@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 from flashrl.config import Config, from_dict
 from flashrl.trainer.batch import pad_batch, token_logprobs
 from flashrl.trainer.step import PolicyTrainer
-from flashrl.wire.protocol import TrainBatch, TrainSample
+from flashrl.wire.protocol import TrainBatch
+from flashrl.wire.trajectory import Trajectory
 
 PROMPT = [1, 10, 11, 12]
 GOOD = [20, 21, 22, 2]  # reward 1
@@ -46,7 +47,7 @@ def _batch(step: int) -> TrainBatch:
         prompt = PROMPT + [13 + g] * g
         for j, resp in enumerate((GOOD, BAD, GOOD, BAD)):
             n = len(resp)
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
                                        behav_logp=[-3.0] * n, versions=[step] * n,
                                        reward=1.0 if resp is GOOD else 0.0, group=g, sample_id=f"{g}-{j}"))
     return TrainBatch(step=step, samples=samples)
@@ -148,7 +149,7 @@ def test_shared_prefix_forward_matches_the_padded_forward(model_path: Path) -> N
         for j in range(6):
             resp = [rng.randrange(3, 40) for _ in range(rng.randrange(0 if (g, j) == (2, 3) else 1, 7))]
             mask = [0 if (g, j, k) == (1, 2, 1) else 1 for k in range(len(resp))]  # an observation token
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=mask,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=mask,
                                        behav_logp=[-1.0] * len(resp), versions=[0] * len(resp), reward=0.0,
                                        group=g))
     rng.shuffle(samples)
@@ -181,7 +182,7 @@ def _tied_batch(step: int) -> TrainBatch:
         prompt = PROMPT + [13 + g] * g
         for j, resp in enumerate(resps):
             n = len(resp)
-            samples.append(TrainSample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
+            samples.append(Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n,
                                        behav_logp=[-3.0] * n, versions=[step] * n,
                                        reward=1.0 if resp is GOOD else 0.0, group=g, sample_id=f"{g}-{j}"))
     return TrainBatch(step=step, samples=samples)
