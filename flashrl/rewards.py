@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import inspect
 import logging
 import math
 import os
 import re
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -52,7 +50,7 @@ import msgspec
 
 from flashrl.plugins import PluginError, is_reference, load_object
 from flashrl.procs import PARENT_ENV, child_init
-from flashrl.workers import Worker, WorkerPool
+from flashrl.workers import PipedProc, Worker, WorkerPool
 
 __all__ = ["BUILTIN_REWARDS", "RewardFailed", "RewardOptions", "RewardResult", "RewardRunner", "make_reward_fn"]
 
@@ -208,24 +206,6 @@ _REPLY = msgspec.json.Decoder(_Reply)
 _ENC = msgspec.json.Encoder()
 
 
-class _RewardProc:
-    """A reward worker process (flashrl.workers.WorkerProc): its own session, pipes to this process."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.stdin is not None:
-            with contextlib.suppress(Exception):  # its loop may be gone (a pool used again from a new loop)
-                self.proc.stdin.close()
-
-    async def exited(self) -> int | None:
-        return await self.proc.wait()
-
-
 class _ProcessPool:
     """``workers`` processes computing one reward each at a time (flashrl.workers.WorkerPool: capacity 1,
     started on demand); one past its deadline is killed (counted) and replaced on the next call."""
@@ -246,7 +226,7 @@ class _ProcessPool:
     def pids(self) -> list[int]:
         return [w.handle.pid for w in self.pool.workers()]
 
-    async def _spawn(self, slot: int, generation: int) -> tuple[_RewardProc, asyncio.subprocess.Process]:
+    async def _spawn(self, slot: int, generation: int) -> tuple[PipedProc, asyncio.subprocess.Process]:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
@@ -255,7 +235,7 @@ class _ProcessPool:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True,
             limit=1 << 24,
         )
-        return _RewardProc(proc), proc
+        return PipedProc(proc), proc
 
     @staticmethod
     async def _ready(proc: asyncio.subprocess.Process) -> None:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
@@ -50,6 +52,25 @@ class WorkerProc(Protocol):
     def kill(self) -> None: ...  # SIGKILL the process (tree) now
 
     async def exited(self) -> int | None: ...  # waits until it has exited; its exit code
+
+
+class PipedProc:
+    """A ``WorkerProc`` for a child started in a session of its own with pipes to this process (process
+    rewards, reward-model workers): ``kill`` SIGKILLs its whole process group and closes its stdin."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(Exception):  # its loop may be gone (a pool used again from a new loop)
+                self.proc.stdin.close()
+
+    async def exited(self) -> int | None:
+        return await self.proc.wait()
 
 
 class Worker(Generic[H]):

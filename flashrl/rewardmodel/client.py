@@ -25,7 +25,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections import Counter
@@ -37,7 +36,7 @@ import msgspec
 from flashrl.procs import PARENT_ENV
 from flashrl.rewardmodel.worker import Ready, ScoreBatch, Scores
 from flashrl.rewards import RewardFailed
-from flashrl.workers import WorkerPool
+from flashrl.workers import PipedProc, WorkerPool
 
 __all__ = ["ProcessScorer", "RewardModelClient", "ScoreFailed", "Scorer"]
 
@@ -69,24 +68,6 @@ class Scorer(Protocol):
 
 
 # --------------------------------------------------------------------------- the process backend
-class _Proc:
-    """A worker process (flashrl.workers.WorkerProc): its own session, SIGKILLed as a group."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.stdin is not None:
-            with contextlib.suppress(Exception):
-                self.proc.stdin.close()
-
-    async def exited(self) -> int | None:
-        return await self.proc.wait()
-
-
 _READY = msgspec.json.Decoder(Ready)
 _SCORES = msgspec.json.Decoder(Scores)
 _ENC = msgspec.json.Encoder()
@@ -119,7 +100,7 @@ class ProcessScorer:
     async def start(self) -> None:
         await self.pool.start()
 
-    async def _spawn(self, slot: int, generation: int) -> tuple[_Proc, asyncio.subprocess.Process]:
+    async def _spawn(self, slot: int, generation: int) -> tuple[PipedProc, asyncio.subprocess.Process]:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(self.threads))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
@@ -128,7 +109,7 @@ class ProcessScorer:
             "--device", self.device, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             start_new_session=True, limit=1 << 24)
         log.info("reward-model worker %d started (pid %d, generation %d)", slot, proc.pid, generation)
-        return _Proc(proc), proc
+        return PipedProc(proc), proc
 
     @staticmethod
     async def _ready(proc: asyncio.subprocess.Process) -> None:
