@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +156,7 @@ def ensure_judge_model(cfg: Any, progress: Progress | None = None, build: bool =
     """The judge's folder, building and caching ``builtin:judge`` once."""
     if cfg.judge.model != BUILTIN_JUDGE:
         return check_folder(cfg.judge.model)
-    from flashrl.models import WARMSTART_FILE, _file_lock, _one_torch_thread
+    from flashrl.models import WARMSTART_FILE, _one_torch_thread, build_folder
     from flashrl.models.tiny import build_untrained
 
     final = _folder(cfg)
@@ -168,33 +165,24 @@ def ensure_judge_model(cfg: Any, progress: Progress | None = None, build: bool =
     if not build:
         raise JudgeModelError(f"judge.model: {BUILTIN_JUDGE!r} is not built yet for this env, template and seed; "
                               "`flashrl init-model CONFIG` (or `flashrl run`) builds it")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f"{final.name}.lock"):
-        if (final / WARMSTART_FILE).is_file():
-            return final
+    shown = progress or Progress.off()
+
+    def fill(tmp: Path) -> None:
         from flashrl.plugins import make_suite
 
-        progress = progress or Progress.off()
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         if isinstance(suite, Wrapping):
             suite = suite.task_suite
         rng = random.Random(cfg.run.seed)
-        with progress.phase("labelling the judge's answers with the verifier"):
+        with shown.phase("labelling the judge's answers with the verifier"):
             train = judge_tasks(list(suite.train_tasks()), _TRAIN, cfg.judge.template, suite, rng)
             held = judge_tasks(list(suite.eval_tasks()), 512, cfg.judge.template, suite, random.Random(cfg.run.seed + 1))
-        tmp = Path(tempfile.mkdtemp(prefix=".build-judge-", dir=final.parent))
-        try:
-            with _one_torch_thread():
-                with progress.phase("building the untrained judge"):
-                    build_untrained(tmp, seed=cfg.run.seed + 1000)  # not the policy's init
-                report = train_judge(tmp, train, held, seed=cfg.run.seed, progress=progress)
-            report |= {"judge": True, "template": cfg.judge.template, "env": cfg.env.name,
-                       "params": _task_params(cfg), "seed": cfg.run.seed}
-            (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+        with _one_torch_thread():
+            with shown.phase("building the untrained judge"):
+                build_untrained(tmp, seed=cfg.run.seed + 1000)  # not the policy's init
+            report = train_judge(tmp, train, held, seed=cfg.run.seed, progress=shown)
+        report |= {"judge": True, "template": cfg.judge.template, "env": cfg.env.name,
+                   "params": _task_params(cfg), "seed": cfg.run.seed}
+        (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
+
+    return build_folder(final, lambda f: (f / WARMSTART_FILE).is_file(), fill, prefix=".build-judge-")

@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -165,30 +165,44 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
     final = cache / f"tiny-{key}"
     if _is_built(final):
         return final
-    with _file_lock(cache / f"tiny-{key}.lock"):
-        if _is_built(final):  # another process built it while we waited for the lock
-            return final
+    shown = progress or Progress.off()
+
+    def fill(tmp: Path) -> None:
         from flashrl.plugins import make_suite
 
-        progress = progress or Progress.off()
-        with progress.phase(f"loading the tasks of env {cfg.env.name}", unit="tasks") as phase:
+        with shown.phase(f"loading the tasks of env {cfg.env.name}", unit="tasks") as phase:
             suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
             if isinstance(suite, Wrapping):  # a wrapper (remote) warm-starts on what it wraps
                 suite = suite.task_suite
             phase.advance(len(suite.train_tasks()), held_out=len(suite.eval_tasks()))
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
+        log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
+        with _one_torch_thread():
+            with shown.phase("building the untrained model"):
+                build_untrained(tmp, seed=cfg.run.seed, spec=spec)
+            report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
+                                log=log.info, suite=suite, progress=shown, eval_play=_eval_play(cfg))
+        report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
+                   "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
+        (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
+        log.info("built %s: held-out greedy accuracy %.3f in %.1f s", final, report["eval_accuracy"], report["seconds"])
+
+    return build_folder(final, _is_built, fill)
+
+
+def build_folder(final: Path, built: Callable[[Path], bool], fill: Callable[[Path], None], *,
+                 prefix: str = ".build-") -> Path:
+    """Build the folder ``final`` once, whatever the number of processes asking: under the file lock
+    ``<final>.lock`` beside it (a process that waited for it finds ``final`` ``built``), ``fill(tmp)``
+    writes a temporary folder beside it, renamed into place once complete, so that no reader sees half a
+    folder. A ``final`` that is there but not ``built`` (a killed older recipe's) is replaced."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / f"{final.name}.lock"):
+        if built(final):  # another process built it while we waited for the lock
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
         try:
-            log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
-            with _one_torch_thread():
-                with progress.phase("building the untrained model"):
-                    build_untrained(tmp, seed=cfg.run.seed, spec=spec)
-                report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
-                                    log=log.info, suite=suite, progress=progress, eval_play=_eval_play(cfg))
-            report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
-                       "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
-            (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
-            log.info("built %s: held-out greedy accuracy %.3f in %.1f s", final, report["eval_accuracy"], report["seconds"])
-            if final.exists():  # a stale half-built folder from a killed older recipe; replace it
+            fill(tmp)
+            if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException:

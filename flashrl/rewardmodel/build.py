@@ -28,10 +28,7 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -124,7 +121,7 @@ def ensure_reward_model(cfg: Any, spec: RmSpec | None = None, progress: Progress
     missing built-in model raises RewardModelError saying `flashrl init-model` builds it)."""
     if cfg.reward.model != BUILTIN_RM:
         return check_folder(cfg.reward.model)
-    from flashrl.models import _file_lock
+    from flashrl.models import build_folder
 
     spec = spec or RmSpec()
     final = builtin_folder(cfg, spec)
@@ -133,29 +130,20 @@ def ensure_reward_model(cfg: Any, spec: RmSpec | None = None, progress: Progress
     if not build:
         raise RewardModelError(f"reward.model: {BUILTIN_RM!r} is not built yet for this env and seed; "
                                "`flashrl init-model CONFIG` (or `flashrl run`) builds it")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f"{final.name}.lock"):
-        if (final / RM_REPORT).is_file():
-            return final
+
+    def fill(tmp: Path) -> None:
         from flashrl.plugins import make_suite
 
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         if isinstance(suite, Wrapping):
             suite = suite.task_suite
-        tmp = Path(tempfile.mkdtemp(prefix=".build-rm-", dir=final.parent))
-        try:
-            report = train_rm(tmp, suite, spec, seed=cfg.run.seed, progress=progress or Progress.off())
-            report |= {"env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
-                       "spec": msgspec.to_builtins(spec)}
-            (tmp / RM_REPORT).write_text(json.dumps(report, indent=2, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    log.info("built %s: held-out pair accuracy %.3f", final, report["eval_pair_accuracy"])
-    return final
+        report = train_rm(tmp, suite, spec, seed=cfg.run.seed, progress=progress or Progress.off())
+        report |= {"env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
+                   "spec": msgspec.to_builtins(spec)}
+        (tmp / RM_REPORT).write_text(json.dumps(report, indent=2, default=str))
+        log.info("built %s: held-out pair accuracy %.3f", final, report["eval_pair_accuracy"])
+
+    return build_folder(final, lambda f: (f / RM_REPORT).is_file(), fill, prefix=".build-rm-")
 
 
 # --------------------------------------------------------------------------- pairs
