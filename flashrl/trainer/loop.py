@@ -204,7 +204,7 @@ class Server(Protocol):
 
 async def serve(commands: CommandLoop, make_server: Callable[[Callable[[Msg], Any]], Server],
                 busy: Callable[[], bool] = lambda: False, wait_s: float = WAIT_LOOP_S,
-                stop: asyncio.Event | None = None) -> bool:
+                stop: asyncio.Event | None = None, address: str = "") -> bool:
     """Rank 0: the RPC shell around ``commands`` (run on a thread of its own) until Shutdown or SIGTERM
     (which sets ``stop``; a test sets it itself).
 
@@ -239,7 +239,7 @@ async def serve(commands: CommandLoop, make_server: Callable[[Callable[[Msg], An
     threading.Thread(target=run_loop, name="trainer-loop", daemon=True).start()
     server = make_server(handle)
     tasks = [loop.create_task(server.serve(), name="trainer-rpc"), loop.create_task(watch_loop(), name="trainer-loop")]
-    log.info("rank 0 serving (world %d)", commands.trainer.world)
+    log.info("rank 0 serving %s (world %d)", address or "(in process)", commands.trainer.world)
     try:
         await until_stopped(stop, tasks)
     except TaskDied:

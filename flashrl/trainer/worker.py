@@ -413,7 +413,7 @@ async def leader_loop(trainer: Trainer, fanout: Fanout, address: str) -> None:
     try:
         ended = await serve(commands, lambda handle: RpcServer(
             address, protocol.TRAINER_REQUESTS, handle, name=f"trainer-rank0@{address}",
-            curve=keys.server() if keys is not None else None), busy=lambda: trainer.weights.busy)
+            curve=keys.server() if keys is not None else None), busy=lambda: trainer.weights.busy, address=address)
     finally:
         trainer.weights.close()
     if not ended:
