@@ -225,8 +225,10 @@ def test_exported_checkpoint_adapter_and_merged_give_the_engines_greedy_output(l
         res = CliRunner().invoke(app, ["export", str(run), "--out", str(tmp_path / out), *([flag] if flag else [])])
         assert res.exit_code == 0, res.output
     tokens, lps = _generate(llm, "exported", LoRARequest("exported", 2, str(tmp_path / "adapter")))
-    base_tokens, _ = _generate(llm, "base-export", None)
-    assert tokens != base_tokens  # the trained adapter changes the greedy continuation
+    base_tokens, base_lps = _generate(llm, "base-export", None)
+    # the trained adapter is not a no-op: it changes the greedy continuation or, where two steps of training on
+    # the CI's freshly built model leave the argmax alone (seen once), the continuation's logprobs
+    assert tokens != base_tokens or max(abs(a - b) for a, b in zip(lps, base_lps)) > 1e-3
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for name, model in {
         "adapter": PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(),
