@@ -230,12 +230,8 @@ class _ProcessPool:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flashrl.rewards", "--spec", self.spec, "--options", _ENC.encode(self.opts).decode(),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-            limit=1 << 24,
-        )
-        return PipedProc(proc), proc
+        w = await PipedProc.start("flashrl.rewards", ["--spec", self.spec, "--options", _ENC.encode(self.opts).decode()], env)
+        return w, w.proc
 
     @staticmethod
     async def _ready(proc: asyncio.subprocess.Process) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
@@ -61,6 +62,13 @@ class PipedProc:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
+
+    @classmethod
+    async def start(cls, module: str, args: list[str], env: dict[str, str]) -> PipedProc:
+        """``python -m module *args`` in a session of its own, stdin and stdout piped (lines up to 16 MiB)."""
+        return cls(await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=env, start_new_session=True, limit=1 << 24))
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

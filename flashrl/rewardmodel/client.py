@@ -25,7 +25,6 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -104,12 +103,10 @@ class ProcessScorer:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(self.threads))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flashrl.rewardmodel.worker", "--model", self.model, "--threads", str(self.threads),
-            "--device", self.device, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-            start_new_session=True, limit=1 << 24)
-        log.info("reward-model worker %d started (pid %d, generation %d)", slot, proc.pid, generation)
-        return PipedProc(proc), proc
+        w = await PipedProc.start("flashrl.rewardmodel.worker", ["--model", self.model, "--threads", str(self.threads),
+                                                                 "--device", self.device], env)
+        log.info("reward-model worker %d started (pid %d, generation %d)", slot, w.pid, generation)
+        return w, w.proc
 
     @staticmethod
     async def _ready(proc: asyncio.subprocess.Process) -> None:
