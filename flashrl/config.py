@@ -4,6 +4,8 @@ Every field has a type, a default, a bound where one applies and a one-line desc
 (``Meta(description=...)``). ``load()`` turns every problem (missing file, invalid TOML, unknown key,
 wrong type, out-of-range value, inconsistent values) into one ``ConfigError`` whose message names the
 key path and what is expected; the CLI prints it and exits with code 2 before any process starts.
+
+Over 600 lines because it is the whole configuration reference: one struct per section, each field with its description.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ loops and shutdown; each other job is a part of its own, wired here:
     evals.py       Evals             held-out evals on exactly the evaluated weights
     ledger.py      Ledger            step records, histories, meters, the checkpoint state
     resume.py      restore           a resumed run's state put back (ledger, stream, buffer, rollouts)
-    rollout.py     RolloutContext    what every rollout shares (built complete when run() starts)
+    context.py     RolloutContext    what every rollout shares (built complete when run() starts)
+    cut.py         CheckpointCut     the training rollouts a partial-mode checkpoint saves, and the cut
+    group.py       run_group         one prompt's rollouts (rollout.py: one sample, one trajectory)
 
-    admission loop (feed.py) ──> SampleBuffer <── group task per prompt (rollout.run_group)
+    admission loop (feed.py) ──> SampleBuffer <── group task per prompt (group.run_group)
     train loop (host of the task group) ──feed.next_batch(step)──> batch
       waits: for a batch (feed.py), the trainer, the last sync (never for an eval: evals.py)
       0. batch taken (the buffer advances staleness.next_step to step+1): ctx.abort_stale() cancels
@@ -69,12 +71,13 @@ from flashrl.aio import shielded, supervised
 from flashrl.checkpoint import ControllerState, RolloutSnapshot
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, SampleBuffer
+from flashrl.controller.context import RolloutContext
+from flashrl.controller.cut import CheckpointCut
 from flashrl.controller.evals import Evals
 from flashrl.controller.feed import Feed
 from flashrl.controller.ledger import Ledger, RunMeters, RunSummary
 from flashrl.controller.publisher import WeightPublisher
 from flashrl.controller.resume import Restored, restore
-from flashrl.controller.rollout import RolloutContext
 from flashrl.controller.scheduler import Admission, DataStream, Router
 from flashrl.controller.supervisor import EngineSupervisor
 from flashrl.controller.types import Published
@@ -202,7 +205,8 @@ class Controller:
             token_rates=self.meters.tokens,
             staleness=self.staleness,
             # a checkpoint keeps the unfinished rollouts (partial mode): they are cut at each one
-            cuts=self.checkpoints is not None and self.staleness.mode == "partial",
+            cut=CheckpointCut(self.engines, self.counters)
+            if self.checkpoints is not None and self.staleness.mode == "partial" else None,
             on_engine_dead=self.supervisor.engine_dead,
             wait_engine=self.supervisor.wait_engine if self.supervisor.restarts else None,
         )

@@ -4,7 +4,7 @@ off the training path: the trainer never waits for an eval while it has fresh sa
     train loop ──start(record, version)──> publisher.hold(version) + eval task in the run's task group
                                            (step 0, every run.eval_every, the last step)
       eval task: waits for the eval before it (if any) and for ``version`` on every engine
-                 (publisher.loaded) ──> one rollout per held-out task (rollout.run_group, need 1,
+                 (publisher.loaded) ──> one rollout per held-out task (group.run_group, need 1,
                  rollout.eval_temperature), through the same Router as training rollouts ──> accuracy
                  and its cost into the record ──> ledger.emit(record) ──> publisher.unhold(version):
                  the newest version the trainer made meanwhile loads at once (one sync)
@@ -56,9 +56,10 @@ from typing import Any
 
 from flashrl.aio import cancel_and_wait
 from flashrl.config import Config
+from flashrl.controller.context import RolloutContext
+from flashrl.controller.group import run_group
 from flashrl.controller.ledger import Ledger
 from flashrl.controller.publisher import WeightPublisher
-from flashrl.controller.rollout import RolloutContext, run_group
 from flashrl.controller.scheduler import EVAL_ENGINES
 from flashrl.controller.types import Trajectory, metric_means
 from flashrl.core.records import EvalStats, StepRecord

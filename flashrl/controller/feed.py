@@ -1,6 +1,6 @@
 """The feed: keeps the sample buffer filled and hands the train loop its batches.
 
-    admission loop ──admit(uid, task)──> SampleBuffer ──> group task per prompt (rollout.run_group)
+    admission loop ──admit(uid, task)──> SampleBuffer ──> group task per prompt (group.run_group)
       waits: buffer.changed()              ^   |              rollouts -> engines (Router)
       admits: Admission.admit_count()      |   |              each ok sample -> buffer.add() at once
                                            |   v
@@ -8,7 +8,7 @@
       waits: buffer.changed() for a batch (stale = wait: also while a due group is still generating)
 
 Checkpoints (partial mode): ``cut()`` stops the training rollouts at their current tokens
-(rollout.RolloutContext.cut) and ``snapshot()`` then reads, in one synchronous step, every
+(cut.CheckpointCut) and ``snapshot()`` then reads, in one synchronous step, every
 outstanding group with its finished samples and its unfinished rollouts' prefixes
 (checkpoint.RolloutSnapshot); ``go_on()`` lets them continue. A resumed run's saved groups are put
 back by the controller (buffer.restore) and their rollouts launched here first (``restored``),
@@ -36,10 +36,11 @@ from typing import Any
 from flashrl.checkpoint import RolloutSnapshot, SavedGroup
 from flashrl.config import Config
 from flashrl.controller.buffer import Group, GroupState, SampleBuffer
+from flashrl.controller.context import RolloutContext
 from flashrl.controller.evals import Evals
+from flashrl.controller.group import run_group
 from flashrl.controller.ledger import RunMeters
 from flashrl.controller.publisher import WeightPublisher
-from flashrl.controller.rollout import RolloutContext, run_group
 from flashrl.controller.scheduler import Admission, DataStream
 from flashrl.controller.types import Trajectory
 from flashrl.wire.trajectory import snapshot
@@ -150,11 +151,12 @@ class Feed:
     async def cut(self) -> int:
         """Stop the training rollouts at their current tokens for a snapshot (partial mode with
         checkpoints; else nothing to do): how many requests did not answer in time."""
-        return await self.ctx.cut() if self.ctx.gate is not None else 0
+        return await self.ctx.cut.cut() if self.ctx.cut is not None else 0
 
     def go_on(self) -> None:
         """After a cut: the rollouts continue from their tokens so far."""
-        self.ctx.go_on()
+        if self.ctx.cut is not None:
+            self.ctx.cut.go_on()
 
     def snapshot(self, version: int, unsettled: int = 0) -> tuple[RolloutSnapshot, list[int]]:
         """(The untrained work at this instant, the uids to re-admit instead). Call after ``cut()``, between
@@ -168,13 +170,15 @@ class Feed:
         ``regenerated_tokens``). Otherwise every outstanding group is named for re-admission and its
         known tokens (finished samples, folded prefixes) are counted there."""
         b = self.buffer
-        keep = self.ctx.gate is not None
+        cut = self.ctx.cut
+        keep = cut is not None
         inflight: dict[int, list[tuple[str, int, Trajectory | None]]] = {}
-        for sid, (uid, idx, t) in self.ctx.rollouts.items():
-            inflight.setdefault(uid, []).append((sid, idx, t))
         held: dict[int, list[Trajectory]] = {}
-        for t in self.ctx.held.values():
-            held.setdefault(t.group, []).append(t)
+        if cut is not None:
+            for sid, (uid, idx, t) in cut.rollouts.items():
+                inflight.setdefault(uid, []).append((sid, idx, t))
+            for t in cut.held.values():
+                held.setdefault(t.group, []).append(t)
         running = sorted((g for g in b.groups.values() if g.state in (GroupState.ADMITTED, GroupState.RUNNING)),
                          key=lambda g: g.uid)
         groups: list[SavedGroup] = []

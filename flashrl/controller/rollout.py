@@ -1,11 +1,5 @@
-"""Rollout coroutines: one trajectory (generic multi-turn), one sample with retries, one group.
-
-    run_group(uid, need, extra)                       one asyncio task per rollout; each reports its
-      ├─ run_sample(index k) x (need + extra) ──┐     result to the group's tally as it finishes:
-      │    retry loop (infra failures, stale)   │     first ``need`` ok samples (finish or launch order) -> on_sample()
-      │      run_trajectory(engine i, attempt)  │     then the group cancels the rest: each cancelled
-      └────── _GroupState.finish(traj) <────────┘     generate sends engine.abort([request_id])
-                                                      unfillable (ok + still running < need) -> False
+"""Rollout coroutines: one trajectory (generic multi-turn) and one sample with its retries (a group of
+them: group.py).
 
     run_trajectory:  env.reset(task) -> encode once -> ┌> [permit] engine.generate [/permit]
                                                        │   decode -> env.step(action)  (turn deadline)
@@ -55,19 +49,13 @@ Restarts converge: a restart's first token is at least the controller's version 
 and staleness.next_step <= V + 1, so it is doomed again at once only with async_ratio = 0, where no
 training sample generates while a batch trains (capacity = batch_prompts: every group is in it).
 
-Checkpoint cuts (``RolloutContext(cuts=True)``: the controller of a partial-mode run that writes
-checkpoints): every training rollout is registered while it runs (``ctx.rollouts``: sample id ->
-its current attempt's Trajectory, gone in the same step that hands the sample to the group, or, in
-launch order, that holds it back behind an earlier-launched one: ``ctx.held`` until it is handed over)
-and each of its engine requests too (``ctx.tracked``). ``ctx.cut()`` closes the gate (no training
-request starts), aborts every tracked request, and waits until each has answered and folded its
-tokens so far into its Trajectory; the caller then reads every prefix in one synchronous step, and
-``ctx.go_on()`` reopens the gate: each interrupted rollout continues with a request for the rest of
-its turn (prompt + its tokens so far, ``max_tokens`` less them, seeded by ``request_seed(...,
-done)``), exactly as after a weight update, each token keeping its own version and logprob. A
-rollout restored from a checkpoint (``RolloutSpec.resume``) starts the same way from its saved
-prefix (or with its environment step, when its generation had come back). An interrupt's "abort"
-answer is never taken for the end of a turn.
+Checkpoint cuts (``RolloutContext.cut``, a cut.CheckpointCut: partial mode with checkpoints): each
+training attempt tells the cut what it would save of it (``started``), each training request passes its
+gate (``request``, ``ended``) and, once its answer is folded in, checks in: an interrupt's "abort" answer
+is never taken for the end of a turn; the rollout asks for the rest of its turn (prompt + its tokens so
+far, ``max_tokens`` less them, seeded by ``request_seed(..., done)``), exactly as after a weight update.
+A rollout restored from a checkpoint (``RolloutSpec.resume``) starts the same way from its saved prefix
+(or with its environment step, when its generation had come back).
 
 Cost (the controller must push >= 20K samples per CPU second through this path): one task per
 rollout and nothing else, with the toolkit of flashrl/aio.py. Three causes of a cancel stay apart:
@@ -83,203 +71,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any
 
-import msgspec
-
-from flashrl.aio import (
-    Deadlines,
-    Resumed,
-    TaskCancel,
-    as_coroutine,
-    cancel_and_wait,
-    first_step,
-    shielded,
-    timeout,
-)
-from flashrl.config import Config
-from flashrl.controller.scheduler import Router, mark_engine_dead, request_seed, sample_id
+from flashrl.aio import Resumed, TaskCancel, as_coroutine, first_step, shielded, timeout
+from flashrl.controller.context import RolloutContext, RolloutSpec
+from flashrl.controller.scheduler import request_seed
 from flashrl.controller.types import Trajectory
-from flashrl.core.meters import BusyMeter, RateMeter
-from flashrl.core.staleness import Staleness
-from flashrl.env import EnvFailure, EnvSuite, StepResult, Task
-from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
+from flashrl.env import EnvFailure, StepResult
+from flashrl.interfaces import ChatTokenizer
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError
 
-__all__ = ["RolloutContext", "RolloutSpec", "run_group", "run_sample", "run_trajectory"]
+__all__ = ["run_sample", "run_trajectory"]
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0  # bound on telling an engine to drop a request nobody will read
-CUT_TIMEOUT_S = 10.0  # bound on a checkpoint cut's wait for the interrupted requests' answers
-CUT_RETRY_S = 0.5  # a cut asks again for the requests that have not answered after this long
 ENV_CLOSE_TIMEOUT_S = 5.0
-
-
-class RolloutSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """What to roll out: the task, the group and index (ids, seeds), the sampling temperature."""
-
-    task: Task
-    group: int
-    index: int
-    temperature: float
-    seed_key: tuple[int, int]  # (prompt uid, sample index) for training; (-1 - k, version) for eval
-    sample_id: str = ""
-    resume: Trajectory | None = None  # a checkpoint's unfinished rollout of this index: continue it (first attempt)
-
-
-PROMPT_CACHE = 4096  # prompts whose token ids RolloutContext keeps (oldest out first)
-
-
-@dataclass(eq=False)
-class RolloutContext:
-    """Everything a rollout needs, shared by all of them (single event loop: no locks)."""
-
-    cfg: Config
-    tokenizer: Tokenizer
-    suite: EnvSuite
-    engines: Sequence[EngineClient]
-    router: Router
-    version: Callable[[], int]
-    counters: Counter[str] = field(default_factory=Counter)
-    live: dict[str, int] = field(default_factory=dict)  # request id -> engine, while generating
-    # per engine: time with >= 1 generate in flight (the controller's, started with its run: the busy
-    # fractions of its dashboard); none given: meters of this context's own (stand-alone rollouts)
-    busy: list[BusyMeter] = field(default_factory=list)
-    token_rates: list[RateMeter] = field(default_factory=list)  # per engine; empty: not metered
-    # the run's staleness rule (shared with the buffer, which advances its next_step); None turns
-    # the stale early abort off
-    staleness: Staleness | None = None
-    # who handles an engine death: the controller's supervisor (supervisor.EngineSupervisor.engine_dead:
-    # marks it dead, counts it, restarts it when a launcher can); None: this context marks it dead in
-    # the router itself (stand-alone rollouts, no restarts)
-    on_engine_dead: Callable[[int, BaseException], None] | None = None
-    # awaited when every engine is down, until one is back (given only when engines can be restarted)
-    wait_engine: Callable[[], Coroutine[Any, Any, None]] | None = None
-    # attempts watched for staleness (multi-turn training rollouts past their first turn):
-    # what cancels the attempt -> the version of its first generated token
-    watched: dict[TaskCancel, int] = field(default_factory=dict, init=False)
-    # the trajectory deadline of every attempt in flight (rollout.trajectory_timeout_s): one timer
-    deadlines: Deadlines = field(init=False)
-    # the tokenizer when it renders turns itself (interfaces.ChatTokenizer), else None: decided once
-    chat: ChatTokenizer | None = field(init=False)
-    # the prompt's token ids by its text: a group's samples (and replicas, retries) share their prompt,
-    # which was tokenized once per sample (a fifth of the controller's CPU on the embedded default)
-    _prompts: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False)
-    # checkpoint cuts (module docstring): on, the training rollouts and their requests are registered
-    cuts: bool = False
-    gate: asyncio.Event | None = field(default=None, init=False)  # set: training requests may start
-    # sample id -> (prompt uid, sample index, its attempt's Trajectory so far or its saved prefix or None)
-    rollouts: dict[str, tuple[int, int, Trajectory | None]] = field(default_factory=dict, init=False)
-    tracked: dict[str, int] = field(default_factory=dict, init=False)  # training request id -> engine
-    # sample id -> a finished sample that waits for an earlier-launched one of its group before it is handed
-    # over (rollout.redundant_keep = "launch_order"): off ``rollouts``, not yet in the buffer, so a cut
-    # saves it from here (with cuts only)
-    held: dict[str, Trajectory] = field(default_factory=dict, init=False)
-    interrupts: dict[str, asyncio.Future[None]] = field(default_factory=dict, init=False)  # cut's, unanswered
-
-    def prompt_ids(self, obs: str) -> list[int]:
-        """The first observation's token ids (chat-rendered when the tokenizer has a chat template)."""
-        ids = self._prompts.get(obs)
-        if ids is None:
-            ids = tuple(self.chat.encode_prompt(obs) if self.chat is not None else self.tokenizer.encode(obs))
-            if len(self._prompts) >= PROMPT_CACHE:
-                self._prompts.pop(next(iter(self._prompts)))  # the oldest
-            self._prompts[obs] = ids
-        return list(ids)
-
-    def __post_init__(self) -> None:
-        self.deadlines = Deadlines(self.cfg.rollout.trajectory_timeout_s)
-        self.chat = self.tokenizer if isinstance(self.tokenizer, ChatTokenizer) else None
-        if not self.busy:
-            self.busy = [BusyMeter() for _ in self.engines]
-        if self.cuts:
-            self.gate = asyncio.Event()
-            self.gate.set()
-
-    async def cut(self, timeout_s: float = CUT_TIMEOUT_S) -> int:
-        """Stop every training rollout's generation at its current token (module docstring): close
-        the gate, abort each tracked request, wait (at most ``timeout_s``) until each answered and its
-        tokens are in its Trajectory. Returns how many did not answer in time (their tokens since the
-        request began are not in the cut). The gate stays closed until ``go_on()``."""
-        assert self.gate is not None, "RolloutContext(cuts=True) is needed for checkpoint cuts"
-        self.gate.clear()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        waits: dict[asyncio.Future[None], tuple[str, int]] = {}
-        for rid, i in self.tracked.items():
-            fut = loop.create_future()
-            self.interrupts[rid] = fut
-            waits[fut] = (rid, i)
-        late = set(waits)
-        while late:
-            by_engine: dict[int, list[str]] = {}
-            for fut in late:
-                rid, i = waits[fut]
-                by_engine.setdefault(i, []).append(rid)
-            await asyncio.gather(*(self._abort(i, rids) for i, rids in by_engine.items()))
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            # asked again after CUT_RETRY_S: should an abort reach an engine before the request it names (an
-            # engine need not order two messages of one tick), it found nothing to abort
-            _, late = await asyncio.wait(late, timeout=min(CUT_RETRY_S, left))
-        if late:
-            self.counters["checkpoint/unsettled_rollouts"] += len(late)
-            log.warning("checkpoint cut: %d of %d requests did not answer their abort within %.0f s; their tokens "
-                        "since the previous cut are not saved", len(late), len(waits), timeout_s)
-        return len(late)
-
-    def go_on(self) -> None:
-        """Reopen the gate after a cut: the interrupted rollouts continue from their tokens so far."""
-        if self.gate is not None:
-            self.gate.set()
-
-    async def _abort(self, i: int, rids: list[str]) -> None:
-        try:
-            await shielded(self.engines[i].abort(rids), ABORT_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a dead engine answers its requests with PeerDead: they check in that way
-            log.debug("checkpoint cut: abort on %s failed: %s", self.engines[i].name, e)
-
-    def checkin(self, rid: str) -> bool:
-        """A training request ended (answered or raised): True when a cut had interrupted it; the cut
-        stops waiting for it (call once its tokens are in its Trajectory)."""
-        fut = self.interrupts.pop(rid, None) if self.interrupts else None
-        if fut is None:
-            return False
-        if not fut.done():
-            fut.set_result(None)
-        return True
-
-    def engine_dead(self, i: int, err: BaseException) -> None:
-        """Engine ``i`` is gone (its request raised PeerDead): no more rollouts or weights for it.
-        Counted once per death under ``engine/deaths`` (scheduler.mark_engine_dead); restarted when
-        the handler given as ``on_engine_dead`` can."""
-        if self.on_engine_dead is not None:
-            self.on_engine_dead(i, err)
-        else:
-            mark_engine_dead(self.router, self.counters, self.engines, i, err)
-
-    def abort_stale(self) -> int:
-        """Cancel every watched trajectory that became too stale to train; return how many.
-
-        The controller calls this whenever ``staleness.next_step`` grows (a batch was taken).
-        """
-        rule = self.staleness
-        if rule is None:
-            return 0
-        n = 0
-        for scope, version_start in self.watched.items():
-            if not scope.cancel_called and rule.doomed(version_start):
-                scope.cancel()
-                n += 1
-        return n
 
 
 def _correct(res: StepResult, reward: float) -> bool:
@@ -331,12 +140,10 @@ async def _generate(
             await slot.acquire()
             traj.wait_s += loop.time() - t_wait
     rid = req.request_id
-    gate = ctx.gate if traj.group >= 0 else None  # checkpoint cuts: training requests only
+    cut = ctx.cut_for(traj.group)
     try:
-        if gate is not None:
-            while not gate.is_set():  # a cut is reading the prefixes: start nothing until it is done
-                await gate.wait()
-            ctx.tracked[rid] = i  # no await from here to the request: a cut sees every request sent
+        if cut is not None:
+            await cut.request(rid, i)  # waits while a cut reads; no await from here to the request
         t0 = loop.time()
         ctx.live[rid] = i
         busy = ctx.busy[i]
@@ -355,8 +162,8 @@ async def _generate(
             raise
         finally:
             del ctx.live[rid]
-            if gate is not None:
-                del ctx.tracked[rid]
+            if cut is not None:
+                cut.ended(rid)
             t1 = loop.time()
             busy.exit(t1)
             traj.gen_s += t1 - t0
@@ -450,8 +257,8 @@ async def _turn_loop(
     pending_step = False  # a restored rollout whose generation had come back: its env step comes first
     if spec.resume is not None:
         pending_step = _continue(ctx, spec.resume, traj)
-    if ctx.gate is not None and spec.group >= 0:  # from now on a cut reads this attempt (its prefix, if restored)
-        ctx.rollouts[spec.sample_id] = (spec.group, spec.index, traj)
+    if (cut := ctx.cut_for(spec.group)) is not None:  # from now on a cut reads this attempt (its prefix, if restored)
+        cut.started(spec.sample_id, spec.group, spec.index, traj)
     while True:
         if pending_step:
             pending_step = False
@@ -608,7 +415,7 @@ def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Traje
     )
 
 
-# --------------------------------------------------------------------------- one sample, one group
+# --------------------------------------------------------------------------- one sample
 async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Trajectory:
     """One sample, retried after infrastructure failures. ``engine`` was picked (and counted) by the caller.
 
@@ -647,8 +454,8 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
             return _failed(spec, "engine_error", attempt + 1, name)
         finally:
             ctx.router.release(i)
-        if spec.sample_id in ctx.rollouts:  # the failed attempt's tokens are not a prefix the next one continues
-            ctx.rollouts[spec.sample_id] = (spec.group, spec.index, spec.resume)
+        if (cut := ctx.cut_for(spec.group)) is not None:  # the failed attempt's tokens are no prefix to continue
+            cut.started(spec.sample_id, spec.group, spec.index, spec.resume)
         if reason == "stale":
             ctx.counters["rollout/aborted_stale"] += 1
             log.debug("rollout %s: too stale to be trained, restarted on fresh weights", spec.sample_id)
@@ -662,190 +469,3 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
         if ctx.router.all_dead and ctx.wait_engine is not None:
             await ctx.wait_engine()  # every engine is restarting: wait for one (raises if none can come back)
         i = ctx.router.pick()  # least-loaded live engine; a dead one is never picked again
-
-
-async def run_group(
-    ctx: RolloutContext,
-    *,
-    task: Task,
-    group: int,
-    need: int,
-    first_index: int,
-    extra: int,
-    temperature: float,
-    on_sample: Callable[[Trajectory], object],
-    seed_key: Callable[[int], tuple[int, int]] | None = None,
-    sample_ids: Callable[[int], str] | None = None,
-    resumes: Sequence[Trajectory] = (),
-    finished: Sequence[Trajectory] = (),
-) -> bool:
-    """Run ``need + extra`` rollouts of ``task``; hand ``need`` ok ones to ``on_sample``: the first to finish,
-    or with ``rollout.redundant_keep = "launch_order"`` the first in launch order (``_GroupState``).
-
-    ``resumes``: a checkpoint's unfinished rollouts of this group (each its own sample index),
-    continued from their prefixes; ``finished``: its finished samples that were held back (launch order:
-    an earlier-launched rollout had not finished), tallied as finished before anything runs. With them,
-    ``need + extra - len(resumes) - len(finished)`` fresh rollouts (none when that is negative) take the
-    indices from ``first_index`` on. Launch order is the order of the sample indices: restored ones
-    (below ``first_index``, with gaps where samples were delivered or failed) before the fresh ones.
-
-    Returns True when ``need`` samples were delivered, False when the group cannot be filled
-    (the caller drops it and counts it). The remaining rollouts are cancelled either way, which
-    aborts their engine requests and frees their permits and engine counts; run_group returns
-    (or raises) only once every one of its tasks has ended. A rollout that raises (a bug) cancels
-    the others and its error is raised here.
-    """
-    fresh = max(0, need + extra - len(resumes) - len(finished))
-    n = fresh + len(resumes)  # rollouts to run (the finished ones are tallied, not run)
-    router = ctx.router
-    if router.all_dead and ctx.wait_engine is not None:
-        await ctx.wait_engine()
-    if ctx.cfg.scheduler.replication:
-        engines = [router.pick() for _ in range(n)]  # each sample to the least-loaded engine
-    else:
-        first = router.pick()
-        for _ in range(n - 1):
-            router.take(first)
-        engines = [first] * n
-    loop = asyncio.get_running_loop()
-    in_launch_order = ctx.cfg.rollout.redundant_keep == "launch_order" and extra > 0
-    tracked = ctx.gate is not None and group >= 0
-    order = None
-    if in_launch_order:
-        order = sorted([*(t.index for t in resumes), *(t.index for t in finished),
-                        *range(first_index, first_index + fresh)])
-    state = _GroupState(need, n + len(finished), on_sample, loop.create_future(), order,
-                        ctx.held if tracked else None)
-    for t in finished:
-        state.finish(t)
-    tasks: list[asyncio.Task[None]] = []
-    sids: list[str] = []
-    for k, i in enumerate(engines):
-        resume = resumes[k] if k < len(resumes) else None
-        idx = resume.index if resume is not None else first_index + k - len(resumes)
-        spec = RolloutSpec(
-            task=task,
-            group=group,
-            index=idx,
-            temperature=temperature,
-            seed_key=seed_key(idx) if seed_key else (group, idx),
-            sample_id=sample_ids(idx) if sample_ids else sample_id(group, idx),
-            resume=resume,
-        )
-        if tracked:
-            ctx.rollouts[spec.sample_id] = (group, idx, resume)
-            sids.append(spec.sample_id)
-        tasks.append(loop.create_task(_report(ctx, spec, i, state)))
-    try:
-        await state.decided
-    finally:
-        # Cancel the rest (their aborts are shielded) and wait for every one: the group never leaves
-        # rollouts behind. A task cancelled before it ran never entered run_sample: release its count.
-        await cancel_and_wait(tasks, lambda k: ctx.router.release(engines[k]))
-        for sid in sids:  # the ones cancelled before they ran (_report unregisters the others)
-            ctx.rollouts.pop(sid, None)
-        state.release_held()  # samples still held back when the group decided: never handed over
-    if state.error is not None:
-        raise state.error
-    if state.kept == need and state.done < state.n:
-        ctx.counters["rollout/aborted_redundant"] += state.n - state.done
-    return state.kept == need
-
-
-class _GroupState:
-    """One run_group's tally. Samples report into it from their own tasks, in the order they finish
-    (no stream, no wake-up of the group task per sample); ``decided`` resolves once the group has
-    ``need`` ok samples, can no longer get them, or a rollout raised.
-
-    Which ``need`` are kept (``rollout.redundant_keep``):
-      finish_order (``first_index`` None): the first ``need`` ok samples to finish. Fastest, but the kept
-        set is selected on finishing time: trajectories that end early (few turns, fast env calls, an
-        early win or an early give-up) are over-represented in what the policy trains on.
-      launch_order (``order`` given: the group's ``n`` sample indices in launch order, ascending): the
-        ``need`` ok samples of lowest launch position (a sample's slot is its index's place in ``order``:
-        a resumed group's restored indices have gaps and lie below its fresh ones). A sample is delivered
-        only once every sample launched before it has finished, so the kept set depends on which samples
-        failed, never on how long any took: the extra rollouts stand in for failed (or timed-out) ones
-        only. Invariant: the kept samples are exactly the first ``need`` ok ones in launch order among
-        those decided. A finished ok sample waiting for an earlier one is in ``held`` (when given: the
-        context's, which a checkpoint cut saves) from the step it finished to the step it is delivered
-        or the group decides without it.
-    """
-
-    __slots__ = ("need", "n", "on_sample", "decided", "kept", "done", "error", "slots", "results", "cursor", "ok",
-                 "held")
-
-    def __init__(self, need: int, n: int, on_sample: Callable[[Trajectory], object], decided: asyncio.Future[None],
-                 order: Sequence[int] | None = None, held: dict[str, Trajectory] | None = None) -> None:
-        self.need = need
-        self.n = n
-        self.on_sample = on_sample
-        self.decided = decided
-        self.kept = 0
-        self.done = 0
-        self.error: BaseException | None = None
-        self.slots: dict[int, int] | None = None  # launch_order: sample index -> launch position
-        if order is not None:
-            if len(order) != n or len(set(order)) != n:
-                raise ValueError(f"launch order {list(order)}: {n} distinct sample indices expected")
-            self.slots = {idx: k for k, idx in enumerate(order)}
-        self.results: list[Trajectory | None] = [None] * n if order is not None else []
-        self.cursor = 0  # launch_order: every position below it is finished and delivered (or failed)
-        self.ok = 0  # ok samples finished, delivered or not
-        self.held = held
-
-    def finish(self, traj: Trajectory) -> None:
-        if self.decided.done():
-            return  # finished after the group had what it needed (counted as aborted)
-        self.done += 1
-        if traj.status == "ok":
-            self.ok += 1
-        if self.slots is None:
-            if traj.status == "ok":
-                self.kept += 1
-                self.on_sample(traj)
-        else:
-            slot = self.slots.get(traj.index)
-            if slot is None or self.results[slot] is not None:
-                raise RuntimeError(f"sample {traj.sample_id}: index {traj.index} is not one launch position of its "
-                                   f"group's ({sorted(self.slots)}) or finished twice")
-            self.results[slot] = traj
-            if self.held is not None and slot > self.cursor and traj.status == "ok":
-                self.held[traj.sample_id] = traj  # waits for an earlier launch (in the same step as its unregistering)
-            while self.cursor < self.n and self.kept < self.need and (t := self.results[self.cursor]) is not None:
-                if self.held is not None:
-                    self.held.pop(t.sample_id, None)
-                if t.status == "ok":
-                    self.kept += 1
-                    self.on_sample(t)
-                self.cursor += 1
-        if self.kept == self.need or self.ok + (self.n - self.done) < self.need:
-            self.decided.set_result(None)  # redundant (or hopeless) rollouts: abort them now
-            self.release_held()
-
-    def release_held(self) -> None:
-        """The group decided: none of its samples waits to be handed over any more."""
-        if self.held:
-            for t in self.results[self.cursor:]:
-                if t is not None:
-                    self.held.pop(t.sample_id, None)
-
-    def fail(self, e: BaseException) -> None:
-        if self.error is None:  # a bug is raised even when it comes after the group was decided
-            self.error = e
-        if not self.decided.done():
-            self.decided.set_result(None)
-
-
-async def _report(ctx: RolloutContext, spec: RolloutSpec, i: int, state: _GroupState) -> None:
-    try:
-        state.finish(await run_sample(ctx, spec, i))
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - a bug (or on_sample's error): the group raises it
-        state.fail(e)
-    finally:
-        # in the step that handed the sample to its group (buffer.add): a cut sees it there or here, never
-        # in neither or both
-        if ctx.rollouts:
-            ctx.rollouts.pop(spec.sample_id, None)

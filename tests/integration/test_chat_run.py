@@ -225,7 +225,8 @@ def test_multiturn_rollouts_on_a_history_rewriting_template_train_the_engines_to
     from transformers import AutoModelForCausalLM
 
     from envs import make_suite
-    from flashrl.controller.rollout import RolloutContext, run_group
+    from flashrl.controller.context import RolloutContext
+    from flashrl.controller.group import run_group
     from flashrl.controller.scheduler import Router
     from flashrl.controller.types import Trajectory
     from flashrl.engine.client import spawn_engine

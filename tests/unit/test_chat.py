@@ -18,8 +18,9 @@ import pytest
 
 from envs import make_suite
 from flashrl.config import Config, ConfigError, load
+from flashrl.controller.context import RolloutContext, RolloutSpec
 from flashrl.controller.ledger import template_stats
-from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
+from flashrl.controller.rollout import run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.controller.types import Trajectory
 from flashrl.core.records import BatchStats, StepRecord

@@ -12,7 +12,8 @@ import msgspec
 
 from envs import make_suite
 from flashrl.config import Config
-from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_sample
+from flashrl.controller.context import RolloutContext, RolloutSpec
+from flashrl.controller.rollout import run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.env import Task
 from flashrl.sim.clock import run_virtual

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ from flashrl.checkpoint import (
     list_checkpoints,
     verify,
 )
-from flashrl.controller.rollout import RolloutContext, _GroupState, run_group
+from flashrl.controller.context import RolloutContext
+from flashrl.controller.cut import CheckpointCut
+from flashrl.controller.group import _GroupState, run_group
 from flashrl.controller.scheduler import DataStream, Router
 from flashrl.controller.types import Trajectory
 from flashrl.metrics import read_jsonl
@@ -164,7 +167,7 @@ def test_a_cut_folds_the_tokens_so_far_and_the_rollout_goes_on_from_them() -> No
     eng = StepEngine("e0", lambda req, v: ([ord("5")] * req.max_tokens, float(req.max_tokens)))  # 1 s a token
     suite = FakeSuite(n_train=1)
     ctx = RolloutContext(cfg=cfg, tokenizer=FakeTokenizer(), suite=suite, engines=[eng], router=Router(1, 8),
-                         version=lambda: 0, cuts=True)
+                         version=lambda: 0, cut=CheckpointCut([eng], Counter()))
     out: list[Trajectory] = []
     seen: dict[str, Any] = {}
 
@@ -173,15 +176,15 @@ def test_a_cut_folds_the_tokens_so_far_and_the_rollout_goes_on_from_them() -> No
         g = asyncio.get_running_loop().create_task(run_group(ctx, task=task, group=0, need=1, first_index=0, extra=0,
                                                              temperature=1.0, on_sample=out.append))
         await anyio.sleep(3.5)
-        assert await ctx.cut() == 0
-        _, _, t = ctx.rollouts["0-0"]
+        assert await ctx.cut.cut() == 0
+        _, _, t = ctx.cut.rollouts["0-0"]
         assert t is not None
         seen["prefix"] = (list(t.response_ids), list(t.behav_logp), list(t.versions))
         await anyio.sleep(5.0)  # the gate is closed: nothing generates meanwhile
         seen["requests"] = len(eng.requests)
         eng.version = 1  # (as a weight update would: the continuation's tokens are of version 1)
         eng._history.append((anyio.current_time(), 1))
-        ctx.go_on()
+        ctx.cut.go_on()
         await g
 
     run_virtual(main)
@@ -193,7 +196,7 @@ def test_a_cut_folds_the_tokens_so_far_and_the_rollout_goes_on_from_them() -> No
     (t,) = out
     assert t.response_ids == [ord("5")] * 10 and t.loss_mask == [1] * 10 and t.finish_reason == "length"
     assert t.behav_logp[:3] == lps and t.versions == [0, 0, 0] + [1] * 7
-    assert not ctx.rollouts and not ctx.tracked and not ctx.interrupts  # nothing left registered
+    assert not ctx.cut.rollouts and not ctx.cut.tracked and not ctx.cut.interrupts  # nothing left registered
 
 
 # ------------------------------------------------------------------------------------------- the runs
@@ -383,7 +386,7 @@ def test_a_cut_asks_again_when_its_first_abort_found_nothing() -> None:
     eng = LateEngine("e0", lambda req, v: ([ord("5")] * req.max_tokens, float(req.max_tokens)))
     suite = FakeSuite(n_train=1)
     ctx = RolloutContext(cfg=cfg, tokenizer=FakeTokenizer(), suite=suite, engines=[eng], router=Router(1, 8),
-                         version=lambda: 0, cuts=True)
+                         version=lambda: 0, cut=CheckpointCut([eng], Counter()))
     seen: dict[str, Any] = {}
 
     async def main() -> None:
@@ -392,11 +395,11 @@ def test_a_cut_asks_again_when_its_first_abort_found_nothing() -> None:
                                                              on_sample=lambda t: None))
         await anyio.sleep(2.2)
         t0 = anyio.current_time()
-        assert await ctx.cut() == 0
+        assert await ctx.cut.cut() == 0
         seen["cut_s"] = anyio.current_time() - t0
-        _, _, t = ctx.rollouts["0-0"]
+        _, _, t = ctx.cut.rollouts["0-0"]
         seen["prefix"] = len(t.response_ids) if t is not None else None
-        ctx.go_on()
+        ctx.cut.go_on()
         await g
 
     run_virtual(main)
@@ -479,8 +482,9 @@ def test_group_state_slots_are_launch_positions_of_restored_indices() -> None:
     out: list[Trajectory] = []
 
     async def main() -> None:
-        held: dict[str, Trajectory] = {}
-        st = _GroupState(2, 3, out.append, asyncio.get_running_loop().create_future(), [0, 2, 3], held)
+        cut = CheckpointCut([], Counter())
+        held = cut.held
+        st = _GroupState(2, 3, out.append, asyncio.get_running_loop().create_future(), [0, 2, 3], cut)
         st.finish(Trajectory(sample_id="0-3", group=0, index=3))
         assert set(held) == {"0-3"} and out == []  # waits for 0 and 2
         st.finish(Trajectory(sample_id="0-0", group=0, index=0))

@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from flashrl.config import Config
-from flashrl.controller.rollout import RolloutContext, RolloutSpec, run_group, run_sample
+from flashrl.controller.context import RolloutContext, RolloutSpec
+from flashrl.controller.group import run_group
+from flashrl.controller.rollout import run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.controller.types import Trajectory
 from flashrl.core.staleness import Staleness
@@ -364,7 +366,7 @@ def test_a_bug_in_one_rollout_cancels_the_others_and_is_raised_from_the_group() 
 def test_a_prompt_is_tokenized_once_for_all_the_samples_that_share_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A group's samples share their prompt text: ctx.prompt_ids tokenizes each text once (a bounded
     cache, oldest out first) and hands every sample its own list."""
-    import flashrl.controller.rollout as rollout
+    import flashrl.controller.context as context
 
     calls: list[str] = []
 
@@ -380,7 +382,7 @@ def test_a_prompt_is_tokenized_once_for_all_the_samples_that_share_it(monkeypatc
     assert a == b == TOK.encode("12+3=") and calls == ["12+3="]
     a.append(0)  # a sample's ids are its own
     assert ctx.prompt_ids("12+3=") == TOK.encode("12+3=")
-    monkeypatch.setattr(rollout, "PROMPT_CACHE", 2)
+    monkeypatch.setattr(context, "PROMPT_CACHE", 2)
     ctx.prompt_ids("1+1=")
     ctx.prompt_ids("2+2=")  # the cache is full: "12+3=" (the oldest) goes
     ctx.prompt_ids("12+3=")
