@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,25 @@ class EnginePool:
     async def wait_ready(self, i: int) -> None:
         await self.procs[i].wait_ready(startup_timeout_s(self.cfg))
 
+    async def start(self, i: int, trainer_ready: Awaitable[Any]) -> None:
+        """At launch: wait until engine i answers, then (once ``trainer_ready``) join its weight-sync group.
+        An engine killed by a signal meanwhile (SIGKILL, the OOM killer: a negative exit code) is restarted
+        as a running one would be (``restart``: backoff, engine.max_restarts), so a kill during a
+        (re)start costs that engine's restart, not the whole run's start; one that exits with an error of
+        its own (a model vLLM refuses, a bad option) still ends the start at once, named."""
+        try:
+            await self.wait_ready(i)
+            await trainer_ready
+            await self.join(i)
+        except Exception as e:
+            code = self.procs[i].child.returncode
+            if self._closing or code is None or code >= 0:
+                raise
+            log.error("engine%d was killed (signal %d) while starting: %s; restarting it", i, -code,
+                      str(e).splitlines()[0] if str(e) else type(e).__name__)
+            await trainer_ready
+            await self.restart(i)
+
     async def join(self, i: int) -> None:
         """Engine i and trainer rank 0 form engine i's weight-sync group; then watch engine i's process."""
         ep = self.procs[i]
@@ -287,12 +306,11 @@ async def local_cluster(
                 engines = EnginePool(cfg, model_path, logs, trainer, device, backend, visible, launcher=launcher,
                                      tasks=tasks)
                 await engines.spawn_all()
-                await asyncio.gather(
-                    *(engines.wait_ready(i) for i in range(len(engines))),
-                    trainer.wait_ready(startup_timeout_s(cfg)),
-                )
-                status("joining the weight-sync groups")
-                await asyncio.gather(*(engines.join(i) for i in range(len(engines))))
+                async with supervised() as starting:  # the first error ends the start, the others cancelled
+                    ready = starting.create_task(trainer.wait_ready(startup_timeout_s(cfg)), name="trainer start")
+                    for i in range(len(engines)):  # each joins its weight-sync group once it and the trainer answer
+                        starting.create_task(engines.start(i, ready), name=f"engine{i} start")
+                status("engines and trainer ready, weight-sync groups joined")
                 yield engines, trainer
             finally:
                 await _stop_all(engines, trainer, launcher)  # cancels the watchers: the group can end

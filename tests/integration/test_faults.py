@@ -207,3 +207,37 @@ def test_dead_trainer_stops_the_run_naming_it_and_auto_resume_continues(tmp_path
     assert "run.auto_resume: restarting from" in out and "attempt 1 of 1" in out
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] >= 1 and "reward/mean" in r]
     assert steps == list(range(1, 61))  # resumed from the checkpoint: no step lost or repeated
+
+
+@pytest.mark.timeout(400)
+def test_an_engine_killed_while_the_run_starts_is_restarted_and_the_run_goes_on(tmp_path: Path) -> None:
+    """engine1 SIGKILLed before it is ready (vLLM is still starting): the start restarts that engine
+    (launch.processes.EnginePool.start) instead of failing, so the run trains all its steps; before, the
+    whole start failed (and a supervised run paid a controller restart for it)."""
+    metrics = tmp_path / "start" / "metrics.jsonl"
+    proc = _flashrl_run(tmp_path, "start", "--set", "run.steps=3")
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            assert proc.poll() is None, (proc.stdout.read().decode() if proc.stdout else "")[-3000:]
+            try:
+                victim = _engine_pid(_tree(proc.pid), "engine1")
+            except (AssertionError, psutil.Error):
+                time.sleep(0.2)
+        assert victim is not None, "engine1 never started"
+        assert "(ready in" not in (tmp_path / "start" / "logs" / "engine1.log").read_text()  # still starting
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+        tree = _tree(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_all(_running(tree))
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert [r["step"] for r in read_jsonl(metrics) if r["step"] >= 1] == [1, 2, 3]
+    log = (tmp_path / "start" / "logs" / "controller.log").read_text()
+    assert "engine1 was killed (signal 9) while starting" in log, log[-3000:]
