@@ -307,3 +307,25 @@ def run_soak(config: str, out: str | Path, command: str, *, minutes: float, ever
     (out / "report.md").write_text(md)
     print(md)
     return 0 if rep["pass"] else 1
+
+
+def report_again(out: str | Path, command: str, baseline_dir: str | None) -> int:
+    """``flashrl bench chaos --report-only``: OUT's report computed again from its records, against
+    ``baseline_dir`` when given (an undisturbed run that trained beside the chaos run, or after it); runs
+    nothing. The first report's command stays in it (``command``); this one is ``report_command``."""
+    out = Path(out).resolve()
+    first = out / "report.json"
+    if not first.exists():
+        raise RuntimeError(f"{first}: not found; give the --out folder of a finished `flashrl bench chaos`")
+    old = json.loads(first.read_text())
+    base = Path(baseline_dir).resolve() if baseline_dir else None
+    rec = load(out, out / "run", base, old["lineage"]["steps_asked"])
+    rep = analyze(rec, min_controller_kills=int(old["planned"]["controller"]))
+    rep.update({k: old[k] for k in ("command", "config", "seed", "minutes", "every", "planned")},
+               baseline_dir=str(base) if base else None, report_command=command.strip())
+    first.write_text(json.dumps(rep, indent=1) + "\n")
+    md = markdown(rep, rep["command"])
+    (out / "report.md").write_text(md)
+    print(md)
+    return 0 if rep["pass"] else 1
+

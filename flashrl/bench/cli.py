@@ -213,6 +213,9 @@ def chaos(
     sets: Sets = None,
     timeout_s: Annotated[Optional[float], typer.Option(
         "--timeout-s", help="seconds before the chaos run is stopped (default: 3 x the window + 15 min)")] = None,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only", help="run nothing: compute --out's report again from its records, against --baseline-dir "
+                              "(an undisturbed run of the same --steps that trained beside or after the chaos run)")] = False,
 ) -> None:
     """A supervised run (`flashrl run --supervise`) while a random process of any kind (engine, trainer rank, env
     worker, reward worker, the controller itself) is SIGKILLed every --every seconds; the report proves every
@@ -231,6 +234,16 @@ def chaos(
         raise typer.BadParameter(f"{baseline_dir}: no metrics.jsonl; give the folder of a finished run "
                                  "(runs/<name>)", param_hint="--baseline-dir")
     command = " ".join(["flashrl bench chaos", *_given(ctx)])
+    if report_only:
+        from flashrl.bench.chaos_soak import report_again
+
+        if baseline:
+            raise typer.BadParameter("--report-only runs nothing: give the undisturbed run as --baseline-dir",
+                                     param_hint="--baseline")
+        try:
+            _exit(report_again(out, command, baseline_dir))
+        except RuntimeError as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None
     _exit(run_soak(config, out, command, minutes=minutes, every=rng, seed=seed, baseline=baseline,
                    baseline_dir=baseline_dir, steps=steps, sets=sets or [], timeout_s=timeout_s))
 

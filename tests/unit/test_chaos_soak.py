@@ -244,3 +244,25 @@ def test_no_final_checkpoint_is_a_failure_that_says_why(tmp_path: Path) -> None:
 def test_records_default_to_empty() -> None:
     rep = analyze(Records(metrics=[], history=[], kills=[], final_state={}))
     assert not rep["pass"] and rep["lineage"]["last_step"] == -1
+
+
+def test_a_report_computed_again_against_a_baseline_that_ran_beside(tmp_path: Path) -> None:
+    """``--report-only``: a chaos run with --steps and no baseline, its undisturbed run made beside it; the report
+    computed again from the records compares the accuracy and keeps the first command."""
+    from flashrl.bench.chaos_soak import report_again
+
+    uids = {s: [2 * (s - 1), 2 * (s - 1) + 1] for s in range(1, 7)}
+    run = _write(tmp_path, steps=list(range(7)), uids=uids, next_uid=12, kills=KILLS)
+    rep = analyze(load(tmp_path, run, None, steps_asked=6), min_controller_kills=1)
+    rep.update(command="flashrl bench chaos --steps 6", config="c.toml", seed=0, minutes=1, every=[30, 60],
+               planned={"kills": 2, "controller": 1})
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    assert "accuracy_within_3_points" not in rep["checks"]
+    assert report_again(tmp_path, "flashrl bench chaos --report-only", str(tmp_path / "baseline")) == 0
+    again = json.loads((tmp_path / "report.json").read_text())
+    assert again["checks"]["accuracy_within_3_points"] and again["accuracy"]["diff_points"] == 1.0
+    assert again["command"] == "flashrl bench chaos --steps 6" and again["report_command"].endswith("--report-only")
+    assert "**PASS**" in (tmp_path / "report.md").read_text()
+    (tmp_path / "report.json").unlink()
+    with pytest.raises(RuntimeError, match="give the --out folder of a finished"):
+        report_again(tmp_path, "x", None)
