@@ -241,9 +241,11 @@ def chaos(
             raise typer.BadParameter("--report-only runs nothing: give the undisturbed run as --baseline-dir",
                                      param_hint="--baseline")
         try:
-            _exit(report_again(out, command, baseline_dir))
+            code = report_again(out, command, baseline_dir)
         except RuntimeError as e:
             raise typer.BadParameter(str(e), param_hint="--out") from None
+        _exit(code)
+        return  # a passing report: nothing runs (run_soak would start by clearing --out)
     _exit(run_soak(config, out, command, minutes=minutes, every=rng, seed=seed, baseline=baseline,
                    baseline_dir=baseline_dir, steps=steps, sets=sets or [], timeout_s=timeout_s))
 

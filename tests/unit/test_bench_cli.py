@@ -181,6 +181,22 @@ def test_chaos_hands_its_options_and_names_its_command(monkeypatch: pytest.Monke
     assert kw2["every"] == (20.0, 30.0) and kw2["seed"] == 4 and kw2["sets"] == ["a=1"]
 
 
+def test_chaos_report_only_runs_nothing_whatever_the_report_says(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """--report-only computes the report again and never starts a run: run_soak clears --out first, so a run
+    after a passing report wiped the records it had just reported on (it did, once)."""
+    from flashrl.bench import chaos_soak
+
+    runs = _capture(monkeypatch, chaos_soak, "run_soak", 0)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    for code in (0, 1):
+        again = _capture(monkeypatch, chaos_soak, "report_again", code)
+        res = runner.invoke(bench_app, ["chaos", "--report-only", "--out", "o", "--baseline-dir", str(tmp_path)])
+        assert res.exit_code == code and len(again) == 1 and runs == []
+    bad = runner.invoke(bench_app, ["chaos", "--report-only", "--baseline"])
+    assert bad.exit_code == 2 and "give the undisturbed run as --baseline-dir" in _text(bad) and runs == []
+
+
 def test_algorithms_and_steptime_keep_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     from flashrl.bench import algorithms, steptime
 
