@@ -1,8 +1,10 @@
 """One line per run of the before/after: median step, elapsed, samples/s, when held-out first reached AT, final.
 
-Usage: python stat.py AT LABEL=RUN_DIR [LABEL=RUN_DIR ...]   (AT: e.g. 0.8; RUN_DIR holds metrics.jsonl)
+Usage: python stat.py AT LABEL=PATH [LABEL=PATH ...]   (AT: e.g. 0.8; PATH: a run folder holding metrics.jsonl,
+or a metrics.jsonl.gz such as runs/*.metrics.jsonl.gz here)
 """
 
+import gzip
 import json
 import statistics
 import sys
@@ -10,7 +12,8 @@ from pathlib import Path
 
 
 def summarise(label: str, run_dir: Path, at: float) -> str:
-    rows = sorted((json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()),
+    text = gzip.open(run_dir, "rt").read() if run_dir.suffix == ".gz" else (run_dir / "metrics.jsonl").read_text()
+    rows = sorted((json.loads(x) for x in text.splitlines() if x.strip()),
                   key=lambda r: r.get("step", 0))
     steps = [r for r in rows if r.get("step", 0) >= 1 and "time/step_s" in r]
     step_s = statistics.median(r["time/step_s"] for r in steps)
