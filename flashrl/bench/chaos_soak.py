@@ -302,6 +302,11 @@ def run_soak(config: str, out: str | Path, command: str, *, minutes: float, ever
     rep = analyze(rec, min_controller_kills=n_ctl)
     rep.update(command=command.strip(), config=config, seed=seed, minutes=minutes, every=list(every),
                planned={"kills": len(soak.slots), "controller": n_ctl}, baseline_dir=str(base) if base else None)
+    return _write_report(out, rep)
+
+
+def _write_report(out: Path, rep: dict[str, Any]) -> int:
+    """OUT/report.json and report.md, the markdown printed; 0 when the report passes, else 1."""
     (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     md = markdown(rep, rep["command"])
     (out / "report.md").write_text(md)
@@ -323,9 +328,4 @@ def report_again(out: str | Path, command: str, baseline_dir: str | None) -> int
     rep = analyze(rec, min_controller_kills=int(old["planned"]["controller"]))
     rep.update({k: old[k] for k in ("command", "config", "seed", "minutes", "every", "planned")},
                baseline_dir=str(base) if base else None, report_command=command.strip())
-    first.write_text(json.dumps(rep, indent=1) + "\n")
-    md = markdown(rep, rep["command"])
-    (out / "report.md").write_text(md)
-    print(md)
-    return 0 if rep["pass"] else 1
-
+    return _write_report(out, rep)
