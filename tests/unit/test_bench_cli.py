@@ -246,3 +246,16 @@ def test_peers_passes_clock_from(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.chdir(tmp_path)
     assert runner.invoke(bench_app, ["peers", "--report-only", "--clock-from", "timing"]).exit_code == 0
     assert calls[0][-1]["clock_from"] == "timing" and calls[0][-1]["report_only"]
+
+
+def test_exit_ends_the_command_on_success_too() -> None:
+    """``_exit(0)`` raises like ``_exit(1)``: a command that called it cannot go on to run anything else (the
+    --report-only bug: a passing report fell through into a new bench that cleared the records)."""
+    import typer
+
+    from flashrl.bench.cli import _exit
+
+    for code in (0, 1, 2):
+        with pytest.raises(typer.Exit) as e:
+            _exit(code)
+        assert e.value.exit_code == code
