@@ -58,6 +58,7 @@ from flashrl.aio import TaskDied
 from flashrl.config import Config
 from flashrl.deadlines import checkpoint_timeout_s, model_params
 from flashrl.procs import child_init, exit_now, paused_gc
+from flashrl.trainer import rng
 from flashrl.trainer.ckpt_writer import CHECKPOINT_META, CheckpointWriter, checkpoint_writer
 from flashrl.trainer.loop import CommandLoop, Fanout, serve
 from flashrl.trainer.sender import WeightPublisher
@@ -331,14 +332,15 @@ class Trainer(PolicyTrainer):
             from flashrl.trainer.lora import adapter_entries
 
             model_sd = adapter_entries(model_sd)
-        # torch's RNG (replicated: one copy); nothing in a step samples today, but a dropout or a sampled
-        # credit would, and a resumed run must then draw what the uninterrupted one would have
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
+        # every rank's generators (trainer/rng.py: LoRA dropout draws, and ranks draw different amounts), as
+        # one table all ranks hold alike (DCP writes one copy), so a resumed run draws what this one would
+        rng_table = rng.gather(rng.rank_state(self.device), self.device)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rng": rng_table}
         if self.critics is not None:
             # replicated plain tensors: DCP writes one copy
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
-        meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None, "rng": True,
-                "adapter_only": self.lora is not None}
+        meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None,
+                "rng": rng.FORMAT, "rng_shape": list(rng_table.shape), "adapter_only": self.lora is not None}
         self.checkpoints.save(path, state, meta, background)
         return waited
 
@@ -372,7 +374,9 @@ class Trainer(PolicyTrainer):
 
             model_sd = adapter_entries(model_sd)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        if meta.get("rng"):
+        if meta.get("rng") == rng.FORMAT:  # every rank's generators
+            state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
+        elif meta.get("rng"):  # older checkpoints: one CPU state for every rank
             state["rng"] = torch.get_rng_state()
         critics = self.critics is not None and bool(meta.get("critics", False))
         if self.critics is not None:
@@ -387,7 +391,10 @@ class Trainer(PolicyTrainer):
             set_state_dict(self.critics, self.critics.optimizer, model_state_dict=state["critics"],
                            optim_state_dict=state["critics_optim"])
         if "rng" in state:
-            torch.set_rng_state(state["rng"])
+            if state["rng"].dim() == 2:
+                rng.restore(state["rng"], self.rank, self.device)
+            else:  # an older checkpoint's one CPU state
+                torch.set_rng_state(state["rng"])
         self.version = int(meta["version"])
 
     def _agree_error(self, err: str) -> bool:

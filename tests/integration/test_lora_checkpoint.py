@@ -173,3 +173,43 @@ def test_adapter_checkpoint_of_two_sharded_ranks_resumes_on_one(world1, model_pa
     got = adapter_state_dict(r.model)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert r.version == 1 and len(r.optimizer.state_dict()["state"]) == len(want)
+
+
+def _resume_rank(rank: int, port: int, model_dir: str, root: str, resume: bool) -> None:
+    """Two gloo ranks with adapter dropout: either train steps 0 and 1 with a checkpoint between them (the
+    uninterrupted run), or resume from that checkpoint and train step 1 again; rank 0 saves the adapter."""
+    import torch.distributed as dist
+
+    from flashrl.trainer.lora import adapter_from_state_dict
+    from flashrl.trainer.worker import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        t = Trainer(lora_cfg(Path(model_dir), Path(root), dropout=0.5), model_dir, torch.device("cpu"))
+        if resume:
+            t.load_checkpoint(str(Path(root) / "step-1"))
+        else:
+            t.train_step(batch(0))
+            t.save_checkpoint(str(Path(root) / "step-1"))
+        t.train_step(batch(1))
+        adapter = adapter_from_state_dict(t.full_state_dict())
+        if rank == 0:
+            torch.save(adapter, Path(root) / ("resumed.pt" if resume else "uninterrupted.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_dropout_resume_every_ranks_rng(world1, model_path: Path, tmp_path: Path) -> None:
+    """Each rank's generator is saved and restored (trainer/rng.py): the two ranks draw different amounts of
+    dropout (their samples differ in length), so one shared state would give rank 1 other masks after the
+    resume and the step would differ."""
+    import torch.multiprocessing as mp
+
+    from flashrl.wire.transport import free_port
+
+    for resume in (False, True):
+        mp.start_processes(_resume_rank, args=(free_port(), str(model_path), str(tmp_path), resume), nprocs=2,
+                           start_method="spawn")
+    want, got = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "resumed.pt")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
