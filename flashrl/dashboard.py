@@ -124,6 +124,8 @@ def format_plain(s: Snapshot) -> str:
         parts.append(f"mismatch {s.mismatch_kl:.1e}")
     if s.gap_history:
         parts.append(f"model-gap {s.gap_history[-1][1]:+.2f}")
+    if s.latency_history:
+        parts.append(f"score {s.latency_history[-1][1]:.0f}ms")
     parts += [f"{k}={v}" for k, v in sorted(s.counters.items()) if v and is_problem_counter(k)]
     return " ".join(parts)
 
@@ -222,6 +224,8 @@ def _curves(s: Snapshot) -> Panel:
     ]
     if s.gap_history:  # a reward model or judge beside the verifier: its reward minus the truth's
         rows.append(_curve_row("model-verifier", s.gap_history, s.gap_history[-1][1], s.gap_history[-1][0]))
+    if s.latency_history:  # ... and what its scoring takes, from an episode's end to its score (ms)
+        rows.append(_curve_row("score ms", s.latency_history, s.latency_history[-1][1], s.latency_history[-1][0]))
     return Panel(Group(*rows), title="learning", title_align="left")
 
 

@@ -72,6 +72,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     reward_history: list[tuple[int, float]] = []
     # a reward model's (or judge's) reward minus the verifier's, mean per step (reward/rm_gap): reward hacking shows here
     gap_history: list[tuple[int, float]] = []
+    # ms from an episode's end to its reward-model score or judge verdict, mean per step: what scoring costs
+    latency_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []
     # counters: dropped / retried / failed rollouts and why (nothing is lost silently)
     counters: dict[str, int] = {}

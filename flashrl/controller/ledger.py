@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 # the per-step reward metrics that say how far a model's reward is from the verifier's (flashrl/rewardmodel)
 GAP_METRICS = ("rm_gap", "judge_gap")
+# a reward model's or judge's scoring, as the suite counts it (flashrl/rewardmodel/client.py, flashrl/judge/client.py):
+# (episodes scored, their mean latency in ms since this process started)
+LATENCY_COUNTERS = (("rm_scored", "rm_latency_ms"), ("judge_verdicts", "judge_latency_ms"))
+# suite counters that say what is true now (a mean, a gauge), not a count: a resumed run's replace the checkpoint's
+NOT_SUMMED = ("_latency_ms", "_inflight")
 
 RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
 
@@ -115,6 +120,10 @@ class Ledger:
         self.meters: RunMeters | None = None  # set by run() (the loop clock exists only then)
         self.reward_history: list[tuple[int, float]] = []
         self.gap_history: list[tuple[int, float]] = []  # (step, model reward - verifier), flashrl.rewardmodel
+        # (step, mean ms from an episode's end to its reward-model score or verdict, over the episodes scored since
+        # the step before); _scored: the suite's (count, summed ms) at the last record
+        self.latency_history: list[tuple[int, float]] = []
+        self._scored = (0.0, 0.0)
         self.eval_history: list[tuple[int, float]] = []
         self.last: StepRecord | None = None  # the last trained step's record
         self.samples_trained = 0
@@ -204,6 +213,9 @@ class Ledger:
         gap = next((v for k, v in stats.reward_metrics.items() if k in GAP_METRICS), None)
         if gap is not None:  # a reward model or judge beside the verifier: how far its reward is from the truth
             self.gap_history.append((s + 1, gap))
+        latency = self._step_latency_ms()
+        if latency is not None:
+            self.latency_history.append((s + 1, latency))
         self.last = record
         return record
 
@@ -280,13 +292,29 @@ class Ledger:
         return c["stale/dropped_samples"] + c["rollout/aborted_stale"], c["stale/dropped_tokens"]
 
     def env_counters(self) -> dict[str, float]:
-        """The suite's own counters (flashrl.env.Counting: envs/faults.py, envs/remote.py) as ``env/<name>``."""
-        out = dict(self.env_before)  # a resumed run's counters continue from the checkpoint's
+        """The suite's own counters (flashrl.env.Counting: envs/faults.py, envs/remote.py) as ``env/<name>``;
+        a resumed run's counts continue from the checkpoint's, its means and gauges (``NOT_SUMMED``) are this
+        process's."""
+        out = dict(self.env_before)
         if isinstance(self.suite, Counting):
             for k, v in self.suite.counters.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[f"env/{k}"] = out.get(f"env/{k}", 0) + v
+                    summed = not k.endswith(NOT_SUMMED)
+                    out[f"env/{k}"] = (out.get(f"env/{k}", 0) if summed else 0) + v
         return dict(sorted(out.items()))
+
+    def _step_latency_ms(self) -> float | None:
+        """The mean scoring latency of the episodes a reward model or judge scored since the last call (None: none
+        scored, or neither serves this run)."""
+        counters = self.suite.counters if isinstance(self.suite, Counting) else {}
+        for count_key, mean_key in LATENCY_COUNTERS:
+            if count_key in counters:
+                n = float(counters[count_key])
+                total = n * float(counters.get(mean_key, 0.0))
+                dn, dt = n - self._scored[0], total - self._scored[1]
+                self._scored = (n, total)
+                return dt / dn if dn > 0 else None
+        return None
 
     def all_counters(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -355,6 +383,7 @@ class Ledger:
             lr=last.trainer.get("lr") if last else None,
             reward_history=list(self.reward_history),
             gap_history=list(self.gap_history),
+            latency_history=list(self.latency_history),
             eval_history=list(self.eval_history),
             counters=self.all_counters(),
             status=status,
@@ -398,6 +427,8 @@ class Ledger:
             env_counters=self.env_counters(),
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
+            gap_history=list(self.gap_history),
+            latency_history=list(self.latency_history),
             metrics_through=min(self.emitted_through, version),
             pending_record=pending,
             pending_eval=pending_eval,
@@ -443,6 +474,8 @@ class Ledger:
         self.counters["resume/readmitted_groups"] += len(st.readmit)
         self.reward_history = [(int(a), float(b)) for a, b in st.reward_history]
         self.eval_history = [(int(a), float(b)) for a, b in st.eval_history]
+        self.gap_history = [(int(a), float(b)) for a, b in st.gap_history]
+        self.latency_history = [(int(a), float(b)) for a, b in st.latency_history]
         self.elapsed_before = st.elapsed_s
         self.emitted_through = st.metrics_through
         self.env_before = dict(st.env_counters)

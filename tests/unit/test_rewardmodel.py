@@ -177,3 +177,67 @@ def test_validate_names_a_missing_or_incompatible_reward_model_or_judge_folder(t
         assert r.exit_code == 2 and message in r.output, (override, r.output)
     r = CliRunner().invoke(app, ["validate", str(root / "configs" / "rm.toml"), "--set", f'reward.model="{cls}"'])
     assert r.exit_code == 0, r.output
+
+
+class _ScoringSuite:
+    """A suite with a judge's counters (flashrl.env.Counting), set by the test."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+
+
+def _ledger(suite: object):
+    from collections import Counter
+
+    from flashrl.controller.ledger import Ledger
+
+    return Ledger(from_dict({}), suite, None, Counter(), None)  # type: ignore[arg-type]
+
+
+def test_scoring_latency_per_step_and_the_curves_across_a_resume() -> None:
+    """The dashboard's scoring latency is the mean over the episodes scored since the step before (the judge's
+    counter is a mean since its process started); the gap and latency curves survive a resume, and a
+    resumed run's mean latency is its own, not the checkpoint's added to it."""
+    import msgspec
+
+    from flashrl.checkpoint import ControllerState
+
+    suite = _ScoringSuite()
+    led = _ledger(suite)
+    assert led._step_latency_ms() is None  # nothing scores in this run
+    suite.counters = {"judge_verdicts": 10, "judge_latency_ms": 100.0}
+    assert led._step_latency_ms() == pytest.approx(100.0)
+    suite.counters = {"judge_verdicts": 20, "judge_latency_ms": 150.0}  # the next 10 took 200 ms each
+    assert led._step_latency_ms() == pytest.approx(200.0)
+    assert led._step_latency_ms() is None  # none scored since
+
+    state = ControllerState(step=2, version=2, elapsed_s=1.0, gap_history=[(1, 0.3), (2, 0.4)],
+                            latency_history=[(1, 100.0), (2, 200.0)],
+                            env_counters={"env/judge_verdicts": 20, "env/judge_latency_ms": 150.0, "env/judge_inflight": 3})
+    back = msgspec.json.decode(msgspec.json.encode(state), type=ControllerState)
+    old = msgspec.json.decode(msgspec.json.encode(state).replace(b'"gap_history"', b'"x"')
+                              .replace(b'"latency_history"', b'"y"'), type=ControllerState)
+    assert old.gap_history == [] and old.latency_history == []  # a checkpoint from before: empty curves
+    resumed = _ledger(_ScoringSuite())
+    resumed.restore(back)
+    assert resumed.gap_history == [(1, 0.3), (2, 0.4)] and resumed.latency_history == [(1, 100.0), (2, 200.0)]
+    resumed.suite.counters = {"judge_verdicts": 5, "judge_latency_ms": 40.0, "judge_inflight": 1}
+    env = resumed.env_counters()
+    assert env["env/judge_verdicts"] == 25  # counts continue
+    assert env["env/judge_latency_ms"] == 40.0 and env["env/judge_inflight"] == 1  # means and gauges are now's
+
+
+def test_the_scoring_latency_is_on_the_dashboard() -> None:
+    import io
+
+    from rich.console import Console
+
+    from flashrl.dashboard import format_plain, render
+    from flashrl.metrics import Snapshot
+
+    s = Snapshot(step=2, total_steps=10, latency_history=[(1, 120.0), (2, 240.0)])
+    assert "score 240ms" in format_plain(s)
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(render(s))
+    assert "score ms" in console.export_text()
+    assert "score" not in format_plain(Snapshot())
