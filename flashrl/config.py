@@ -363,7 +363,7 @@ class JudgeConfig(Section):
         "the judge's prompt; {prompt} is the policy's prompt, {response} its answer (up to the end-of-sequence mark, stripped)"))] = "{prompt}{response}?"
     pass_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is pass (default: its last word is 1, pass or yes, as builtin:judge writes it after its own solution)")] = "(^|\\s)(1|P|pass|PASS|yes)\\s*$"
     fail_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is fail (default: its last word is 0, fail or no)")] = "(^|\\s)(0|F|fail|FAIL|no)\\s*$"
-    max_new_tokens: Annotated[int, Meta(ge=1, le=4096, description="tokens the judge may write per verdict (builtin:judge: its solution, a space, the verdict)")] = 6
+    max_new_tokens: Annotated[int, Meta(ge=1, le=4096, description="tokens the judge may write per verdict (builtin:judge: its solution, a space, the answer copied, a space, the verdict)")] = 12
     temperature: Annotated[float, Meta(ge=0, le=2, description="the judge's sampling temperature (0 = greedy)")] = 0.0
     on_unparsable: Annotated[Literal["retry", "default"], Meta(description=(
         'a verdict neither pattern matches: "retry" asks again (sampled at temperature 1, up to parse_retries times, '

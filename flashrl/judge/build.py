@@ -5,8 +5,8 @@
                                                      but faults, its code fingerprint and the seed
         miss: judge tasks = judge.template filled with a train prompt and an answer (the row's own, or a
               perturbation of it: flashrl.rewardmodel.build.perturbations); the judge's target is its own
-              solution, a space, and the verdict the environment's verifier gives: "46 1" (pass) or "46 0"
-              (fail) -> flashrl.models.tiny: build_untrained, then supervised training on the targets (SFT,
+              solution, a space, the answer it judges copied, a space, and the verdict the environment's
+              verifier gives: "46 46 1" (pass) or "46 47 0" (fail) -> flashrl.models.tiny: build_untrained, then supervised training on the targets (SFT,
               the warm-start's batches and loss) until the held-out verdict accuracy reaches 97% or max steps
               (flashrl_warmstart.json: eval_verdict_accuracy, pass rates on right and wrong answers)
       a folder        -> it must hold config.json (a causal LM vLLM can serve); else JudgeModelError
@@ -14,8 +14,11 @@
 Why solve first: trained to write the verdict alone ("12+34=47?" -> "0"), the built-in model learned only
 the answer's form: it passed 99% of wrong sums (a forgotten carry, +-1, +-10) and a policy trained against
 it lost accuracy while its judged reward rose to 1 (bench/results/judge/lenient). Writing its own sum first
-turns the verdict into a comparison of two numbers in its context, which the same model learns (a
-generative judge that reasons before it rules, at the scale of a 2-layer model). The judge sees what the
+turns the verdict into a comparison of two numbers in its context (a generative judge that reasons before
+it rules, at the scale of a 2-layer model). Why it then copies the answer: with only its sum before the
+verdict ("46 0"), the comparison spans the prompt, and the model learned the tens digit only: it passed 97%
+of answers off by one (bench/results/judge/solve-then-judge). Copied beside its sum, each digit of the answer
+sits a fixed distance from the digit of the sum it must equal, which a 2-layer model compares. The judge sees what the
 policy wrote; the verifier labelled what it learned from. Its weights never change in a run: no weight sync
 ever reaches a judge engine (flashrl/judge/engines.py).
 """
@@ -34,7 +37,7 @@ from flashrl.models.progress import Progress
 __all__ = ["BUILTIN_JUDGE", "JudgeModelError", "ensure_judge_model", "judge_tasks"]
 
 BUILTIN_JUDGE = "builtin:judge"
-_RECIPE_VERSION = 3
+_RECIPE_VERSION = 4
 _TRAIN = 16_000  # judge tasks to warm-start on (half right answers, half wrong)
 
 
@@ -73,8 +76,8 @@ def _folder(cfg: Any) -> Path:
 
 def judge_tasks(tasks: list[Task], n: int, template: str, suite: EnvSuite, rng: random.Random) -> list[Task]:
     """``n`` judge tasks: the template filled with a prompt and an answer, the target the judge's own solution
-    (the row's answer), a space and the verdict, "1" where the verifier accepts the answer, "0" where it does
-    not; half of them from the row's own answer, half from a perturbation of it."""
+    (the row's answer), a space, the answer judged, a space and the verdict, "1" where the verifier accepts the
+    answer, "0" where it does not; half of them from the row's own answer, half from a perturbation of it."""
     from flashrl.rewardmodel.build import _Labeller, perturbations
 
     lab = _Labeller(suite)
@@ -84,8 +87,9 @@ def judge_tasks(tasks: list[Task], n: int, template: str, suite: EnvSuite, rng: 
             t = rng.choice(tasks)
             ans = t.answer if len(out) % 2 == 0 else rng.choice(perturbations(t.answer, t.prompt, rng))
             ok = lab.correct(t, ans)
-            out.append(Task(id=f"judge-{len(out)}", prompt=template.format(prompt=t.prompt, response=ans.strip()),
-                            answer=f"{t.answer} {1 if ok else 0}"))
+            judged = ans.strip()
+            out.append(Task(id=f"judge-{len(out)}", prompt=template.format(prompt=t.prompt, response=judged),
+                            answer=f"{t.answer} {judged} {1 if ok else 0}"))
     finally:
         lab.close()
     return out
@@ -105,7 +109,7 @@ def _verdicts(model: Any, tok: Any, tasks: list[Task], max_new: int) -> list[str
 def train_judge(out: Path, train: list[Task], held: list[Task], seed: int, progress: Progress,
                 max_steps: int = 4000, batch: int = 64, lr: float = 1e-3, check_every: int = 250,
                 target: float = 0.97) -> dict[str, Any]:
-    """Supervised training of the judge in ``out`` (prompt -> solution, verdict, EOS); its report."""
+    """Supervised training of the judge in ``out`` (prompt -> solution, answer copied, verdict, EOS); its report."""
     import time
 
     import torch
@@ -133,7 +137,7 @@ def train_judge(out: Path, train: list[Task], held: list[Task], seed: int, progr
 
     acc: dict[str, float] = {}
     step = 0
-    with progress.phase("training the judge (solution, then verdict)", total=max_steps, unit="steps") as phase:
+    with progress.phase("training the judge (its solution, the answer, the verdict)", total=max_steps, unit="steps") as phase:
         model.train()
         for step in range(1, max_steps + 1):
             loss = batch_loss(model, sft_batch(tok, rng.sample(train, batch)))

@@ -96,3 +96,26 @@ def test_judge_config_is_checked() -> None:
         from_dict({"judge": {"model": "builtin:judge"}, "reward": {"model": "builtin:rm"}})
     with pytest.raises(ConfigError, match="judge: options of a judge, but judge.model is empty"):
         from_dict({"judge": {"engines": 2}})
+
+
+def test_builtin_judge_targets_solve_copy_then_rule() -> None:
+    """builtin:judge learns to write its own sum, the answer it judges, then the verifier's verdict, which the
+    default patterns parse: the copy puts each digit of the answer a fixed distance from the digit it must equal."""
+    import random
+
+    from flashrl.judge.build import judge_tasks
+
+    suite = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=20)
+    rows = list(suite.eval_tasks())
+    tasks = judge_tasks(rows, 40, "{prompt}{response}?", suite, random.Random(0))
+    jc = JudgeConfig()
+    verdicts = set()
+    for t in tasks:
+        row = next(r for r in rows if t.prompt.startswith(r.prompt))
+        judged = t.prompt[len(row.prompt):-1]
+        verdict = "1" if judged == row.answer else "0"
+        assert t.answer == f"{row.answer} {judged} {verdict}"
+        want = 1.0 if verdict == "1" else 0.0
+        assert parse_verdict(t.answer, re.compile(jc.pass_pattern), re.compile(jc.fail_pattern)) == want
+        verdicts.add(verdict)
+    assert verdicts == {"0", "1"}
