@@ -36,7 +36,7 @@ from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
 
-__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "tiny_folder", "warm_start"]
+__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
 WARMSTART_FILE = "flashrl_warmstart.json"
@@ -143,14 +143,6 @@ def _is_built(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / WARMSTART_FILE).is_file()
 
 
-def tiny_folder(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None) -> Path:
-    """Where ``builtin:tiny`` for ``cfg`` is (or will be) cached; nothing is built."""
-    spec = spec or TinySpec()
-    if warm is None:
-        warm = warm_start_of(cfg.env.name, _task_params(cfg))
-    return Path(cfg.model.cache_dir).expanduser() / f"tiny-{_cache_key(cfg, spec, warm)}"
-
-
 def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None,
                  progress: Progress | None = None, build: bool = True) -> Path:
     """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once, and
@@ -167,9 +159,10 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
     spec = spec or TinySpec()
     if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
         warm = warm_start_of(cfg.env.name, _task_params(cfg))
-    final = tiny_folder(cfg, spec, warm)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    key = final.name.removeprefix("tiny-")
+    cache = Path(cfg.model.cache_dir).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = _cache_key(cfg, spec, warm)
+    final = cache / f"tiny-{key}"
     if _is_built(final):
         return final
     shown = progress or Progress.off()

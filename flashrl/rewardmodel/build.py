@@ -31,7 +31,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -46,7 +46,7 @@ log = logging.getLogger("flashrl.rewardmodel")
 
 BUILTIN_RM = "builtin:rm"
 RM_REPORT = "flashrl_rm.json"
-_RECIPE_VERSION = 3
+_RECIPE_VERSION = 2
 
 
 class RewardModelError(FileNotFoundError):
@@ -67,10 +67,6 @@ class RmSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     check_every: Annotated[int, Meta(ge=1)] = 250
     target_pair_accuracy: Annotated[float, Meta(ge=0, le=1)] = 0.99  # stop early past it (held-out pairs)
     eval_pairs: Annotated[int, Meta(ge=1)] = 1024
-    # "policy": start from the built-in policy's warm-started weights (its SFT model) with a new score head, as
-    # RLHF reward models start from the SFT model (used when model.path is builtin:tiny; its shape then, not
-    # layers/hidden/heads/intermediate); "random": a fresh model of this spec's shape
-    init: Literal["policy", "random"] = "policy"
 
 
 # --------------------------------------------------------------------------- folders
@@ -104,21 +100,13 @@ def _task_params(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.env.params.items() if k != "faults"}
 
 
-def _policy_init(cfg: Any, spec: RmSpec) -> Path | None:
-    """The built-in policy's folder the reward model starts from (None: a random init; see ``RmSpec.init``)."""
-    from flashrl.models import BUILTIN_TINY, tiny_folder
-
-    return tiny_folder(cfg) if spec.init == "policy" and cfg.model.path == BUILTIN_TINY else None
-
-
 def _cache_key(cfg: Any, spec: RmSpec) -> str:
     from flashrl.plugins import code_fingerprint
 
-    init = _policy_init(cfg, spec)
     blob = {
         "recipe": _RECIPE_VERSION, "spec": msgspec.to_builtins(spec), "env": cfg.env.name,
         "params": _task_params(cfg), "code": code_fingerprint(cfg.env.name, _task_params(cfg)),
-        "eval_size": cfg.env.eval_size, "seed": cfg.run.seed, "init": init.name if init else None,
+        "eval_size": cfg.env.eval_size, "seed": cfg.run.seed,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -149,12 +137,7 @@ def ensure_reward_model(cfg: Any, spec: RmSpec | None = None, progress: Progress
         suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         if isinstance(suite, Wrapping):
             suite = suite.task_suite
-        init = _policy_init(cfg, spec)
-        if init is not None:
-            from flashrl.models import ensure_model
-
-            init = ensure_model(cfg, progress=progress)  # built first (init-model and run do), else built now
-        report = train_rm(tmp, suite, spec, seed=cfg.run.seed, progress=progress or Progress.off(), init_from=init)
+        report = train_rm(tmp, suite, spec, seed=cfg.run.seed, progress=progress or Progress.off())
         report |= {"env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
                    "spec": msgspec.to_builtins(spec)}
         (tmp / RM_REPORT).write_text(json.dumps(report, indent=2, default=str))
@@ -292,21 +275,8 @@ def scores(model: Any, tok: Any, texts: list[str]) -> list[float]:
     return [float(x) for x in logits[:, 0].tolist()]
 
 
-def init_from_policy(out: Path, policy: Path) -> None:
-    """A reward model in ``out`` with the body of the causal LM in ``policy`` and a new one-logit score head."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    model: Any = LlamaForSequenceClassification.from_pretrained(str(policy), num_labels=1, dtype=torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(policy)).save_pretrained(str(out))
-
-
-def train_rm(out: Path, suite: EnvSuite, spec: RmSpec, seed: int = 0, progress: Progress | None = None,
-             init_from: Path | None = None) -> dict[str, Any]:
-    """Build and train the reward model in ``out`` (from the causal LM in ``init_from``'s weights, or from a
-    random init of ``spec``'s shape); returns its report (held-out pair accuracy)."""
+def train_rm(out: Path, suite: EnvSuite, spec: RmSpec, seed: int = 0, progress: Progress | None = None) -> dict[str, Any]:
+    """Build and train the reward model in ``out``; returns its report (held-out pair accuracy)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -317,11 +287,8 @@ def train_rm(out: Path, suite: EnvSuite, spec: RmSpec, seed: int = 0, progress: 
     torch.set_num_threads(1)
     lab = _Labeller(suite)
     try:
-        with progress.phase("building the untrained reward model" + (f" from {init_from.name}" if init_from else "")):
-            if init_from is not None:
-                init_from_policy(out, init_from)
-            else:
-                build_untrained_rm(out, spec, seed)
+        with progress.phase("building the untrained reward model"):
+            build_untrained_rm(out, spec, seed)
         tok = AutoTokenizer.from_pretrained(str(out))
         model = AutoModelForSequenceClassification.from_pretrained(str(out), dtype=torch.float32)
         rng = random.Random(seed)

@@ -241,29 +241,3 @@ def test_the_scoring_latency_is_on_the_dashboard() -> None:
     console.print(render(s))
     assert "score ms" in console.export_text()
     assert "score" not in format_plain(Snapshot())
-
-
-def test_builtin_rm_starts_from_the_policys_warm_start(tmp_path) -> None:
-    """builtin:rm starts from the built-in policy's SFT weights (a new score head), keyed by that policy's folder,
-    so a rebuilt warm-start rebuilds the reward model; a user's model folder, or init = "random", starts fresh."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from flashrl.models import build_untrained, tiny_folder
-    from flashrl.rewardmodel.build import RmSpec, _cache_key, _policy_init, init_from_policy
-
-    cfg = from_dict({"model": {"cache_dir": str(tmp_path)}, "reward": {"model": "builtin:rm"}})
-    assert _policy_init(cfg, RmSpec()) == tiny_folder(cfg)
-    assert _policy_init(cfg, RmSpec(init="random")) is None
-    own = from_dict({"model": {"path": str(tmp_path / "mine"), "cache_dir": str(tmp_path)}, "reward": {"model": "builtin:rm"}})
-    assert _policy_init(own, RmSpec()) is None
-    other_seed = from_dict({"run": {"seed": 1}, "model": {"cache_dir": str(tmp_path)}, "reward": {"model": "builtin:rm"}})
-    assert tiny_folder(other_seed) != tiny_folder(cfg) and _cache_key(other_seed, RmSpec()) != _cache_key(cfg, RmSpec())
-
-    build_untrained(tmp_path / "policy", seed=3)
-    init_from_policy(tmp_path / "rm", tmp_path / "policy")
-    policy = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))
-    rm = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"))
-    assert rm.config.num_labels == 1 and rm.score.weight.shape == (1, policy.config.hidden_size)
-    body, start = policy.model.state_dict(), rm.model.state_dict()
-    assert body.keys() == start.keys() and all(torch.equal(body[k], start[k]) for k in body)
