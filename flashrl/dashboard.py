@@ -15,6 +15,7 @@ down-sampled (bucket means) to the sparkline width, so a spike of one step may l
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -86,12 +87,14 @@ def _latest(history: Sequence[tuple[int, float]]) -> float | None:
     return history[-1][1] if history else None
 
 
-_PROBLEM_WORDS = ("fail", "retr", "drop", "dead", "death", "restart", "abort", "skip", "late", "stale", "error", "timeout")
+_PROBLEM_WORDS = ("fail", "retr", "drop", "dead", "death", "restart", "abort", "skip", "stale", "error", "timeout")
+_PROBLEM_NAMES = ("late",)  # whole words only: "latency" and "template" are not problems
 
 
 def is_problem_counter(name: str) -> bool:
     """Does this counter count lost, repeated or failed work (as opposed to progress)?"""
-    return any(word in name.lower() for word in _PROBLEM_WORDS)
+    low = name.lower()
+    return any(word in low for word in _PROBLEM_WORDS) or any(w in _PROBLEM_NAMES for w in re.split(r"[^a-z0-9]+", low))
 
 
 def format_plain(s: Snapshot) -> str:

@@ -280,3 +280,15 @@ def test_run_summary_line_says_what_evals_cost(capsys: pytest.CaptureFixture[str
     _print_summary(s)
     out = capsys.readouterr().out
     assert "evals 8.1s, trainer waited 0.2s for them (1.2% of training time), generation idle 0.5s" in out
+
+
+def test_problem_counters_on_the_plain_line_are_problems() -> None:
+    """Lost, repeated or failed work is a problem counter; a latency or a chat template's counters are not (the
+    judge's mean latency once showed among the failures because "latency" holds "late")."""
+    from flashrl.dashboard import is_problem_counter
+
+    for name in ("buffer/late_samples", "rollout/failed_env_error", "engine/restarts", "rollout/retry_timeout",
+                 "dropped/stale_samples", "env/judge_engine_timeout", "weight_sync/skipped_versions"):
+        assert is_problem_counter(name), name
+    for name in ("env/judge_latency_ms", "env/rm_latency_ms", "template/mismatch_tokens", "groups/admitted"):
+        assert not is_problem_counter(name), name
