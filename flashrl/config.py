@@ -138,12 +138,24 @@ class SchedulerConfig(Section):
         "async_ratio versions of their first token (strict bound); partial = nothing dropped or held, generation "
         "goes on under new weights, each token keeps its own version and behaviour logprob and the loss corrects "
         "it per token (bound: a group is trained within async_ratio versions of completing)"))] = "partial"
+    admit_during_evals: Annotated[bool, Meta(description=(
+        "partial mode (async_ratio >= 1, queue_scheduling): while an eval holds the engines' weights, admit "
+        "groups into the slots of the batches whose updates it defers; they generate beside the eval and join "
+        "the batches once those updates load (counted admitted/lent_slots), so the batch after an eval is not "
+        "started from its first turn; their first tokens may then lag up to 2 * async_ratio + 1 versions "
+        "when trained (false: admission waits for the eval's end)"))] = True
     drain: Annotated[bool, Meta(description=(
         "admit no more groups than the run's remaining steps train, so its last steps drain what was admitted "
         "and it ends with nothing generating: no rollout thrown away, the same prompts trained as the "
         "synchronous loop, no length bias from the long answers a fixed step count leaves in flight; false: "
         "keep every slot full to the last step (faster last steps; what is still generating at the end is "
         "lost, or kept in the final checkpoint in partial mode for a --resume with more steps)"))] = True
+
+
+    @property
+    def lends_slots(self) -> bool:
+        """Whether admit_during_evals applies: partial mode, async, queue scheduling (controller/buffer.py, 6)."""
+        return self.admit_during_evals and self.stale == "partial" and self.async_ratio > 0 and self.queue_scheduling
 
 
 class EngineConfig(Section):

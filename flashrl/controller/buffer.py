@@ -40,6 +40,15 @@ the buffer applies it, sharing the run's one ``Staleness`` object with the rollo
    a batch. So the last steps drain what was admitted and the run ends with nothing generating:
    no rollout is thrown away at the end, and the trained set is not short of the long answers that
    a fixed step count would otherwise leave in flight (the length bias of a run's tail).
+6. Lent slots (``lending()``: partial mode, while an eval holds the engines' weights; the controller
+   decides, scheduler.admit_during_evals). A TRAINING group whose update has not loaded yet
+   (``step + 1 > version()``: the eval defers it) may lend its slot, once, to a group admitted now
+   (``unsettled`` counts them; counted ``admitted/lent_slots``). The borrower generates at once but
+   does not join the completion order before its lender's slot is freed: completing earlier, it is
+   ``parked`` (COMPLETE, not takeable), and ``mark_trained`` of the lender settles it: it joins the
+   order then, its ``completed_version`` the version loaded then. So outstanding - unsettled never
+   exceeds the capacity (invariant 1 as partial's proof counts it), and a borrower counts from its
+   settling as a group admitted into a freed slot and completing at once (core/staleness.py).
 """
 
 from __future__ import annotations
@@ -87,6 +96,11 @@ class Group:
     oldest: int = 1 << 62
     admitted_version: int = 0  # the engines' version at admission: every token's is >= this
     completed_version: int = 0  # the engines' version when the group completed (partial's bound)
+    step: int = -1  # TRAINING: the step whose batch took it
+    # slots lent during an eval hold (invariant 6): the TRAINING group whose slot this one was admitted
+    # into, until that group's update loads (then the slot is this one's), and the reverse link
+    lender: Group | None = field(default=None, repr=False)
+    borrower: Group | None = field(default=None, repr=False)
 
     @property
     def missing(self) -> int:
@@ -113,10 +127,13 @@ class SampleBuffer:
         counters: Counter[str] | None = None,
         version: Callable[[], int] = lambda: 0,
         total_steps: int | None = None,
+        lending: Callable[[], bool] = lambda: False,
     ) -> None:
         """``version``: the version every live engine holds (types.Published.version), read at admission
         (wait's deadlines) and completion (partial's bound). ``total_steps``: the run's step count
-        (run.steps), which bounds admission (invariant 5); None: no bound but the capacity."""
+        (run.steps), which bounds admission (invariant 5); None: no bound but the capacity. ``lending``: may
+        the slots of TRAINING groups whose update has not loaded be lent now (invariant 6: while an eval
+        holds the engines' weights, partial mode)."""
         self.group_size = group_size
         self.batch_prompts = batch_prompts
         self.staleness = staleness
@@ -129,6 +146,9 @@ class SampleBuffer:
         self.dropped_uids: list[int] = []  # every group given up, in order (checkpointed: no prompt unaccounted for)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
         self._generating = 0  # groups ADMITTED or RUNNING (kept, not counted, on every change)
+        self.lending = lending
+        self.unsettled = 0  # groups admitted into a lent slot whose lender still holds it (invariant 6)
+        self.parked: list[Group] = []  # COMPLETE groups among those, in completion order: not yet takeable
         # Staleness is re-checked in full only when the step changes; otherwise only the groups
         # completed since the last check are (nothing else can have become stale).
         self._checked_step: int | None = None
@@ -151,10 +171,25 @@ class SampleBuffer:
     def can_admit(self) -> bool:
         return self.admit_room() > 0
 
+    @property
+    def admission_capacity(self) -> int:
+        """How many groups may be outstanding now: the capacity, plus the slots lent (invariant 6)."""
+        return self.capacity + self.unsettled + len(self._lendable())
+
+    def _lendable(self) -> list[Group]:
+        """TRAINING groups whose slot may be lent now (invariant 6), oldest step first."""
+        if not self.lending():
+            return []
+        v = self.version()
+        return sorted((g for g in self.groups.values()
+                       if g.state is GroupState.TRAINING and g.borrower is None and g.step + 1 > v),
+                      key=lambda g: (g.step, g.uid))
+
     def admit_room(self) -> int:
-        """Groups that may be admitted now: the capacity left (invariant 1) and, with ``total_steps``, no
-        more than the run still trains beyond the groups admitted and not yet in a batch (invariant 5)."""
-        room = self.capacity - self.outstanding
+        """Groups that may be admitted now: the capacity left (invariant 1; with lent slots, 6) and, with
+        ``total_steps``, no more than the run still trains beyond the groups admitted and not yet in a
+        batch (invariant 5)."""
+        room = self.admission_capacity - self.outstanding
         left = self._left_to_train()
         if left is not None:
             untaken = sum(g.state is not GroupState.TRAINING for g in self.groups.values())
@@ -178,6 +213,11 @@ class SampleBuffer:
         if uid in self.groups:
             raise RuntimeError(f"prompt uid {uid} admitted twice")
         g = Group(uid=uid, task=task, need=self.group_size, admitted_at=now, admitted_version=self.version())
+        if self.outstanding - self.unsettled >= self.capacity:  # no slot of its own: a lent one (invariant 6)
+            lender = self._lendable()[0]
+            g.lender, lender.borrower = lender, g
+            self.unsettled += 1
+            self.counters["admitted/lent_slots"] += 1
         self.groups[uid] = g
         self._generating += 1
         self.counters["admitted/groups"] += 1
@@ -243,10 +283,14 @@ class SampleBuffer:
                 return True
             g.state = GroupState.COMPLETE
             g.completed_at = now
-            g.completed_version = self.version()
-            self.complete.append(g)
-            if self.staleness.mode == "drop":
-                self._unchecked.append(g)
+            if g.lender is not None:  # its slot is still lent: it joins the completion order when it loads
+                g.completed_version = g.lender.step + 1  # the version it joins at, at the earliest
+                self.parked.append(g)
+            else:
+                g.completed_version = self.version()
+                self.complete.append(g)
+                if self.staleness.mode == "drop":
+                    self._unchecked.append(g)
             self._notify()
         return True
 
@@ -254,8 +298,11 @@ class SampleBuffer:
         """Give up on a group (cannot be filled, or no learning signal); its slot is freed, counted."""
         if g.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.TRAINING):
             raise RuntimeError(f"group {g.uid} cannot be dropped in state {g.state.value}")
+        if g.lender is not None:
+            g.lender.borrower, g.lender = None, None
+            self.unsettled -= 1
         if g.state is GroupState.COMPLETE:
-            self.complete.remove(g)
+            (self.parked if g in self.parked else self.complete).remove(g)
         elif g.missing > 0:  # ADMITTED or RUNNING (a group completed by add() was counted there)
             self._generating -= 1
         g.state = GroupState.DROPPED
@@ -290,6 +337,7 @@ class SampleBuffer:
         for g in batch:
             self.complete.remove(g)
             g.state = GroupState.TRAINING
+            g.step = step
             g.samples.sort(key=lambda t: t.index)
         self.staleness.taken(step)
         self._notify()
@@ -349,12 +397,25 @@ class SampleBuffer:
             self.counters["stale/over_bound_groups"] += late
 
     def mark_trained(self, batch: list[Group]) -> None:
-        """The update that trained ``batch`` is published: free their slots (invariant 1)."""
+        """The update that trained ``batch`` is published: free their slots (invariant 1); a slot lent
+        is its borrower's from now on, and a borrower already complete joins the completion order at
+        the version loaded now (invariant 6)."""
+        settled = False
         for g in batch:
             if g.state is not GroupState.TRAINING:
                 raise RuntimeError(f"group {g.uid} marked trained in state {g.state.value}")
             g.state = GroupState.TRAINED
             del self.groups[g.uid]
+            if g.borrower is not None:
+                g.borrower.lender, g.borrower = None, None
+                self.unsettled -= 1
+                settled = True
+        if settled:
+            v = self.version()
+            for p in [p for p in self.parked if p.lender is None]:  # in completion order
+                self.parked.remove(p)
+                p.completed_version = max(v, p.completed_version)
+                self.complete.append(p)
         self.counters["trained/groups"] += len(batch)
         self._notify()
 

@@ -86,7 +86,7 @@ class Feed:
         while not self._closing:
             # the capacity (staleness bound), the barrier without queue scheduling, and no more groups
             # than the run still trains (buffer invariant 5: the run ends with nothing generating)
-            for _ in range(min(self.admission.admit_count(b.outstanding, b.capacity, b.generating), b.admit_room())):
+            for _ in range(min(self.admission.admit_count(b.outstanding, b.admission_capacity, b.generating), b.admit_room())):
                 uid, task = self.stream.next()
                 g = b.admit(uid, task, self._clock())
                 self._launch(g, g.need)
@@ -184,7 +184,7 @@ class Feed:
         groups: list[SavedGroup] = []
         readmit: list[int] = []
         regenerated = 0
-        for g in [*b.complete, *running]:
+        for g in [*b.complete, *b.parked, *running]:  # parked: complete, joining the order at their version
             live = inflight.get(g.uid, []) if g.state is not GroupState.COMPLETE else []
             waiting = held.get(g.uid, []) if g.state is not GroupState.COMPLETE else []
             if not keep:

@@ -161,6 +161,11 @@ class WeightPublisher:
         """The version an eval holds the engines at (None: no eval runs; newer versions load as made)."""
         return self._holds[0] if self._holds else None
 
+    @property
+    def defers(self) -> bool:
+        """Whether an eval holds every engine's weights (versions made now wait for its end)."""
+        return bool(self._holds) and self._apart is None
+
     # ------------------------------------------------------------------ the train loop's calls
     async def prepare(self, version: int) -> tuple[WeightManifest, dict[str, float]]:
         """The trainer's gather + pack + checksums of ``version`` (``prepare_s``: the round trip;

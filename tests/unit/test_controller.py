@@ -771,11 +771,11 @@ def test_overlap_eval_tokens_come_only_from_the_evaluated_version(eval_s: float)
     assert len(engines[0].updates) == 7 - len(skipped)
 
 
-def _eval_run(eval_s: float, n_eval: int, *, steps: int = 9, eval_every: int = 4, ratio: int = 2) -> tuple[
-        RunSummary, list[dict[str, Any]], FakeTrainer]:
+def _eval_run(eval_s: float, n_eval: int, *, steps: int = 9, eval_every: int = 4, ratio: int = 2,
+              lend: bool = True) -> tuple[RunSummary, list[dict[str, Any]], FakeTrainer]:
     """Training generation 0.2 s a sample, train steps 1 s, eval requests ``eval_s`` each."""
     cfg = config(run={"steps": steps, "eval_every": eval_every}, rollout={"group_size": 2, "batch_prompts": 2},
-                 scheduler={"async_ratio": ratio})
+                 scheduler={"async_ratio": ratio, "admit_during_evals": lend})
     engines = [FakeEngine(f"e{i}", lambda r, v: ([ord("1")] * 3, eval_s if r.request_id.startswith("eval") else 0.2),
                           sync_s=0.1) for i in range(2)]
     trainer = FakeTrainer(train_s=1.0, sync_s=0.05)
@@ -803,9 +803,26 @@ def test_a_slow_eval_does_not_stop_the_train_loop() -> None:
     # the training clock ran as without evals; only the final eval comes after the last step
     assert steps[-1]["time/elapsed_s"] == base_records[-1]["time/elapsed_s"]
     assert summary.eval_trainer_wait_s == 0.0 and summary.eval_s == pytest.approx(sum(r["time/eval_s"] for r in evals))
-    assert check_staleness(trainer.batches, 2) == 2  # it did train samples of the held version, 2 steps on
+    # it trained samples of the held version 2 steps on, and (scheduler.admit_during_evals) groups admitted
+    # during the eval into the deferred batches' slots, within 2 * ratio + 1 of their first token
+    assert 2 < check_staleness(trainer.batches, 2 * 2 + 1) <= 5 and summary.counters["admitted/lent_slots"] > 0
     assert summary.counters["weight_sync/skipped_versions"] > 0
     assert summary.counters.get("eval/hedged", 0) == 0  # single-turn: a copy would only repeat the same generation
+    # without lent slots, every first token is within the bound itself, and no step waits here either
+    _, unlent, trainer = _eval_run(2.5, 4, lend=False)
+    assert check_staleness(trainer.batches, 2) == 2 and all(r["time/eval_wait_s"] == 0.0 for r in unlent[1:])
+
+
+def test_slots_lent_during_a_long_eval_spare_the_trainer_a_first_turn_wait() -> None:
+    """An eval longer than the bound (6 s, ratio 1): without lent slots the trainer waits after it for a
+    whole fresh batch; with them (the default), the batch after the eval was generated beside it, the
+    wait is shorter, and every group is still trained within the bound of the version it joined at."""
+    unlent, _, _ = _eval_run(6.0, 2, steps=6, eval_every=0, ratio=1, lend=False)
+    lent, _, trainer = _eval_run(6.0, 2, steps=6, eval_every=0, ratio=1)
+    assert lent.counters["admitted/lent_slots"] > 0 and "admitted/lent_slots" not in unlent.counters
+    assert lent.eval_trainer_wait_s < unlent.eval_trainer_wait_s - 0.15
+    assert lent.counters.get("stale/over_bound_groups", 0) == 0
+    check_staleness(trainer.batches, 2 * 1 + 1)
 
 
 def test_an_eval_longer_than_the_staleness_bound_makes_the_trainer_wait_and_says_so() -> None:

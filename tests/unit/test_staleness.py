@@ -101,19 +101,26 @@ def test_an_earliest_deadline_batch_restores_the_invariant(step: int, batch: int
     assert wait_ok(step, sorted(deadlines)[batch:], batch)
 
 
-def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: int, ordered: bool = False
-              ) -> tuple[SampleBuffer, list[tuple[int, list[Group]]]]:
+def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: int, ordered: bool = False,
+              evals: bool = False) -> tuple[SampleBuffer, list[tuple[int, list[Group]]]]:
     """The controller's protocol on one SampleBuffer, events in a random order (a random long tail):
     admit while there is capacity (the admitted version is the published one); a running group
     completes with each sample's first token at a version between its admitted one and the engines'
     newest; the train loop takes the batch of step s, trains it once version s is published, then
     starts the sync of s + 1 (overlap: the next batch may be taken meanwhile); a sync lands, the
-    batch it trained is marked trained. Returns the buffer and every (step, batch) trained."""
+    batch it trained is marked trained. Returns the buffer and every (step, batch) trained.
+
+    ``evals``: evals come and go too (publisher.hold/unhold): while one holds the engines at the
+    published version, every version the trainer makes is deferred (its batch's slots stay taken and
+    the buffer may lend them, invariant 6) and the trainer goes on; when it ends, the newest version
+    loads and frees every deferred batch, in order."""
     rng = random.Random(seed)
     published = [0]
+    held: list[int] = []  # the version an eval holds, while one runs
+    deferred: list[list[Group]] = []  # batches whose versions the eval defers (publisher: carried)
     rule = Staleness(ratio, mode=mode)  # type: ignore[arg-type]
     buf = SampleBuffer(group_size=group, batch_prompts=batch, staleness=rule, ordered=ordered,
-                       version=lambda: published[0])
+                       version=lambda: published[0], lending=lambda: bool(held))
     uid = 0
     step = 0
     training: list[Group] | None = None
@@ -130,10 +137,14 @@ def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: i
             events += ["complete"] * 3
         if training is None and step < steps:
             events.append("take")
-        if training is not None and published[0] >= step - 1 and syncing is None:
+        if training is not None and (published[0] >= step - 1 or held) and syncing is None:
             events.append("train")
         if syncing is not None:
             events.append("sync")
+        if evals and not held and syncing is None and not deferred and published[0] == step:
+            events.append("eval")
+        if held:
+            events.append("end")
         assert events, "the schedule is stuck: nothing can happen (a wait that never ends)"
         ev = rng.choice(events)
         if ev == "admit":
@@ -152,17 +163,34 @@ def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: i
             got, refills = buf.take_batch(step)
             assert refills == [] or mode == "drop"
             if got is not None:
+                assert all(g.lender is None for g in got), "a group was taken before its lent slot was its own"
                 training = got
                 trained.append((step, got))
         elif ev == "train":  # the trainer is done with step `step`; the sync of step + 1 starts
             assert training is not None
-            syncing, training = training, None
             step += 1
+            if held:  # deferred until the eval ends
+                deferred.append(training)
+            else:
+                syncing = training
+            training = None
+        elif ev == "eval":
+            held.append(published[0])
+        elif ev == "end":  # the newest version made loads; every batch it carries frees its slots
+            held.clear()
+            if deferred:
+                published[0] = step
+                for got in deferred:
+                    buf.mark_trained(got)
+                deferred.clear()
         else:  # the sync of `step` lands: every engine holds it, the batch's slots are freed
             assert syncing is not None
             published[0] += 1
             buf.mark_trained(syncing)
             syncing = None
+        # invariant 1 as partial's proof counts it: lent slots are their lenders' until those are freed
+        assert buf.outstanding - buf.unsettled <= buf.capacity
+        assert buf.unsettled == sum(g.lender is not None for g in buf.groups.values())
     assert len(trained) == steps, "the schedule did not finish its steps"
     return buf, trained
 
@@ -188,6 +216,51 @@ def test_partial_trains_each_group_within_the_bound_of_its_completion(ratio: int
     for step, groups in trained:
         assert all(step - g.completed_version <= ratio for g in groups)
     assert buf.counters["stale/dropped_samples"] == 0 and buf.counters["stale/over_bound_groups"] == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(ratio=st.integers(1, 3), batch=st.integers(1, 3), group=st.integers(1, 2), seed=st.integers(0, 10**6))
+def test_partial_keeps_its_bound_with_slots_lent_during_evals(ratio: int, batch: int, group: int, seed: int) -> None:
+    """Evals hold the engines while the trainer goes on, and the buffer lends the deferred batches' slots
+    (invariant 6): every group is still trained within the bound of the version it joined the order
+    at, never before it joined, and that version is one the engines held when it was complete."""
+    buf, trained = _schedule("partial", ratio, batch, group, steps=14, seed=seed, evals=True)
+    for step, groups in trained:
+        assert all(step - g.completed_version <= ratio for g in groups), (step, [g.completed_version for g in groups])
+    assert buf.counters["stale/over_bound_groups"] == 0
+
+
+def test_slots_are_lent_during_evals_and_the_borrowers_wait_for_them() -> None:
+    """The evals schedule does lend (the test above is not vacuous), and a borrower that completes during
+    the eval is parked, then joins the order at the version loaded when its lender's slot is freed."""
+    lent = sum(_schedule("partial", 2, 2, 2, steps=14, seed=s, evals=True)[0].counters["admitted/lent_slots"]
+               for s in range(20))
+    assert lent > 0
+    published = [3]
+    holding = [True]
+    buf = SampleBuffer(group_size=1, batch_prompts=1, staleness=Staleness(1, mode="partial"),
+                       version=lambda: published[0], lending=lambda: holding[0])
+    for uid in range(2):
+        buf.admit(uid, Task(id=str(uid), prompt=""))
+        buf.start(buf.groups[uid], 1)
+        buf.add(_traj(uid, 0, 3))
+    assert not buf.can_admit()
+    got, _ = buf.take_batch(3)  # trains step 3 -> version 4, deferred: its slot may be lent
+    assert got is not None and buf.can_admit()
+    b = buf.admit(2, Task(id="2", prompt=""))
+    assert b.lender is got[0] and not buf.can_admit() and buf.counters["admitted/lent_slots"] == 1
+    buf.start(b, 1)
+    buf.add(_traj(2, 0, 3))
+    assert buf.parked == [b] and buf.complete == [buf.groups[1]]
+    nxt, _ = buf.take_batch(4)  # the group of its own slot, not the parked one
+    assert nxt is not None and nxt[0].uid == 1
+    assert buf.take_batch(5) == (None, [])  # the parked one is not takeable yet
+    holding[0] = False
+    published[0] = 6  # the eval ends: the newest version (steps 3 and 4 made 4, 5; say 6) loads
+    buf.mark_trained(got)
+    assert buf.parked == [] and buf.complete == [b] and b.completed_version == 6 and buf.unsettled == 0
+    buf.mark_trained(nxt)
+    assert buf.admit_room() == 1  # the borrower holds its lender's slot now, no more
 
 
 def test_drop_breaks_what_wait_keeps() -> None:
