@@ -40,15 +40,20 @@ the buffer applies it, sharing the run's one ``Staleness`` object with the rollo
    a batch. So the last steps drain what was admitted and the run ends with nothing generating:
    no rollout is thrown away at the end, and the trained set is not short of the long answers that
    a fixed step count would otherwise leave in flight (the length bias of a run's tail).
-6. Lent slots (``lending()``: partial mode, while an eval holds the engines' weights; the controller
-   decides, scheduler.admit_during_evals). A TRAINING group whose update has not loaded yet
-   (``step + 1 > version()``: the eval defers it) may lend its slot, once, to a group admitted now
-   (``unsettled`` counts them; counted ``admitted/lent_slots``). The borrower generates at once but
-   does not join the completion order before its lender's slot is freed: completing earlier, it is
-   ``parked`` (COMPLETE, not takeable), and ``mark_trained`` of the lender settles it: it joins the
-   order then, its ``completed_version`` the version loaded then. So outstanding - unsettled never
-   exceeds the capacity (invariant 1 as partial's proof counts it), and a borrower counts from its
-   settling as a group admitted into a freed slot and completing at once (core/staleness.py).
+6. Lent slots (``lending()``: the version an eval holds the engines at, in partial mode, else None;
+   the controller decides, scheduler.admit_during_evals). With h held and R = async_ratio, a TRAINING
+   group of a step h..h + R whose update has not loaded (``step + 1 > version()``: the eval defers it)
+   may lend its slot, once, to a group admitted now (a borrower: ``unsettled`` counts those whose
+   lender still holds the slot; counted ``admitted/lent_slots``). A borrower generates at once but
+   does not join the completion order while its lender holds the slot: completing then, it is
+   ``parked`` (COMPLETE), takeable only by the steps h' + R + 1 .. h + 2R + 1 of a hold (of h' >= h),
+   which no group completing during that hold may be in (partial's bound: h' + R at most), after the
+   complete groups; taken so, it counts as completed at version h' + R + 1, and its first token lags
+   2R + 1 versions at most. ``mark_trained`` of its
+   lender settles it: the slot is the borrower's from then on, and a parked one joins the order at
+   the version loaded then. So outstanding - unsettled never exceeds the capacity (invariant 1 as
+   partial's proof counts it), the groups completing during the hold are taken as without lending,
+   and a settled borrower counts as a group admitted into a freed slot (core/staleness.py).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Group:
     admitted_version: int = 0  # the engines' version at admission: every token's is >= this
     completed_version: int = 0  # the engines' version when the group completed (partial's bound)
     step: int = -1  # TRAINING: the step whose batch took it
+    lent_hold: int | None = None  # admitted into a lent slot while an eval held this version (invariant 6)
     # slots lent during an eval hold (invariant 6): the TRAINING group whose slot this one was admitted
     # into, until that group's update loads (then the slot is this one's), and the reverse link
     lender: Group | None = field(default=None, repr=False)
@@ -127,13 +133,12 @@ class SampleBuffer:
         counters: Counter[str] | None = None,
         version: Callable[[], int] = lambda: 0,
         total_steps: int | None = None,
-        lending: Callable[[], bool] = lambda: False,
+        lending: Callable[[], int | None] = lambda: None,
     ) -> None:
         """``version``: the version every live engine holds (types.Published.version), read at admission
         (wait's deadlines) and completion (partial's bound). ``total_steps``: the run's step count
-        (run.steps), which bounds admission (invariant 5); None: no bound but the capacity. ``lending``: may
-        the slots of TRAINING groups whose update has not loaded be lent now (invariant 6: while an eval
-        holds the engines' weights, partial mode)."""
+        (run.steps), which bounds admission (invariant 5); None: no bound but the capacity. ``lending``: the
+        version an eval holds the engines at while slots may be lent (invariant 6), else None."""
         self.group_size = group_size
         self.batch_prompts = batch_prompts
         self.staleness = staleness
@@ -148,7 +153,7 @@ class SampleBuffer:
         self._generating = 0  # groups ADMITTED or RUNNING (kept, not counted, on every change)
         self.lending = lending
         self.unsettled = 0  # groups admitted into a lent slot whose lender still holds it (invariant 6)
-        self.parked: list[Group] = []  # COMPLETE groups among those, in completion order: not yet takeable
+        self.parked: list[Group] = []  # COMPLETE groups among those, in completion order (invariant 6)
         # Staleness is re-checked in full only when the step changes; otherwise only the groups
         # completed since the last check are (nothing else can have become stale).
         self._checked_step: int | None = None
@@ -178,11 +183,12 @@ class SampleBuffer:
 
     def _lendable(self) -> list[Group]:
         """TRAINING groups whose slot may be lent now (invariant 6), oldest step first."""
-        if not self.lending():
+        held = self.lending()
+        if held is None:
             return []
-        v = self.version()
-        return sorted((g for g in self.groups.values()
-                       if g.state is GroupState.TRAINING and g.borrower is None and g.step + 1 > v),
+        v, last = self.version(), held + self.staleness.async_ratio
+        return sorted((g for g in self.groups.values() if g.state is GroupState.TRAINING and g.borrower is None
+                       and g.step + 1 > v and g.step <= last and g.lender is None),
                       key=lambda g: (g.step, g.uid))
 
     def admit_room(self) -> int:
@@ -216,6 +222,7 @@ class SampleBuffer:
         if self.outstanding - self.unsettled >= self.capacity:  # no slot of its own: a lent one (invariant 6)
             lender = self._lendable()[0]
             g.lender, lender.borrower = lender, g
+            g.lent_hold = self.lending()
             self.unsettled += 1
             self.counters["admitted/lent_slots"] += 1
         self.groups[uid] = g
@@ -324,24 +331,38 @@ class SampleBuffer:
         """
         mode = self.staleness.mode
         refills = self._drop_stale(step) if mode == "drop" else []
-        if len(self.complete) < self.batch_prompts:
+        lent = self._lent_takeable(step)
+        if len(self.complete) + len(lent) < self.batch_prompts:
             return None, refills
         pool = sorted(self.complete, key=lambda g: g.uid) if self.ordered else self.complete
+        if lent and len(pool) < self.batch_prompts:
+            pool = [*pool, *lent]
         if mode == "wait":
             pool = sorted(pool, key=lambda g: g.deadline(self.staleness))  # stable: ties keep the order above
         batch = pool[: self.batch_prompts]
         if mode == "wait" and not self._wait_ok(step, batch):
             return None, refills
+        taken_lent = [g for g in batch if g in lent]  # borrowers taken during the hold (invariant 6)
+        for g in taken_lent:
+            g.completed_version = self.lending() + self.staleness.async_ratio + 1  # type: ignore[operator]
         if mode != "drop":
             self._check_bound(step, batch)
         for g in batch:
-            self.complete.remove(g)
+            (self.parked if g in taken_lent else self.complete).remove(g)
             g.state = GroupState.TRAINING
             g.step = step
             g.samples.sort(key=lambda t: t.index)
         self.staleness.taken(step)
         self._notify()
         return batch, refills
+
+    def _lent_takeable(self, step: int) -> list[Group]:
+        """The parked borrowers ``step`` may take (invariant 6: steps h + R + 1 .. h + 2R + 1 of the hold)."""
+        held = self.lending() if self.parked else None
+        if held is None:
+            return []
+        r = self.staleness.async_ratio
+        return [g for g in self.parked if held + r < step <= g.lent_hold + 2 * r + 1] if held + r < step else []
 
     def _drop_stale(self, step: int) -> list[Group]:
         """Drop mode: remove every sample too old for ``step`` (counted); their groups, for a refill."""
@@ -406,10 +427,13 @@ class SampleBuffer:
                 raise RuntimeError(f"group {g.uid} marked trained in state {g.state.value}")
             g.state = GroupState.TRAINED
             del self.groups[g.uid]
-            if g.borrower is not None:
+            if g.borrower is not None:  # the slot is its borrower's now
                 g.borrower.lender, g.borrower = None, None
                 self.unsettled -= 1
                 settled = True
+            if g.lender is not None:  # a borrower trained before its lender: the lender's slot stays lent-free
+                g.lender.borrower, g.lender = None, None
+                self.unsettled -= 1
         if settled:
             v = self.version()
             for p in [p for p in self.parked if p.lender is None]:  # in completion order

@@ -148,7 +148,7 @@ class Controller:
             version=lambda: self.published.version,  # wait's deadlines, partial's bound (set just below)
             # scheduler.drain: admit no more than the run trains, so nothing is left generating at its end
             total_steps=cfg.run.steps if cfg.scheduler.drain else None,
-            lending=lambda: cfg.scheduler.lends_slots and self.publisher.defers,  # an eval holds back updates
+            lending=lambda: self.publisher.held if cfg.scheduler.lends_slots and self.publisher.defers else None,
         )
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)

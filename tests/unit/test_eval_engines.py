@@ -36,7 +36,9 @@ class Recording(FakeEngine):
 def _run(eval_engines: int, eval_s: float, *, eval_every: int, steps: int = 8, ratio: int = 1,
          n_engines: int = 2) -> tuple[RunSummary, list[dict[str, Any]], list[Recording], FakeTrainer]:
     cfg = msgspec.convert({"run": {"steps": steps, "eval_every": eval_every, "eval_engines": eval_engines},
-                           "rollout": {"group_size": 2, "batch_prompts": 2}, "scheduler": {"async_ratio": ratio},
+                           "rollout": {"group_size": 2, "batch_prompts": 2},
+                           # no slots lent during evals (scheduler.admit_during_evals): the hold stalls as it would
+                           "scheduler": {"async_ratio": ratio, "admit_during_evals": False},
                            "engine": {"count": n_engines}}, Config)
     engines = [Recording(f"e{i}", eval_s) for i in range(n_engines)]
     trainer = FakeTrainer(train_s=1.0, sync_s=0.05)

@@ -120,7 +120,7 @@ def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: i
     deferred: list[list[Group]] = []  # batches whose versions the eval defers (publisher: carried)
     rule = Staleness(ratio, mode=mode)  # type: ignore[arg-type]
     buf = SampleBuffer(group_size=group, batch_prompts=batch, staleness=rule, ordered=ordered,
-                       version=lambda: published[0], lending=lambda: bool(held))
+                       version=lambda: published[0], lending=lambda: held[0] if held else None)
     uid = 0
     step = 0
     training: list[Group] | None = None
@@ -147,6 +147,8 @@ def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: i
             events.append("end")
         assert events, "the schedule is stuck: nothing can happen (a wait that never ends)"
         ev = rng.choice(events)
+        if ev == "end" and rng.random() < 0.85:  # evals last: several steps, often past the bound
+            continue
         if ev == "admit":
             g = buf.admit(uid, Task(id=str(uid), prompt=""))
             buf.start(g, group)
@@ -163,7 +165,9 @@ def _schedule(mode: str, ratio: int, batch: int, group: int, steps: int, seed: i
             got, refills = buf.take_batch(step)
             assert refills == [] or mode == "drop"
             if got is not None:
-                assert all(g.lender is None for g in got), "a group was taken before its lent slot was its own"
+                for g in got:  # a borrower still in its lent slot: only by the steps after the hold's own
+                    assert g.lender is None or (held and held[0] + ratio < step <= g.lent_hold + 2 * ratio + 1
+                                                and g.admitted_version >= g.lent_hold), (step, held, g.uid)
                 training = got
                 trained.append((step, got))
         elif ev == "train":  # the trainer is done with step `step`; the sync of step + 1 starts
@@ -231,36 +235,48 @@ def test_partial_keeps_its_bound_with_slots_lent_during_evals(ratio: int, batch:
 
 
 def test_slots_are_lent_during_evals_and_the_borrowers_wait_for_them() -> None:
-    """The evals schedule does lend (the test above is not vacuous), and a borrower that completes during
-    the eval is parked, then joins the order at the version loaded when its lender's slot is freed."""
+    """The evals schedule does lend (the test above is not vacuous). A borrower that completes during the
+    eval is parked: not taken by the steps the groups completing during the hold may be in (held + R at
+    most), taken after them (as completed at held + R + 1), or, once its lender's version loads, joining
+    the completion order at the version loaded then."""
     lent = sum(_schedule("partial", 2, 2, 2, steps=14, seed=s, evals=True)[0].counters["admitted/lent_slots"]
                for s in range(20))
     assert lent > 0
     published = [3]
-    holding = [True]
+    held: list[int | None] = [3]
     buf = SampleBuffer(group_size=1, batch_prompts=1, staleness=Staleness(1, mode="partial"),
-                       version=lambda: published[0], lending=lambda: holding[0])
-    for uid in range(2):
-        buf.admit(uid, Task(id=str(uid), prompt=""))
+                       version=lambda: published[0], lending=lambda: held[0])
+
+    def complete(uid: int) -> None:
         buf.start(buf.groups[uid], 1)
         buf.add(_traj(uid, 0, 3))
+
+    for uid in range(2):
+        buf.admit(uid, Task(id=str(uid), prompt=""))
+        complete(uid)
     assert not buf.can_admit()
-    got, _ = buf.take_batch(3)  # trains step 3 -> version 4, deferred: its slot may be lent
+    got, _ = buf.take_batch(3)  # trains step 3 -> version 4, deferred by the eval: its slot may be lent
     assert got is not None and buf.can_admit()
     b = buf.admit(2, Task(id="2", prompt=""))
     assert b.lender is got[0] and not buf.can_admit() and buf.counters["admitted/lent_slots"] == 1
-    buf.start(b, 1)
-    buf.add(_traj(2, 0, 3))
+    complete(2)
     assert buf.parked == [b] and buf.complete == [buf.groups[1]]
-    nxt, _ = buf.take_batch(4)  # the group of its own slot, not the parked one
+    nxt, _ = buf.take_batch(4)  # held + R: the group completed during the hold, not the parked one
     assert nxt is not None and nxt[0].uid == 1
-    assert buf.take_batch(5) == (None, [])  # the parked one is not takeable yet
-    holding[0] = False
-    published[0] = 6  # the eval ends: the newest version (steps 3 and 4 made 4, 5; say 6) loads
+    c = buf.admit(3, Task(id="3", prompt=""))  # step 4's slot, lent too
+    assert c.lender is nxt[0] and not buf.can_admit()
+    third, _ = buf.take_batch(5)  # held + R + 1: the parked borrower, as completed at version 5
+    assert third == [b] and b.completed_version == 5 and not buf.parked
+    assert not buf.can_admit()  # a borrower taken during the hold lends nothing (steps h..h+R only)
+    complete(3)
+    assert buf.parked == [c]
+    held[0] = None  # the eval ends: the newest version (steps 3, 4 and 5 made 4, 5, 6) loads, in order
+    published[0] = 6
     buf.mark_trained(got)
-    assert buf.parked == [] and buf.complete == [b] and b.completed_version == 6 and buf.unsettled == 0
     buf.mark_trained(nxt)
-    assert buf.admit_room() == 1  # the borrower holds its lender's slot now, no more
+    assert buf.parked == [] and buf.complete == [c] and c.completed_version == 6 and buf.unsettled == 0
+    buf.mark_trained(third)
+    assert buf.admit_room() == 1  # c holds step 4's slot now, no more
 
 
 def test_drop_breaks_what_wait_keeps() -> None:
