@@ -140,10 +140,11 @@ class SchedulerConfig(Section):
         "it per token (bound: a group is trained within async_ratio versions of completing)"))] = "partial"
     admit_during_evals: Annotated[bool, Meta(description=(
         "partial mode (async_ratio >= 1, queue_scheduling): while an eval holds the engines' weights, admit "
-        "groups into the slots of the batches whose updates it defers; they generate beside the eval and join "
-        "the batches once those updates load (counted admitted/lent_slots), so the batch after an eval is not "
-        "started from its first turn; their first tokens may then lag up to 2 * async_ratio + 1 versions "
-        "when trained (false: admission waits for the eval's end)"))] = True
+        "groups into the slots of the batches whose updates it defers (counted admitted/lent_slots); they "
+        "generate beside the eval and may train the async_ratio + 1 steps after those the held version's own "
+        "samples allow, so the trainer need not wait for the eval's end; their first tokens may then lag up "
+        "to 2 * async_ratio + 1 versions (false: the trainer stops at async_ratio steps past the held version "
+        "until the eval ends)"))] = True
     drain: Annotated[bool, Meta(description=(
         "admit no more groups than the run's remaining steps train, so its last steps drain what was admitted "
         "and it ends with nothing generating: no rollout thrown away, the same prompts trained as the "

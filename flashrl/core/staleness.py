@@ -67,6 +67,16 @@ the eval ends (that wait is the eval's ``time/eval_wait_s``). Admission slots st
 batch frees its slots only once a newer version is on the engines. Eval rollouts are never trained
 and never watched for early abort.
 
+Partial mode lends those slots (scheduler.admit_during_evals, controller/buffer.py invariant 6):
+the batches of steps v .. v + R, whose versions the eval defers, lend their slots to groups admitted
+at once, which generate beside the eval. Such a borrower is trained either by the steps
+v + R + 1 .. v + 2R + 1 of the hold (after the groups completed during the hold, which the steps up
+to v + R take as above; it counts as completed at v + R + 1, so s - completed <= R still holds) or,
+when its lender's version loads, joins the completion order then, as a group admitted into that
+freed slot. The first tokens a borrower trains at the hold's steps are 2R + 1 versions old at most;
+without lending the trainer would idle at step v + R + 1 until the eval ends, and every episode of
+the batch after it would start from its first turn. Counted: ``admitted/lent_slots``.
+
 Pure: no sockets, torch, tasks or clocks.
 """
 
