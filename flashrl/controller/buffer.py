@@ -362,7 +362,9 @@ class SampleBuffer:
         if held is None:
             return []
         r = self.staleness.async_ratio
-        return [g for g in self.parked if held + r < step <= g.lent_hold + 2 * r + 1] if held + r < step else []
+        if step <= held + r:
+            return []
+        return [g for g in self.parked if g.lent_hold is not None and step <= g.lent_hold + 2 * r + 1]
 
     def _drop_stale(self, step: int) -> list[Group]:
         """Drop mode: remove every sample too old for ``step`` (counted); their groups, for a refill."""
