@@ -46,7 +46,7 @@ log = logging.getLogger("flashrl.rewardmodel")
 
 BUILTIN_RM = "builtin:rm"
 RM_REPORT = "flashrl_rm.json"
-_RECIPE_VERSION = 2
+_RECIPE_VERSION = 3
 
 
 class RewardModelError(FileNotFoundError):
@@ -56,7 +56,7 @@ class RewardModelError(FileNotFoundError):
 class RmSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """The built-in reward model's shape and training (part of its cache key)."""
 
-    layers: Annotated[int, Meta(ge=1, le=64)] = 2
+    layers: Annotated[int, Meta(ge=1, le=64)] = 4
     hidden: Annotated[int, Meta(ge=32, le=8192)] = 128
     heads: Annotated[int, Meta(ge=1, le=128)] = 4
     intermediate: Annotated[int, Meta(ge=16, le=65536)] = 512
@@ -64,6 +64,10 @@ class RmSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     batch: Annotated[int, Meta(ge=1)] = 128  # pairs per step
     lr: Annotated[float, Meta(gt=0)] = 1e-3
     anchor: Annotated[float, Meta(ge=0)] = 0.25  # weight of the pointwise BCE terms
+    # weight of a next-token loss on the correct answer's characters (the body's hidden states, read by the
+    # embeddings as an LM head; only the score is served): it makes the body compute the answer, which the
+    # pairs alone did not teach it (bench/results/rm: the units digit)
+    lm_weight: Annotated[float, Meta(ge=0)] = 1.0
     check_every: Annotated[int, Meta(ge=1)] = 250
     target_pair_accuracy: Annotated[float, Meta(ge=0, le=1)] = 0.99  # stop early past it (held-out pairs)
     eval_pairs: Annotated[int, Meta(ge=1)] = 1024
@@ -275,6 +279,23 @@ def scores(model: Any, tok: Any, texts: list[str]) -> list[float]:
     return [float(x) for x in logits[:, 0].tolist()]
 
 
+def _answer_lm_loss(model: Any, tok: Any, hidden: Any, inp: Any, mask: Any, batch: list[tuple[str, str, str]]) -> Any:
+    """Next-token cross-entropy of the correct answers' characters, predicted from the body's last hidden
+    states through the tied embeddings (training only: the served model is the classifier as saved)."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = hidden[:, :-1] @ model.get_input_embeddings().weight.T
+    target = inp[:, 1:].clone()
+    keep = mask[:, 1:].bool()
+    for i, (p, _, _) in enumerate(batch):  # only the answer's characters: the prompt's operands are random
+        keep[i, : max(0, len(tok.encode(p, add_special_tokens=False)) - 1)] = False
+    target[~keep] = -100
+    if not bool(keep.any()):
+        return torch.zeros((), dtype=hidden.dtype)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
 def train_rm(out: Path, suite: EnvSuite, spec: RmSpec, seed: int = 0, progress: Progress | None = None) -> dict[str, Any]:
     """Build and train the reward model in ``out``; returns its report (held-out pair accuracy)."""
     import torch
@@ -311,9 +332,13 @@ def train_rm(out: Path, suite: EnvSuite, spec: RmSpec, seed: int = 0, progress: 
             for step in range(1, spec.steps + 1):
                 batch = _pairs(train, spec.batch, lab, rng)
                 inp, mask = encode_batch(tok, [p + a for p, a, _ in batch] + [p + b for p, _, b in batch])
-                s = model(input_ids=inp, attention_mask=mask).logits[:, 0]
+                out_ = model(input_ids=inp, attention_mask=mask, output_hidden_states=spec.lm_weight > 0)
+                s = out_.logits[:, 0]
                 pos, neg = s[: len(batch)], s[len(batch):]
                 loss = -F.logsigmoid(pos - neg).mean()
+                if spec.lm_weight:
+                    loss = loss + spec.lm_weight * _answer_lm_loss(model, tok, out_.hidden_states[-1][: len(batch)],
+                                                                   inp[: len(batch)], mask[: len(batch)], batch)
                 if spec.anchor:
                     loss = loss + spec.anchor * (F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos))
                                                  + F.binary_cross_entropy_with_logits(neg, torch.zeros_like(neg)))

@@ -113,6 +113,35 @@ def test_perturbations_hold_the_forgotten_carry() -> None:
     assert "32" in cands and "43" in cands and "41" in cands
 
 
+def test_the_answer_lm_term_scores_the_answer_characters_only(tmp_path) -> None:
+    """builtin:rm's next-token term (what made the reward model read the units digit: bench/results/rm):
+    the cross-entropy of the correct answer's characters only, through the tied embeddings, and its
+    gradient reaches the body."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from flashrl.rewardmodel.build import RmSpec, _answer_lm_loss, build_untrained_rm, encode_batch
+
+    build_untrained_rm(tmp_path, RmSpec(layers=1, hidden=32, heads=2, intermediate=64), seed=0)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path), dtype=torch.float32)
+    batch = [("12+34=", "46", "47"), ("5+5=", "10", "11")]
+    inp, mask = encode_batch(tok, [p + a for p, a, _ in batch])
+    hidden = model(input_ids=inp, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    loss = _answer_lm_loss(model, tok, hidden, inp, mask, batch)
+    logits = hidden @ model.get_input_embeddings().weight.T
+    want = []
+    for i, (p, a, _) in enumerate(batch):
+        start, n = len(tok.encode(p, add_special_tokens=False)), len(tok.encode(a, add_special_tokens=False))
+        for j in range(start, start + n):  # each answer character, predicted from the position before it
+            want.append(F.cross_entropy(logits[i, j - 1][None], inp[i, j][None]))
+    assert len(want) == 4 and float(loss) == pytest.approx(float(torch.stack(want).mean()), rel=1e-5)
+    loss.backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    assert float(model.get_input_embeddings().weight.grad.abs().sum()) > 0
+
+
 def test_check_folder_names_what_is_wrong(tmp_path) -> None:
     with pytest.raises(RewardModelError, match="does not exist"):
         check_folder(tmp_path / "nope")
