@@ -31,13 +31,14 @@ import statistics
 import sys
 import tempfile
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from flashrl.bench.scenario import SimModel
-from flashrl.bench.simulate import run_variant
+from flashrl.bench.simulate import RunResult, run_variant
 from flashrl.config import Config, from_dict, load
 from flashrl.metrics import read_jsonl
 from flashrl.plugins import make_suite
@@ -271,10 +272,15 @@ class CrossRun(msgspec.Struct, kw_only=True):
     tokens_per_s: float
     response_len: float
     turns: float
+    # the judge stage (configs with judge.model), from the run's last env/judge_* counters: verdict_tokens,
+    # p_pass (fitted from the fit run), latency_ms (what a prediction is compared with)
+    judge: dict[str, float] = {}
 
 
-def load_cross_runs(path: Path) -> list[CrossRun]:
+def load_cross_runs(path: Path, config: str = "") -> list[CrossRun]:
     doc = msgspec.json.decode(Path(path).read_bytes())
+    if isinstance(doc, list):  # `flashrl bench seeds` / `peers`: one row per (mode, seed), metrics/ beside it
+        return load_seed_runs(Path(path), doc, config)
     if doc.get("mode") != "real":
         raise ValueError(f"{path}: not a real-mode result (mode = {doc.get('mode')!r}); give bench/results/real_*/results.json")
     scn = doc["scenario"]
@@ -289,6 +295,74 @@ def load_cross_runs(path: Path) -> list[CrossRun]:
                 steps=int(r["steps"]), step_s=r["step_s"], train_s=r["train_s"], sync_s=r["sync_s"],
                 samples_per_s=r["samples_per_s"], tokens_per_s=r["tokens_per_s"], response_len=r["response_len"], turns=r["turns"]))
     return out
+
+
+SEED_WARMUP = 5  # steps of a seeds run the cross fit leaves out (start-up), as real-mode scenarios do
+
+
+def load_seed_runs(path: Path, rows: list[dict[str, Any]], config: str) -> list[CrossRun]:
+    """The flashrl runs of a `flashrl bench seeds` results.json (modes async and sync; peers' rows are left
+    out): ``config`` is the config they ran (not in the file), with run.seed and, for sync, the synchronous
+    overrides set as the bench set them; each run's judge counters come from metrics/<name>.metrics.jsonl.gz."""
+    import gzip
+
+    if not config:
+        raise ValueError(f"{path} is a `flashrl bench seeds` result: give the config its runs used with --config")
+    base = tomllib.loads(Path(config).read_text())
+    out = []
+    for r in rows:
+        if r.get("mode") not in ("async", "sync") or r.get("returncode", 0) != 0:
+            continue
+        tree = copy_tree(base)
+        tree.setdefault("run", {})["seed"] = int(r["seed"])
+        if r["mode"] == "sync":
+            tree.setdefault("scheduler", {}).update({"async_ratio": 0, "queue_scheduling": False})
+        cfg = from_dict(tree, source=f"{config} ({r['name']})")
+        judge: dict[str, float] = {}
+        metrics = path.parent / "metrics" / f"{r['name']}.metrics.jsonl.gz"
+        if metrics.is_file():
+            with gzip.open(metrics, "rt") as f:
+                judge = judge_stats([msgspec.json.decode(ln) for ln in f if ln.strip()])
+        parts = r.get("parts") or {}
+        out.append(CrossRun(
+            name=f"{path.parent.name}/{r['name']}", cfg=cfg, warmup=SEED_WARMUP, steps=int(r["steps"]),
+            step_s=float(r["step_s"]), train_s=float(parts.get("train_s", 0.0)),
+            sync_s=float(parts.get("weight_sync_s", 0.0)), samples_per_s=float(r["samples_per_s"]),
+            tokens_per_s=float(r["tokens_per_s"]), response_len=float(r["mean_len"]), turns=1.0, judge=judge))
+    if not out:
+        raise ValueError(f"{path}: no async or sync flashrl run in it")
+    return out
+
+
+def judge_stats(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's judge stage from its records' cumulative ``env/judge_*`` counters ({} without a judge):
+    verdict_tokens and p_pass over the run; latency_ms and busy_per_verdict_s over the steps not beside an
+    eval (compared_steps: the simulator runs no evals, and an eval's 400 verdicts at once queue longer)."""
+    rows = [r for r in records if "step" in r and "env/judge_verdicts" in r]
+    if not rows or not rows[-1]["env/judge_verdicts"]:
+        return {}
+    last = rows[-1]
+    n = float(last["env/judge_verdicts"])
+    keep = set(compared_steps(records))
+    lat = busy = count = 0.0
+    for prev, cur in zip(rows, rows[1:]):
+        if int(cur["step"]) not in keep:
+            continue
+        dn = cur["env/judge_verdicts"] - prev["env/judge_verdicts"]
+        if dn <= 0:
+            continue
+        lat += (cur.get("env/judge_latency_ms", 0.0) * cur["env/judge_verdicts"]
+                - prev.get("env/judge_latency_ms", 0.0) * prev["env/judge_verdicts"])
+        busy += cur.get("env/judge_busy_s", 0.0) - prev.get("env/judge_busy_s", 0.0)
+        count += dn
+    if not count:
+        return {}
+    return {"verdict_tokens": last["env/judge_tokens"] / n, "p_pass": last["env/judge_pass"] / n,
+            "latency_ms": lat / count, "busy_per_verdict_s": busy / count}
+
+
+def copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: (copy_tree(v) if isinstance(v, dict) else v) for k, v in tree.items()}
 
 
 def _as_measured(cfg: Config, tree: dict[str, Any]) -> Config:
@@ -328,8 +402,10 @@ def _tokens_per_step(run: CrossRun, prompt_chars: int) -> float:
     return samples * (prompt_chars + run.response_len)
 
 
-def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> float:
-    """Predicted steady s/step of ``run`` with the timing fitted on ``fit`` (engine scale ``k``)."""
+def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int, kj: float = 1.0) -> RunResult:
+    """``run`` simulated with the timing fitted on ``fit`` (engine scale ``k``; a judge stage, when ``run``
+    has one, with ``fit``'s tokens per verdict and pass rate and the same engine costs: the judge engines
+    run the policy engines' model family here); its ``step_s`` is the predicted steady s/step."""
     cfg = run.cfg
     prompt = _prompt_chars(cfg)
     turns = max(1, round(run.turns))
@@ -347,24 +423,61 @@ def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int) -> f
     per_token = fit.train_s / _tokens_per_step(fit, fit_prompt)
     trainer = {"step_fixed_s": 0.0, "per_token_s": per_token, "gpus": 1.0,
                "prepare_weights_s": fit.sync_s / 2, "send_weights_s": fit.sync_s / 2}
-    sim = msgspec.convert({"latency": lat, "lengths": {"dist": "constant", "median": per_turn}, "trainer": trainer}, SimModel)
+    sim_tree: dict[str, Any] = {"latency": lat, "lengths": {"dist": "constant", "median": per_turn}, "trainer": trainer}
+    if cfg.judge.model and fit.judge:
+        sim_tree["judge"] = {"verdict_tokens": fit.judge["verdict_tokens"], "p_pass": fit.judge["p_pass"], "scale": kj}
+    sim = msgspec.convert(sim_tree, SimModel)
     env = msgspec.structs.replace(cfg.env, name="sim", params=params)
     sim_cfg = msgspec.structs.replace(cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=run.steps, dashboard="off", max_time_s=0.0))
     with tempfile.TemporaryDirectory(prefix="flashrl-cross-") as tmp:
-        return run_variant(sim_cfg, sim, run.warmup, Path(tmp)).step_s
+        return run_variant(sim_cfg, sim, run.warmup, Path(tmp))
 
 
-def fit_engine_scale(fit: CrossRun) -> tuple[float, bool]:
-    """(k, clamped): the engine-cost scale that makes the simulated fit run's s/step the measured one."""
+def fit_engine_scale(fit: CrossRun, kj: float = 1.0) -> tuple[float, bool]:
+    """(k, clamped): the engine-cost scale that makes the simulated fit run's s/step the measured one
+    (``kj``: the judge engines' own scale, when the run has a judge)."""
     prompt = _prompt_chars(fit.cfg)
+    return _bisect(lambda k: simulate_cross(fit, k, fit, prompt, kj).step_s, fit.step_s)
+
+
+def fit_judge_scale(fit: CrossRun, k: float) -> tuple[float, bool]:
+    """(kj, clamped): the judge engines' cost scale (on the same CPU_TINY_LATENCY: the judge is a model of the
+    policy's family here) that makes the simulated fit run's judge engine busy time per verdict the measured
+    one. Busy time, not latency: it is the engine's work; the latency (queueing behind other verdicts,
+    which the policy's pace decides) is what the fit then predicts."""
+    prompt = _prompt_chars(fit.cfg)
+
+    def busy(kj: float) -> float:
+        j = simulate_cross(fit, k, fit, prompt, kj).judge
+        return j.get("judge_busy_s", 0.0) / max(1.0, j.get("judge_verdicts", 0.0))
+
+    return _bisect(busy, fit.judge["busy_per_verdict_s"])
+
+
+def fit_scales(fit: CrossRun) -> tuple[float, bool, float]:
+    """(k, clamped, kj): the engine scale, and with a judge stage its own scale, fitted in turn (each moves
+    the other's target a little: the judge's verdicts hold episodes, its engine shares nothing with the
+    policy's); kj = 1.0 without a judge."""
+    k, clamped = fit_engine_scale(fit)
+    if not fit.judge:
+        return k, clamped, 1.0
+    kj = 1.0
+    for _ in range(2):
+        kj, _ = fit_judge_scale(fit, k)
+        k, clamped = fit_engine_scale(fit, kj)
+    return k, clamped, kj
+
+
+def _bisect(f: Callable[[float], float], target: float) -> tuple[float, bool]:
+    """(x, clamped): x in [K_MIN, K_MAX] with f(x) = target, f rising in x (bisected on log x, to ~0.3%)."""
     lo, hi = math.log(K_MIN), math.log(K_MAX)
-    if simulate_cross(fit, K_MIN, fit, prompt) >= fit.step_s:
+    if f(K_MIN) >= target:
         return K_MIN, True
-    if simulate_cross(fit, K_MAX, fit, prompt) <= fit.step_s:
+    if f(K_MAX) <= target:
         return K_MAX, True
-    for _ in range(12):  # s/step rises with k: bisect on log k (to ~0.3%)
+    for _ in range(12):
         mid = (lo + hi) / 2
-        if simulate_cross(fit, math.exp(mid), fit, prompt) < fit.step_s:
+        if f(math.exp(mid)) < target:
             lo = mid
         else:
             hi = mid
@@ -378,24 +491,32 @@ class CrossRow(msgspec.Struct, kw_only=True):
     predicted_s: float
     error: float  # predicted / measured - 1
     in_sample: bool
+    # the judge stage (runs with one): mean latency from an episode's end to its verdict, measured / predicted
+    judge_measured_ms: float = 0.0
+    judge_predicted_ms: float = 0.0
 
 
 def cross_validate(runs: list[CrossRun], fit_names: list[str] | None = None) -> tuple[list[CrossRow], dict[str, tuple[float, bool]]]:
     """Fit on each of ``fit_names`` (default: every run) in turn; predict every run."""
     rows: list[CrossRow] = []
     scales: dict[str, tuple[float, bool]] = {}
+    judge_scales: dict[str, float] = {}
     by_name = {r.name: r for r in runs}
     for name in fit_names or list(by_name):
         if name not in by_name:
             raise ValueError(f"--fit {name!r}: not one of {sorted(by_name)}")
         fit = by_name[name]
-        k, clamped = fit_engine_scale(fit)
+        k, clamped, kj = fit_scales(fit)
         scales[name] = (k, clamped)
+        judge_scales[name] = kj
         fp = _prompt_chars(fit.cfg)
         for r in runs:
-            pred = simulate_cross(r, k, fit, fp)
+            res = simulate_cross(r, k, fit, fp, kj)
+            pred = res.step_s
             rows.append(CrossRow(fit=name, target=r.name, measured_s=r.step_s, predicted_s=pred,
-                                 error=pred / r.step_s - 1, in_sample=r.name == name))
+                                 error=pred / r.step_s - 1, in_sample=r.name == name,
+                                 judge_measured_ms=r.judge.get("latency_ms", 0.0),
+                                 judge_predicted_ms=float(res.judge.get("judge_latency_ms", 0.0))))
     return rows, scales
 
 
@@ -412,18 +533,24 @@ def ratio_rows(rows: list[CrossRow]) -> list[dict[str, Any]]:
     return out
 
 
-def cross_main(paths: list[str], fit_names: list[str], out: str) -> int:
-    runs = [r for p in paths for r in load_cross_runs(Path(p))]
+def cross_main(paths: list[str], fit_names: list[str], out: str, config: str = "") -> int:
+    runs = [r for p in paths for r in load_cross_runs(Path(p), config)]
     rows, scales = cross_validate(runs, fit_names or None)
     oos = [abs(r.error) for r in rows if not r.in_sample]
     lines = ["fit run -> predicted run: measured / predicted s/step, error (out of sample unless marked)"]
     for r in rows:
         k, clamped = scales[r.fit]
         tag = " (in sample)" if r.in_sample else ""
+        judge = (f"; judge latency {r.judge_measured_ms:.0f} / {r.judge_predicted_ms:.0f} ms, "
+                 f"{r.judge_predicted_ms / r.judge_measured_ms - 1:+.1%}" if r.judge_measured_ms else "")
         lines.append(f"  {r.fit} (k={k:.3g}{', clamped' if clamped else ''}) -> {r.target}: "
-                     f"{r.measured_s:.3f} / {r.predicted_s:.3f} s, {r.error:+.1%}{tag}")
+                     f"{r.measured_s:.3f} / {r.predicted_s:.3f} s, {r.error:+.1%}{judge}{tag}")
     if oos:
         lines.append(f"out-of-sample |error|: mean {statistics.fmean(oos):.1%}, max {max(oos):.1%} over {len(oos)} predictions")
+    joos = [abs(r.judge_predicted_ms / r.judge_measured_ms - 1) for r in rows if not r.in_sample and r.judge_measured_ms]
+    if joos:
+        lines.append(f"out-of-sample judge latency |error|: mean {statistics.fmean(joos):.1%}, max {max(joos):.1%} "
+                     f"over {len(joos)} predictions")
     ratios = ratio_rows(rows)
     if ratios:
         lines.append("flash speed-up (base s/step / flash s/step), measured vs predicted:")
@@ -434,7 +561,9 @@ def cross_main(paths: list[str], fit_names: list[str], out: str) -> int:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
         doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()}, "rows": rows, "ratios": ratios,
-               "oos_mean_abs_error": statistics.fmean(oos) if oos else None, "oos_max_abs_error": max(oos) if oos else None}
+               "oos_mean_abs_error": statistics.fmean(oos) if oos else None, "oos_max_abs_error": max(oos) if oos else None,
+               "oos_judge_mean_abs_error": statistics.fmean(joos) if joos else None,
+               "oos_judge_max_abs_error": max(joos) if joos else None}
         (o / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))
         (o / "results.txt").write_text("\n".join(lines) + "\n")
     return 0

@@ -146,6 +146,8 @@ def calibrate(
     latency: Annotated[str, typer.Option(
         "--latency", help="a profile TOML whose [sim.latency] the prediction uses (default: CPU_TINY_LATENCY)")] = "",
     no_predict: Annotated[bool, typer.Option("--no-predict", help="only fit; do not simulate the run")] = False,
+    config: Annotated[str, typer.Option(
+        "--config", help="--cross with a `flashrl bench seeds` results.json: the config its runs used")] = "",
 ) -> None:
     """Fit the simulator to a real run (`calibrate RUN_DIR`), then check it predicts that run; or, with
     `--cross RESULTS.json ...`, fit on one real-mode run and predict the others."""
@@ -156,7 +158,7 @@ def calibrate(
         from flashrl.bench.calibrate import cross_main
 
         try:
-            _exit(cross_main([str(p) for p in paths], fit or [], out))
+            _exit(cross_main([str(p) for p in paths], fit or [], out, config))
         except (ValueError, OSError) as e:
             typer.echo(f"flashrl bench calibrate --cross: {e}", err=True)
             raise typer.Exit(2) from None

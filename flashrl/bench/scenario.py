@@ -36,12 +36,23 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- scenario files
+class SimJudge(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[sim.judge]``: the judge stage of a config with ``judge.model`` set (flashrl/sim/judge.py): its
+    engines (judge.engines of them) have the policy engine's latency model; fitted by calibrate."""
+
+    verdict_tokens: Annotated[float, Meta(gt=0, description="tokens the judge generates per verdict")] = 9.0
+    p_pass: Annotated[float, Meta(ge=0, le=1, description="share of verdicts that pass")] = 0.5
+    scale: Annotated[float, Meta(gt=0, description="the judge engines' step costs as a multiple of [sim.latency]'s")] = 1.0
+
+
 class SimModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The latency model of a scenario (``[sim]``): one engine, the response lengths, the trainer."""
+    """The latency model of a scenario (``[sim]``): one engine, the response lengths, the trainer, and the
+    judge stage (used only by configs that set ``judge.model``)."""
 
     latency: LatencyModel = msgspec.field(default_factory=LatencyModel)
     lengths: LengthModel = msgspec.field(default_factory=LengthModel)
     trainer: TrainerModel = msgspec.field(default_factory=TrainerModel)
+    judge: SimJudge = msgspec.field(default_factory=SimJudge)
 
 
 class PointSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -173,6 +173,7 @@ class RunResult(msgspec.Struct, kw_only=True):
     generated_tokens_per_s: float = 0.0  # every token the engines generated, trained or not
     response_len_max: int = 0  # the longest trained sample (all its turns' generated tokens)
     ledger: TokenLedger = msgspec.field(default_factory=TokenLedger)
+    judge: dict[str, float] = {}  # the judge stage's counters at the end (judge.model set): verdicts, latency, busy
 
 
 def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunResult:
@@ -194,10 +195,25 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         gen_at.append(sum(e.generated_until(now) for e in engines))
 
     trainer.on_step_end = on_step_end
-    suite = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size)
+    suite: Any = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size)
     counters: dict[str, int] = {}
+    judged: dict[str, float] = {}
+    if cfg.judge.model:  # the judge stage: the real JudgeClient and suite wrapper on simulated judge engines
+        from flashrl.judge.client import JudgeClient
+        from flashrl.rewardmodel.suite import RewardModelSuite
+        from flashrl.sim.judge import SimJudgeTokenizer, judge_engines
+
+        jlat = msgspec.structs.replace(sim.latency, max_num_seqs=cfg.judge.max_num_seqs, **{
+            f: getattr(sim.latency, f) * sim.judge.scale
+            for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
+        jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
+                                 p_pass=sim.judge.p_pass, seed=cfg.run.seed)
+        suite = RewardModelSuite(suite, JudgeClient(cfg.judge, jengines, SimJudgeTokenizer(tok)), cfg.reward,
+                                 kind="judge")
 
     async def main() -> None:
+        if cfg.judge.model:
+            await suite.client.start()
         ctrl = Controller(cfg, tok, suite, engines, trainer)
         try:
             await ctrl.run()
@@ -205,6 +221,9 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
             counters.update(ctrl.counters)
             for e in engines:
                 await e.close()
+            if cfg.judge.model:
+                judged.update(suite.client.counters)
+                await suite.aclose()
 
     loop_jumps: list[int] = []
 
@@ -251,6 +270,7 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         generated_tokens_per_s=(gen_at[-1] - gen0) / (t1 - t0) if t1 > t0 else 0.0,
         response_len_max=max(h.response_len_max for h in window),
         ledger=ledger,
+        judge=judged,
     )
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import re
@@ -67,12 +68,11 @@ class JudgeClient:
         await self.engines.start()
 
     async def score(self, item: tuple[str, str]) -> float:
-        import time
-
+        clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in the simulator
         prompt, response = item
         text = self.jc.template.format(prompt=prompt, response=cut_at_eos(response).strip())
         ids = self.tok.encode(text, add_special_tokens=False)
-        t0 = time.monotonic()
+        t0 = clock()
         tries = 1 + (self.jc.parse_retries if self.jc.on_unparsable == "retry" else 0)
         for attempt in range(tries):
             temperature = self.jc.temperature if attempt == 0 else 1.0  # greedy again would say the same
@@ -82,14 +82,14 @@ class JudgeClient:
             if verdict is not None:
                 self.counts["judge_verdicts"] += 1
                 self.counts["judge_pass"] += int(verdict == 1.0)
-                self.latency_s += time.monotonic() - t0
+                self.latency_s += clock() - t0
                 return verdict
             self.counts["judge_unparsable"] += 1
             if attempt + 1 < tries:
                 self.counts["judge_parse_retries"] += 1
         self.counts["judge_defaulted"] += 1
         self.counts["judge_verdicts"] += 1
-        self.latency_s += time.monotonic() - t0
+        self.latency_s += clock() - t0
         return self.jc.unparsable_reward
 
     async def _generate(self, ids: list[int], temperature: float) -> list[int]:

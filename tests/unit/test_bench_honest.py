@@ -181,13 +181,13 @@ def test_cross_calibration_recovers_a_known_engine_scale() -> None:
     assert [r.name for r in runs] == ["real_agentic/base", "real_agentic/flash"]
     fit = runs[1]
     prompt = _prompt_chars(fit.cfg)
-    fit.step_s = simulate_cross(fit, 3.0, fit, prompt)  # a run the simulator explains exactly at k = 3
+    fit.step_s = simulate_cross(fit, 3.0, fit, prompt).step_s  # a run the simulator explains exactly at k = 3
     k, clamped = fit_engine_scale(fit)
     # s/step is a step function of k, not strictly monotone at the 0.5% level (3.33 turns per episode on
     # average: which episodes take the 4th turn shifts each step's batch), so the bisection lands on a k
     # that reproduces the step time, near 3, not on 3 exactly
     assert not clamped and k == pytest.approx(3.0, rel=0.05)
-    assert simulate_cross(fit, k, fit, prompt) == pytest.approx(fit.step_s, rel=0.01)
+    assert simulate_cross(fit, k, fit, prompt).step_s == pytest.approx(fit.step_s, rel=0.01)
     rows, _ = cross_validate(runs, [fit.name])
     assert [(r.target, r.in_sample) for r in rows] == [("real_agentic/base", False), ("real_agentic/flash", True)]
     assert abs(rows[1].error) < 0.02

@@ -1,0 +1,102 @@
+"""The simulator's judge stage: a generative judge's engines as simulated engines, for the real JudgeClient.
+
+    SimJudgeEngines(engines, tok, p_pass, seed)    implements what JudgeClient asks of JudgeEngines
+      generate(ids, max_tokens, ...) -> the least-loaded SimEngine runs the verdict as one more request
+                                         (its continuous batching, prefill and decode times, on virtual
+                                         time) -> the tokens: spaces, then "1" (pass) or "0" (fail), the
+                                         verdict drawn from (seed, request) with probability p_pass
+      counts, inflight, busy_s, pids, start, aclose: as JudgeEngines keeps them
+    SimJudgeTokenizer(tok)                         a SimTokenizer with the keyword arguments JudgeClient passes
+
+What it models: the judge's requests queue and batch on engines of their own, beside the policy's, and
+each takes its prompt's prefill and its verdict's decode steps; a verdict's length is the engines' length
+model (set it to the fitted tokens per verdict, ``dist = "constant"``). What it does not: what the judge
+says (a fixed pass rate, not the answer's correctness), engine deaths (the real JudgeEngines' restarts are
+tested on real processes). ``flashrl bench calibrate`` fits the tokens per verdict and the pass rate from
+a real run's ``env/judge_*`` counters (flashrl/bench/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from flashrl.sim.engine import SimEngine, uniform
+from flashrl.sim.envs import SimTokenizer
+from flashrl.wire.protocol import Generate, Generated
+
+__all__ = ["SimJudgeEngines", "SimJudgeTokenizer", "judge_engines"]
+
+
+class SimJudgeTokenizer:
+    """``tok`` as JudgeClient calls a Hugging Face tokenizer (``add_special_tokens``, ``skip_special_tokens``)."""
+
+    def __init__(self, tok: SimTokenizer) -> None:
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids)
+
+
+class SimJudgeEngines:
+    def __init__(self, engines: list[SimEngine], tok: SimTokenizer, *, p_pass: float, seed: int = 0) -> None:
+        if not engines:
+            raise ValueError("SimJudgeEngines needs at least one engine")
+        if not 0.0 <= p_pass <= 1.0:
+            raise ValueError(f"p_pass must be in [0, 1], got {p_pass}")
+        self.engines = engines
+        self.tok = tok
+        self.p_pass = p_pass
+        self.seed = seed
+        self.counts: Counter[str] = Counter()
+        self.inflight = [0] * len(engines)
+        self.busy_s = 0.0  # summed over engines: time with at least one verdict in flight
+        self._busy_since: list[float | None] = [None] * len(engines)
+        self._n = 0
+
+    def pids(self) -> list[int]:
+        return []
+
+    async def start(self, wait: bool = False) -> None:
+        self.counts["judge_engines_started"] += len(self.engines)
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
+        loop = asyncio.get_running_loop()
+        i = min(range(len(self.engines)), key=lambda k: (self.inflight[k], k))
+        self._n += 1
+        rid = f"judge-{self._n}"
+        self.inflight[i] += 1
+        if self.inflight[i] == 1:
+            self._busy_since[i] = loop.time()
+        try:
+            out = await self.engines[i].generate(Generate(request_id=rid, prompt_ids=list(prompt_ids),
+                                                          max_tokens=max_tokens, temperature=temperature, seed=seed))
+        finally:
+            self.inflight[i] -= 1
+            since = self._busy_since[i]
+            if self.inflight[i] == 0 and since is not None:
+                self.busy_s += loop.time() - since
+                self._busy_since[i] = None
+        n = max(1, len(out.token_ids))
+        verdict = "1" if uniform(self.seed, rid.encode(), b"verdict") < self.p_pass else "0"
+        return Generated(request_id=rid, token_ids=self.tok.encode(" " * (n - 1) + verdict))
+
+    async def aclose(self) -> None:
+        for e in self.engines:
+            await e.close()
+
+
+def judge_engines(n: int, latency: Any, verdict_tokens: float, tok: SimTokenizer, *, p_pass: float,
+                  seed: int = 0) -> SimJudgeEngines:
+    """``n`` simulated judge engines with the policy engine's ``latency`` model, verdicts of
+    ``verdict_tokens`` tokens (rounded, at least 1)."""
+    from flashrl.sim.engine import LengthModel
+
+    lengths = LengthModel(dist="constant", median=max(1.0, round(verdict_tokens)))
+    engines = [SimEngine(f"judge{i}", latency, lengths, seed=seed + 1000 + i, vocab_size=tok.vocab_size)
+               for i in range(n)]
+    return SimJudgeEngines(engines, tok, p_pass=p_pass, seed=seed)

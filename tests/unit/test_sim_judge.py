@@ -1,0 +1,92 @@
+"""The simulator's judge stage (flashrl/sim/judge.py) and its calibration (flashrl/bench/calibrate.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from flashrl.bench.calibrate import CPU_TINY_LATENCY, judge_stats
+from flashrl.sim.clock import run_virtual
+from flashrl.sim.engine import LatencyModel
+from flashrl.sim.envs import SimTokenizer
+from flashrl.sim.judge import judge_engines
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _latency(**kw: float) -> LatencyModel:
+    return msgspec.convert(CPU_TINY_LATENCY | {"max_num_seqs": 256} | kw, LatencyModel)
+
+
+def test_a_verdict_takes_its_prefill_and_decode_steps_and_queues_behind_others() -> None:
+    tok = SimTokenizer()
+    lat = _latency()
+    prompt = tok.encode("12+34=46?")
+
+    async def main() -> tuple[float, float, list[str], dict[str, float], float]:
+        je = judge_engines(1, lat, 9, tok, p_pass=0.7, seed=3)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await je.generate(prompt, max_tokens=12, temperature=0.0, seed=0)
+        one = loop.time() - t0
+        t0 = loop.time()
+        outs = await asyncio.gather(*[je.generate(prompt, max_tokens=12, temperature=0.0, seed=i) for i in range(400)])
+        many = loop.time() - t0
+        await je.aclose()
+        return one, many, [tok.decode(o.token_ids) for o in outs], dict(je.counts), je.busy_s
+
+    one, many, texts, counts, busy = run_virtual(main).result
+    # prefill of the prompt, then 9 decode steps of one sequence
+    want = len(prompt) * lat.prefill_per_token_s + 9 * lat.step_time(1, 0)
+    assert one == pytest.approx(want, rel=0.2)
+    assert many > 5 * one  # 400 at once: bigger decode steps, and queued past max_num_seqs
+    assert all(len(t) == 9 and t.strip() in ("0", "1") for t in texts)
+    assert 0.6 < sum(t.strip() == "1" for t in texts) / len(texts) < 0.8
+    assert busy == pytest.approx(one + many, rel=0.01) and counts == {}
+
+
+def test_judge_stats_leave_out_the_steps_beside_an_eval() -> None:
+    """Latency and busy time per verdict come from the intervals of steps the simulator also runs."""
+    recs = []
+    verdicts = lat_sum = busy = 0.0
+    for step in range(0, 7):
+        rec: dict[str, float] = {"step": step, "time/step_s": 0.2}
+        if step in (0, 4):
+            rec["eval/accuracy"] = 0.5
+        n, ms = (400, 900.0) if step == 5 else (100, 200.0)  # step 5 ran beside step 4's eval
+        if step:
+            verdicts += n
+            lat_sum += n * ms
+            busy += n * (0.004 if step == 5 else 0.001)
+        rec |= {"env/judge_verdicts": verdicts, "env/judge_tokens": 9 * verdicts, "env/judge_pass": verdicts / 2,
+                "env/judge_latency_ms": lat_sum / verdicts if verdicts else 0.0, "env/judge_busy_s": busy}
+        recs.append(rec)
+    got = judge_stats(recs)
+    assert got["latency_ms"] == pytest.approx(200.0) and got["busy_per_verdict_s"] == pytest.approx(0.001)
+    assert got["verdict_tokens"] == pytest.approx(9.0) and got["p_pass"] == pytest.approx(0.5)
+    assert judge_stats([{"step": 1, "time/step_s": 0.1}]) == {}
+
+
+def test_cross_calibration_recovers_a_known_judge_scale() -> None:
+    """The committed judge runs (bench/results/judge/async-vs-sync) load with their judge counters; a fit run
+    whose judge busy time we made at judge scale 0.5 gives back ~0.5, and the fitted stage then predicts
+    the verdict latency it was made with."""
+    from flashrl.bench.calibrate import _prompt_chars, fit_judge_scale, load_cross_runs, simulate_cross
+
+    runs = load_cross_runs(ROOT / "bench" / "results" / "judge" / "async-vs-sync" / "results.json",
+                           str(ROOT / "configs" / "judge.toml"))
+    assert [r.name.split("/")[1] for r in runs] == [f"{m}-seed{s}" for s in range(3) for m in ("async", "sync")]
+    assert all(r.judge and 8 < r.judge["verdict_tokens"] < 10 for r in runs)
+    sync = runs[1]
+    assert sync.cfg.scheduler.async_ratio == 0 and not sync.cfg.scheduler.queue_scheduling and sync.cfg.run.seed == 0
+    fit = msgspec.structs.replace(runs[0], steps=8, warmup=2)
+    prompt = _prompt_chars(fit.cfg)
+    made = simulate_cross(fit, 2.0, fit, prompt, 0.5).judge
+    fit.judge = {**fit.judge, "busy_per_verdict_s": made["judge_busy_s"] / made["judge_verdicts"]}
+    kj, clamped = fit_judge_scale(fit, 2.0)
+    assert not clamped and kj == pytest.approx(0.5, rel=0.1)
+    again = simulate_cross(fit, 2.0, fit, prompt, kj).judge
+    assert again["judge_latency_ms"] == pytest.approx(made["judge_latency_ms"], rel=0.1)
