@@ -143,8 +143,10 @@ class SchedulerConfig(Section):
         "groups into the slots of the batches whose updates it defers (counted admitted/lent_slots); they "
         "generate beside the eval and may train the async_ratio + 1 steps after those the held version's own "
         "samples allow, so the trainer need not wait for the eval's end; their first tokens may then lag up "
-        "to 2 * async_ratio + 1 versions (false: the trainer stops at async_ratio steps past the held version "
-        "until the eval ends)"))] = True
+        "to 2 * async_ratio + 1 versions. For environment-bound episodes (multi-turn, slow tools: configs/agentic.toml "
+        "and tools.toml set it); on one engine with short single-turn answers the borrowers' generation slows "
+        "the eval itself and the trainer waits longer (off: the trainer stops at async_ratio steps past the held "
+        "version until the eval ends)"))] = False
     drain: Annotated[bool, Meta(description=(
         "admit no more groups than the run's remaining steps train, so its last steps drain what was admitted "
         "and it ends with nothing generating: no rollout thrown away, the same prompts trained as the "

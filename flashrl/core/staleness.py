@@ -67,7 +67,7 @@ the eval ends (that wait is the eval's ``time/eval_wait_s``). Admission slots st
 batch frees its slots only once a newer version is on the engines. Eval rollouts are never trained
 and never watched for early abort.
 
-Partial mode lends those slots (scheduler.admit_during_evals, controller/buffer.py invariant 6):
+Partial mode can lend those slots (scheduler.admit_during_evals, controller/buffer.py invariant 6):
 the batches of steps v .. v + R, whose versions the eval defers, lend their slots to groups admitted
 at once, which generate beside the eval. Such a borrower is trained either by the steps
 v + R + 1 .. v + 2R + 1 of the hold (after the groups completed during the hold, which the steps up

@@ -815,7 +815,7 @@ def test_a_slow_eval_does_not_stop_the_train_loop() -> None:
 
 def test_slots_lent_during_a_long_eval_spare_the_trainer_a_first_turn_wait() -> None:
     """An eval longer than the bound (6 s, ratio 1, train steps 1 s): without lent slots the trainer waits
-    from step 2 to the eval's end (3.8 s); with them (the default) the groups admitted into them during
+    from step 2 to the eval's end (3.8 s); with them (scheduler.admit_during_evals) the groups admitted into them during
     the eval train steps 3 and 4 (first tokens 2R + 1 = 3 versions old at most) and the wait is 1.8 s;
     every group is trained within the bound of the version it counts as completed at."""
     unlent, _, _ = _eval_run(6.0, 2, steps=6, eval_every=0, ratio=1, lend=False)

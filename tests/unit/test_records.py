@@ -30,7 +30,7 @@ from flashrl.wire.protocol import TrainBatch, TrainResult, WeightManifest
 # The keys of the dict-built records before typed records (main at 313dd95, the same run as below), plus the
 # lineage keys after response_len/mean (tokens/trained ... lineage/interrupted_frac), and since evals run off the
 # training path, what an eval cost (time/eval_wait_s, time/eval/*, eval/engine_share) in place of the sync's wait
-# for it (time/sync/quiesce_s), and the slots lent during evals (count/admitted/lent_slots).
+# for it (time/sync/quiesce_s).
 EVAL_COST = ["time/eval_s", "time/eval/trainer_wait_s", "time/eval/gen_wait_s", "eval/engine_share"]
 EVAL_ONLY = ["step", "version", "eval/accuracy", "eval/reward_mean", "eval/reward/format", "eval/reward/mean", *EVAL_COST]
 TRAINED = [
@@ -39,8 +39,7 @@ TRAINED = [
     "time/train_s", "time/weight_sync_s", "time/elapsed_s", "samples", "samples_per_s", "tokens_per_s",
     "run/samples_per_s", "run/tokens_per_s", "rate/samples_per_s", "rate/tokens_per_s", "turns/mean",
     "response_len/mean", "tokens/trained", "len/trained_mean", "dropped/samples", "dropped/tokens", "staleness/token_mean",
-    "lineage/updates_spanned_mean", "lineage/interrupted_frac", "reward/format", "reward/extra_mean", "count/admitted/groups",
-    "count/admitted/lent_slots", "count/eval/failed",
+    "lineage/updates_spanned_mean", "lineage/interrupted_frac", "reward/format", "reward/extra_mean", "count/admitted/groups", "count/eval/failed",
     "count/trained/groups", "env/steps", "prompt_uids", "time/train/transport_s", "time/sync/wait_s",
     "time/sync/prepare_s", "time/sync/trainer/gather_s", "time/sync/send_s", "time/eval_wait_s", "rollout/env_share",
 ]
