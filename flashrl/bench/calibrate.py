@@ -26,6 +26,7 @@ step that ran beside an evaluation (the step after an eval record): the simulato
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import sys
@@ -313,7 +314,7 @@ def load_seed_runs(path: Path, rows: list[dict[str, Any]], config: str) -> list[
     for r in rows:
         if r.get("mode") not in ("async", "sync") or r.get("returncode", 0) != 0:
             continue
-        tree = copy_tree(base)
+        tree = copy.deepcopy(base)
         tree.setdefault("run", {})["seed"] = int(r["seed"])
         if r["mode"] == "sync":
             tree.setdefault("scheduler", {}).update({"async_ratio": 0, "queue_scheduling": False})
@@ -359,10 +360,6 @@ def judge_stats(records: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     return {"verdict_tokens": last["env/judge_tokens"] / n, "p_pass": last["env/judge_pass"] / n,
             "latency_ms": lat / count, "busy_per_verdict_s": busy / count}
-
-
-def copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: (copy_tree(v) if isinstance(v, dict) else v) for k, v in tree.items()}
 
 
 def _as_measured(cfg: Config, tree: dict[str, Any]) -> Config:
