@@ -263,6 +263,11 @@ class Evals:
             )
             return out[0] if out else None  # None: failed (it counts as wrong)
 
+        if not hedge.active:  # single-turn: never copied, so no task of its own (see _Hedge)
+            t0 = await copy(0)
+            if t0 is not None:
+                results.append(t0)
+            return
         first = asyncio.create_task(copy(0), name=f"eval {k}")
         copies = [first]
         due = asyncio.create_task(hedge.due.wait(), name=f"eval {k} hedge")
@@ -290,6 +295,11 @@ class _Hedge:
     def __init__(self, n: int, multi_turn: bool) -> None:
         self.due = asyncio.Event()
         self._left = max(1, int(HEDGE_AT * n)) if multi_turn and n > 1 else None  # finishes until due
+
+    @property
+    def active(self) -> bool:
+        """Whether any episode of this eval may be copied (multi-turn, more than one task)."""
+        return self._left is not None
 
     def finished(self) -> None:
         if self._left is None:
