@@ -373,7 +373,10 @@ class JudgeConfig(Section):
     model: Annotated[str, Meta(description=(
         'the judge: "" = none, "builtin:judge" (a built-in model warm-started on verdicts the environment\'s '
         "verifier gave, built by `flashrl init-model`, cached) or a local Hugging Face causal-LM folder"))] = ""
-    engines: Annotated[int, Meta(ge=1, le=64, description="judge engine processes (vLLM), placed on this machine")] = 1
+    engines: Annotated[int, Meta(ge=1, le=64, description=(
+        "judge engine processes (vLLM), placed by cluster.launcher like the policy's engines: local (this machine; on "
+        "cuda each gets a GPU of its own after the trainer ranks' and the engines' when there are enough), ray "
+        "(a placement group of cluster.ray.judge_* bundles), slurm (cluster.slurm.layout's judges, or the automatic layout)"))] = 1
     template: Annotated[str, Meta(min_length=1, description=(
         "the judge's prompt; {prompt} is the policy's prompt, {response} its answer (up to the end-of-sequence mark, stripped)"))] = "{prompt}{response}?"
     pass_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is pass (default: its last word is 1, pass or yes, as builtin:judge writes it after its own solution)")] = "(^|\\s)(1|P|pass|PASS|yes)\\s*$"
@@ -393,6 +396,7 @@ class JudgeConfig(Section):
     kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache per judge engine in GiB")] = 0.25
     max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent verdicts per judge engine")] = 256
     threads: Annotated[int, Meta(ge=1, description="CPU threads per judge engine (cpu)")] = 1
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="fraction of GPU memory per judge engine (cuda; the judge runs on engine.device)")] = 0.5
     startup_timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline for a judge engine to come up")] = 600.0
 
 
@@ -415,6 +419,7 @@ class LogConfig(Section):
 class SlurmNodeConfig(Section):
     engines: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="engine indices this node runs (one GPU each when gpus_per_node > 0)")] = []
     trainer_ranks: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="trainer ranks this node runs (one GPU each when gpus_per_node > 0)")] = []
+    judges: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="judge engine indices this node runs (judge.engines; one GPU each when gpus_per_node > 0)")] = []
 
 
 class SlurmConfig(Section):
@@ -429,7 +434,7 @@ class SlurmConfig(Section):
     setup: Annotated[list[str], Meta(description='shell lines run on every node before flashrl, e.g. ["module load cuda/12.4"]')] = []
     python: Annotated[str, Meta(description="the flashrl python on the nodes (empty = the one rendering the script)")] = ""
     port: Annotated[int, Meta(ge=1024, le=65000, description="the node agent of node N listens on port + N (TCP, CURVE)")] = 29400
-    layout: Annotated[list[SlurmNodeConfig], Meta(description="which node runs what: one [[cluster.slurm.layout]] table per node (empty = auto: trainer ranks from node 0 on, then engines)")] = []
+    layout: Annotated[list[SlurmNodeConfig], Meta(description="which node runs what: one [[cluster.slurm.layout]] table per node (empty = auto: trainer ranks from node 0 on, then engines, then judge engines)")] = []
     heartbeat_timeout_s: Annotated[float, Meta(gt=0, description="a node agent that hears nothing from node 0 this long stops its processes and exits")] = 30.0
     connect_timeout_s: Annotated[float, Meta(gt=0, description="how long node 0 waits for every node agent to answer at start")] = 600.0
 
@@ -446,6 +451,10 @@ class RayConfig(Section):
     trainer_gpus: Annotated[Annotated[float, Meta(ge=0, le=64)] | Literal["auto"], Meta(description='Ray GPUs per trainer rank ("auto": 1 when the trainer runs on cuda (trainer.backend nccl, or engines on cuda), else 0)')] = "auto"
     trainer_resources: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description="custom Ray resources per trainer rank, e.g. {trainer = 1}")] = {}
     trainer_ranks_per_node: Annotated[int, Meta(ge=0, le=4096, description="trainer ranks packed on one node (one STRICT_PACK bundle per node, nodes STRICT_SPREAD); 0 = all ranks on one node")] = 0
+    judge_cpus: Annotated[float, Meta(gt=0, le=4096, description="Ray CPUs each judge engine's bundle reserves (judge.model set)")] = 1.0
+    judge_gpus: Annotated[Annotated[float, Meta(ge=0, le=64)] | Literal["auto"], Meta(description='Ray GPUs per judge engine bundle ("auto": as engine_gpus)')] = "auto"
+    judge_resources: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description='custom Ray resources each judge bundle also asks for, e.g. {judges = 1}')] = {}
+    judge_strategy: Annotated[Literal["PACK", "SPREAD", "STRICT_SPREAD"], Meta(description="placement of the judge engines' bundles (one judge engine per bundle), as engine_strategy")] = "PACK"
     env_cpus: Annotated[float, Meta(gt=0, le=4096, description="Ray CPUs per environment worker process (placed on any node)")] = 1.0
     placement_timeout_s: Annotated[float, Meta(gt=0, le=86400, description="seconds to wait for the placement groups (and each process's actor) to be placed; past it, a LaunchError naming what was asked")] = 120.0
 

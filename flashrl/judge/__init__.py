@@ -16,9 +16,10 @@ from typing import Any
 __all__ = ["with_judge"]
 
 
-async def with_judge(cfg: Any, suite: Any, progress: Any = None) -> Any:
+async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any = None) -> Any:
     """``suite`` whose finished episodes the judge ``cfg.judge.model`` also rates (built first when it is
-    builtin:judge); its engines start now, in the background, beside the policy's."""
+    builtin:judge); its engines start now, in the background, beside the policy's, placed by ``launcher`` (the
+    run's, started; None: on this machine, by a local launcher of the judge's own)."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -32,7 +33,11 @@ async def with_judge(cfg: Any, suite: Any, progress: Any = None) -> Any:
     tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(folder))
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=max(cfg.model.max_model_len, 64) * 2, seed=cfg.run.seed)
+    from flashrl.launch.processes import judge_gpus, resolve_device
+
+    device = resolve_device(cfg)
+    engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=max(cfg.model.max_model_len, 64) * 2, seed=cfg.run.seed,
+                           launcher=launcher, device=device, gpus=judge_gpus(cfg) if device == "cuda" else None)
     wrapped = RewardModelSuite(suite, JudgeClient(cfg.judge, engines, tok), cfg.reward, kind="judge")
     await wrapped.client.start()
     return wrapped

@@ -1,8 +1,8 @@
 """The judge's vLLM engine processes: the policy's engine server (flashrl/engine/server.py) serving the judge's
 weights, never synced, restarted when one dies.
 
-    JudgeEngines.start(): spawn judge.engines engine processes (flashrl.engine.client.spawn_engine: own process
-                          group, ipc:// socket), wait until each answers Ping; one watcher task per engine
+    JudgeEngines.start(): spawn judge.engines engine processes through the run's launcher (role "judge": local,
+                          Ray placement group, SLURM layout), wait until each answers Ping; one watcher per engine
     generate(ids)       : the least-loaded live engine; Generate -> Generated within judge.timeout_s;
                           its death (PeerDead), a refusal or the deadline -> JudgeEngineFailed(reason)
     watcher(i)          : awaits engine i's exit -> fails its client at once (every request on it raises
@@ -12,8 +12,11 @@ weights, never synced, restarted when one dies.
 
 Invariants: a request goes only to an engine that answered Ping and has not exited; ``generate`` waits for a
 live engine at most judge.startup_timeout_s (a restart), then fails loudly; nothing here updates weights.
-Placement: local processes on the controller's machine (the run's launcher places policy engines; judge
-engines on Ray or SLURM are not done).
+Placement: the run's launcher (cluster.launcher) places judge engine i as (role "judge", i), beside the policy's
+engines and trainer ranks: a restart is spawned again in the same place (the same Ray bundle, the same SLURM node).
+Without a launcher (tests, a judge used on its own) a local launcher of its own starts them on this machine.
+On cuda the judge runs on engine.device; locally each judge engine gets a GPU of its own after the trainer ranks'
+and the policy engines' when the machine has enough (else it shares, judge.gpu_memory_utilization).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from collections import Counter
 from pathlib import Path
 
 from flashrl.config import JudgeConfig
-from flashrl.engine.client import EngineProcess, spawn_engine
+from flashrl.engine.client import ENGINE_ARGV, EngineProcess, engine_extra_env
 from flashrl.engine.server import EngineSpec
+from flashrl.launch.base import Launcher
 from flashrl.wire.protocol import Generate, Generated
-from flashrl.wire.transport import PeerDead, TransportError, local_address
+from flashrl.wire.transport import PeerDead, TransportError
 
 __all__ = ["JudgeEngineFailed", "JudgeEngines"]
 
@@ -45,8 +49,21 @@ class JudgeEngineFailed(Exception):
 
 
 class JudgeEngines:
-    def __init__(self, jc: JudgeConfig, model: str | Path, logs: Path, *, max_model_len: int = 256, seed: int = 0) -> None:
+    """``launcher``: the run's (it places and restarts the engines; the run closes it), or None: a local launcher of
+    this object's own, closed by ``aclose``. ``device``: "cpu" | "cuda"; ``gpus``: on cuda with the local launcher,
+    judge engine i's CUDA_VISIBLE_DEVICES (None: unpinned)."""
+
+    def __init__(self, jc: JudgeConfig, model: str | Path, logs: Path, *, max_model_len: int = 256, seed: int = 0,
+                 launcher: Launcher | None = None, device: str = "cpu", gpus: list[str | None] | None = None) -> None:
         self.jc = jc
+        self.device = device
+        self.gpus = gpus or [None] * jc.engines
+        self._own_launcher = launcher is None
+        if launcher is None:
+            from flashrl.launch.local import LocalLauncher
+
+            launcher = LocalLauncher(logs.parent)
+        self.launcher = launcher
         self.model = str(model)
         self.logs = logs
         self.max_model_len = max_model_len
@@ -62,13 +79,15 @@ class JudgeEngines:
         self._generation = 0
         self._starting: list[asyncio.Task[None]] = []
 
-    def _spec(self, i: int) -> EngineSpec:
-        return EngineSpec(address=local_address(f"judge{i}"), model=self.model, name=f"judge{i}",
+    def _spec(self, i: int, address: str) -> EngineSpec:
+        return EngineSpec(address=address, model=self.model, name=f"judge{i}", device=self.device,  # type: ignore[arg-type]
                           max_model_len=self.max_model_len, kv_cache_gib=self.jc.kv_cache_gib,
-                          max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i)
+                          max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i,
+                          gpu_memory_utilization=self.jc.gpu_memory_utilization)
 
     def pids(self) -> list[int]:
-        return [p.proc.pid for p in self.procs if p is not None and p.alive]
+        """The live judge engines' process ids (on the node each runs on)."""
+        return [_pid(p) for p in self.procs if p is not None and p.alive]
 
     async def start(self, wait: bool = False) -> None:
         """Spawn every engine; they come up in the background (beside the policy's engines) unless ``wait``.
@@ -86,9 +105,22 @@ class JudgeEngines:
             self.counts["judge_engine_start_failed"] += 1
             log.error("judge engine %d could not start: %s", i, e)
 
-    async def _start_one(self, i: int) -> None:
+    async def _spawn(self, i: int) -> EngineProcess:
+        """Judge engine i through the launcher: a fresh address where it will run, then the process."""
         self._generation += 1
-        ep = spawn_engine(self._spec(i), self.logs / f"judge{i}-{self._generation}.log", heartbeat_s=0.0)
+        where = await self.launcher.endpoint("judge", i)  # a new socket per start: no stale replies
+        spec = self._spec(i, where.bind)
+        gpu = self.gpus[i] if self.device == "cuda" and self.launcher.name == "local" else None
+        proc = await self.launcher.spawn("judge", i, ENGINE_ARGV, engine_extra_env(spec, {"CUDA_VISIBLE_DEVICES": gpu} if gpu else None),
+                                         self.logs / f"judge{i}-{self._generation}.log")
+        curve = self.launcher.curve.client() if self.launcher.curve is not None else None
+        log.info("judge engine %d on %s (%s launcher)", i, where.connect, self.launcher.name)
+        return EngineProcess(spec, proc, heartbeat_s=0.0, connect=where.connect, curve=curve)
+
+    async def _start_one(self, i: int) -> None:
+        if self._own_launcher:
+            await self.launcher.start()  # idempotent: keys when its sockets are off loopback
+        ep = await self._spawn(i)
         try:
             await ep.wait_ready(self.jc.startup_timeout_s)
         except BaseException:
@@ -98,7 +130,7 @@ class JudgeEngines:
         self.procs[i] = ep
         self._live.set()
         self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i, ep), name=f"judge{i}-watcher")
-        log.info("judge engine %d up (pid %d) in %.1f s", i, ep.proc.pid, ep.ready_s or 0.0)
+        log.info("judge engine %d up (pid %d) in %.1f s", i, _pid(ep), ep.ready_s or 0.0)
 
     async def _watch(self, i: int, ep: EngineProcess) -> None:
         code = await ep.child.exited()
@@ -108,8 +140,8 @@ class JudgeEngines:
         if not any(self.procs):
             self._live.clear()
         self.counts["judge_engine_died"] += 1
-        ep.client.fail(PeerDead(f"judge engine {i} (pid {ep.proc.pid}) died (exit code {code})"))
-        log.error("judge engine %d (pid %d) died (exit code %s); log %s", i, ep.proc.pid, code, ep.log_path)
+        ep.client.fail(PeerDead(f"judge engine {i} (pid {_pid(ep)}) died (exit code {code})"))
+        log.error("judge engine %d (pid %d) died (exit code %s); log %s", i, _pid(ep), code, ep.log_path)
         await ep.discard()
         if self.counts["judge_engine_restarts"] >= self.jc.max_restarts:
             log.error("judge engine %d stays down: judge.max_restarts = %d spent", i, self.jc.max_restarts)
@@ -165,3 +197,12 @@ class JudgeEngines:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(p.terminate(timeout=10.0) for p in self.procs if p is not None), return_exceptions=True)
         self.procs = [None] * self.jc.engines
+        if self._own_launcher:
+            await self.launcher.close()
+
+
+def _pid(ep: EngineProcess) -> int:
+    """The engine's process id on its node (a local Child's, or what a remote launcher's Proc reports)."""
+    child = ep.child
+    proc = getattr(child, "proc", None)
+    return int(proc.pid if proc is not None else getattr(child, "pid", 0))

@@ -33,13 +33,16 @@ class LaunchError(RuntimeError):
     (e.g. 'cluster: 4 GPUs requested (engine.count=2 x 1 + trainer.ranks=2 x 1), the Ray cluster has 2')."""
 
 
-Role = Literal["engine", "trainer", "env"]
+Role = Literal["engine", "trainer", "env", "judge"]
 
 
 def proc_name(role: Role, index: int) -> str:
-    """The name a process goes by in logs and error messages: "engine engine0", "trainer rank 1", "env worker 2"."""
+    """The name a process goes by in logs and error messages: "engine engine0", "trainer rank 1", "env worker 2",
+    "judge engine judge0"."""
     if role == "engine":
         return f"engine engine{index}"
+    if role == "judge":
+        return f"judge engine judge{index}"
     if role == "trainer":
         return f"trainer rank {index}"
     return f"env worker {index}"

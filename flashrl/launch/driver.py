@@ -249,7 +249,8 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         elif cfg.judge.model:  # a generative judge beside the verifier, on engines of its own
             from flashrl.judge import with_judge
 
-            suite = await with_judge(cfg, suite, progress=shown)
+            await launcher.start()  # the judge's engines are placed by the run's launcher (local_cluster's start: a no-op)
+            suite = await with_judge(cfg, suite, progress=shown, launcher=launcher)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight

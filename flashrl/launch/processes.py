@@ -71,6 +71,14 @@ def engine_gpu(i: int, ranks: int, engines: int, visible: list[str]) -> str | No
     return visible[ranks + i] if len(visible) >= ranks + engines else None
 
 
+def judge_gpus(cfg: Config, visible: list[str] | None = None) -> list[str | None]:
+    """Each judge engine's GPU on this machine (local launcher, cuda): visible GPU ``ranks + engines + j`` when
+    there are enough for every trainer rank, engine and judge engine; else None (unpinned: they share)."""
+    visible = _visible_gpus() if visible is None else visible
+    first, n = cfg.trainer.ranks + cfg.engine.count, cfg.judge.engines
+    return [visible[first + j] if len(visible) >= first + n else None for j in range(n)]
+
+
 def _visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:

@@ -9,6 +9,7 @@ Over 600 lines because it is one class (RayLauncher) whose parts share its conne
         engines: E bundles {CPU, GPU, custom}, one engine per bundle (PACK | SPREAD | STRICT_SPREAD)
         trainer: one bundle per node holding trainer_ranks_per_node ranks; STRICT_PACK (one node),
                  STRICT_SPREAD when the ranks span nodes
+        judge engines (judge.model set): J bundles of cluster.ray.judge_*, one each (judge_strategy)
       endpoint(role, i) --- creates the slot's ProcActor in its bundle --->  ProcActor (async actor)
                         <-- node address + a free port on that node -------    .where(), .free_port()
       spawn(role, i, argv, env, log) -------------------------------------->    .spawn(): procs.Child.spawn
@@ -163,6 +164,16 @@ class RayLauncher:
         b = {"CPU": self.rcfg.engine_cpus, "GPU": self.engine_gpus(), **self.rcfg.engine_resources}
         return {k: v for k, v in b.items() if v > 0}
 
+    def judges(self) -> int:
+        """Judge engines the run starts (judge.engines when judge.model is set, else none)."""
+        return self.cfg.judge.engines if self.cfg.judge.model else 0
+
+    def judge_bundle(self) -> dict[str, float]:
+        g = self.rcfg.judge_gpus
+        gpus = float(g) if g != "auto" else self.engine_gpus()
+        b = {"CPU": self.rcfg.judge_cpus, "GPU": gpus, **self.rcfg.judge_resources}
+        return {k: v for k, v in b.items() if v > 0}
+
     def rank_resources(self) -> dict[str, float]:
         b = {"CPU": self.rcfg.trainer_cpus, "GPU": self.trainer_gpus(), **self.rcfg.trainer_resources}
         return {k: v for k, v in b.items() if v > 0}
@@ -176,7 +187,7 @@ class RayLauncher:
 
     def requested(self) -> dict[str, float]:
         total: dict[str, float] = {}
-        for b in [self.engine_bundle()] * self.cfg.engine.count + self.trainer_bundles():
+        for b in [self.engine_bundle()] * self.cfg.engine.count + self.trainer_bundles() + [self.judge_bundle()] * self.judges():
             for r, v in b.items():
                 total[r] = total.get(r, 0.0) + v
         return total
@@ -317,25 +328,28 @@ class RayLauncher:
     def _check_resources(self) -> None:
         have = {k: float(v) for k, v in ray.cluster_resources().items()}
         need = self.requested()
-        E, R = self.cfg.engine.count, self.cfg.trainer.ranks
-        eb, rb = self.engine_bundle(), self.rank_resources()
+        E, R, J = self.cfg.engine.count, self.cfg.trainer.ranks, self.judges()
+        eb, rb, jb = self.engine_bundle(), self.rank_resources(), self.judge_bundle()
         problems = []
         for res, n in sorted(need.items()):
             if n > have.get(res, 0.0) + 1e-9:
                 key = {"CPU": "cpus", "GPU": "gpus"}.get(res)
                 per_e = f"cluster.ray.engine_{key}" if key else f"cluster.ray.engine_resources.{res}"
                 per_t = f"cluster.ray.trainer_{key}" if key else f"cluster.ray.trainer_resources.{res}"
+                per_j = f"cluster.ray.judge_{key}" if key else f"cluster.ray.judge_resources.{res}"
                 parts = []
                 if eb.get(res):
                     parts.append(f"engine.count={E} x {per_e}={eb[res]:g}")
                 if rb.get(res):
                     parts.append(f"trainer.ranks={R} x {per_t}={rb[res]:g}")
+                if J and jb.get(res):
+                    parts.append(f"judge.engines={J} x {per_j}={jb[res]:g}")
                 unit = f"{res}s" if res in ("CPU", "GPU") else f"of resource {res!r}"
                 problems.append(f"{n:g} {unit} requested ({' + '.join(parts)}), the Ray cluster has "
                                 f"{have.get(res, 0.0):g}")
         if problems:
             raise LaunchError("cluster: " + "; ".join(problems) +
-                              ". Lower the requests ([cluster.ray], engine.count, trainer.ranks) or add nodes.")
+                              ". Lower the requests ([cluster.ray], engine.count, trainer.ranks, judge.engines) or add nodes.")
         nodes = self._alive_nodes()
 
         def fits(bundle: dict[str, float]) -> bool:
@@ -347,6 +361,9 @@ class RayLauncher:
         if not fits(eb):
             raise LaunchError(f"cluster: one engine needs {_fmt(eb)} on one node, and no Ray node has that "
                               f"(the largest per resource: {largest(eb)}); lower cluster.ray.engine_*")
+        if J and not fits(jb):
+            raise LaunchError(f"cluster: one judge engine needs {_fmt(jb)} on one node, and no Ray node has that "
+                              f"(the largest per resource: {largest(jb)}); lower cluster.ray.judge_*")
         tb = self.trainer_bundles()[0]
         if not fits(tb):
             raise LaunchError(
@@ -369,6 +386,9 @@ class RayLauncher:
                                               strategy=self.rcfg.engine_strategy, name=f"{tag}-engines")
         self._pgs["trainer"] = placement_group(tb, strategy="STRICT_PACK" if len(tb) == 1 else "STRICT_SPREAD",
                                                name=f"{tag}-trainer")
+        if self.judges():
+            self._pgs["judge"] = placement_group([self.judge_bundle()] * self.judges(), strategy=self.rcfg.judge_strategy,
+                                                 name=f"{tag}-judges")
         timeout = self.rcfg.placement_timeout_s
         try:
             async with asyncio.timeout(timeout):
@@ -384,8 +404,9 @@ class RayLauncher:
                               f"cluster.ray.placement_timeout_s = {timeout:g} s ({'; '.join(pending)}); the Ray "
                               f"cluster has available now: {avail} (other jobs may hold the rest)") from None
         self._nodes = {str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in self._alive_nodes()}
-        log.info("cluster: placement groups ready: engines on %s, trainer on %s",
-                 self._bundle_nodes("engine"), self._bundle_nodes("trainer"))
+        log.info("cluster: placement groups ready: engines on %s, trainer on %s%s",
+                 self._bundle_nodes("engine"), self._bundle_nodes("trainer"),
+                 f", judge engines on {self._bundle_nodes('judge')}" if "judge" in self._pgs else "")
 
     def _bundle_nodes(self, role: str) -> list[str]:
         table = placement_group_table(self._pgs[role])
@@ -396,6 +417,11 @@ class RayLauncher:
         if role == "engine":
             res = self.engine_bundle()
             pg, bundle = self._pgs["engine"], index
+        elif role == "judge":
+            if "judge" not in self._pgs:
+                raise LaunchError(f"cluster: {proc_name(role, index)} was not asked for (judge.model is empty)")
+            res = self.judge_bundle()
+            pg, bundle = self._pgs["judge"], index
         elif role == "trainer":
             res = self.rank_resources()
             pg, bundle = self._pgs["trainer"], index // self.ranks_per_node()

@@ -195,7 +195,10 @@ class SlurmLauncher:
             raise LaunchError(str(e)) from None
 
     async def start(self) -> None:
+        """Reach every node's agent, start the poller; a second call (the driver starts it early for a judge) is a no-op."""
         assert self.plan is not None and self.curve is not None, "preflight() first"
+        if self._poller is not None:
+            return
         port = self.cfg.cluster.slurm.port
         for n in range(self.plan.nodes):
             client = agent_client(self.hosts[n], port + n, n, self.curve)

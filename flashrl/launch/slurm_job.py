@@ -141,6 +141,7 @@ class Plan:
     gpus_per_node: int
     engines: list[list[int]]  # per node
     ranks: list[list[int]]  # per node
+    judges: list[list[int]] = field(default_factory=list)  # per node (judge engines; none without judge.model)
     places: dict[tuple[str, int], Place] = field(default_factory=dict)
 
     def place(self, role: Role, index: int) -> Place:
@@ -157,7 +158,9 @@ class Plan:
     def describe(self, node: int) -> str:
         """"controller; trainer ranks 0-7 on GPUs 0-7; engines 0-3 on GPUs 8-11" (for the script's comments)."""
         parts = ["controller (rendezvous)"] if node == 0 else []
-        for what, role, items in (("trainer rank", "trainer", self.ranks[node]), ("engine", "engine", self.engines[node])):
+        judges = self.judges[node] if self.judges else []
+        for what, role, items in (("trainer rank", "trainer", self.ranks[node]), ("engine", "engine", self.engines[node]),
+                                  ("judge engine", "judge", judges)):
             if not items:
                 continue
             text = f"{what}{'s' if len(items) > 1 else ''} {_ranges(items)}"
@@ -187,6 +190,7 @@ def plan(cfg: Config) -> Plan:
     s = cfg.cluster.slurm
     n, gpn = s.nodes, s.gpus_per_node
     engines, ranks = cfg.engine.count, cfg.trainer.ranks
+    judges = cfg.judge.engines if cfg.judge.model else 0
     if gpn == 0 and cfg.engine.device == "cuda":
         raise LaunchError("engine.device = \"cuda\" but cluster.slurm.gpus_per_node = 0: give the nodes' GPU count "
                           "(cluster.slurm.gpus_per_node = 8) or set engine.device = \"cpu\"")
@@ -201,15 +205,20 @@ def plan(cfg: Config) -> Plan:
     if s.layout:
         per_engines = [sorted(x.engines) for x in s.layout]
         per_ranks = [sorted(x.trainer_ranks) for x in s.layout]
+        per_judges = [sorted(x.judges) for x in s.layout]
         if len(s.layout) != n:
             raise LaunchError(f"cluster.slurm.layout has {len(s.layout)} node table(s) but cluster.slurm.nodes = {n}: "
                               "give one [[cluster.slurm.layout]] per node (node 0 first), or none for the automatic layout")
         for what, key, count, per in (("engine", "engines", engines, per_engines),
-                                      ("trainer rank", "trainer_ranks", ranks, per_ranks)):
+                                      ("trainer rank", "trainer_ranks", ranks, per_ranks),
+                                      ("judge engine", "judges", judges, per_judges)):
             seen: dict[int, int] = {}
-            cfg_key = "engine.count" if key == "engines" else "trainer.ranks"
+            cfg_key = {"engines": "engine.count", "trainer_ranks": "trainer.ranks", "judges": "judge.engines"}[key]
             for node, items in enumerate(per):
                 for i in items:
+                    if key == "judges" and not judges:
+                        raise LaunchError(f"cluster.slurm.layout[{node}].judges places judge engine {i}, but judge.model "
+                                          "is empty (no judge): remove the judges lists or set judge.model")
                     if i >= count:
                         raise LaunchError(f"cluster.slurm.layout[{node}].{key}: {what} {i} does not exist "
                                           f"({cfg_key} = {count}: {what}s 0-{count - 1})")
@@ -222,41 +231,52 @@ def plan(cfg: Config) -> Plan:
                                   f"{_ranges(missing)} ({cfg_key} = {count}): add {'them' if len(missing) > 1 else 'it'} "
                                   f"to a node's {key}")
         for node in range(n):
-            need = len(per_engines[node]) + len(per_ranks[node])
+            need = len(per_engines[node]) + len(per_ranks[node]) + len(per_judges[node])
             if gpn and need > gpn:
+                judged = f" + {len(per_judges[node])} judge engine(s)" if per_judges[node] else ""
                 raise LaunchError(f"cluster.slurm.layout[{node}]: {len(per_engines[node])} engine(s) + "
-                                  f"{len(per_ranks[node])} trainer rank(s) need {need} GPUs (one each), but "
+                                  f"{len(per_ranks[node])} trainer rank(s){judged} need {need} GPUs (one each), but "
                                   f"cluster.slurm.gpus_per_node = {gpn}")
             if node > 0 and need == 0:
                 raise LaunchError(f"cluster.slurm.layout[{node}] runs nothing: remove the node (cluster.slurm.nodes = "
-                                  f"{n - 1}) or place engines or trainer ranks on it")
+                                  f"{n - 1}) or place engines, trainer ranks or judge engines on it")
     elif gpn > 0:
-        need = ranks + engines
+        need = ranks + engines + judges
+        what = f"trainer.ranks = {ranks} + engine.count = {engines}" + (f" + judge.engines = {judges}" if judges else "")
         if need > n * gpn:
             more = -(-need // gpn)
-            raise LaunchError(f"cluster.slurm: trainer.ranks = {ranks} + engine.count = {engines} need {need} GPUs "
+            raise LaunchError(f"cluster.slurm: {what} need {need} GPUs "
                               f"(one each), but cluster.slurm.nodes = {n} x cluster.slurm.gpus_per_node = {gpn} "
                               f"gives {n * gpn}: set cluster.slurm.nodes = {more}, or fewer engines/ranks")
         used = -(-need // gpn)
         if used < n:
-            raise LaunchError(f"cluster.slurm.nodes = {n}, but trainer.ranks = {ranks} + engine.count = {engines} "
+            raise LaunchError(f"cluster.slurm.nodes = {n}, but {what} "
                               f"fill only {used} node(s) of {gpn} GPUs: set cluster.slurm.nodes = {used}, or give "
                               "[[cluster.slurm.layout]] tables")
         per_ranks = [[] for _ in range(n)]
         per_engines = [[] for _ in range(n)]
-        for slot in range(need):  # trainer ranks first (packed from node 0), then engines
+        per_judges = [[] for _ in range(n)]
+        for slot in range(need):  # trainer ranks first (packed from node 0), then engines, then judge engines
             node = slot // gpn
-            (per_ranks if slot < ranks else per_engines)[node].append(slot if slot < ranks else slot - ranks)
-    else:  # CPU nodes: the trainer next to the controller, engines spread over the other nodes
+            if slot < ranks:
+                per_ranks[node].append(slot)
+            elif slot < ranks + engines:
+                per_engines[node].append(slot - ranks)
+            else:
+                per_judges[node].append(slot - ranks - engines)
+    else:  # CPU nodes: the trainer next to the controller, engines (then judge engines) spread over the other nodes
         if n > 1 and engines < n - 1:
             raise LaunchError(f"cluster.slurm.nodes = {n}, but engine.count = {engines} engine(s) fill only "
                               f"{engines} node(s) besides node 0 (the controller and trainer): set "
                               f"cluster.slurm.nodes = {engines + 1}, or give [[cluster.slurm.layout]] tables")
         per_ranks = [list(range(ranks))] + [[] for _ in range(n - 1)]
         per_engines = [[] for _ in range(n)]
+        per_judges = [[] for _ in range(n)]
         for i in range(engines):
             per_engines[0 if n == 1 else 1 + i % (n - 1)].append(i)
-    p = Plan(n, gpn, per_engines, per_ranks)
+        for j in range(judges):  # round-robin on from where the engines stopped
+            per_judges[0 if n == 1 else 1 + (engines + j) % (n - 1)].append(j)
+    p = Plan(n, gpn, per_engines, per_ranks, per_judges)
     trainer_nodes = [node for node in range(n) if per_ranks[node]]
     for node in range(n):
         gpus = iter(range(gpn))
@@ -265,6 +285,8 @@ def plan(cfg: Config) -> Plan:
             p.places[("trainer", r)] = Place(node, rank_gpus, local, len(per_ranks[node]), trainer_nodes.index(node))
         for i in per_engines[node]:
             p.places[("engine", i)] = Place(node, (next(gpus),) if gpn else ())
+        for j in per_judges[node]:
+            p.places[("judge", j)] = Place(node, (next(gpus),) if gpn else ())
     return p
 
 

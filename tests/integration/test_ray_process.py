@@ -58,7 +58,7 @@ def ray_cfg(address: str, **ray_opts: Any) -> Config:
 def cluster() -> Iterator[dict[str, Any]]:
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"engines": 2},
                                                      "include_dashboard": True})
-    b = c.add_node(num_cpus=1, resources={"trainer": 1})
+    b = c.add_node(num_cpus=1, resources={"trainer": 1, "judges": 1})
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     try:
@@ -293,3 +293,61 @@ def test_flashrl_run_two_engines_on_node_a_trainer_on_node_b(cluster: dict[str, 
     assert "serving" in (run_dir / "logs" / "engine1.log").read_text()
     assert not (run_dir / "secrets" / "curve-keys.json").exists()
     assert _settled([v["pid"] for v in placed.values()], 30) == {"actors": 0, "placement_groups": 0, "processes": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_judge_engine_placed_by_ray_is_killed_and_restarted_in_its_bundle(cluster: dict[str, Any], tmp_path: Path) -> None:
+    """`flashrl run configs/judge.toml` on the test cluster: the judge's engine goes where cluster.ray.judge_* put it
+    (node B, beside the trainer), a SIGKILL of it is seen through Ray, it comes back in the same bundle, and the run
+    finishes every step once with the retries counted; nothing is left."""
+    from flashrl.models.tiny import build_untrained
+
+    judge = build_untrained(tmp_path / "judge", seed=3)  # untrained: its verdicts mostly do not parse (counted)
+    steps = 8
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "judge.toml"),
+           "--set", f"run.output_dir={tmp_path}", "--set", "run.name=rayjudge", "--set", f"run.steps={steps}",
+           "--set", "run.eval_every=0", "--set", "env.eval_size=16", "--set", "run.dashboard=plain",
+           "--set", "run.max_time_s=0", "--set", "run.checkpoint_every=0", "--set", "rollout.turn_timeout_s=300",
+           "--set", f'judge.model="{judge}"', "--set", 'judge.on_unparsable="default"',
+           "--set", "cluster.launcher=ray", "--set", f"cluster.ray.address={cluster['address']}",
+           "--set", "cluster.ray.engine_resources={engines = 1}", "--set", "cluster.ray.trainer_resources={trainer = 1}",
+           "--set", "cluster.ray.trainer_cpus=0.5", "--set", "cluster.ray.judge_cpus=0.5",
+           "--set", "cluster.ray.judge_resources={judges = 1}"]
+    env = dict(os.environ, FLASHRL_PARENT_PID=str(os.getpid()))
+    run_dir = tmp_path / "rayjudge"
+    out_file = (tmp_path / "out.txt").open("wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    placed: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # training step 2, with the judge up
+            assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)):
+                placed = json.loads((run_dir / "cluster.json").read_text())["placement"]
+                if "judge0" in placed:
+                    break
+            time.sleep(0.2)
+        assert placed.get("judge0", {}).get("node_id") == cluster["node_b"], placed
+        first = placed["judge0"]["pid"]
+        os.killpg(first, signal.SIGKILL)  # its whole group (vLLM's EngineCore too)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out_file.close()
+    assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    after = json.loads((run_dir / "cluster.json").read_text())["placement"]
+    assert after["judge0"]["node_id"] == cluster["node_b"] and after["judge0"]["generation"] == 2, after
+    assert after["judge0"]["pid"] != first and after["trainer0"]["node_id"] == cluster["node_b"]
+    assert after["engine0"]["node_id"] == cluster["node_a"]
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
+    last = rows[-1]
+    assert last["env/judge_engine_died"] == 1 and last["env/judge_engine_restarts"] == 1, last
+    assert last["env/judge_engines_started"] == 2 and last.get("env/judge_failed", 0) == 0
+    assert "serving" in (run_dir / "logs" / "judge0-2.log").read_text()
+    assert _settled([first] + [v["pid"] for v in after.values()], 30) == {"actors": 0, "placement_groups": 0,
+                                                                          "processes": 0}

@@ -4,6 +4,7 @@ engine processes are tests/integration/test_judge_process.py's)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,13 @@ def test_builtin_judge_targets_solve_copy_then_rule() -> None:
         assert parse_verdict(t.answer, re.compile(jc.pass_pattern), re.compile(jc.fail_pattern)) == want
         verdicts.add(verdict)
     assert verdicts == {"0", "1"}
+
+
+def test_judge_engines_get_gpus_after_the_trainer_ranks_and_the_engines() -> None:
+    from flashrl.config import load
+    from flashrl.launch.processes import judge_gpus
+
+    cfg = load(Path(__file__).resolve().parents[2] / "configs" / "judge.toml",
+               ["trainer.ranks=2", "engine.count=1", "judge.engines=2"])
+    assert judge_gpus(cfg, ["4", "5", "6", "7", "8"]) == ["7", "8"]  # ranks on 4, 5; the engine on 6
+    assert judge_gpus(cfg, ["0", "1", "2", "3"]) == [None, None]  # too few: unpinned, they share

@@ -34,6 +34,20 @@ def test_bundles_and_requests_follow_the_config(tmp_path: Path) -> None:
     assert cpu.engine_bundle() == {"CPU": 1} and cpu.trainer_bundles() == [{"CPU": 1}]
 
 
+def test_judge_engines_get_bundles_of_their_own_only_with_a_judge(tmp_path: Path) -> None:
+    base = {"engine": {"count": 2, "device": "cuda"},
+            "cluster": {"launcher": "ray", "ray": {"judge_cpus": 3, "judge_resources": {"judges": 1}}}}
+    no_judge = RayLauncher(msgspec.convert(base, Config), tmp_path)
+    assert no_judge.judges() == 0 and no_judge.requested() == {"CPU": 3, "GPU": 3}  # judge.engines alone asks nothing
+    judged = RayLauncher(msgspec.convert({**base, "judge": {"model": "builtin:judge", "engines": 2}}, Config), tmp_path)
+    assert judged.judges() == 2
+    assert judged.judge_bundle() == {"CPU": 3, "GPU": 1, "judges": 1}  # judge_gpus "auto": as the engines (cuda)
+    assert judged.requested() == {"CPU": 9, "GPU": 5, "judges": 2}
+    cpu = RayLauncher(msgspec.convert({**base, "engine": {"device": "cpu"}, "trainer": {"backend": "gloo"},
+                                       "judge": {"model": "x"}}, Config), tmp_path)
+    assert cpu.judge_bundle() == {"CPU": 3, "judges": 1}
+
+
 def test_ray_config_errors_name_the_key(tmp_path: Path) -> None:
     from flashrl.config import ConfigError, load
 

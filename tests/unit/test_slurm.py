@@ -136,6 +136,30 @@ def test_cpu_layout_puts_engines_off_node_0(tmp_path: Path) -> None:
     assert p.describe(0) == "controller (rendezvous); trainer rank 0"
 
 
+def test_judge_engines_are_placed_after_the_engines(tmp_path: Path) -> None:
+    judged = ["judge.model=builtin:judge", "judge.engines=3"]
+    p = slurm_job.plan(cfg_of(tmp_path, GPU_4NODE, [*judged, "cluster.slurm.nodes=5"]))  # 16 + 16 + 3 GPUs: 5 nodes
+    assert p.judges == [[], [], [], [], [0, 1, 2]]
+    assert p.place("judge", 2).node == 4 and p.place("judge", 2).gpus == (2,)
+    assert p.describe(4) == "judge engines 0-2 on GPUs 0-2"
+    # CPU nodes: round-robin over the nodes besides node 0, on from where the engines stopped
+    cpu = load(ROOT / "configs" / "tiny.toml", ["cluster.launcher=slurm", "cluster.slurm.nodes=3",
+                                               "cluster.interface=auto", "engine.count=3", *judged])
+    assert slurm_job.plan(cpu).judges == [[], [1], [0, 2]]
+    # a layout table places them; without a judge none is placed, and none may be asked for
+    text = GPU_4NODE.replace("nodes = 4", "nodes = 2").replace("count = 16", "count = 4").replace("ranks = 16", "ranks = 4")
+    text += "[[cluster.slurm.layout]]\ntrainer_ranks = [0, 1, 2, 3]\njudges = [0]\n[[cluster.slurm.layout]]\nengines = [0, 1, 2, 3]\n"
+    p = slurm_job.plan(cfg_of(tmp_path, text, ["judge.model=j", "judge.engines=1"]))
+    assert p.place("judge", 0).node == 0 and p.place("judge", 0).gpus == (4,)
+    with pytest.raises(LaunchError, match=r"layout\[0\]\.judges places judge engine 0, but judge\.model is empty"):
+        slurm_job.plan(cfg_of(tmp_path, text))
+    with pytest.raises(LaunchError, match=r"places no node for judge engine 1 \(judge\.engines = 2\)"):
+        slurm_job.plan(cfg_of(tmp_path, text, ["judge.model=j", "judge.engines=2"]))
+    with pytest.raises(LaunchError, match=r"judge\.engines = 3 need 35 GPUs"):
+        slurm_job.plan(cfg_of(tmp_path, GPU_4NODE, judged))
+    assert slurm_job.plan(cfg_of(tmp_path, GPU_4NODE)).judges == [[], [], [], []]
+
+
 # ---------------------------------------------------------------------------- (d) errors before anything starts
 @pytest.mark.parametrize(("overrides", "extra", "message"), [
     (["cluster.slurm.nodes=1"], "",
