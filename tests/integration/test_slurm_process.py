@@ -102,7 +102,7 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
     placed on node 1 starts there with the run's key file and torchrun's per-node variables; a killed one is
     seen exited; a restart is a new spawn; a client without the run's keys is not answered; close() leaves nothing."""
     port = free_port()
-    cfg = _agent_cfg(tmp_path, port)
+    cfg = _agent_cfg(tmp_path, port, extra=["judge.model=builtin:judge", "judge.engines=1"])
     keys = slurm_job.write_keys(cfg)
     monkeypatch.setenv(slurm_job.HEAD_ENV, "1")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.[1-2]")
@@ -126,6 +126,11 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
             e1 = await launcher.spawn("engine", 1, SLEEPER, {"X": "1"}, cfg.run_dir / "logs" / "engine1.log")
             t1 = await launcher.spawn("trainer", 1, SLEEPER, {"LOCAL_RANK": "7"}, cfg.run_dir / "logs" / "trainer1.log")
             assert [k for k in agents[1].children] == [e1.key] and [k for k in agents[0].children] == [t1.key]  # type: ignore[attr-defined]
+            # the judge's engine goes where the plan puts it (CPU nodes: round-robin after the engines -> node 1)
+            assert launcher.plan is not None and launcher.plan.node_of("judge", 0) == 1
+            j0 = await launcher.spawn("judge", 0, SLEEPER, {}, cfg.run_dir / "logs" / "judge0-1.log")
+            assert j0.key in agents[1].children and j0.name == "judge engine judge0"  # type: ignore[attr-defined]
+            assert (await launcher.endpoint("judge", 0)).host == agents[1].host
             await asyncio.sleep(1.5)
             assert e1.alive and t1.alive
             assert f"up 1 {keys.path}" in t1.log_tail()  # LOCAL_RANK from the layout (ranks 0-1 on node 0); keys by path
@@ -146,6 +151,7 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
             e1b = await launcher.spawn("engine", 1, SLEEPER, {}, cfg.run_dir / "logs" / "engine1.log")  # the restart
             assert e1b.key != e1.key and e1b.alive  # type: ignore[attr-defined]
             assert await e1b.stop(1.0) == -15
+            assert await j0.stop(1.0) == -15
             assert launcher.leftovers() == {"processes": 1}
         finally:
             await launcher.close()
@@ -320,7 +326,7 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
     import psutil
 
     port = free_port()
-    cfg = _agent_cfg(tmp_path, port)
+    cfg = _agent_cfg(tmp_path, port, extra=["judge.model=builtin:judge", "judge.engines=1"])
     keys = slurm_job.write_keys(cfg)
     from flashrl.config import to_toml
     from flashrl.wire.protocol import NODE_REPLIES, NodeShutdown, Ok, Spawned
