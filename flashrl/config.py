@@ -351,7 +351,12 @@ class RewardModelConfig(Section):
     normalize: Annotated[bool, Meta(description=(
         "normalize the model reward by the running mean and std of the training episodes' model rewards (Welford, "
         "from the run's start) before combining"))] = False
-    workers: Annotated[int, Meta(ge=1, le=64, description="reward-model worker processes (torch, one batch at a time each)")] = 1
+    workers: Annotated[int, Meta(ge=1, le=64, description="reward-model worker processes (one batch at a time each)")] = 1
+    runner: Annotated[Literal["auto", "torch", "vllm"], Meta(description=(
+        'what serves the reward model in each worker: "vllm" = vLLM\'s pooling runner (classify, raw logit; '
+        '*ForSequenceClassification of the causal LMs vLLM knows), "torch" = transformers, "auto" = vllm, torch where '
+        "vLLM cannot load the folder on this device (logged, counted as env/rm_workers_torch)"))] = "auto"
+    kv_cache_gib: Annotated[float, Meta(gt=0, le=1024, description="KV cache per worker in GiB (runner vllm on cpu)")] = 0.25
     threads: Annotated[int, Meta(ge=1, le=256, description="torch CPU threads per reward-model worker")] = 1
     device: Annotated[Literal["cpu", "cuda"], Meta(description="where the reward-model workers run the model")] = "cpu"
     max_batch: Annotated[int, Meta(ge=1, le=65536, description="episodes scored in one forward")] = 64

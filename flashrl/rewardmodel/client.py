@@ -77,10 +77,13 @@ class ProcessScorer:
     replaced at once when one exits (WorkerPool, eager); one batch at a time per worker."""
 
     def __init__(self, model: str | Path, *, workers: int = 1, threads: int = 1, device: str = "cpu",
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, runner: str = "torch", kv_cache_gib: float = 0.25) -> None:
         self.model = str(model)
         self.threads = threads
         self.device = device
+        self.runner = runner  # what the workers are asked to run: torch | vllm | auto
+        self.kv_cache_gib = kv_cache_gib
+        self.served_by: dict[str, int] = {}  # workers started per runner that served ("torch" / "vllm")
         self.startup_timeout_s = startup_timeout_s
         self.pool: WorkerPool[asyncio.subprocess.Process] = WorkerPool(
             f"reward-model worker ({self.model})", workers, start=self._spawn, ready=self._ready,
@@ -91,7 +94,8 @@ class ProcessScorer:
     def counters(self) -> dict[str, int]:
         c = self.pool.counters
         return {"rm_workers_started": c["spawned"], "rm_workers_exited": c["exits"],
-                "rm_workers_killed": sum(v for k, v in c.items() if k.startswith("killed:"))}
+                "rm_workers_killed": sum(v for k, v in c.items() if k.startswith("killed:")),
+                **{f"rm_workers_{r}": n for r, n in self.served_by.items() if r}}
 
     def pids(self) -> list[int]:
         return [w.handle.pid for w in self.pool.workers()]
@@ -103,13 +107,13 @@ class ProcessScorer:
         path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(self.threads))
         env[PARENT_ENV] = str(os.getpid())  # procs.child_init: the worker dies with this process
-        w = await PipedProc.start("flashrl.rewardmodel.worker", ["--model", self.model, "--threads", str(self.threads),
-                                                                 "--device", self.device], env)
+        w = await PipedProc.start("flashrl.rewardmodel.worker", [
+            "--model", self.model, "--threads", str(self.threads), "--device", self.device, "--runner", self.runner,
+            "--kv-cache-gib", str(self.kv_cache_gib)], env)
         log.info("reward-model worker %d started (pid %d, generation %d)", slot, w.pid, generation)
         return w, w.proc
 
-    @staticmethod
-    async def _ready(proc: asyncio.subprocess.Process) -> None:
+    async def _ready(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         line = await proc.stdout.readline()
         try:
@@ -118,6 +122,11 @@ class ProcessScorer:
             msg = Ready(ready=False, error=f"no ready line ({e})")
         if not msg.ready:
             raise RuntimeError(f"the reward-model worker could not load the model: {msg.error}")
+        self.served_by[msg.runner] = self.served_by.get(msg.runner, 0) + 1
+        if msg.note:  # reward.runner = "auto" fell back to torch: said once per worker start
+            log.warning("reward-model worker (pid %d): torch serves %s: %s", proc.pid, self.model, msg.note)
+        else:
+            log.info("reward-model worker (pid %d): %s serves %s", proc.pid, msg.runner, self.model)
 
     async def score_batch(self, texts: list[str], timeout_s: float) -> list[float]:
         # a worker being restarted gets its start-up deadline (loading torch and the model), not the batch's

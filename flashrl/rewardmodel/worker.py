@@ -3,12 +3,18 @@
     stdin  (msgspec JSON lines)  ScoreBatch{texts}            one batch at a time
     stdout (msgspec JSON lines)  Ready{} first, then Scores{scores} (one per text, in order) or Scores{error}
 
-It loads the folder with transformers' AutoModelForSequenceClassification (torch, ``--threads`` CPU threads,
-or ``--device cuda``), right-pads a batch and returns each text's one logit. Nothing is pickled; the worker's
-own prints go to stderr. It dies with its parent (flashrl.procs.child_init: parent-death signal, watchdog)
-and on EOF of stdin. Why torch and not a vLLM pooling runner: on this project's CPU build of vLLM a second
-vLLM process per reward model costs more CPU and memory than the few-ms forwards of a small model; the
-client does not care which serves it (the wire is the same).
+``--runner`` says what serves the model:
+- ``torch``: transformers' AutoModelForSequenceClassification (``--threads`` CPU threads, or ``--device cuda``);
+  a batch is right-padded and each text's one logit returned.
+- ``vllm``: vLLM's pooling runner (``LLM(runner="pooling")``, the classify task, no activation: the raw logit),
+  in this process; vLLM batches the texts itself. vLLM serves ``*ForSequenceClassification`` of the causal
+  LMs it knows (e.g. Llama, Qwen2) by converting their ``*ForCausalLM``.
+- ``auto``: vllm, and torch when vLLM cannot load the folder on this device (an architecture it does not
+  serve, a device it was not built for); Ready says which runs and why (the client logs it).
+Both tokenize alike (no special tokens added) and score the same model: their scores agree to float
+tolerance (tests/integration/test_rewardmodel_process.py). Nothing is pickled; the worker's own prints
+go to stderr. It dies with its parent (flashrl.procs.child_init: parent-death signal, watchdog) and on
+EOF of stdin.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -38,6 +46,72 @@ class Ready(msgspec.Struct, kw_only=True, omit_defaults=True):
     ready: bool = True
     error: str = ""
     pid: int = 0
+    runner: str = ""  # what serves the model: "torch" | "vllm"
+    note: str = ""  # runner auto: why vLLM does not serve it
+
+
+Score = Callable[[list[str]], list[float]]
+
+
+def torch_scorer(model: str, threads: int, device: str) -> Score:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from flashrl.rewardmodel.build import encode_batch
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model)
+    net = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    if tok.pad_token_id is None:
+        raise ValueError(f"the tokenizer of {model} has no pad token; set one (tokenizer.pad_token) and save it")
+
+    def score(texts: list[str]) -> list[float]:
+        inp, mask = encode_batch(tok, texts)
+        with torch.no_grad():
+            logits = net(input_ids=inp.to(device), attention_mask=mask.to(device)).logits
+        return [float(x) for x in logits[:, 0].tolist()]
+
+    return score
+
+
+def vllm_scorer(model: str, device: str, kv_cache_gib: float, seed: int = 0) -> Score:
+    """vLLM's pooling runner on ``model`` (float32 on cpu, as the torch runner; the model's dtype on cuda)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: it dies with the worker
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as the policy's engines (engine/client.py)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its stderr is the run's: no per-load INFO lines
+    from transformers import AutoTokenizer
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    kwargs: dict[str, Any] = {"distributed_executor_backend": "uni", "seed": seed}
+    if device == "cpu":
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; kv_cache_memory_bytes says it exactly
+        kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
+                      enable_chunked_prefill=False)
+    llm = LLM(model=model, runner="pooling", **kwargs)
+    raw = PoolingParams(use_activation=False)
+
+    def score(texts: list[str]) -> list[float]:
+        prompts = [TokensPrompt(prompt_token_ids=tok.encode(t, add_special_tokens=False) or [tok.pad_token_id])
+                   for t in texts]
+        out = llm.classify(prompts, pooling_params=raw, use_tqdm=False)
+        return [float(o.outputs.probs[0]) for o in out]
+
+    return score
+
+
+def load(ns: argparse.Namespace) -> tuple[Score, str, str]:
+    """(score, the runner serving it, why not vLLM when auto fell back)."""
+    if ns.runner == "torch":
+        return torch_scorer(ns.model, ns.threads, ns.device), "torch", ""
+    try:
+        return vllm_scorer(ns.model, ns.device, ns.kv_cache_gib), "vllm", ""
+    except Exception as e:
+        if ns.runner == "vllm":
+            raise
+        why = f"vLLM's pooling runner cannot serve it here ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+        return torch_scorer(ns.model, ns.threads, ns.device), "torch", why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--runner", choices=["torch", "vllm", "auto"], default="torch")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.25)
     ns = ap.parse_args(argv)
     child_init("rm-worker")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rm-worker %(levelname)s %(message)s")
@@ -53,28 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     enc = msgspec.json.Encoder()
     try:
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from flashrl.rewardmodel.build import encode_batch
-
-        torch.set_num_threads(ns.threads)
-        tok = AutoTokenizer.from_pretrained(ns.model)
-        model = AutoModelForSequenceClassification.from_pretrained(ns.model, dtype=torch.float32).to(ns.device).eval()
-        if tok.pad_token_id is None:
-            raise ValueError(f"the tokenizer of {ns.model} has no pad token; set one (tokenizer.pad_token) and save it")
+        score, runner, note = load(ns)
     except Exception as e:
         out.write(enc.encode(Ready(ready=False, error=f"{type(e).__name__}: {e}")) + b"\n")
         return 1
-    out.write(enc.encode(Ready(pid=os.getpid())) + b"\n")
+    out.write(enc.encode(Ready(pid=os.getpid(), runner=runner, note=note)) + b"\n")
     dec = msgspec.json.Decoder(ScoreBatch)
     for line in sys.stdin.buffer:
         try:
             batch = dec.decode(line)
-            inp, mask = encode_batch(tok, batch.texts)
-            with torch.no_grad():
-                logits = model(input_ids=inp.to(ns.device), attention_mask=mask.to(ns.device)).logits
-            reply = Scores(scores=[float(x) for x in logits[:, 0].tolist()])
+            reply = Scores(scores=score(batch.texts))
         except Exception as e:  # a bad batch is the caller's to handle; the worker stays up
             reply = Scores(error=f"{type(e).__name__}: {e}")
         out.write(enc.encode(reply) + b"\n")

@@ -31,7 +31,8 @@ def rm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_worker_scores_a_batch_as_transformers_does(rm_folder: Path) -> None:
+@pytest.mark.parametrize("runner", ["torch", "vllm"])
+def test_worker_scores_a_batch_as_transformers_does(rm_folder: Path, runner: str) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -43,7 +44,7 @@ def test_worker_scores_a_batch_as_transformers_does(rm_folder: Path) -> None:
     want = scores(model, AutoTokenizer.from_pretrained(str(rm_folder)), texts)
 
     async def main() -> tuple[list[float], dict[str, float], list[int]]:
-        client = RewardModelClient(ProcessScorer(rm_folder), max_batch=8, batch_wait_s=0.05)
+        client = RewardModelClient(ProcessScorer(rm_folder, runner=runner), max_batch=8, batch_wait_s=0.05)
         try:
             got = await asyncio.gather(*(client.score(t) for t in texts))
             return list(got), client.counters, client.pids()
@@ -51,8 +52,9 @@ def test_worker_scores_a_batch_as_transformers_does(rm_folder: Path) -> None:
             await client.aclose()
 
     got, counters, pids = asyncio.run(main())
-    assert got == pytest.approx(want, abs=1e-5)
+    assert got == pytest.approx(want, abs=1e-4)  # vLLM's pooling runner: the same logits up to float error
     assert counters["rm_batches"] == 1  # the three came in one batch
+    assert counters[f"rm_workers_{runner}"] == 1
     assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
@@ -127,6 +129,7 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
     last = rows[-1]
     assert last["env/rm_timeout"] >= 1 and last["env/rm_crash"] >= 1, last
     assert last["env/rm_retries"] >= 2 and last["env/rm_workers_started"] >= 3
+    assert last["env/rm_workers_vllm"] >= 3  # reward.runner "auto": vLLM's pooling runner serves the built-in RM
     assert last.get("env/rm_failed", 0) == 0  # every batch scored in the end: no episode failed for it
     assert not any(k.startswith("count/rollout/failed_rm") for k in last)
     assert all("reward/rm_gap" in r for r in rows)

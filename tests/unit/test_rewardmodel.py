@@ -270,3 +270,25 @@ def test_the_scoring_latency_is_on_the_dashboard() -> None:
     console.print(render(s))
     assert "score ms" in console.export_text()
     assert "score" not in format_plain(Snapshot())
+
+
+def test_worker_runner_auto_falls_back_to_torch_with_the_reason_and_vllm_alone_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from flashrl.rewardmodel import worker
+
+    def no_vllm(model: str, device: str, kv: float, seed: int = 0) -> worker.Score:
+        raise ValueError("Model architectures ['FooForSequenceClassification'] are not supported for now\nmore")
+
+    monkeypatch.setattr(worker, "vllm_scorer", no_vllm)
+    monkeypatch.setattr(worker, "torch_scorer", lambda model, threads, device: lambda texts: [1.0] * len(texts))
+    ns = argparse.Namespace(model="m", threads=1, device="cpu", kv_cache_gib=0.25, runner="auto")
+    score, runner, note = worker.load(ns)
+    assert runner == "torch" and score(["a", "b"]) == [1.0, 1.0]
+    assert note == ("vLLM's pooling runner cannot serve it here (ValueError: Model architectures "
+                    "['FooForSequenceClassification'] are not supported for now)")
+    with pytest.raises(ValueError, match="not supported"):
+        worker.load(argparse.Namespace(**{**vars(ns), "runner": "vllm"}))
+    assert worker.load(argparse.Namespace(**{**vars(ns), "runner": "torch"}))[1:] == ("torch", "")
+    monkeypatch.setattr(worker, "vllm_scorer", lambda model, device, kv, seed=0: lambda texts: [2.0] * len(texts))
+    assert worker.load(ns)[1:] == ("vllm", "")
