@@ -93,6 +93,7 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
         "--set", "run.max_time_s=0", "--set", "run.eval_every=0", "--set", "env.eval_size=16",
         "--set", "run.dashboard=plain", "--set", f"reward.model={str(rm_folder)!r}".replace("'", '"'),
         "--set", "reward.timeout_s=3.0", "--set", "run.checkpoint_every=0",
+        "--set", 'reward.runner="vllm"',  # rm.toml picks torch (faster on this CPU); the failures of vLLM workers here
     ]
     out_file = (tmp_path / "out.txt").open("wb")  # a file, not a pipe: nobody reads a pipe until the end
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -129,7 +130,7 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
     last = rows[-1]
     assert last["env/rm_timeout"] >= 1 and last["env/rm_crash"] >= 1, last
     assert last["env/rm_retries"] >= 2 and last["env/rm_workers_started"] >= 3
-    assert last["env/rm_workers_vllm"] >= 3  # reward.runner "auto": vLLM's pooling runner serves the built-in RM
+    assert last["env/rm_workers_vllm"] >= 3  # every replacement was a vLLM pooling worker too
     assert last.get("env/rm_failed", 0) == 0  # every batch scored in the end: no episode failed for it
     assert not any(k.startswith("count/rollout/failed_rm") for k in last)
     assert all("reward/rm_gap" in r for r in rows)
