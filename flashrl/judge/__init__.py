@@ -16,10 +16,12 @@ from typing import Any
 __all__ = ["with_judge"]
 
 
-async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any = None) -> Any:
+async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any = None, device: str = "cpu",
+                     gpus: list[str | None] | None = None) -> Any:
     """``suite`` whose finished episodes the judge ``cfg.judge.model`` also rates (built first when it is
     builtin:judge); its engines start now, in the background, beside the policy's, placed by ``launcher`` (the
-    run's, started; None: on this machine, by a local launcher of the judge's own)."""
+    run's, started; None: on this machine, by a local launcher of the judge's own), on ``device``, judge engine
+    i on ``gpus[i]`` (cuda, local launcher; None: unpinned)."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -33,11 +35,8 @@ async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any =
     tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(folder))
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    from flashrl.launch.processes import judge_gpus, resolve_device
-
-    device = resolve_device(cfg)
     engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=max(cfg.model.max_model_len, 64) * 2, seed=cfg.run.seed,
-                           launcher=launcher, device=device, gpus=judge_gpus(cfg) if device == "cuda" else None)
+                           launcher=launcher, device=device, gpus=gpus)
     wrapped = RewardModelSuite(suite, JudgeClient(cfg.judge, engines, tok), cfg.reward, kind="judge")
     await wrapped.client.start()
     return wrapped

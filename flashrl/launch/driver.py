@@ -39,7 +39,7 @@ from flashrl.aio import supervised
 from flashrl.config import Config, advice, to_toml
 from flashrl.core.records import StepRecord
 from flashrl.launch import Launcher, LaunchError, make_launcher
-from flashrl.launch.processes import local_cluster
+from flashrl.launch.processes import judge_gpus, local_cluster, resolve_device
 from flashrl.procs import child_init, paused_gc
 from flashrl.resuming import Resume
 
@@ -250,7 +250,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
             from flashrl.judge import with_judge
 
             await launcher.start()  # the judge's engines are placed by the run's launcher (local_cluster's start: a no-op)
-            suite = await with_judge(cfg, suite, progress=shown, launcher=launcher)
+            device = resolve_device(cfg)  # the judge runs where the policy's engines do
+            suite = await with_judge(cfg, suite, progress=shown, launcher=launcher, device=device,
+                                     gpus=judge_gpus(cfg) if device == "cuda" else None)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
