@@ -13,6 +13,7 @@
                            is raised only after that
     supervised()           ``asyncio.TaskGroup`` that raises a lone failure as itself, not as a group
     until_stopped(stop, t) wait for ``stop``; a task of ``t`` that ends first raises TaskDied at once
+    BusyTime(n)            requests in flight per server and the servers' summed busy time (the judge's engines)
 
 Why these exist: the controller runs one task per rollout and nothing else (no per-sample helper
 tasks, streams or cancel scopes), and most env calls and cleanups finish without ever suspending.
@@ -32,10 +33,20 @@ import contextlib
 import inspect
 import math
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any
 
 __all__ = [
+    "BusyTime",
     "Deadline",
     "Deadlines",
     "Permits",
@@ -106,6 +117,39 @@ class Permits:
 
 
 # --------------------------------------------------------------------------- stepping by hand
+class BusyTime:
+    """Requests in flight per server, and the servers' busy time summed: a server is busy while at least one
+    request is in flight on it (the judge's engines, real and simulated), on the running loop's clock.
+
+        with busy.request(i):   # counts the request on server i for as long as the block runs
+            ...
+    """
+
+    def __init__(self, servers: int) -> None:
+        self.inflight = [0] * servers
+        self.busy_s = 0.0
+        self._since: list[float | None] = [None] * servers
+
+    def least_loaded(self, candidates: Iterable[int]) -> int:
+        """The candidate with the fewest requests in flight (the lowest index among equals)."""
+        return min(candidates, key=lambda k: (self.inflight[k], k))
+
+    @contextlib.contextmanager
+    def request(self, i: int) -> Iterator[None]:
+        clock = asyncio.get_running_loop().time
+        self.inflight[i] += 1
+        if self.inflight[i] == 1:
+            self._since[i] = clock()
+        try:
+            yield
+        finally:
+            self.inflight[i] -= 1
+            since = self._since[i]
+            if self.inflight[i] == 0 and since is not None:
+                self.busy_s += clock() - since
+                self._since[i] = None
+
+
 async def _drive(aw: Awaitable[Any]) -> Any:
     return await aw
 

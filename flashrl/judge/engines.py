@@ -27,6 +27,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from flashrl.aio import BusyTime
 from flashrl.config import JudgeConfig
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, engine_extra_env
 from flashrl.engine.server import EngineSpec
@@ -69,10 +70,8 @@ class JudgeEngines:
         self.max_model_len = max_model_len
         self.seed = seed
         self.procs: list[EngineProcess | None] = [None] * jc.engines
-        self.inflight = [0] * jc.engines
         self.counts: Counter[str] = Counter()
-        self.busy_s = 0.0  # summed over engines: time with at least one verdict in flight
-        self._busy_since: list[float | None] = [None] * jc.engines
+        self.busy = BusyTime(jc.engines)  # verdicts in flight per engine, busy time summed over engines
         self._watchers: dict[int, asyncio.Task[None]] = {}
         self._live = asyncio.Event()
         self._closing = False
@@ -84,6 +83,14 @@ class JudgeEngines:
                           max_model_len=self.max_model_len, kv_cache_gib=self.jc.kv_cache_gib,
                           max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i,
                           gpu_memory_utilization=self.jc.gpu_memory_utilization)
+
+    @property
+    def inflight(self) -> list[int]:
+        return self.busy.inflight
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy.busy_s
 
     def pids(self) -> list[int]:
         """The live judge engines' process ids (on the node each runs on)."""
@@ -162,18 +169,15 @@ class JudgeEngines:
         except TimeoutError:
             raise JudgeEngineFailed("engine_died", f"no judge engine alive within judge.startup_timeout_s = "
                                                    f"{self.jc.startup_timeout_s} s") from None
-        i = min((k for k, p in enumerate(self.procs) if p is not None), key=lambda k: self.inflight[k])
+        i = self.busy.least_loaded(k for k, p in enumerate(self.procs) if p is not None)
         ep = self.procs[i]
         assert ep is not None
         req = Generate(request_id=f"judge-{seed}", prompt_ids=prompt_ids, max_tokens=max_tokens,
                        temperature=temperature, seed=seed)
-        loop = asyncio.get_running_loop()
-        self.inflight[i] += 1
-        if self.inflight[i] == 1:
-            self._busy_since[i] = loop.time()
         try:
-            async with asyncio.timeout(self.jc.timeout_s):
-                return await ep.client.generate(req)
+            with self.busy.request(i):
+                async with asyncio.timeout(self.jc.timeout_s):
+                    return await ep.client.generate(req)
         except TimeoutError:
             with contextlib.suppress(Exception):
                 await ep.client.abort([req.request_id])
@@ -183,11 +187,6 @@ class JudgeEngines:
             raise JudgeEngineFailed("engine_died", f"judge engine {i} died: {e}") from None
         except TransportError as e:
             raise JudgeEngineFailed("engine_error", f"judge engine {i} failed the request: {e}") from None
-        finally:
-            self.inflight[i] -= 1
-            if self.inflight[i] == 0 and self._busy_since[i] is not None:
-                self.busy_s += loop.time() - self._busy_since[i]  # type: ignore[operator]
-                self._busy_since[i] = None
 
     async def aclose(self) -> None:
         self._closing = True

@@ -18,10 +18,10 @@ a real run's ``env/judge_*`` counters (flashrl/bench/calibrate.py).
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from typing import Any
 
+from flashrl.aio import BusyTime
 from flashrl.sim.engine import SimEngine, uniform
 from flashrl.sim.envs import SimTokenizer
 from flashrl.wire.protocol import Generate, Generated
@@ -53,10 +53,16 @@ class SimJudgeEngines:
         self.p_pass = p_pass
         self.seed = seed
         self.counts: Counter[str] = Counter()
-        self.inflight = [0] * len(engines)
-        self.busy_s = 0.0  # summed over engines: time with at least one verdict in flight
-        self._busy_since: list[float | None] = [None] * len(engines)
+        self.busy = BusyTime(len(engines))  # verdicts in flight per engine, busy time summed (as JudgeEngines)
         self._n = 0
+
+    @property
+    def inflight(self) -> list[int]:
+        return self.busy.inflight
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy.busy_s
 
     def pids(self) -> list[int]:
         return []
@@ -65,22 +71,12 @@ class SimJudgeEngines:
         self.counts["judge_engines_started"] += len(self.engines)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
-        loop = asyncio.get_running_loop()
-        i = min(range(len(self.engines)), key=lambda k: (self.inflight[k], k))
+        i = self.busy.least_loaded(range(len(self.engines)))
         self._n += 1
         rid = f"judge-{self._n}"
-        self.inflight[i] += 1
-        if self.inflight[i] == 1:
-            self._busy_since[i] = loop.time()
-        try:
+        with self.busy.request(i):
             out = await self.engines[i].generate(Generate(request_id=rid, prompt_ids=list(prompt_ids),
                                                           max_tokens=max_tokens, temperature=temperature, seed=seed))
-        finally:
-            self.inflight[i] -= 1
-            since = self._busy_since[i]
-            if self.inflight[i] == 0 and since is not None:
-                self.busy_s += loop.time() - since
-                self._busy_since[i] = None
         n = max(1, len(out.token_ids))
         verdict = "1" if uniform(self.seed, rid.encode(), b"verdict") < self.p_pass else "0"
         return Generated(request_id=rid, token_ids=self.tok.encode(" " * (n - 1) + verdict))

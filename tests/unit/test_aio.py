@@ -383,3 +383,28 @@ async def test_supervised_raises_a_lone_failure_as_itself_and_several_as_a_group
             tg.create_task(fail(ValueError("a")))
             tg.create_task(fail(OSError("b")))
     assert sorted(type(e).__name__ for e in group.value.exceptions) == ["OSError", "ValueError"]
+
+
+def test_busy_time_counts_a_server_busy_once_however_many_requests_overlap() -> None:
+    from flashrl.aio import BusyTime
+    from flashrl.sim.clock import run_virtual
+
+    busy = BusyTime(2)
+
+    async def req(i: int, start: float, length: float) -> None:
+        await asyncio.sleep(start)
+        with busy.request(i):
+            await asyncio.sleep(length)
+
+    async def main() -> list[int]:
+        # server 0: [0, 3] and [1, 2] overlap (busy 3 s), then [5, 6] (1 s); server 1: [1, 3] (2 s)
+        jobs = [req(0, 0, 3), req(0, 1, 1), req(0, 5, 1), req(1, 1, 2)]
+        tasks = [asyncio.create_task(j) for j in jobs]
+        await asyncio.sleep(1.5)
+        seen = list(busy.inflight)
+        await asyncio.gather(*tasks)
+        return seen
+
+    assert run_virtual(main).result == [2, 1]
+    assert busy.busy_s == pytest.approx(6.0) and busy.inflight == [0, 0]
+    assert busy.least_loaded([0, 1]) == 0 and busy.least_loaded([1]) == 1
