@@ -51,14 +51,14 @@ def free_port_at(port: int) -> None:
         s.bind(("0.0.0.0", port))
 
 
-def render(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
+def render(tmp_path: Path, *overrides: str, config: str = "tiny.toml") -> tuple[Path, Path]:
     """`flashrl run configs/tiny.toml --launcher slurm --dry-run ...` as a user runs it; then the keys, as
     the submit path writes them before sbatch. Returns (script, run dir)."""
     sets = [f"run.output_dir={tmp_path}/runs", "run.name=two", "run.dashboard=plain", "cluster.interface=auto",
             "cluster.slurm.nodes=2", f"cluster.slurm.port={_ports()}", "cluster.slurm.heartbeat_timeout_s=10",
             "engine.count=2",
             *overrides]
-    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--launcher", "slurm", "--dry-run"]
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / config), "--launcher", "slurm", "--dry-run"]
     for s in sets:
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -150,6 +150,31 @@ def test_script_per_node_commands_run_the_embedded_default_on_two_nodes(tmp_path
     assert not procs.alive(), "left behind"
     assert not (run_dir / "secrets" / "curve-keys.json").exists()  # removed by node 0 at the end
     print(f"2-node run: {time.monotonic() - t0:.0f} s")
+
+
+def test_a_judge_engine_runs_on_the_node_the_layout_gives_it(tmp_path: Path) -> None:
+    """configs/judge.toml on the two "nodes": the judge's engine is started by node 1's agent (the automatic CPU
+    layout puts judge engines after the engines, off node 0), its verdicts train the policy, and nothing is left."""
+    from flashrl.models.tiny import build_untrained
+
+    judge = build_untrained(tmp_path / "judge", seed=3)  # untrained: its verdicts mostly do not parse (defaulted)
+    script, run_dir = render(tmp_path, "run.steps=4", "run.eval_every=0", "run.max_time_s=0", "env.eval_size=16",
+                             "run.checkpoint_every=0", f'judge.model="{judge}"', 'judge.on_unparsable="default"',
+                             "rollout.turn_timeout_s=300", config="judge.toml")
+    nodes = start_nodes(script, tmp_path)
+    procs = Descendants([p.pid for p in nodes])
+    try:
+        codes = [p.wait(timeout=400) for p in nodes]
+    finally:
+        _stop(nodes)
+    out = [(tmp_path / f"node{n}.out").read_text(errors="replace") for n in range(2)]
+    assert codes == [0, 0], f"node exits {codes}\nnode 0:\n{out[0][-4000:]}\nnode 1:\n{out[1][-3000:]}"
+    assert "node 1: started judge engine judge0" in out[1] and "started judge engine" not in out[0]
+    controller_log = (run_dir / "logs" / "controller.log").read_text()
+    assert "slurm: judge engine judge0 on node 1 (127.0.0.2)" in controller_log and "(slurm launcher)" in controller_log
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 4 and last["env/judge_verdicts"] > 0 and last["env/judge_engines_started"] == 1
+    assert not procs.alive(), "left behind"
 
 
 def test_engine_restarts_on_its_node_and_a_killed_controller_leaves_nothing(tmp_path: Path) -> None:
