@@ -4,6 +4,7 @@
     adapter_state_dict(model)      -> {peft key: tensor}, adapter tensors only (what a sync sends)
     adapter_config(spec, base)     -> adapter_config.json as peft writes it (vLLM's loader reads it)
     save_adapter(folder, ...)      -> a peft adapter folder (adapter_model.safetensors + adapter_config.json)
+    is_lora(model)                 -> whether the model carries peft adapters
     reference_disabled(model)      -> context manager: the base model (adapter off) = the reference policy
     adapter_dropout(model)         -> context manager: lora_dropout on (the training forwards only)
     adapter_entries(state)         -> the adapter's entries of a model state dict (an adapter-only checkpoint)
@@ -190,6 +191,11 @@ def save_merged(state: Mapping[str, torch.Tensor], spec: LoraSpec, base_dir: str
 
         shutil.rmtree(tmp, ignore_errors=True)
     return Path(out)
+
+
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` is a peft-wrapped model with adapters (apply_lora's; FSDP2 keeps the methods)."""
+    return callable(getattr(model, "disable_adapter", None)) and callable(getattr(model, "get_base_model", None))
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ from flashrl.trainer.batch import (
     token_logprobs,
 )
 from flashrl.trainer.critics import MiniCritics
-from flashrl.trainer.lora import adapter_dropout, dropout_modules
+from flashrl.trainer.lora import adapter_dropout, dropout_modules, is_lora, reference_disabled
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
 from flashrl.wire.protocol import TrainBatch, TrainResult
@@ -236,6 +236,10 @@ class PolicyTrainer:
         self.cfg = cfg
         self.model = model
         self.ref_model = ref_model
+        # The KL anchor (algorithm.kl_coef > 0): ``ref_model``, a frozen copy of the initial weights; with
+        # LoRA the base model is the initial policy and never trains, so the reference is ``model`` with its
+        # adapters bypassed (no second copy of the weights).
+        self.has_ref = ref_model is not None or (cfg.algorithm.kl_coef > 0 and is_lora(model))
         self.device = device
         self.comm = comm or Collectives()
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -428,19 +432,27 @@ class PolicyTrainer:
         prox: dict[tuple[int, int], torch.Tensor] = {}
         ref: dict[tuple[int, int], torch.Tensor] = {}
         first = bool(self.dropouts)  # mini-batch 1's proximal logprobs need their own pass
-        if len(plan) == 1 and self.ref_model is None and not first:
+        if len(plan) == 1 and not self.has_ref and not first:
             return prox, ref
         with torch.no_grad():
             for i, (mini, micros) in enumerate(plan):
-                if i == 0 and self.ref_model is None and not first:
+                if i == 0 and not self.has_ref and not first:
                     continue
                 for k, idx in enumerate(micros):
                     b = self._micro(full, mini, idx).to(self.device)
                     if i > 0 or first:
                         prox[i, k] = self.forward_logprobs(self.model, b, False)[0]
-                    if self.ref_model is not None:
-                        ref[i, k] = self.forward_logprobs(self.ref_model, b, False)[0]
+                    if self.has_ref:
+                        ref[i, k] = self.reference_logprobs(b)
         return prox, ref
+
+    def reference_logprobs(self, b: PaddedBatch) -> torch.Tensor:
+        """The KL anchor's logprobs of ``b`` (no grad): ``ref_model``'s, or with LoRA the base model's."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self.forward_logprobs(self.ref_model, b, False)[0]
+            with reference_disabled(self.model):
+                return self.forward_logprobs(self.model, b, False)[0]
 
     def _norm(self, full: PaddedBatch, mini: torch.Tensor) -> float:
         """The mini-batch's loss divisor across all ranks (tokens, sequences or B*T; losses.aggregate)."""

@@ -181,8 +181,10 @@ class Trainer(PolicyTrainer):
 
         model = build()
         ref_model = None
-        if cfg.algorithm.kl_coef > 0:
-            ref_model = build()  # the initial weights, frozen: the KL anchor
+        if cfg.algorithm.kl_coef > 0 and self.lora is None:
+            # The initial weights, frozen: the KL anchor. With LoRA it is the frozen base of ``model`` itself
+            # (adapters bypassed: PolicyTrainer.reference_logprobs), not a second copy.
+            ref_model = build()
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
         self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)

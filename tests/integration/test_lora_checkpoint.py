@@ -213,3 +213,24 @@ def test_two_ranks_with_dropout_resume_every_ranks_rng(world1, model_path: Path,
                            start_method="spawn")
     want, got = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "resumed.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_kl_anchor_is_the_frozen_base_not_a_second_model(world1, model_path: Path, tmp_path: Path) -> None:
+    """The real Trainer with algorithm.kl_coef > 0: full fine-tuning builds a frozen copy of the initial weights
+    as the KL anchor; with LoRA the anchor is the policy's own base (adapters bypassed), so no second model is
+    built, and a step trains with the KL term on."""
+    from flashrl.trainer.worker import Trainer
+
+    def params(m: torch.nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    cfg = lora_cfg(model_path, tmp_path)
+    cfg.algorithm.kl_coef = 0.1
+    lora = Trainer(cfg, str(model_path), torch.device("cpu"))
+    assert lora.ref_model is None and lora.has_ref
+    res = lora.train_step(batch(0))
+    assert res is not None and "kl/mean" in res.metrics
+    full_cfg = lora_cfg(model_path, tmp_path, rank=0)
+    full_cfg.algorithm.kl_coef = 0.1
+    full = Trainer(full_cfg, str(model_path), torch.device("cpu"))
+    assert full.ref_model is not None and params(full.ref_model) == params(full.model)

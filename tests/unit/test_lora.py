@@ -227,3 +227,88 @@ def test_validate_checks_a_model_folder_by_its_own_projections(model_path) -> No
     assert runner.invoke(app, [*args[:-1], args[-1] + "64"]).exit_code == 0
     bad = runner.invoke(app, [*args[:-1], args[-1] + "100"])
     assert bad.exit_code == 2 and "model.lora: rank 100 is above k_proj's smaller side (64" in bad.output, bad.output
+
+
+LOSSES = ("ppo", "grpo", "decoupled_ppo", "tis", "topr", "cispo", "gspo", "asyppo")
+
+
+def _steps_with_lora(model_path, **algorithm: object):
+    """A LoRA PolicyTrainer (rank 8, dropout 0.1) over the built-in model, two steps of 2 mini-batches on a
+    batch with a good and a bad answer per group; (trainer, each step's metrics, the base's weights before)."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.config import from_dict
+    from flashrl.trainer.step import PolicyTrainer
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    model = apply_lora(base, LoraSpec(rank=8, alpha=16, dropout=0.1))
+    model.train(False)  # as worker.build_policy leaves it
+    cfg = from_dict({"trainer": {"lr": 1e-2, "threads": 1, "warmup_steps": 0, "mini_batches": 2},
+                     "algorithm": algorithm, "rollout": {"temperature": 1.0}})
+    t = PolicyTrainer(cfg, model, torch.device("cpu"))
+    prompt, good, bad = [1, 10, 11, 12], [20, 21, 22, 2], [30, 31, 2]
+    metrics = []
+    for step in range(2):
+        samples = [Trajectory(prompt_ids=prompt + [13] * g, response_ids=r, loss_mask=[1] * len(r),
+                               behav_logp=t.compute_logprobs(prompt + [13] * g, r), versions=[step] * len(r),
+                               reward=float(r is good), group=g, sample_id=f"{g}-{j}")
+                   for g in range(2) for j, r in enumerate((good, bad, good, bad))]
+        res = t.train_step(TrainBatch(step=step, samples=samples))
+        assert res is not None
+        metrics.append(res.metrics)
+    return t, metrics, before
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_every_loss_trains_the_adapter_alone(model_path, loss: str) -> None:
+    """Each policy loss trains with [model.lora]: finite losses, the adapter moves, the base model's weights
+    stay bit for bit, and the engines' logprobs are the trainer's (mismatch 0: the sampled policy is the one
+    trained). AsyPPO's critics train beside it (their own modules, not adapted)."""
+    t, metrics, before = _steps_with_lora(model_path, loss=loss)
+    for m in metrics:
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith("loss/")), m
+        assert m["mismatch/max_abs"] < 1e-5
+    base = dict(t.model.get_base_model().named_parameters())
+    frozen = {n.replace(".base_layer.", "."): p for n, p in base.items() if "lora_" not in n}
+    assert frozen.keys() == before.keys()
+    assert all(torch.equal(frozen[n], before[n]) for n in before)  # the base never trains
+    moved = [n for n, p in base.items() if "lora_B" in n and p.abs().max() > 0]  # B starts at 0
+    assert len(moved) == 2 * 7, loss  # every adapted projection learned
+    if loss == "asyppo":
+        assert t.critics is not None and "critic/loss" in metrics[-1]
+
+
+@pytest.mark.parametrize("credit", ["rhythm"])
+def test_attention_credit_reads_the_adapted_model(model_path, credit: str) -> None:
+    """algorithm.credit reads the attention of the policy with its adapter (an eager forward through peft)."""
+    t, metrics, _ = _steps_with_lora(model_path, loss="decoupled_ppo", credit=credit)
+    assert all(torch.isfinite(torch.tensor(m["loss/total"])) for m in metrics)
+    assert metrics[-1]["credit/amplified_frac"] > 0, sorted(metrics[-1])
+
+
+def test_kl_reference_is_the_base_model_with_no_second_copy(model_path) -> None:
+    """kl_coef > 0 with LoRA: the KL anchor is the base model (the initial policy, never trained), computed by
+    the policy's own module with its adapters bypassed; no frozen second copy is built. After the adapter has
+    moved, the reference logprobs are still the base model's, and the KL is no longer 0."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl.trainer.batch import pad_batch
+    from flashrl.wire.trajectory import Trajectory
+
+    t, metrics, _ = _steps_with_lora(model_path, loss="decoupled_ppo", kl_coef=0.1)
+    assert t.ref_model is None and t.has_ref
+    assert metrics[-1]["kl/mean"] > 1e-6  # the adapter moved away from the anchor
+    sample = Trajectory(prompt_ids=[1, 10, 11, 12], response_ids=[20, 21, 22, 2], loss_mask=[1] * 4,
+                        behav_logp=[0.0] * 4, versions=[0] * 4, reward=1.0, group=0, sample_id="x")
+    b = pad_batch([sample], t.pad_id)
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = t.forward_logprobs(base, b)[0]
+        current = t.forward_logprobs(t.model, b)[0]
+    got = t.reference_logprobs(b)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    assert (current - want).abs().max() > 1e-4  # the policy itself has moved
