@@ -125,17 +125,24 @@ def _stop(nodes: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def test_script_per_node_commands_run_the_embedded_default_on_two_nodes(tmp_path: Path) -> None:
-    script, run_dir = render(tmp_path, "run.steps=6", "run.eval_every=3", "run.max_time_s=0")
-    t0 = time.monotonic()
+def run_nodes(script: Path, tmp_path: Path, timeout: float) -> tuple[list[str], Descendants]:
+    """Both nodes' per-node commands to their end (each within ``timeout`` s, both stopped in any case); their
+    consoles, and the processes they started (to check that none is left). Both must exit 0."""
     nodes = start_nodes(script, tmp_path)
     procs = Descendants([p.pid for p in nodes])
     try:
-        codes = [p.wait(timeout=240) for p in nodes]
+        codes = [p.wait(timeout=timeout) for p in nodes]
     finally:
         _stop(nodes)
     out = [(tmp_path / f"node{n}.out").read_text(errors="replace") for n in range(2)]
     assert codes == [0, 0], f"node exits {codes}\nnode 0:\n{out[0][-4000:]}\nnode 1:\n{out[1][-3000:]}"
+    return out, procs
+
+
+def test_script_per_node_commands_run_the_embedded_default_on_two_nodes(tmp_path: Path) -> None:
+    script, run_dir = render(tmp_path, "run.steps=6", "run.eval_every=3", "run.max_time_s=0")
+    t0 = time.monotonic()
+    out, procs = run_nodes(script, tmp_path, 240)
     # node 0: the controller and the trainer; node 1: both engines (started there by its agent)
     assert "node 0: 2 node agent(s) up; starting the controller" in out[0]
     assert "node 0: started trainer rank 0" in out[0] and "node 0: started engine" not in out[0]
@@ -161,14 +168,7 @@ def test_a_judge_engine_runs_on_the_node_the_layout_gives_it(tmp_path: Path) -> 
     script, run_dir = render(tmp_path, "run.steps=4", "run.eval_every=0", "run.max_time_s=0", "env.eval_size=16",
                              "run.checkpoint_every=0", f'judge.model="{judge}"', 'judge.on_unparsable="default"',
                              "rollout.turn_timeout_s=300", config="judge.toml")
-    nodes = start_nodes(script, tmp_path)
-    procs = Descendants([p.pid for p in nodes])
-    try:
-        codes = [p.wait(timeout=400) for p in nodes]
-    finally:
-        _stop(nodes)
-    out = [(tmp_path / f"node{n}.out").read_text(errors="replace") for n in range(2)]
-    assert codes == [0, 0], f"node exits {codes}\nnode 0:\n{out[0][-4000:]}\nnode 1:\n{out[1][-3000:]}"
+    out, procs = run_nodes(script, tmp_path, 400)
     assert "node 1: started judge engine judge0" in out[1] and "started judge engine" not in out[0]
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "slurm: judge engine judge0 on node 1 (127.0.0.2)" in controller_log and "(slurm launcher)" in controller_log
