@@ -43,7 +43,7 @@ def parse_verdict(text: str, pass_re: re.Pattern[str], fail_re: re.Pattern[str])
 class JudgeClient:
     def __init__(self, jc: JudgeConfig, engines: Any, tokenizer: Any) -> None:
         self.jc = jc
-        self.engines = engines  # JudgeEngines, or anything with its generate/start/aclose/counts/pids/busy_s
+        self.engines = engines  # JudgeEngines, or anything with its generate/start/aclose/counts/pids/busy (aio.BusyTime)
         self.tok = tokenizer
         self.pass_re = re.compile(jc.pass_pattern)
         self.fail_re = re.compile(jc.fail_pattern)
@@ -55,8 +55,8 @@ class JudgeClient:
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = dict(self.counts)
         out.update(self.engines.counts)
-        out["judge_busy_s"] = round(self.engines.busy_s, 3)
-        out["judge_inflight"] = sum(self.engines.inflight)
+        out["judge_busy_s"] = round(self.engines.busy.busy_s, 3)
+        out["judge_inflight"] = sum(self.engines.busy.inflight)
         if self.counts["judge_verdicts"]:
             out["judge_latency_ms"] = 1000 * self.latency_s / self.counts["judge_verdicts"]
         return out

@@ -84,14 +84,6 @@ class JudgeEngines:
                           max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i,
                           gpu_memory_utilization=self.jc.gpu_memory_utilization)
 
-    @property
-    def inflight(self) -> list[int]:
-        return self.busy.inflight
-
-    @property
-    def busy_s(self) -> float:
-        return self.busy.busy_s
-
     def pids(self) -> list[int]:
         """The live judge engines' process ids (on the node each runs on)."""
         return [_pid(p) for p in self.procs if p is not None and p.alive]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from flashrl.aio import BusyTime
 from flashrl.judge.engines import JudgeEngineFailed
 from flashrl.wire.protocol import Generated
 
@@ -21,8 +22,7 @@ class FakeJudgeEngines:
         self.fn = fn
         self.fail = list(fail or [])
         self.counts: Counter[str] = Counter()
-        self.inflight = [0]
-        self.busy_s = 0.0
+        self.busy = BusyTime(1)  # nothing counted: the fake answers at once
         self.requests: list[tuple[list[int], float]] = []  # (prompt ids, temperature)
         self.closed = False
 

@@ -5,7 +5,7 @@
                                          (its continuous batching, prefill and decode times, on virtual
                                          time) -> the tokens: spaces, then "1" (pass) or "0" (fail), the
                                          verdict drawn from (seed, request) with probability p_pass
-      counts, inflight, busy_s, pids, start, aclose: as JudgeEngines keeps them
+      counts, busy (aio.BusyTime), pids, start, aclose: as JudgeEngines keeps them
     SimJudgeTokenizer(tok)                         a SimTokenizer with the keyword arguments JudgeClient passes
 
 What it models: the judge's requests queue and batch on engines of their own, beside the policy's, and
@@ -55,14 +55,6 @@ class SimJudgeEngines:
         self.counts: Counter[str] = Counter()
         self.busy = BusyTime(len(engines))  # verdicts in flight per engine, busy time summed (as JudgeEngines)
         self._n = 0
-
-    @property
-    def inflight(self) -> list[int]:
-        return self.busy.inflight
-
-    @property
-    def busy_s(self) -> float:
-        return self.busy.busy_s
 
     def pids(self) -> list[int]:
         return []

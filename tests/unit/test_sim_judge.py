@@ -36,7 +36,7 @@ def test_a_verdict_takes_its_prefill_and_decode_steps_and_queues_behind_others()
         outs = await asyncio.gather(*[je.generate(prompt, max_tokens=12, temperature=0.0, seed=i) for i in range(400)])
         many = loop.time() - t0
         await je.aclose()
-        return one, many, [tok.decode(o.token_ids) for o in outs], dict(je.counts), je.busy_s
+        return one, many, [tok.decode(o.token_ids) for o in outs], dict(je.counts), je.busy.busy_s
 
     one, many, texts, counts, busy = run_virtual(main).result
     # prefill of the prompt, then 9 decode steps of one sequence
