@@ -214,7 +214,7 @@ class EngineProcess:
         """
         loop = asyncio.get_running_loop()
         probe = self.new_client()
-        # One Ping, queued by ZeroMQ until the engine binds (it binds only once vLLM is up).
+        # One Ping, queued in the engine's socket until it serves (it binds at once, serves only once vLLM is up).
         ping = loop.create_task(probe.ping())
         exited = loop.create_task(self.child.exited())
         try:

@@ -34,6 +34,8 @@ the peer die. The engine thread is a daemon of this process: nothing of vLLM out
 
 Entry point: ``python -m flashrl.engine.server`` with its ``EngineSpec`` as JSON in ``FLASHRL_SPEC``
 (flashrl/wire/spec.py; engine/client.py sets it); a missing or malformed spec exits 2 naming the problem.
+The socket is bound first, before vLLM is built: an address already taken exits EXIT_ADDRESS_IN_USE (75), which
+the launchers answer with a start on a new address; requests wait in the socket until the engine serves.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import zmq
 from msgspec import Meta
 
-from flashrl.core.meters import BusyMeter
 from flashrl.engine.inproc import EngineDead, InprocEngine
+from flashrl.engine.load import LoadMeter, stat_logger_factory
 from flashrl.engine.vllm_compat import require_vllm
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.wire.protocol import (
@@ -64,7 +67,6 @@ from flashrl.wire.protocol import (
     Generated,
     GetLoad,
     InitWeightSync,
-    LoadReport,
     Msg,
     Ok,
     Pause,
@@ -111,101 +113,10 @@ class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_config: Annotated[dict[str, Any], Meta(description="the adapter's adapter_config.json (peft) when lora_rank > 0")] = {}
 
 
-# --------------------------------------------------------------------------- load accounting
-class LoadMeter:
-    """Running/waiting requests, tokens/s and busy fraction for GetLoad (no vLLM; time is injected).
-
-    busy_fraction and tokens_per_s cover the window since the previous ``report`` (the controller is
-    the only caller). Busy means at least one Generate in flight, paused time included: a paused
-    engine holding requests is occupied, not idle.
-    """
-
-    def __init__(self, now: float) -> None:
-        self.inflight = 0
-        self.generated_tokens = 0
-        self.sched_running = 0
-        self.sched_waiting = 0
-        self.kv_usage = 0.0
-        self._busy = BusyMeter(start=now)
-        self._busy_at_start = 0.0  # busy seconds when the window started
-        self._window_start = now
-        self._window_tokens = 0
-
-    def request_started(self, now: float) -> None:
-        self._busy.enter(now)
-        self.inflight += 1
-
-    def request_finished(self, now: float) -> None:
-        self._busy.exit(now)
-        self.inflight -= 1
-
-    def tokens(self, n: int) -> None:
-        self.generated_tokens += n
-        self._window_tokens += n
-
-    def scheduler(self, running: int, waiting: int, kv_usage: float) -> None:
-        self.sched_running, self.sched_waiting, self.kv_usage = running, waiting, kv_usage
-
-    def report(self, now: float, engine: str, version: int) -> LoadReport:
-        busy_s = self._busy.busy_s(now)
-        busy = busy_s - self._busy_at_start
-        span = max(now - self._window_start, 1e-9)
-        # The scheduler's numbers are from its last step; with nothing in flight they are stale.
-        running = min(self.sched_running, self.inflight) if self.inflight else 0
-        waiting = self.inflight - running if self.inflight else 0
-        rep = LoadReport(
-            engine=engine,
-            version=version,
-            running=running,
-            waiting=waiting,
-            kv_usage=self.kv_usage if self.inflight else 0.0,
-            tokens_per_s=self._window_tokens / span,
-            busy_fraction=min(1.0, busy / span),
-            generated_tokens=self.generated_tokens,
-        )
-        self._busy_at_start = busy_s
-        self._window_start = now
-        self._window_tokens = 0
-        return rep
-
-
-def _stat_logger_factory(meter: LoadMeter) -> Any:
-    """vLLM's stat logger for this engine: feeds ``meter`` (scheduler state and generated tokens per step),
-    and is the only one.
-
-    It subclasses vLLM's ``PrometheusStatLogger`` because vLLM adds that logger to every engine unless a
-    custom logger already is one (``StatLoggerManager``), and nothing here serves Prometheus (the engine
-    has no HTTP server): its histograms cost ~2% of the engine thread's time on the tiny model. The
-    subclass registers no Prometheus metric (no ``super().__init__``) and overrides every method vLLM
-    calls on its loggers."""
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    class _MeterLogger(PrometheusStatLogger):
-        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
-            self.engine_indexes = engine_indexes or [0]
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                meter.scheduler(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs, scheduler_stats.kv_cache_usage)
-            if iteration_stats is not None:
-                meter.tokens(iteration_stats.num_generation_tokens)
-
-        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
-            pass
-
-        def record_admission_rejection(self, reason: str) -> None:
-            pass
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-        def log(self) -> None:
-            pass
-
-    return _MeterLogger
-
-
 # --------------------------------------------------------------------------- the engine shell
+EXIT_ADDRESS_IN_USE = 75  # sysexits' EX_TEMPFAIL: the address given was taken before the engine could bind it
+
+
 class EngineFatal(Exception):
     """This process must exit: the vLLM engine thread died or the model holds half-loaded weights."""
 
@@ -516,7 +427,7 @@ def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEvent
     # process to spawn and import torch + vLLM into, no socket between the requests and the scheduler
     # (engine/inproc.py). LLMEngine reads this variable to choose; it must not leak in as "1".
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(opts)), stat_loggers=[_stat_logger_factory(meter)],
+    llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(opts)), stat_loggers=[stat_logger_factory(meter)],
                                      enable_multiprocessing=False)
     return InprocEngine(llm, loop, name=opts.name)
 
@@ -527,6 +438,17 @@ async def _serve(opts: EngineSpec) -> int:
 
     t0 = time.perf_counter()
     keys = CurveKeys.from_env()  # set by the launcher when sockets are off loopback
+    # bound before vLLM is built (~20 s), the address cannot be taken meanwhile; requests (the launcher's Ping)
+    # wait in the socket until the engine is up and serving
+    try:
+        rpc = RpcServer(opts.address, ENGINE_REQUESTS, lambda msg: server.handle(msg), name=opts.name,
+                        curve=keys.server() if keys is not None else None)
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EADDRINUSE:
+            raise
+        log.error("%s: %s is taken by another process (%s); exiting with code %d: the launcher starts it again "
+                  "on a new address", opts.name, opts.address, e, EXIT_ADDRESS_IN_USE)
+        return EXIT_ADDRESS_IN_USE
     meter = LoadMeter(time.monotonic())
     engine = build_engine(opts, meter, asyncio.get_running_loop())
     adapter = None
@@ -539,8 +461,6 @@ async def _serve(opts: EngineSpec) -> int:
     server = EngineServer(engine, opts.name, meter, opts.sync_load, adapter)
     try:
         await server.start()
-        rpc = RpcServer(opts.address, ENGINE_REQUESTS, server.handle, name=opts.name,
-                        curve=keys.server() if keys is not None else None)
         log.info("%s: serving %s on %s (ready in %.1fs)", opts.name, opts.model, opts.address, time.perf_counter() - t0)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

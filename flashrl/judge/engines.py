@@ -8,6 +8,9 @@ weights, never synced, restarted when one dies.
     watcher(i)          : awaits engine i's exit -> fails its client at once (every request on it raises
                           PeerDead now, not at a missed heartbeat) -> counted (judge_engine_died) -> restarted
                           (judge_engine_restarts) unless judge.max_restarts are spent; the others serve meanwhile
+    a start that fails  : (vLLM refused, its address taken, the deadline) counted (judge_engine_start_failed) and
+                          tried again as a restart, with backoff; once every engine's restarts are spent,
+                          generate raises JudgeDown and the run stops, named (never an endless wait)
     aclose()            : watchers cancelled, every engine terminated (Shutdown, SIGTERM, SIGKILL to its group)
 
 Invariants: a request goes only to an engine that answered Ping and has not exited; ``generate`` waits for a
@@ -35,7 +38,7 @@ from flashrl.launch.base import Launcher
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, TransportError
 
-__all__ = ["JudgeEngineFailed", "JudgeEngines"]
+__all__ = ["JudgeDown", "JudgeEngineFailed", "JudgeEngines"]
 
 log = logging.getLogger("flashrl.judge")
 
@@ -47,6 +50,11 @@ class JudgeEngineFailed(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class JudgeDown(RuntimeError):
+    """Every judge engine is down and none can come back (judge.max_restarts spent): the run cannot be judged and
+    stops, naming it (not an infrastructure retry: no verdict could ever come)."""
 
 
 class JudgeEngines:
@@ -77,6 +85,7 @@ class JudgeEngines:
         self._closing = False
         self._generation = 0
         self._starting: list[asyncio.Task[None]] = []
+        self._down: set[int] = set()  # engines whose restarts are spent
 
     def _spec(self, i: int, address: str) -> EngineSpec:
         return EngineSpec(address=address, model=self.model, name=f"judge{i}", device=self.device,  # type: ignore[arg-type]
@@ -103,6 +112,28 @@ class JudgeEngines:
         except Exception as e:
             self.counts["judge_engine_start_failed"] += 1
             log.error("judge engine %d could not start: %s", i, e)
+            await self._revive(i)
+
+    async def _revive(self, i: int) -> None:
+        """Start engine i again until it is up, each try a judge_engine_restart (after 0, 1, 2, 4 .. 30 s), while
+        judge.max_restarts (for the whole run) last; then it stays down, and once every engine is down for good
+        ``generate`` raises JudgeDown (the run stops, naming it) instead of waiting."""
+        tries = 0
+        while self.counts["judge_engine_restarts"] < self.jc.max_restarts:
+            self.counts["judge_engine_restarts"] += 1
+            await asyncio.sleep(0.0 if tries == 0 else min(2.0 ** (tries - 1), 30.0))
+            tries += 1
+            try:
+                await self._start_one(i)
+                return
+            except Exception as e:  # counted; tried again while restarts last
+                self.counts["judge_engine_start_failed"] += 1
+                log.error("judge engine %d could not be restarted: %s", i, e)
+        log.error("judge engine %d stays down: judge.max_restarts = %d spent; logs %s", i, self.jc.max_restarts,
+                  self.logs)
+        self._down.add(i)
+        if len(self._down) == self.jc.engines:
+            self._live.set()  # wakes the verdicts waiting for an engine: generate raises JudgeDown
 
     async def _spawn(self, i: int) -> EngineProcess:
         """Judge engine i through the launcher: a fresh address where it will run, then the process."""
@@ -142,21 +173,17 @@ class JudgeEngines:
         ep.client.fail(PeerDead(f"judge engine {i} (pid {_pid(ep)}) died (exit code {code})"))
         log.error("judge engine %d (pid %d) died (exit code %s); log %s", i, _pid(ep), code, ep.log_path)
         await ep.discard()
-        if self.counts["judge_engine_restarts"] >= self.jc.max_restarts:
-            log.error("judge engine %d stays down: judge.max_restarts = %d spent", i, self.jc.max_restarts)
-            return
-        self.counts["judge_engine_restarts"] += 1
-        try:
-            await self._start_one(i)
-        except Exception as e:  # counted and logged; a verdict waiting for an engine fails at its deadline
-            self.counts["judge_engine_start_failed"] += 1
-            log.error("judge engine %d could not be restarted: %s", i, e)
+        await self._revive(i)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
         """One verdict's tokens from the least-loaded live engine; JudgeEngineFailed when that engine fails."""
         try:
             async with asyncio.timeout(self.jc.startup_timeout_s):
                 while not any(self.procs):
+                    if len(self._down) == self.jc.engines:
+                        raise JudgeDown(f"every judge engine is down for good: judge.max_restarts = "
+                                        f"{self.jc.max_restarts} restarts spent; see the judge engines' logs in "
+                                        f"{self.logs} (judge<i>-<start>.log)")
                     await self._live.wait()
         except TimeoutError:
             raise JudgeEngineFailed("engine_died", f"no judge engine alive within judge.startup_timeout_s = "

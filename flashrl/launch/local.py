@@ -75,8 +75,9 @@ class LocalLauncher:
         if self.ipc:
             addr = local_address(f"{role}{index}")  # a new socket per start: no stale replies
             return Endpoint(bind=addr, connect=addr, host="127.0.0.1")
-        # the child binds this port a moment later; another program may take it in between (then the
-        # child fails to bind and exits: a restartable engine failure, a loud trainer failure)
+        # the child binds this port a moment later (free_port: outside the kernel's ephemeral range, so no
+        # outgoing connection takes it); another program may still take it in between: an engine then exits
+        # EXIT_ADDRESS_IN_USE and is started again on a new address, a trainer rank fails loudly
         url = tcp_url(self.host, free_port(self.host))
         return Endpoint(bind=url, connect=url, host=self.host)
 

@@ -29,6 +29,7 @@ from flashrl.config import Config
 from flashrl.deadlines import resolve as resolve_deadlines
 from flashrl.deadlines import startup_timeout_s, weight_sync_timeout_s
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
+from flashrl.engine.server import EXIT_ADDRESS_IN_USE
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
 from flashrl.launch.local import LocalLauncher
 from flashrl.procs import exit_text
@@ -184,16 +185,18 @@ class EnginePool:
         An engine killed by a signal meanwhile (SIGKILL, the OOM killer: a negative exit code) is restarted
         as a running one would be (``restart``: backoff, engine.max_restarts), so a kill during a
         (re)start costs that engine's restart, not the whole run's start; one that exits with an error of
-        its own (a model vLLM refuses, a bad option) still ends the start at once, named."""
+        its own (a model vLLM refuses, a bad option) still ends the start at once, named; one whose address was
+        taken before it could bind it (EXIT_ADDRESS_IN_USE) is started again on a new one."""
         try:
             await self.wait_ready(i)
             await trainer_ready
             await self.join(i)
         except Exception as e:
             code = self.procs[i].child.returncode
-            if self._closing or code is None or code >= 0:
+            if self._closing or code is None or (code >= 0 and code != EXIT_ADDRESS_IN_USE):
                 raise
-            log.error("engine%d was killed (signal %d) while starting: %s; restarting it", i, -code,
+            why = "found its address taken" if code == EXIT_ADDRESS_IN_USE else f"was killed (signal {-code})"
+            log.error("engine%d %s while starting: %s; restarting it", i, why,
                       str(e).splitlines()[0] if str(e) else type(e).__name__)
             await trainer_ready
             await self.restart(i)

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ import ray
 
 from flashrl.launch.base import CachedExit
 from flashrl.procs import Child, exit_text, exited_within, group_alive, stop_ladder, tail
+from flashrl.wire.transport import free_port
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,7 @@ class ProcActor:
         return msgspec.msgpack.encode(Where(ctx.get_node_id(), ray.util.get_node_ip_address(), os.getpid(), gpus))
 
     async def free_port(self, host: str) -> int:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return int(s.getsockname()[1])
+        return free_port(host)  # outside the node's ephemeral range (flashrl.wire.transport.free_port)
 
     async def spawn(self, spec_bytes: bytes) -> int:
         spec = msgspec.msgpack.decode(spec_bytes, type=SpawnSpec)

@@ -32,6 +32,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -39,6 +40,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import cast
 
 import zmq
@@ -81,11 +83,48 @@ def local_address(name: str) -> str:
     return f"ipc://{_IPC_DIR}/{name}-{uuid.uuid4().hex[:12]}"
 
 
+_GIVEN: set[tuple[str, int]] = set()  # ports free_port handed out in this process (a child may not have bound one yet)
+_PICKS = 64
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (inclusive): where a port-0 bind and every outgoing connection's source
+    port come from."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (the parent picks ports before spawning children)."""
-    with socket.socket() as s:
+    """A TCP port free right now on ``host``, for a child to bind a moment later (the parent picks, the child binds).
+
+    Picked outside the kernel's ephemeral range when there is room (20000 up to it, or above it): a port from that
+    range can be taken in between by any outgoing connection or port-0 bind on the machine (vLLM's, Ray's, gloo's
+    own; seen in a test suite: an engine's start failed with "Address already in use"). Random, never the same port
+    twice in one process; a port of the ephemeral range (the kernel's pick) only when no other is free.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    lo, hi = ephemeral_range()
+    spans = [(20000, lo - 1), (hi + 1, 65535)]
+    ports = [p for a, b in spans if b - a >= 1000 for p in range(a, b + 1)]
+    rng = random.SystemRandom()
+    for port in rng.sample(ports, min(_PICKS, len(ports))):
+        if (host, port) in _GIVEN:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _GIVEN.add((host, port))
+        return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = int(s.getsockname()[1])
+    _GIVEN.add((host, port))
+    return port
 
 
 def is_loopback(host: str) -> bool:

@@ -25,7 +25,8 @@ from flashrl.engine.client import (
     EngineProcessClient,
     spawn_engine,
 )
-from flashrl.engine.server import EngineSpec, LoadMeter
+from flashrl.engine.load import LoadMeter
+from flashrl.engine.server import EngineSpec
 from flashrl.interfaces import EngineClient
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire.protocol import ENGINE_REPLIES, ENGINE_REQUESTS, Generate, Generated, Ping, Pong, encode
@@ -43,10 +44,10 @@ def test_the_stat_logger_feeds_the_meter_and_replaces_vllms_prometheus_logger() 
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
 
-    from flashrl.engine.server import _stat_logger_factory
+    from flashrl.engine.load import stat_logger_factory
 
     meter = LoadMeter(now=0.0)
-    cls = _stat_logger_factory(meter)
+    cls = stat_logger_factory(meter)
     assert issubclass(cls, PrometheusStatLogger) and issubclass(cls, AggregateStatLoggerBase)
     before = set(REGISTRY._names_to_collectors)
     logger = cls(vllm_config=None, engine_indexes=[0])

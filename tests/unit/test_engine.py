@@ -12,7 +12,8 @@ from flashrl.engine.client import (
     engine_env,
     engine_extra_env,
 )
-from flashrl.engine.server import EngineSpec, LoadMeter
+from flashrl.engine.load import LoadMeter
+from flashrl.engine.server import EngineSpec
 from flashrl.wire.spec import SPEC_ENV, read_spec
 
 
