@@ -66,6 +66,14 @@ def test_summarize_time_to_thresholds_dips_and_parts() -> None:
     assert [s for s, _, _ in run.evals] == [0, 10, 20, 30, 40, 50]
 
 
+def test_a_skipped_sync_flag_is_no_part_of_the_step_time() -> None:
+    """time/sync/skipped is 1 on a step whose version had no sync of its own: a flag, not seconds (a report once
+    showed "sync/skipped 84 ms" and took it out of the step's rest)."""
+    run = Run(mode="async", seed=0, name="a", startup_s=30.0)
+    summarize(run, _records({0: 0.5, 10: 0.6}, 10, step_s=0.5, parts={"train_s": 0.3, "sync/skipped": 1.0}))
+    assert "sync/skipped" not in run.parts and run.parts["rest"] == pytest.approx(0.2)
+
+
 @pytest.mark.parametrize("key", ["time/eval_wait_s", "time/sync/quiesce_s"])
 def test_summarize_leaves_eval_waits_out_of_the_clock(key: str) -> None:
     """flashrl's steps may wait for an eval (time/eval_wait_s; time/sync/quiesce_s in runs from before evals

@@ -175,7 +175,7 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
                                       for r in steady if "time/step_s" in r) if any(
             "time/step_s" in r for r in steady) else None
         keys = sorted({k for r in steady for k in r if k.startswith("time/") and not k.startswith("time/eval")
-                       and k not in ("time/elapsed_s", "time/step_s", *EVAL_WAITS)})
+                       and k not in ("time/elapsed_s", "time/step_s", "time/sync/skipped", *EVAL_WAITS)})  # skipped: a flag
         run.parts = {k[5:]: statistics.fmean(float(r.get(k, 0.0)) for r in steady) for k in keys}
         run.engine_busy = engine_busy(steady)
         shares = [float(r["rollout/env_share"]) for r in steady if "rollout/env_share" in r]
