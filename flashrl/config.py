@@ -397,7 +397,7 @@ class JudgeConfig(Section):
     retries: Annotated[int, Meta(ge=0, le=100, description=(
         "retries of a verdict after its engine died or hung (counted apart: env/judge_retries); past them the episode "
         "fails as an infrastructure failure (the rollout is retried, never scored 0)"))] = 3
-    max_restarts: Annotated[int, Meta(ge=0, le=1000, description="restarts of a dead judge engine in the run")] = 5
+    max_restarts: Annotated[int, Meta(ge=0, le=1000, description="restarts of judge engines in the run, after a death or a failed start; with every engine down and these spent the run stops (JudgeDown)")] = 5
     kv_cache_gib: Annotated[float, Meta(gt=0, description="CPU KV cache per judge engine in GiB")] = 0.25
     max_num_seqs: Annotated[int, Meta(ge=1, description="concurrent verdicts per judge engine")] = 256
     threads: Annotated[int, Meta(ge=1, description="CPU threads per judge engine (cpu)")] = 1
