@@ -97,3 +97,45 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
     time.sleep(0.5)
     alive = [c for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"left running: {[(c.pid, c.cmdline()) for c in alive]}"
+
+
+@pytest.mark.timeout(900)
+def test_a_judge_that_cannot_come_back_stops_the_run_naming_it(tmp_path: Path) -> None:
+    """judge.max_restarts = 0 and its one engine SIGKILLed: no verdict can ever come, so the run stops at once
+    with JudgeDown (not a wait per verdict up to judge.startup_timeout_s), non-zero, and leaves nothing running."""
+    from flashrl.models.tiny import build_untrained
+
+    judge = build_untrained(tmp_path / "judge", seed=3)
+    cmd = [
+        sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "judge.toml"),
+        "--set", f"run.output_dir={tmp_path}", "--set", "run.name=jdown", "--set", "run.steps=200",
+        "--set", "run.max_time_s=0", "--set", "run.eval_every=0", "--set", "env.eval_size=16",
+        "--set", "run.dashboard=plain", "--set", f'judge.model="{judge}"', "--set", 'judge.on_unparsable="default"',
+        "--set", "run.checkpoint_every=0", "--set", "judge.max_restarts=0",
+    ]
+    out_file = (tmp_path / "out.txt").open("wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics = tmp_path / "jdown" / "metrics.jsonl"
+    seen: list[psutil.Process] = []
+    try:
+        _wait("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
+              proc, 900)
+        first = _wait("the judge engine", lambda: _judge_engines(proc.pid), proc, 30)[0]
+        seen += psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(first.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.wait(timeout=300)
+        stopped_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out_file.close()
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode != 0, out[-3000:]
+    assert "JudgeDown" in out and "judge.max_restarts = 0" in out, out[-3000:]
+    assert stopped_s < 120, stopped_s  # the judge's startup_timeout_s is 600
+    assert max(r.get("step", 0) for r in read_jsonl(metrics)) < 200
+    time.sleep(0.5)
+    alive = [c for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"left running: {[(c.pid, c.cmdline()) for c in alive]}"
