@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,18 @@ def first_json_line(path: Path, timeout: float, what: str = "report") -> dict[st
                 return dict(json.loads(line))
         time.sleep(0.05)
     raise AssertionError(f"no {what} in {path}: {path.read_text() if path.exists() else '(missing)'}")
+
+
+@contextlib.contextmanager
+def killed_on_exit(proc: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
+    """``proc`` (started with start_new_session=True); on the way out, if it still runs, its whole process group is
+    SIGKILLed and reaped: a test that fails midway leaves nothing behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def process_gone(pid: int) -> bool:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from flashrl.metrics import read_jsonl
+from tests.helpers import killed_on_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "jkill" / "metrics.jsonl"
     seen: list[psutil.Process] = []
-    try:
+    with killed_on_exit(proc):
         def at_step(n: int):  # type: ignore[no-untyped-def]
             return lambda: metrics.exists() and any(r.get("step", 0) >= n for r in read_jsonl(metrics))
 
@@ -77,10 +78,6 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
                        proc, 300)[0]
         seen.append(second)
         proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     out_file.close()
     out = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 0, out[-3000:]
@@ -117,7 +114,7 @@ def test_a_judge_that_cannot_come_back_stops_the_run_naming_it(tmp_path: Path) -
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "jdown" / "metrics.jsonl"
     seen: list[psutil.Process] = []
-    try:
+    with killed_on_exit(proc):
         _wait("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
               proc, 900)
         first = _wait("the judge engine", lambda: _judge_engines(proc.pid), proc, 30)[0]
@@ -126,10 +123,6 @@ def test_a_judge_that_cannot_come_back_stops_the_run_naming_it(tmp_path: Path) -
         t0 = time.monotonic()
         proc.wait(timeout=300)
         stopped_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     out_file.close()
     out = (tmp_path / "out.txt").read_text()
     assert proc.returncode != 0, out[-3000:]

@@ -38,6 +38,7 @@ from flashrl.config import Config
 from flashrl.launch import LaunchError
 from flashrl.launch.ray import RayLauncher
 from flashrl.metrics import read_jsonl
+from tests.helpers import killed_on_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -319,7 +320,7 @@ def test_a_judge_engine_placed_by_ray_is_killed_and_restarted_in_its_bundle(clus
     out_file = (tmp_path / "out.txt").open("wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     placed: dict[str, Any] = {}
-    try:
+    with killed_on_exit(proc):
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:  # training step 2, with the judge up
             assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
@@ -333,10 +334,6 @@ def test_a_judge_engine_placed_by_ray_is_killed_and_restarted_in_its_bundle(clus
         first = placed["judge0"]["pid"]
         os.killpg(first, signal.SIGKILL)  # its whole group (vLLM's EngineCore too)
         proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     out_file.close()
     assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
     after = json.loads((run_dir / "cluster.json").read_text())["placement"]

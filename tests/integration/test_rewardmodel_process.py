@@ -17,6 +17,7 @@ import pytest
 
 from flashrl.metrics import read_jsonl
 from flashrl.rewardmodel.build import RmSpec, build_untrained_rm
+from tests.helpers import killed_on_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "rmkill" / "metrics.jsonl"
     seen: list[psutil.Process] = []
-    try:
+    with killed_on_exit(proc):
         def at_step(n: int):  # type: ignore[no-untyped-def]
             return lambda: metrics.exists() and any(r.get("step", 0) >= n for r in read_jsonl(metrics))
 
@@ -118,10 +119,6 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
                       proc, 120)[0]
         seen.append(third)
         proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     out_file.close()
     out = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 0, out[-3000:]
