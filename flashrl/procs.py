@@ -359,6 +359,12 @@ def _orphaned(name: str, parent: int, whole_session: bool = False) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def backoff(restart: int, first: float, cap: float) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): first, 2 x first, ... capped at ``cap`` (a
+    crash loop does not spin): the controller's supervisor, the engines' and the judge engines' restarts."""
+    return min(cap, first * 2 ** max(0, restart - 1))
+
+
 def exit_now(code: int | None) -> NoReturn:
     """End a child process (engine, trainer rank) after its clean shutdown, without the interpreter's teardown.
 

@@ -33,17 +33,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from flashrl.procs import PARENT_ENV, Child, child_init, exit_text, signal_group, tail
+from flashrl.procs import PARENT_ENV, Child, backoff, child_init, exit_text, signal_group, tail
 
 STOP_GRACE_S = 60.0  # after a stop signal: the controller's checkpoint-and-stop, then SIGKILL
 BACKOFF_S = (2.0, 60.0)  # first wait before a restart, and its cap (doubling in between)
 LEFTOVER_WAIT_S = 10.0  # a dead controller's children kill themselves (their watchdog); after this, we do
 HEALTHY_S = 60.0  # a controller that lived this long before dying starts the backoff over
-
-
-def backoff(restart: int, first: float = BACKOFF_S[0], cap: float = BACKOFF_S[1]) -> float:
-    """Seconds to wait before restart number ``restart`` (1, 2, ...): first, 2 x first, ... capped."""
-    return min(cap, first * 2 ** max(0, restart - 1))
 
 
 def streak_after(streak: int, lived_s: float, progressed: bool = False, healthy_s: float = HEALTHY_S) -> int:
@@ -169,7 +164,7 @@ class Supervisor:
                 return 1
             self.restarts += 1
             streak = streak_after(streak, time.monotonic() - child.spawned_at, self.checkpoint() != kept)
-            wait_s = backoff(streak, self.first_backoff_s)
+            wait_s = backoff(streak, self.first_backoff_s, BACKOFF_S[1])
             self.say(f"death {len(self.deaths)}: the controller (pid {child.pid}) {cause}; restart "
                      f"{self.restarts} of {self.max_restarts} from the latest checkpoint in {wait_s:.0f} s. "
                      f"Last lines of {self.controller_log}: {last}")

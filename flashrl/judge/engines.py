@@ -35,6 +35,7 @@ from flashrl.config import JudgeConfig
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, engine_extra_env
 from flashrl.engine.server import EngineSpec
 from flashrl.launch.base import Launcher
+from flashrl.procs import backoff
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, TransportError
 
@@ -93,6 +94,11 @@ class JudgeEngines:
                           max_num_seqs=self.jc.max_num_seqs, threads=self.jc.threads, seed=self.seed + i,
                           gpu_memory_utilization=self.jc.gpu_memory_utilization)
 
+    @property
+    def _all_down(self) -> bool:
+        """Every engine's restarts are spent: no verdict can come any more."""
+        return len(self._down) == self.jc.engines
+
     def pids(self) -> list[int]:
         """The live judge engines' process ids (on the node each runs on)."""
         return [_pid(p) for p in self.procs if p is not None and p.alive]
@@ -121,7 +127,7 @@ class JudgeEngines:
         tries = 0
         while self.counts["judge_engine_restarts"] < self.jc.max_restarts:
             self.counts["judge_engine_restarts"] += 1
-            await asyncio.sleep(0.0 if tries == 0 else min(2.0 ** (tries - 1), 30.0))
+            await asyncio.sleep(backoff(tries, 1.0, 30.0) if tries else 0.0)
             tries += 1
             try:
                 await self._start_one(i)
@@ -132,7 +138,7 @@ class JudgeEngines:
         log.error("judge engine %d stays down: judge.max_restarts = %d spent; logs %s", i, self.jc.max_restarts,
                   self.logs)
         self._down.add(i)
-        if len(self._down) == self.jc.engines:
+        if self._all_down:
             self._live.set()  # wakes the verdicts waiting for an engine: generate raises JudgeDown
 
     async def _spawn(self, i: int) -> EngineProcess:
@@ -180,7 +186,7 @@ class JudgeEngines:
         try:
             async with asyncio.timeout(self.jc.startup_timeout_s):
                 while not any(self.procs):
-                    if len(self._down) == self.jc.engines:
+                    if self._all_down:
                         raise JudgeDown(f"every judge engine is down for good: judge.max_restarts = "
                                         f"{self.jc.max_restarts} restarts spent; see the judge engines' logs in "
                                         f"{self.logs} (judge<i>-<start>.log)")

@@ -32,7 +32,7 @@ from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine
 from flashrl.engine.server import EXIT_ADDRESS_IN_USE
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
 from flashrl.launch.local import LocalLauncher
-from flashrl.procs import exit_text
+from flashrl.procs import backoff, exit_text
 from flashrl.trainer.client import TrainerGroup
 from flashrl.wire.transport import PeerDead
 
@@ -236,7 +236,7 @@ class EnginePool:
             starts.append(now)
             self._starts[i] = starts
             await self._discard(i)
-            delay = min(2.0 ** (len(starts) - 1), 30.0)  # 1, 2, 4 ... s: a crash loop does not spin
+            delay = backoff(len(starts), 1.0, 30.0)  # 1, 2, 4 ... s
             log.warning("engine%d: restart %d in %.0f s", i, len(starts), delay)
             await asyncio.sleep(delay)
             ep = await self._spawn(i)
