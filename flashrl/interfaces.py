@@ -114,6 +114,10 @@ class TrainerClient(Protocol):
         fails does not fail the call (its own update_weights reply says so)."""
         ...
 
+    async def drop_weight_peer(self, peer: str) -> None:
+        """Engine ``peer`` is dead: a send waiting on it stops waiting (answered at once, beside any command)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -6,6 +6,7 @@
       every WATCH_S: a client that reports ``dead`` (the launcher fails a dead
       process's client at once; a hung one fails its heartbeat); a dead trainer rank raises here
 
+    engine_dead(i) ──> trainer.drop_weight_peer(name): a send waiting on that engine stops waiting
     revive(i):  restarter.restart(i) ──> catch-up under the sync lock: trainer.send_weights(v, [new])
                   || new.update_weights(published manifest)  (weight_sync.timeout_s)
                 ──> engines[i] = new, router.revive(i)  ──> wakes wait_engine()
@@ -91,10 +92,22 @@ class EngineSupervisor:
         then restarted in the background when it can be."""
         if not mark_engine_dead(self.router, self.counters, self.engines, i, err):
             return
+        name = self.engines[i].name
         if self.restarter is None or not self._open or i in self.reviving:
+            if self._open:
+                self._spawn(self._drop(name), f"drop {name}")
             return
         self.reviving.add(i)
-        self._spawn(self._revive(i), f"revive {self.engines[i].name}")
+        self._spawn(self._revive(i), f"revive {name}")
+
+    async def _drop(self, name: str) -> None:
+        """Tell the trainer that engine ``name`` is dead, so that a weight send waiting on it stops waiting
+        (a send to a dead peer can otherwise hold every engine's sync up to its timeout). Best effort: a
+        trainer that cannot answer is the watcher's to report."""
+        try:
+            await self.trainer.drop_weight_peer(name)
+        except Exception as e:  # noqa: BLE001 - a dead trainer is reported by the watcher, with its cause
+            log.warning("engine %s: the trainer did not take its drop (%s: %s)", name, type(e).__name__, e)
 
     def mark_reported_dead(self, counter: str | None = None) -> None:
         """Mark dead every live engine whose client already says so (``client.dead``), counted under
@@ -138,6 +151,7 @@ class EngineSupervisor:
         t0 = loop.time()
         try:
             while True:
+                await self._drop(name)  # the dead process's group (or the failed catch-up's), before a new one
                 try:
                     client = await self.restarter.restart(i)
                 except Exception as e:  # noqa: BLE001 - the launcher gave up on this engine

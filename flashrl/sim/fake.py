@@ -222,6 +222,7 @@ class FakeTrainer:
         self.train_times: list[float] = []  # loop time when each train_step began
         self.prepared: list[int] = []
         self.sent: list[int] = []
+        self.dropped: list[str] = []  # drop_weight_peer's peers, in order
         self.saved: list[str] = []  # checkpoint folders written
         self.fail_save: BaseException | None = None
         self.ckpt_write_s = 0.0
@@ -260,6 +261,9 @@ class FakeTrainer:
                                f"{self.sent[-1] if self.sent else None}; send PrepareWeights({version}) first")
         await anyio.sleep(self.sync_s)
         self.sent.append(version)
+
+    async def drop_weight_peer(self, peer: str) -> None:
+        self.dropped.append(peer)
 
     async def save_checkpoint(self, path: str | Path, background: bool = False) -> float:
         """A real (tiny) DCP checkpoint in ``path``, like the trainer's: tmp folder, then rename.

@@ -144,6 +144,9 @@ class InstantTrainer:
     async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
         return None
 
+    async def drop_weight_peer(self, peer: str) -> None:
+        return None
+
     async def close(self) -> None:
         self.closed = True
 

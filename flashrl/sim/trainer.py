@@ -136,5 +136,8 @@ class SimTrainer:
     async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
         await asyncio.sleep(self.model.send_weights_s + self.model.sync_extra_s(self.engines))
 
+    async def drop_weight_peer(self, peer: str) -> None:
+        return None
+
     async def close(self) -> None:
         self.closed = True

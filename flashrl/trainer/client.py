@@ -32,6 +32,7 @@ from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     CheckpointSaved,
     ComputeLogprobs,
+    DropWeightPeer,
     FinishCheckpoint,
     InitWeightSync,
     Logprobs,
@@ -196,6 +197,12 @@ class TrainerGroup:
                                  timeout=weight_sync_timeout_s(self.cfg))
         if isinstance(reply, Ok) and "failed:" in reply.info:
             log.warning("trainer: %s", reply.info)
+
+    async def drop_weight_peer(self, peer: str) -> None:
+        """Engine ``peer`` is dead: rank 0 stops waiting on its weight-sync group (DropWeightPeer, answered
+        at once: a send in flight to ``peer`` ends for it, the other engines' go on)."""
+        reply = await self._call(DropWeightPeer(peer=peer), timeout=30.0)
+        log.info("trainer: %s", reply.info if isinstance(reply, Ok) else reply)
 
     async def init_weight_sync(self, master_addr: str, master_port: int, world_size: int = 2,
                                backend: str = "gloo", timeout_s: float | None = None, peer: str = "engine") -> None:

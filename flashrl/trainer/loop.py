@@ -2,6 +2,7 @@
 
     controller --TrainerRequest (ZeroMQ)--> rank 0 RPC shell (``serve``: asyncio, main thread)
                                               | Ping: Pong(version) at once, never queued
+                                              | DropWeightPeer: to the weight sender at once, never queued
                                               | anything else: into the inbox, in arrival order
                                               v
     rank 0 loop thread (CommandLoop.run): waits on the inbox; idle KEEPALIVE_S -> broadcasts a Ping
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from flashrl.aio import TaskDied, until_stopped
 from flashrl.wire import protocol
-from flashrl.wire.protocol import Error, Msg, Ping, Pong, Shutdown
+from flashrl.wire.protocol import DropWeightPeer, Error, Msg, Ping, Pong, Shutdown
 
 log = logging.getLogger("flashrl.trainer")
 
@@ -92,6 +93,8 @@ class Rank(Protocol):
     def execute(self, msg: Msg) -> Msg | None: ...
 
     def beside(self, msg: Msg) -> Future[Any] | None: ...
+
+    def drop_weight_peer(self, peer: str) -> Msg: ...
 
 
 class Sends(Protocol):
@@ -232,6 +235,8 @@ async def serve(commands: CommandLoop, make_server: Callable[[Callable[[Msg], An
     async def handle(msg: Msg) -> Msg | None:
         if isinstance(msg, Ping):
             return Pong(version=commands.trainer.version)
+        if isinstance(msg, DropWeightPeer):  # at once: a send in the queue's way may be waiting on that peer
+            return commands.trainer.drop_weight_peer(msg.peer)
         if stop.is_set() or commands.closed:
             return Error(message="trainer is shutting down", kind="shutdown")
         return await asyncio.wrap_future(commands.submit(msg))

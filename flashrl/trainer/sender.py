@@ -6,6 +6,8 @@
                  <--Future(Ok)--------- when the engines have the buckets (per-engine failures in its info)
                  --InitWeightSync-----> join(msg): join pool: one engine's group of two (blocks until it joins)
                  <--Future(Ok)---------
+    RPC shell    --DropWeightPeer(p)--> drop(p): at once, not queued: a send waiting on p's group stops
+                                          waiting (the engine is dead); p joins a new group when restarted
 
 Sends run on one thread, apart from the command loop, so the next TrainStep trains while the engines
 receive (weight_sync.overlap); one thread keeps them in command order among themselves. A claim holds
@@ -131,9 +133,17 @@ class WeightPublisher:
 
     @property
     def busy(self) -> bool:
-        """A send is in flight (shutdown then does not wait for it)."""
+        """A send is in flight, or a broadcast left unfinished to a dropped peer (shutdown then does not
+        wait for it)."""
         with self._lock:
-            return self._sending > 0
+            if self._sending > 0:
+                return True
+        return self.sender is not None and self.sender.stuck > 0
+
+    def drop(self, peer: str) -> Ok:
+        """``peer``'s engine is dead: a send stops waiting on it (WeightSender.drop). Any thread."""
+        had = self.sender is not None and self.sender.drop(peer)
+        return Ok(info=f"weight sync: {peer} dropped" if had else f"weight sync: {peer} had no group")
 
     def close(self) -> None:
         """Stop taking sends and joins; the one in flight is not waited for (its peer may be gone)."""

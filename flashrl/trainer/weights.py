@@ -30,6 +30,8 @@ from flashrl.wire.weights import group_device, join_group
 
 log = logging.getLogger(__name__)
 
+POLL_S = 0.001  # how often a send looks whether a peer it waits on was dropped
+
 
 class WeightSender:
     """Trainer rank 0's end of the weight sync: one small group per engine, broadcast to all at once.
@@ -46,6 +48,11 @@ class WeightSender:
         self._lock = threading.Lock()
         self._device = torch.device("cpu")
         self.backend = ""
+        # Groups of dropped peers and the broadcasts left unfinished in them (``drop``), kept for the
+        # process's life: releasing a group waits for its pending work (up to the group's timeout). One
+        # entry per engine death: a handful per run.
+        self._dropped: list[Any] = []
+        self._left: list[Any] = []
 
     @property
     def peers(self) -> list[str]:
@@ -66,6 +73,47 @@ class WeightSender:
     def leave(self, peer: str) -> None:
         with self._lock:
             self._groups.pop(peer, None)
+
+    def drop(self, peer: str) -> bool:
+        """``peer`` is dead (the controller says so): a send waiting on its group stops waiting at once
+        (``send`` reports it failed) and the group is never used again. Any thread. Returns whether
+        ``peer`` had a group.
+
+        Why: a broadcast to a dead peer ends when gloo notices the closed connection, which it does at
+        once for a killed process, but not always: a CI run once waited the group's whole timeout
+        (300 s) on an engine SIGKILLed mid-sync, and a hung peer holds it the same way. The sync of
+        every other engine waits on that send."""
+        with self._lock:
+            group = self._groups.pop(peer, None)
+            if group is not None:
+                self._dropped.append(group)
+        if group is not None:
+            log.warning("weight sync: %s dropped (its engine is dead); a send to it stops waiting", peer)
+        return group is not None
+
+    @property
+    def stuck(self) -> int:
+        """Broadcasts to dropped peers not ended yet (exit without waiting for them: see ``drop``)."""
+        with self._lock:
+            return sum(not w.is_completed() for w in self._left)
+
+    def _wait(self, peer: str, group: Any, work: Any) -> str | None:
+        """Wait for one peer's broadcast; None when it ended well, else why not. Polled, so that a
+        ``drop`` of its peer (or a new group joined for it: the engine restarted) ends the wait."""
+        while not work.is_completed():
+            with self._lock:
+                dropped = any(g is group for g in self._dropped) or self._groups.get(peer) is not group
+                if dropped:  # (a group replaced by a new join is left here too)
+                    self._dropped.append(group)
+                    self._left.append(work)
+            if dropped:
+                return "dropped: its engine is dead (the broadcast was left unfinished)"
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - a broken group fails its own peer only
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def send(self, buckets: list[torch.Tensor], peers: Sequence[str] | None = None) -> tuple[float, dict[str, str]]:
         """Broadcast every bucket, in manifest order, to ``peers`` (None: every joined engine) at once.
@@ -91,10 +139,8 @@ class WeightSender:
                 except Exception as e:  # noqa: BLE001 - a broken group fails its own peer only
                     failed[p] = f"{type(e).__name__}: {e}"
             for p, w in works.items():
-                try:
-                    w.wait()
-                except Exception as e:  # noqa: BLE001
-                    failed[p] = f"{type(e).__name__}: {e}"
+                if (why := self._wait(p, targets[p], w)) is not None:
+                    failed[p] = why
             for p in failed:
                 gone = targets.pop(p, None)
                 if gone is not None:
@@ -107,4 +153,5 @@ class WeightSender:
     def close(self) -> None:
         with self._lock:
             # Stateless groups are not registered with torch.distributed; dropping them releases them.
+            # (Dropped groups with a broadcast still pending stay: releasing them would wait for it.)
             self._groups.clear()

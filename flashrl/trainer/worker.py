@@ -218,6 +218,10 @@ class Trainer(PolicyTrainer):
             self.weights.check_prepare(msg.version)
         return None
 
+    def drop_weight_peer(self, peer: str) -> Msg:
+        """Rank 0, on the RPC shell at once (DropWeightPeer): a send stops waiting on dead ``peer``."""
+        return self.weights.drop(peer)
+
     def execute(self, msg: Msg) -> Msg | None:
         if isinstance(msg, TrainStep):
             return self.train_step(msg.batch)

@@ -224,6 +224,14 @@ class SendWeights(Msg):
     peers: list[str] | None = None
 
 
+class DropWeightPeer(Msg):
+    """Engine ``peer`` is dead (the controller's word): stop waiting on its weight-sync group. A send to it
+    in flight ends at once for that peer (its group is set aside, never used again: a restarted engine
+    joins a new one); the other peers' sends go on. Answered at once, never queued behind a command."""
+
+    peer: str = ""
+
+
 class ComputeLogprobs(Msg):
     """Log-probabilities of ``response_ids`` given ``prompt_ids`` under the trainer's weights, scored at
     ``temperature`` as the engine samples (0 = greedy: untempered); None = the run's rollout.temperature."""
@@ -272,7 +280,7 @@ class SaveModel(Msg):
 
 
 TrainerRequest = Union[TrainStep, PrepareWeights, SendWeights, InitWeightSync, ComputeLogprobs, SaveCheckpoint,
-                       FinishCheckpoint, SaveModel, Ping, Shutdown]
+                       FinishCheckpoint, SaveModel, Ping, Shutdown, DropWeightPeer]
 TrainerReply = Union[TrainResult, WeightManifest, Ok, Logprobs, Pong, Error, CheckpointSaved]
 
 

@@ -169,3 +169,64 @@ def test_one_group_per_engine_a_dead_engine_fails_alone_and_fast() -> None:
 
 def msgspec_copy(m):  # a deep copy through the wire format
     return ENGINE_REQUESTS.decode(encode(UpdateWeights(manifest=m))).manifest
+
+
+# An engine that joins its group, then hangs (never receives): its sockets stay open, so gloo's send to it
+# waits the group's whole timeout unless the sender is told the engine is dead.
+_HUNG_RECEIVER = """
+import sys, time
+from flashrl.engine.weights import WeightReceiver
+receiver = WeightReceiver()  # kept: its group's sockets stay open
+receiver.init("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", 60)
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dropped_peer_ends_the_send_at_once_and_the_others_get_every_bucket() -> None:
+    """Two engines; one hangs after joining (a send to it would wait the 60 s group timeout, and the live
+    engine's later buckets with it: each bucket goes to every peer before the next). While the send waits,
+    ``drop`` (the controller's DropWeightPeer when it finds the engine dead) ends that wait at once: the
+    live engine gets every bucket, verified; the hung one is reported dropped; its unfinished broadcast
+    is counted ``stuck`` until the process is gone."""
+    sd = _state_dict()
+    manifest, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
+    assert len(flats) > 1
+    sender = WeightSender()
+    live_port, hung_port = free_port(), free_port()
+    out: list = []
+    th = _run_receiver(live_port, [manifest], out)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    hung = subprocess.Popen([sys.executable, "-c", _HUNG_RECEIVER, str(hung_port)], env=env, stdout=subprocess.PIPE)
+    try:
+        joins = [threading.Thread(target=sender.join, args=(p, "127.0.0.1", port, "gloo", 60))
+                 for p, port in (("live", live_port), ("hung", hung_port))]
+        for t in joins:
+            t.start()
+        for t in joins:
+            t.join(60)
+        assert sorted(sender.peers) == ["hung", "live"]
+        result: list = []
+        send = threading.Thread(target=lambda: result.append(sender.send(flats)))
+        send.start()
+        send.join(3)
+        assert send.is_alive() and th.is_alive(), "the send (and the live engine) should wait on the hung engine"
+        t0 = time.monotonic()
+        assert sender.drop("hung") and not sender.drop("hung")
+        send.join(10)
+        assert not send.is_alive() and time.monotonic() - t0 < 5  # not the 60 s group timeout
+        _, failed = result[0]
+        assert list(failed) == ["hung"] and "dropped" in failed["hung"]
+        assert sender.peers == ["live"] and sender.stuck == 1
+        th.join(30)
+        assert not th.is_alive()
+    finally:
+        hung.kill()
+        hung.wait(30)
+    deadline = time.monotonic() + 30
+    while sender.stuck and time.monotonic() < deadline:  # the process is gone: gloo ends the broadcast
+        time.sleep(0.1)
+    assert sender.stuck == 0
+    assert len(out) == 1
+    for named, errors in out:
+        assert errors == [] and {n for n, _ in named} == set(sd) - {"lm_head.weight"}

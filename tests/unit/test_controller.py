@@ -640,6 +640,40 @@ def test_dead_engine_is_restarted_caught_up_and_used_again(how: str) -> None:
         assert summary.counters["weight_sync/engine_died"] == 1
 
 
+class HangsOnDeadPeer(FakeTrainer):
+    """A send to an engine that died waits until the controller drops that engine (DropWeightPeer), as
+    gloo's send to a dead peer can wait its whole timeout (a CI run waited 300 s on an engine SIGKILLed
+    mid-sync)."""
+
+    def __init__(self, engines: dict[str, FakeEngine], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.engines = engines
+
+    async def send_weights(self, version: int, peers: list[str] | None = None) -> None:
+        await super().send_weights(version, peers)
+        names = list(self.engines) if peers is None else peers
+        for _ in range(100_000):  # polled (virtual time), like the sender's wait on each peer's broadcast
+            if not any(self.engines[p].dead and p not in self.dropped for p in names if p in self.engines):
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("send to a dead engine never dropped")
+
+
+def test_an_engine_dead_mid_sync_is_dropped_at_the_trainer_so_the_sync_ends() -> None:
+    """The sync to v2 sends to e0, which dies meanwhile: the trainer's send would wait on it until the
+    weight-sync timeout; the supervisor's drop ends it, the run goes on with e1 and e0 comes back."""
+    cfg = config(run={"steps": 10}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
+    victim, healthy = DiesInSync("e0", at_version=2), FakeEngine("e1", lambda r, v: ([ord("1")], 1.0))
+    trainer = HangsOnDeadPeer({"e0": victim}, train_s=0.5)
+    restarter = FakeRestarter(delay=3.0)
+    c = Controller(cfg, TOK, FakeSuite(), [victim, healthy], trainer, restarter=restarter)
+    summary, left = run(c)
+    assert summary.steps == 10 and left == set()
+    assert trainer.dropped == ["e0"] and summary.counters["engine/restarts"] == 1
+    assert healthy.updates == list(range(1, 11))
+    _check_caught_up(restarter.made[0], c)
+
+
 def test_only_engine_dies_rollouts_wait_for_its_restart() -> None:
     cfg = config(run={"steps": 6}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     only = FakeEngine("e0", lambda r, v: ([ord("1")], 1.0), die_at=2.5)

@@ -14,7 +14,18 @@ from typing import Any
 import pytest
 
 from flashrl.trainer.loop import CommandLoop, serve
-from flashrl.wire.protocol import Error, Msg, Ok, Ping, Pong, PrepareWeights, SendWeights, Shutdown, TrainStep
+from flashrl.wire.protocol import (
+    DropWeightPeer,
+    Error,
+    Msg,
+    Ok,
+    Ping,
+    Pong,
+    PrepareWeights,
+    SendWeights,
+    Shutdown,
+    TrainStep,
+)
 
 
 class _Rank:
@@ -35,6 +46,10 @@ class _Rank:
         if isinstance(msg, PrepareWeights) and msg.version < 0:
             raise ValueError("PrepareWeights(-1): refused")
         return None
+
+    def drop_weight_peer(self, peer: str) -> Msg:
+        self.log.append(f"dropped {peer}")
+        return Ok(info=f"dropped {peer}")
 
     def execute(self, msg: Msg) -> Msg | None:
         assert self.hold.wait(30)
@@ -157,6 +172,8 @@ def test_a_stop_during_a_command_does_not_wait_for_it() -> None:
         await _until(lambda: bool(servers))
         step = asyncio.ensure_future(servers[0].handle(PrepareWeights(version=1)))
         await _until(lambda: commands.running is not None)
+        # a dead engine's drop is answered while the command runs (a send queued behind it may wait on that engine)
+        assert await asyncio.wait_for(servers[0].handle(DropWeightPeer(peer="engine0")), 5) == Ok(info="dropped engine0")
         stop.set()
         ended = await asyncio.wait_for(task, 5)  # not the 60 s wait
         step.cancel()
@@ -164,7 +181,7 @@ def test_a_stop_during_a_command_does_not_wait_for_it() -> None:
 
     try:
         assert asyncio.run(asyncio.wait_for(main(), 30)) is False
-        assert log == ["fanout PrepareWeights", "cancel (closed=True)"]
+        assert log == ["fanout PrepareWeights", "dropped engine0", "cancel (closed=True)"]
     finally:
         rank.hold.set()
 
