@@ -351,6 +351,11 @@ class RewardModelConfig(Section):
     normalize: Annotated[bool, Meta(description=(
         "normalize the model reward by the running mean and std of the training episodes' model rewards (Welford, "
         "from the run's start) before combining"))] = False
+    score_evals: Annotated[bool, Meta(description=(
+        "score held-out (eval) episodes with the reward model or judge too: eval/reward/<rm|judge>_* then show the "
+        "model against the verifier on held-out; false = held-out episodes get the verifier's reward alone and take "
+        "no model time (an async run's evals share the judge or reward model with training; eval accuracy is the "
+        "verifier's either way)"))] = True
     workers: Annotated[int, Meta(ge=1, le=64, description="reward-model worker processes (one batch at a time each)")] = 1
     runner: Annotated[Literal["auto", "torch", "vllm"], Meta(description=(
         'what serves the reward model in each worker: "vllm" = vLLM\'s pooling runner (classify, raw logit; '

@@ -99,7 +99,7 @@ class RewardModelEnv:
 
     async def step(self, action: str) -> StepResult:
         res = await self.inner.step(action)
-        if not res.done:
+        if not res.done or (not self.train and not self.suite.score_evals):
             return res
         try:
             score = await self.suite.client.score(self.suite.text(self.prompt, action))
@@ -132,6 +132,7 @@ class RewardModelSuite:
         self.client = client
         self.kind = kind
         self.combiner = Combiner(rc, verdicts=kind == "judge")
+        self.score_evals = rc.score_evals
         self.eval_ids = {t.id for t in inner.eval_tasks()}
         self._closed = False
         if isinstance(inner, MultiTurn):

@@ -88,6 +88,26 @@ async def test_the_judge_trains_the_verifier_stays_truth() -> None:
     assert res.info["metrics"]["judge_gap"] == 1.0 and res.info["metrics"]["judge_agree"] == 0.0
 
 
+@pytest.mark.parametrize("score_evals", [True, False])
+async def test_held_out_episodes_are_judged_only_when_score_evals(score_evals: bool) -> None:
+    """reward.score_evals = false: a held-out episode gets the verifier's reward alone and no judge request
+    (training episodes are judged either way)."""
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    fake = FakeJudgeEngines(_says("P"))
+    suite = RewardModelSuite(inner, JudgeClient(JudgeConfig(model="x"), fake, TOK),
+                             RewardModelConfig(score_evals=score_evals), kind="judge")
+    held_out = inner.eval_tasks()[0]
+    env = suite.make_env()
+    await env.reset(held_out)
+    res = await env.step(str(int(held_out.answer) + 1))  # wrong: the lenient judge would pass it
+    assert len(fake.requests) == (1 if score_evals else 0)
+    assert res.reward == (1.0 if score_evals else 0.0) and res.info["correct"] is False
+    assert ("judge_gap" in res.info.get("metrics", {})) is score_evals
+    await env.reset(inner.train_tasks()[0])
+    await env.step("12")
+    assert len(fake.requests) == (2 if score_evals else 1)  # training episodes: judged either way
+
+
 def test_judge_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="judge.template"):
         from_dict({"judge": {"model": "builtin:judge", "template": "{prompt}{answer}"}})
