@@ -520,6 +520,7 @@ class _HeldSender:
         self.started = threading.Event()
         self.release = threading.Event()
         self.sent: list[list[str]] = []
+        self.stuck = 0  # broadcasts left to dropped peers (WeightSender.stuck): none here
 
     def send(self, buckets: list[torch.Tensor], peers: list[str] | None = None) -> tuple[float, dict[str, str]]:
         from flashrl.wire.weights import bucket_checksum
