@@ -135,24 +135,34 @@ os._exit(9)
 """
 
 
+def _with_a_peer_process(manifests: list, script: str, name: str, timeout_s: float
+                         ) -> tuple[WeightSender, threading.Thread, list, subprocess.Popen[bytes]]:
+    """A sender joined by two engines: "live" (a receiver thread here, taking ``manifests``) and ``name`` (the
+    receiver ``script`` in a process of its own, so that its sockets close or hang as a real engine's do)."""
+    sender = WeightSender()
+    live_port, port = free_port(), free_port()
+    out: list = []
+    th = _run_receiver(live_port, manifests, out)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", script, str(port)], env=env, stdout=subprocess.PIPE)
+    joins = [threading.Thread(target=sender.join, args=(p, "127.0.0.1", at, "gloo", timeout_s))
+             for p, at in (("live", live_port), (name, port))]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(60)
+    if sorted(sender.peers) != sorted(["live", name]):
+        proc.kill()
+        raise AssertionError(f"not every engine joined: {sender.peers}")
+    return sender, th, out, proc
+
+
 def test_one_group_per_engine_a_dead_engine_fails_alone_and_fast() -> None:
     """Two engines, each in its own group; one dies before the sync. The live one gets every bucket
     (verified), the dead one is reported and forgotten, well before the group timeout."""
     sd = _state_dict()
     manifest, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
-    sender = WeightSender()
-    live_port, dead_port = free_port(), free_port()
-    out: list = []
-    th = _run_receiver(live_port, [manifest, manifest], out)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
-    dying = subprocess.Popen([sys.executable, "-c", _DYING_RECEIVER, str(dead_port)], env=env, stdout=subprocess.PIPE)
-    joins = [threading.Thread(target=sender.join, args=(p, "127.0.0.1", port, "gloo", 30))
-             for p, port in (("live", live_port), ("dead", dead_port))]
-    for t in joins:
-        t.start()
-    for t in joins:
-        t.join(60)
-    assert sorted(sender.peers) == ["dead", "live"]
+    sender, th, out, dying = _with_a_peer_process([manifest, manifest], _DYING_RECEIVER, "dead", 30)
     assert dying.wait(timeout=60) == 9
     t0 = time.monotonic()
     _, failed = sender.send(flats)
@@ -192,20 +202,8 @@ def test_a_dropped_peer_ends_the_send_at_once_and_the_others_get_every_bucket() 
     sd = _state_dict()
     manifest, flats = build_manifest(sd, 1, bucket_mb=10 / 1024)
     assert len(flats) > 1
-    sender = WeightSender()
-    live_port, hung_port = free_port(), free_port()
-    out: list = []
-    th = _run_receiver(live_port, [manifest], out)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
-    hung = subprocess.Popen([sys.executable, "-c", _HUNG_RECEIVER, str(hung_port)], env=env, stdout=subprocess.PIPE)
+    sender, th, out, hung = _with_a_peer_process([manifest], _HUNG_RECEIVER, "hung", 60)
     try:
-        joins = [threading.Thread(target=sender.join, args=(p, "127.0.0.1", port, "gloo", 60))
-                 for p, port in (("live", live_port), ("hung", hung_port))]
-        for t in joins:
-            t.start()
-        for t in joins:
-            t.join(60)
-        assert sorted(sender.peers) == ["hung", "live"]
         result: list = []
         send = threading.Thread(target=lambda: result.append(sender.send(flats)))
         send.start()
