@@ -93,9 +93,10 @@ class EngineSupervisor:
         if not mark_engine_dead(self.router, self.counters, self.engines, i, err):
             return
         name = self.engines[i].name
-        if self.restarter is None or not self._open or i in self.reviving:
-            if self._open:
-                self._spawn(self._drop(name), f"drop {name}")
+        if not self._open or i in self.reviving:
+            return
+        if self.restarter is None:  # stays dead: only the trainer's send to it must stop waiting
+            self._spawn(self._drop(name), f"drop {name}")
             return
         self.reviving.add(i)
         self._spawn(self._revive(i), f"revive {name}")

@@ -659,19 +659,24 @@ class HangsOnDeadPeer(FakeTrainer):
         raise TimeoutError("send to a dead engine never dropped")
 
 
-def test_an_engine_dead_mid_sync_is_dropped_at_the_trainer_so_the_sync_ends() -> None:
+@pytest.mark.parametrize("restarts", [True, False])
+def test_an_engine_dead_mid_sync_is_dropped_at_the_trainer_so_the_sync_ends(restarts: bool) -> None:
     """The sync to v2 sends to e0, which dies meanwhile: the trainer's send would wait on it until the
-    weight-sync timeout; the supervisor's drop ends it, the run goes on with e1 and e0 comes back."""
+    weight-sync timeout; the supervisor's drop ends it, the run goes on with e1 (and e0 comes back when there
+    is a restarter)."""
     cfg = config(run={"steps": 10}, rollout={"group_size": 2, "batch_prompts": 2}, scheduler={"async_ratio": 1})
     victim, healthy = DiesInSync("e0", at_version=2), FakeEngine("e1", lambda r, v: ([ord("1")], 1.0))
     trainer = HangsOnDeadPeer({"e0": victim}, train_s=0.5)
-    restarter = FakeRestarter(delay=3.0)
+    restarter = FakeRestarter(delay=3.0) if restarts else None
     c = Controller(cfg, TOK, FakeSuite(), [victim, healthy], trainer, restarter=restarter)
     summary, left = run(c)
     assert summary.steps == 10 and left == set()
-    assert trainer.dropped == ["e0"] and summary.counters["engine/restarts"] == 1
-    assert healthy.updates == list(range(1, 11))
-    _check_caught_up(restarter.made[0], c)
+    assert trainer.dropped == ["e0"] and healthy.updates == list(range(1, 11))
+    if restarter is not None:
+        assert summary.counters["engine/restarts"] == 1
+        _check_caught_up(restarter.made[0], c)
+    else:
+        assert c.router.alive == [False, True]
 
 
 def test_only_engine_dies_rollouts_wait_for_its_restart() -> None:
