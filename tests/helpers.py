@@ -93,3 +93,25 @@ def trainer_config(tmp: Path, algorithm: dict[str, object] | None = None, **trai
 def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
     """A copy of a trainer's full state dict (``Trainer.full_state_dict``)."""
     return {k: v.clone() for k, v in trainer.full_state_dict().items()}
+
+
+def agent_port(nodes: int = 2) -> int:
+    """A base port for SLURM node agents (node N's agent listens on base + N): free, with the next ``nodes`` - 1
+    ports free too, and within cluster.slurm.port's bound (65000; free_port may pick above the kernel's
+    ephemeral range, up to 65535)."""
+    import socket
+
+    from flashrl.wire.transport import free_port
+
+    for _ in range(100):
+        base = free_port()
+        if base > 65000:
+            continue
+        try:
+            for n in range(1, nodes):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", base + n))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {nodes} adjacent free ports at or below 65000")

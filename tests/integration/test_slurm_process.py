@@ -19,7 +19,8 @@ from flashrl.config import load
 from flashrl.launch import slurm, slurm_job, slurm_node
 from flashrl.wire.keys import CurveKeys
 from flashrl.wire.protocol import Msg, Spawn
-from flashrl.wire.transport import RpcClient, free_port
+from flashrl.wire.transport import RpcClient
+from tests.helpers import agent_port
 from tests.unit.test_slurm import GPU_4NODE, _agent_cfg, render_4node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,7 @@ def test_launcher_spawns_polls_restarts_and_tears_down_through_node_agents(tmp_p
     """Two node agents (in this process's loop, real CURVE sockets) and the controller's launcher: a process
     placed on node 1 starts there with the run's key file and torchrun's per-node variables; a killed one is
     seen exited; a restart is a new spawn; a client without the run's keys is not answered; close() leaves nothing."""
-    port = free_port()
+    port = agent_port(2)
     cfg = _agent_cfg(tmp_path, port, extra=["judge.model=builtin:judge", "judge.engines=1"])
     keys = slurm_job.write_keys(cfg)
     monkeypatch.setenv(slurm_job.HEAD_ENV, "1")
@@ -184,7 +185,7 @@ async def _spawn_sleeper(c: RpcClient, log_path: Path) -> Msg:
 
 def test_node_agent_without_node_0_stops_its_processes_and_exits(tmp_path: Path) -> None:
     """Node 0 gone (never came, or stopped heartbeating): a node's agent stops what it started and exits 1."""
-    port = free_port()
+    port = agent_port(2)
     cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=2"])
     keys = slurm_job.write_keys(cfg)
     cfg_path = tmp_path / "c.toml"
@@ -298,7 +299,7 @@ def test_resume_is_passed_to_node_0_only(tmp_path: Path) -> None:
 
 def test_node_0_without_the_other_agents_starts_no_controller(tmp_path: Path) -> None:
     """Node 1's agent never answers: node 0 says which node, host and port, starts no controller, exits 1."""
-    port = free_port()
+    port = agent_port(2)
     cfg = _agent_cfg(tmp_path, port, extra=["cluster.slurm.connect_timeout_s=3"])
     slurm_job.write_keys(cfg)
     from flashrl.config import to_toml
@@ -325,7 +326,7 @@ def test_node_agent_on_sigterm_keeps_its_processes_until_node_0_shuts_it_down(tm
     checkpointing with them) until node 0's NodeShutdown, then stops them and exits 0."""
     import psutil
 
-    port = free_port()
+    port = agent_port(2)
     cfg = _agent_cfg(tmp_path, port, extra=["judge.model=builtin:judge", "judge.engines=1"])
     keys = slurm_job.write_keys(cfg)
     from flashrl.config import to_toml

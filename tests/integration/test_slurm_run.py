@@ -25,37 +25,18 @@ from flashrl.config import load
 from flashrl.engine.server import EngineSpec
 from flashrl.launch import slurm_job
 from flashrl.wire.spec import spec_in
-from flashrl.wire.transport import free_port
+from tests.helpers import agent_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ports() -> int:
-    """A base port whose next one is free too (node N's agent listens on base + N)."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            free_port_at(base + 1)
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
-
-
-def free_port_at(port: int) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", port))
-
-
 def render(tmp_path: Path, *overrides: str, config: str = "tiny.toml") -> tuple[Path, Path]:
     """`flashrl run configs/tiny.toml --launcher slurm --dry-run ...` as a user runs it; then the keys, as
     the submit path writes them before sbatch. Returns (script, run dir)."""
     sets = [f"run.output_dir={tmp_path}/runs", "run.name=two", "run.dashboard=plain", "cluster.interface=auto",
-            "cluster.slurm.nodes=2", f"cluster.slurm.port={_ports()}", "cluster.slurm.heartbeat_timeout_s=10",
+            "cluster.slurm.nodes=2", f"cluster.slurm.port={agent_port(2)}", "cluster.slurm.heartbeat_timeout_s=10",
             "engine.count=2",
             *overrides]
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / config), "--launcher", "slurm", "--dry-run"]
