@@ -70,10 +70,6 @@ class WeightSender:
             self.backend = backend
         log.info("weight sync: %s joined (%s group of 2 at %s:%d)", peer, backend, master_addr, master_port)
 
-    def leave(self, peer: str) -> None:
-        with self._lock:
-            self._groups.pop(peer, None)
-
     def drop(self, peer: str) -> bool:
         """``peer`` is dead (the controller says so): a send waiting on its group stops waiting at once
         (``send`` reports it failed) and the group is never used again. Any thread. Returns whether
@@ -102,9 +98,11 @@ class WeightSender:
         ``drop`` of its peer (or a new group joined for it: the engine restarted) ends the wait."""
         while not work.is_completed():
             with self._lock:
-                dropped = any(g is group for g in self._dropped) or self._groups.get(peer) is not group
-                if dropped:  # (a group replaced by a new join is left here too)
-                    self._dropped.append(group)
+                known = any(g is group for g in self._dropped)
+                dropped = known or self._groups.get(peer) is not group  # (or replaced by a new join)
+                if dropped:
+                    if not known:
+                        self._dropped.append(group)
                     self._left.append(work)
             if dropped:
                 return "dropped: its engine is dead (the broadcast was left unfinished)"
