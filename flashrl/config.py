@@ -365,6 +365,9 @@ class RewardModelConfig(Section):
     threads: Annotated[int, Meta(ge=1, le=256, description="torch CPU threads per reward-model worker")] = 1
     device: Annotated[Literal["cpu", "cuda"], Meta(description="where the reward-model workers run the model")] = "cpu"
     max_batch: Annotated[int, Meta(ge=1, le=65536, description="episodes scored in one forward")] = 64
+    cache_size: Annotated[int, Meta(ge=0, le=100_000_000, description=(
+        "scores kept for reuse (least recently used out first; ~150 bytes each): the same text scored again, or while "
+        "it is still being scored, gets the score it got, without a forward (env/rm_cached); 0 = every episode is scored"))] = 100_000
     batch_wait_ms: Annotated[float, Meta(ge=0, le=60_000, description=(
         "how long a batch waits for more episodes before it is sent (a full batch goes at once)"))] = 5.0
     timeout_s: Annotated[float, Meta(gt=0, le=86_400, description=(
@@ -393,6 +396,10 @@ class JudgeConfig(Section):
     fail_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is fail (default: its last word is 0, fail or no)")] = "(^|\\s)(0|F|fail|FAIL|no)\\s*$"
     max_new_tokens: Annotated[int, Meta(ge=1, le=4096, description="tokens the judge may write per verdict (builtin:judge: its solution, a space, the answer copied, a space, the verdict)")] = 12
     temperature: Annotated[float, Meta(ge=0, le=2, description="the judge's sampling temperature (0 = greedy)")] = 0.0
+    cache_size: Annotated[int, Meta(ge=0, le=100_000_000, description=(
+        "verdicts kept for reuse (least recently used out first; ~150 bytes each): a greedy judge (temperature 0) asked "
+        "the same text again, or while it is still answering it, gives the verdict it gave, without engine time "
+        "(env/judge_cached); only verdicts that parsed at the first try are kept; 0 = every episode asks the engine"))] = 100_000
     on_unparsable: Annotated[Literal["retry", "default"], Meta(description=(
         'a verdict neither pattern matches: "retry" asks again (sampled at temperature 1, up to parse_retries times, '
         'then the default); "default" takes unparsable_reward at once. Counted as env/judge_unparsable either way'))] = "retry"

@@ -208,7 +208,10 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
             for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
         jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
                                  p_pass=sim.judge.p_pass, seed=cfg.run.seed)
-        suite = RewardModelSuite(suite, JudgeClient(cfg.judge, jengines, SimJudgeTokenizer(tok)), cfg.reward,
+        # every episode asks the simulated judge: the simulator's answers are not the policy's, so which texts
+        # repeat (judge.cache_size's reuse in a real run) is not modelled
+        jc = msgspec.structs.replace(cfg.judge, cache_size=0)
+        suite = RewardModelSuite(suite, JudgeClient(jc, jengines, SimJudgeTokenizer(tok)), cfg.reward,
                                  kind="judge")
 
     async def main() -> None:

@@ -22,7 +22,7 @@ controller counters, the suite's counters and the weight-sync phases.
     time/sync/<phase> engine/<stepping|commands|busy> time/checkpoint_s time/ckpt_wait_s time/ckpt_write_s
     time/eval_wait_s rollout/env_share eval/accuracy
     eval/reward_mean eval/reward/<metric> time/eval_s time/eval/trainer_wait_s time/eval/gen_wait_s
-    eval/engine_share mem/total_gib
+    eval/engine_share mem/total_gib cpu/total_s
 
 ``rollout/template_*`` / ``rollout/retokenize_*`` (steps that trained multi-turn chat samples only):
 how far the chat template's re-rendering of each trained conversation is from its trained tokens
@@ -191,6 +191,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     batch: BatchStats | None = None
     eval: EvalStats | None = None
     memory_gib: float | None = None  # mem/total_gib (flashrl run's GPU memory reading)
+    cpu_s: float | None = None  # cpu/total_s: CPU seconds the run's processes used so far (user + system, all of them)
 
     def to_dict(self) -> dict[str, Any]:
         """The metrics.jsonl line (see the module doc for keys and order)."""
@@ -234,6 +235,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 out["eval/engine_share"] = e.engine_share
         if self.memory_gib is not None:
             out["mem/total_gib"] = self.memory_gib
+        if self.cpu_s is not None:
+            out["cpu/total_s"] = self.cpu_s
         return out
 
     @classmethod
@@ -255,6 +258,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
         ev: dict[str, Any] = {}
         eval_metrics: dict[str, float] = {}
         memory: float | None = None
+        cpu: float | None = None
         for k in keys[keys.index("step"):]:
             v = line[k]
             if k in ("step", "version"):
@@ -269,6 +273,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
                 ev[_EVAL_KEYS[k]] = v
             elif k == "mem/total_gib":
                 memory = v
+            elif k == "cpu/total_s":
+                cpu = v
             elif k.startswith("eval/reward/"):
                 eval_metrics[_metric_name("eval/reward/", k)] = v
             elif k.startswith("time/sync/"):
@@ -295,4 +301,5 @@ class StepRecord(msgspec.Struct, kw_only=True):
         evs = None
         if ev:
             evs = EvalStats(**ev, reward_metrics=eval_metrics)
-        return cls(step=int(line["step"]), version=int(line["version"]), batch=batch, eval=evs, memory_gib=memory)
+        return cls(step=int(line["step"]), version=int(line["version"]), batch=batch, eval=evs, memory_gib=memory,
+                   cpu_s=cpu)

@@ -9,6 +9,8 @@
         a verdict neither pattern matches -> judge_unparsable; "retry": asked again at temperature 1
                (judge_parse_retries), up to judge.parse_retries times; then (or at once with "default")
                judge.unparsable_reward (judge_defaulted)
+        the same judge text again (greedy judge, judge.cache_size > 0) -> the verdict already given, or the one
+               being given (ScoreMemo; judge_cached): only a greedy verdict that parsed at once is kept
 
 ``parse_verdict`` is the parser on its own (unit-tested).
 """
@@ -25,6 +27,7 @@ from typing import Any
 from flashrl.config import JudgeConfig
 from flashrl.env import cut_at_eos
 from flashrl.judge.engines import JudgeEngineFailed
+from flashrl.rewardmodel.memo import ScoreMemo
 from flashrl.rewards import RewardFailed
 
 __all__ = ["JudgeClient", "parse_verdict"]
@@ -50,6 +53,8 @@ class JudgeClient:
         self.counts: Counter[str] = Counter()
         self.latency_s = 0.0
         self._ids = itertools.count()
+        # a sampled verdict is a draw, not the judge's answer to the text: only a greedy judge's are shared
+        self.memo = ScoreMemo(jc.cache_size if jc.temperature == 0 else 0)
 
     @property
     def counters(self) -> dict[str, float]:
@@ -57,6 +62,7 @@ class JudgeClient:
         out.update(self.engines.counts)
         out["judge_busy_s"] = round(self.engines.busy.busy_s, 3)
         out["judge_inflight"] = sum(self.engines.busy.inflight)
+        out["judge_cached"] = self.memo.reused
         if self.counts["judge_verdicts"]:
             out["judge_latency_ms"] = 1000 * self.latency_s / self.counts["judge_verdicts"]
         return out
@@ -68,9 +74,13 @@ class JudgeClient:
         await self.engines.start()
 
     async def score(self, item: tuple[str, str]) -> float:
-        clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in the simulator
         prompt, response = item
         text = self.jc.template.format(prompt=prompt, response=cut_at_eos(response).strip())
+        return await self.memo.get(text, lambda: self._verdict(text))
+
+    async def _verdict(self, text: str) -> tuple[float, bool]:
+        """The judge's verdict on ``text`` and whether it may be given again (greedy, parsed at the first try)."""
+        clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in the simulator
         ids = self.tok.encode(text, add_special_tokens=False)
         t0 = clock()
         tries = 1 + (self.jc.parse_retries if self.jc.on_unparsable == "retry" else 0)
@@ -83,14 +93,14 @@ class JudgeClient:
                 self.counts["judge_verdicts"] += 1
                 self.counts["judge_pass"] += int(verdict == 1.0)
                 self.latency_s += clock() - t0
-                return verdict
+                return verdict, attempt == 0
             self.counts["judge_unparsable"] += 1
             if attempt + 1 < tries:
                 self.counts["judge_parse_retries"] += 1
         self.counts["judge_defaulted"] += 1
         self.counts["judge_verdicts"] += 1
         self.latency_s += clock() - t0
-        return self.jc.unparsable_reward
+        return self.jc.unparsable_reward, False
 
     async def _generate(self, ids: list[int], temperature: float) -> list[int]:
         failure: JudgeEngineFailed | None = None
@@ -114,3 +124,4 @@ class JudgeClient:
 
     async def aclose(self) -> None:
         await self.engines.aclose()
+        await self.memo.aclose()  # a verdict still being asked for, cancelled once the engines are gone

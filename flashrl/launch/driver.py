@@ -52,7 +52,9 @@ STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM: finish the step and checkpoint wi
 
 
 class MemorySampler:
-    """Peak resident memory of the whole run: this process plus every descendant (engines, trainer, vLLM cores)."""
+    """The whole run's resident memory (peak and last) and CPU time: this process plus every descendant (engines,
+    trainer, vLLM cores, judge engines, reward-model workers). ``cpu_s`` sums each process's user + system
+    seconds as last seen, so a process that exited keeps counting what it used until its last sample."""
 
     def __init__(self) -> None:
         import psutil
@@ -60,6 +62,11 @@ class MemorySampler:
         self._proc = psutil.Process()
         self.peak_bytes = 0
         self.last_bytes = 0
+        self._cpu: dict[int, float] = {}  # pid -> user + system seconds at its last sample
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self._cpu.values())
 
     def sample(self) -> int:
         import psutil
@@ -71,11 +78,13 @@ class MemorySampler:
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
+                t = p.cpu_times()
+                self._cpu[p.pid] = max(self._cpu.get(p.pid, 0.0), t.user + t.system)
         self.last_bytes = total
         self.peak_bytes = max(self.peak_bytes, total)
         return total
 
-    async def run(self, interval_s: float = 1.0) -> None:
+    async def run(self, interval_s: float = 0.5) -> None:
         while True:
             await asyncio.to_thread(self.sample)
             await asyncio.sleep(interval_s)
@@ -312,7 +321,8 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
         history: list[StepRecord] = []
 
         def on_step(record: StepRecord) -> None:
-            record = msgspec.structs.replace(record, memory_gib=round(mem.last_bytes / 2**30, 3))
+            record = msgspec.structs.replace(record, memory_gib=round(mem.last_bytes / 2**30, 3),
+                                             cpu_s=round(mem.cpu_s, 2))
             writer.write(record)
             history.append(record)
             dash.step(record)

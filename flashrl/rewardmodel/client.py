@@ -11,6 +11,8 @@ Invariants:
   decodable) is retried up to ``retries`` times on a restarted worker (``rm_retries``; the cause counted as
   ``rm_crash`` / ``rm_timeout`` / ``rm_garbage`` / ``rm_error``) and only then fails every episode in it
   with RewardFailed (``rm_failed``), which the suite turns into an infrastructure failure (EnvFailure);
+- a text scored before (or being scored) is not scored again: ``ScoreMemo`` (reward.cache_size) gives its
+  score (``rm_cached``); the model is frozen, so the score is the same;
 - the dispatcher never blocks on a batch: batches run as tasks, as many at once as there are workers
   (the pool's acquire waits for one), so scoring goes on beside generation.
 
@@ -33,6 +35,7 @@ from typing import Protocol
 import msgspec
 
 from flashrl.procs import PARENT_ENV
+from flashrl.rewardmodel.memo import ScoreMemo
 from flashrl.rewardmodel.worker import Ready, ScoreBatch, Scores
 from flashrl.rewards import RewardFailed
 from flashrl.workers import PipedProc, WorkerPool
@@ -182,8 +185,9 @@ class RewardModelClient:
     """``await client.score(text)`` -> the model's score; batches concurrent calls (see the module doc)."""
 
     def __init__(self, backend: Scorer, *, max_batch: int = 64, batch_wait_s: float = 0.005,
-                 timeout_s: float = 30.0, retries: int = 3) -> None:
+                 timeout_s: float = 30.0, retries: int = 3, cache_size: int = 0) -> None:
         self.backend = backend
+        self.memo = ScoreMemo(cache_size)
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.timeout_s = timeout_s
@@ -200,6 +204,7 @@ class RewardModelClient:
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = dict(self.counts)
         out.update(self.backend.counters)
+        out["rm_cached"] = self.memo.reused
         if self.counts["rm_scored"]:
             out["rm_latency_ms"] = 1000 * self.latency_s / self.counts["rm_scored"]
         return out
@@ -211,6 +216,9 @@ class RewardModelClient:
         await self.backend.start()
 
     async def score(self, text: str) -> float:
+        return await self.memo.get(text, lambda: self._score(text))
+
+    async def _score(self, text: str) -> tuple[float, bool]:
         if self._closed:
             raise RewardFailed("rm_closed", "the reward-model client is closed")
         loop = asyncio.get_running_loop()
@@ -221,7 +229,7 @@ class RewardModelClient:
         self._pending.append((text, fut, time.monotonic()))
         assert self._wakeup is not None
         self._wakeup.set()
-        return await fut
+        return await fut, True
 
     async def _dispatch(self) -> None:
         assert self._wakeup is not None
@@ -292,3 +300,4 @@ class RewardModelClient:
                 fut.set_exception(RewardFailed("rm_closed", "the reward-model client closed"))
         self._pending = []
         await self.backend.aclose()
+        await self.memo.aclose()  # what waits has heard rm_closed by now

@@ -177,5 +177,5 @@ def wrap(inner: EnvSuite, model_folder: Any, rc: RewardModelConfig) -> RewardMod
     backend = ProcessScorer(model_folder, workers=rc.workers, threads=rc.threads, device=rc.device,
                             startup_timeout_s=rc.startup_timeout_s, runner=rc.runner, kv_cache_gib=rc.kv_cache_gib)
     client = RewardModelClient(backend, max_batch=rc.max_batch, batch_wait_s=rc.batch_wait_ms / 1000,
-                               timeout_s=rc.timeout_s, retries=rc.retries)
+                               timeout_s=rc.timeout_s, retries=rc.retries, cache_size=rc.cache_size)
     return RewardModelSuite(inner, client, rc)

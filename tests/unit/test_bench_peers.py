@@ -402,3 +402,19 @@ def test_clock_from_reads_each_crossing_on_the_timing_runs_clock(tmp_path: Path)
     assert "| 0 | 50% | 20.0 s (10) | 5.0 s (20) | 36.0 s (30) | 7.20x | 6.00x | 4.00x |" in (learn / "results.md").read_text()
     with pytest.raises(ValueError, match="run.eval_every=0"):
         peers.run_bench(["async"], [0], learn, TINY, report_only=True, clock_from=tmp_path / "nowhere")
+
+
+def test_cores_kept_busy_from_the_run_s_cpu_seconds(tmp_path: Path) -> None:
+    """cpu/total_s (the process tree's CPU seconds) over the elapsed time between the first and the last trained
+    step: 1.5 CPU seconds a wall second here; no cpu/total_s (TRL's metrics, older runs) -> n/a."""
+    recs = _records({0: 0.5, 10: 0.8}, 10, step_s=0.5)
+    for r in recs[1:]:
+        r["cpu/total_s"] = 20.0 + 0.75 * r["step"]  # 20 s of start-up, then 0.75 CPU s per 0.5 s step
+    run = Run(mode="async", seed=0, name="a")
+    summarize(run, recs)
+    assert run.cpu_cores == pytest.approx(1.5)
+    bare = Run(mode="trl", seed=0, name="t")
+    summarize(bare, _records({0: 0.5, 10: 0.8}, 10))
+    assert bare.cpu_cores is None
+    md = write_results([run, bare], tmp_path, "t")["md"].read_text()
+    assert "| CPU cores kept busy while training (process tree) | 1.50 | n/a |" in md

@@ -150,3 +150,58 @@ def test_judge_engines_get_gpus_after_the_trainer_ranks_and_the_engines() -> Non
                ["trainer.ranks=2", "engine.count=1", "judge.engines=2"])
     assert judge_gpus(cfg, ["4", "5", "6", "7", "8"]) == ["7", "8"]  # ranks on 4, 5; the engine on 6
     assert judge_gpus(cfg, ["0", "1", "2", "3"]) == [None, None]  # too few: unpinned, they share
+
+
+async def test_a_greedy_judge_answers_the_same_text_once() -> None:
+    """judge.cache_size: a text already judged, or being judged, gets that verdict without another request;
+    a sampled judge (temperature > 0), a verdict that needed a parse retry, and cache_size = 0 ask every time."""
+    import asyncio
+
+    fake = FakeJudgeEngines(_says("P", "F"))
+    c = JudgeClient(JudgeConfig(model="x"), fake, TOK)
+    got = await asyncio.gather(*(c.score(("1+2=", "3")) for _ in range(3)))  # concurrent: one request
+    assert got == [1.0, 1.0, 1.0] and len(fake.requests) == 1
+    assert await c.score(("1+2=", "3<eos>")) == 1.0 and len(fake.requests) == 1  # the same judge text
+    assert await c.score(("1+2=", "4")) == 0.0 and len(fake.requests) == 2
+    assert await c.score(("1+2=", "4")) == 0.0 and len(fake.requests) == 2
+    assert c.counters["judge_cached"] == 4 and c.counters["judge_verdicts"] == 2
+    for jc in (JudgeConfig(model="x", temperature=0.7), JudgeConfig(model="x", cache_size=0)):
+        fake = FakeJudgeEngines(_says("P"))
+        c = JudgeClient(jc, fake, TOK)
+        for _ in range(2):
+            assert await c.score(("1+2=", "3")) == 1.0
+        assert len(fake.requests) == 2 and c.counters["judge_cached"] == 0
+    fake = FakeJudgeEngines(_says("?", "P"))  # parsed on the retry, sampled: not kept
+    c = JudgeClient(JudgeConfig(model="x"), fake, TOK)
+    assert await c.score(("1+2=", "3")) == 1.0 and await c.score(("1+2=", "3")) == 1.0
+    assert [t for _, t in fake.requests] == [0.0, 1.0, 0.0]
+
+
+async def test_a_shared_verdict_survives_its_first_asker_and_a_failed_one_is_not_kept() -> None:
+    """The episode that asked first may be cancelled (a redundant env, a deadline): the others still get the
+    verdict. A request that failed past its retries fails every episode that waited on it (infrastructure),
+    and the next episode asks again."""
+    import asyncio
+
+    gate = asyncio.Event()
+
+    class Slow(FakeJudgeEngines):
+        async def generate(self, prompt_ids, **kw):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            return await super().generate(prompt_ids, **kw)
+
+    fake = Slow(_says("P"))
+    c = JudgeClient(JudgeConfig(model="x"), fake, TOK)
+    first = asyncio.ensure_future(c.score(("1+2=", "3")))
+    second = asyncio.ensure_future(c.score(("1+2=", "3")))
+    await asyncio.sleep(0)
+    first.cancel()
+    gate.set()
+    assert await second == 1.0 and first.cancelled() and len(fake.requests) == 1
+    from flashrl.rewards import RewardFailed
+
+    fake = FakeJudgeEngines(_says("P"), fail=["engine_died"] * 2)
+    c = JudgeClient(JudgeConfig(model="x", retries=1), fake, TOK)
+    both = await asyncio.gather(*(c.score(("1+2=", "3")) for _ in range(2)), return_exceptions=True)
+    assert all(isinstance(e, RewardFailed) for e in both) and len(fake.requests) == 2  # one ask, one retry
+    assert await c.score(("1+2=", "3")) == 1.0 and len(fake.requests) == 3

@@ -124,7 +124,7 @@ def test_every_optional_part_has_its_key() -> None:
                        engine={"stepping": 0.6, "commands": 0.3, "busy": 0.9}, checkpoint_s=1.5, eval_wait_s=0.25)
     rec = StepRecord(step=5, version=5, batch=batch, eval=EvalStats(accuracy=0.75, reward_mean=0.7, eval_s=2.0,
                                                                   trainer_wait_s=0.25, gen_wait_s=0.5, engine_share=0.4),
-                     memory_gib=4.85)
+                     memory_gib=4.85, cpu_s=12.5)
     line = rec.to_dict()
     assert list(line) == [
         "loss", "train/time/checkpoint_s", "step", "version", "reward/mean", "staleness/mean", "staleness/max",
@@ -135,6 +135,7 @@ def test_every_optional_part_has_its_key() -> None:
         "time/sync/quiesce_s", "time/sync/engine/load_s", "engine/stepping", "engine/commands", "engine/busy",
         "time/checkpoint_s", "time/eval_wait_s", "rollout/env_share", "eval/accuracy", "eval/reward_mean",
         "time/eval_s", "time/eval/trainer_wait_s", "time/eval/gen_wait_s", "eval/engine_share", "mem/total_gib",
+        "cpu/total_s",
     ]
     assert StepRecord.from_dict(msgspec.json.decode(msgspec.json.encode(line))) == rec
 

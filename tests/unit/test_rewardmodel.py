@@ -292,3 +292,28 @@ def test_worker_runner_auto_falls_back_to_torch_with_the_reason_and_vllm_alone_f
     assert worker.load(argparse.Namespace(**{**vars(ns), "runner": "torch"}))[1:] == ("torch", "")
     monkeypatch.setattr(worker, "vllm_scorer", lambda model, device, kv, seed=0: lambda texts: [2.0] * len(texts))
     assert worker.load(ns)[1:] == ("vllm", "")
+
+
+async def test_the_same_text_is_scored_once() -> None:
+    """reward.cache_size: a text scored before, or in the batch being scored, gets that score without another
+    forward; a failed batch keeps nothing (the next episode's text is scored again); cache_size = 0 scores all."""
+    fake = FakeScorer(_right)
+    client = RewardModelClient(fake, max_batch=8, batch_wait_s=0.01, cache_size=100)
+    texts = [f"12+34={a}" for a in (46, 46, 47, 46)]
+    got = await asyncio.gather(*(client.score(t) for t in texts))
+    assert got == [4.0, 4.0, -4.0, 4.0] and sorted(fake.batches[0]) == ["12+34=46", "12+34=47"]
+    assert await client.score("12+34=47") == -4.0 and len(fake.batches) == 1
+    assert client.counters["rm_cached"] == 3 and client.counters["rm_scored"] == 2
+    await client.aclose()
+    fake = FakeScorer(_right, fail=["crash"])
+    client = RewardModelClient(fake, max_batch=8, batch_wait_s=0.0, retries=0, cache_size=100)
+    with pytest.raises(RewardFailed):
+        await client.score("12+34=46")
+    assert await client.score("12+34=46") == 4.0 and len(fake.batches) == 2
+    await client.aclose()
+    fake = FakeScorer(_right)
+    client = RewardModelClient(fake, max_batch=8, batch_wait_s=0.0)  # cache_size 0 (the client's default)
+    for _ in range(2):
+        await client.score("12+34=46")
+    assert len(fake.batches) == 2 and client.counters["rm_cached"] == 0
+    await client.aclose()

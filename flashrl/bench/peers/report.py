@@ -72,6 +72,7 @@ class Run:
     samples: int = 0
     samples_per_s: float | None = None
     peak_mem_gib: float | None = None  # process tree, sampled here
+    cpu_cores: float | None = None  # CPU seconds the run's processes used per wall second while it trained (flashrl's cpu/total_s)
     step_s: float | None = None
     parts: dict[str, float] = field(default_factory=dict)  # mean seconds per step, by phase
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, accuracy, training clock)
@@ -139,6 +140,16 @@ def training_clock(records: list[dict[str, Any]]) -> dict[int, float]:
     return clock
 
 
+def cores_used(steps: list[dict[str, Any]]) -> float | None:
+    """CPU seconds of all the run's processes per wall second from its first trained step's record to its last
+    (``cpu/total_s``, sampled every 0.5 s; None without it): how much of the host the run kept busy."""
+    marked = [(float(r["time/elapsed_s"]), float(r["cpu/total_s"])) for r in steps
+              if "cpu/total_s" in r and "time/elapsed_s" in r]
+    if len(marked) < 2 or marked[-1][0] <= marked[0][0]:
+        return None
+    return (marked[-1][1] - marked[0][1]) / (marked[-1][0] - marked[0][0])
+
+
 def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[float] = THRESHOLDS,
               primary: str | None = None) -> None:
     """Fill ``run``'s numbers from its metrics records (flashrl's metrics.jsonl or the TRL peer's, same keys).
@@ -169,6 +180,7 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
         run.dropped = int(max((float(r.get(DROPPED, 0)) for r in steps), default=0))
         if any(DROPPED_TOKENS in r for r in steps) or not run.dropped:
             run.dropped_tokens = int(max((float(r.get(DROPPED_TOKENS, 0)) for r in steps), default=0))
+    run.cpu_cores = cores_used(steps)
     steady = [r for r in steps if int(r["step"]) > WARMUP_STEPS] or steps
     if steady:
         run.step_s = statistics.fmean(float(r["time/step_s"]) - eval_wait(r)
@@ -272,6 +284,7 @@ def markdown_table(runs: Sequence[Run]) -> str:
     if any(r.env_share for r in runs):
         row("env wait share (trajectory time inside the environment)", [fmt(r.env_share, "{:.0%}") for r in runs])
     row("peak memory (process tree)", [fmt(r.peak_mem_gib, "{:.2f}") + " GiB" for r in runs])
+    row("CPU cores kept busy while training (process tree)", [fmt(r.cpu_cores, "{:.2f}") for r in runs])
     row("held-out accuracy first -> final (best)",
         [f"{fmt(r.first_acc, '{:.1%}')} -> {fmt(r.final_acc, '{:.1%}')} ({fmt(r.best_acc, '{:.1%}')})" for r in runs])
     row("worst dip after reaching 80%", [fmt(r.worst_dip, "{:.1%}") for r in runs])
@@ -471,7 +484,7 @@ def write_results(runs: Sequence[Run], out: Path, title: str, notes: str = "", t
     paths = {k: out / f"results.{k}" for k in ("json", "csv", "md", "png")}
     paths["json"].write_text(json.dumps([asdict(r) for r in runs], indent=1))
     cols = ["mode", "seed", "returncode", "wall_s", "startup_s", "train_s", "steps", "samples", "samples_per_s",
-            "peak_mem_gib", "step_s", "first_acc", "final_acc", "best_acc", "worst_dip"]
+            "peak_mem_gib", "cpu_cores", "step_s", "first_acc", "final_acc", "best_acc", "worst_dip"]
     busy_cols = ["stepping", "commands", "busy"]
     with paths["csv"].open("w", newline="") as f:
         w = csv.writer(f)
