@@ -337,7 +337,8 @@ def load_seed_runs(path: Path, rows: list[dict[str, Any]], config: str) -> list[
 
 def judge_stats(records: list[dict[str, Any]]) -> dict[str, float]:
     """A run's judge stage from its records' cumulative ``env/judge_*`` counters ({} without a judge):
-    verdict_tokens and p_pass over the run; latency_ms and busy_per_verdict_s over the steps not beside an
+    verdict_tokens, p_pass (of the verdicts the engines gave) and reuse (the share of judged episodes given a
+    verdict again, judge.cache_size) over the run; latency_ms and busy_per_verdict_s over the steps not beside an
     eval (compared_steps: the simulator runs no evals, and an eval's 400 verdicts at once queue longer)."""
     rows = [r for r in records if "step" in r and "env/judge_verdicts" in r]
     if not rows or not rows[-1]["env/judge_verdicts"]:
@@ -358,8 +359,9 @@ def judge_stats(records: list[dict[str, Any]]) -> dict[str, float]:
         count += dn
     if not count:
         return {}
+    cached = float(last.get("env/judge_cached", 0.0))  # verdicts given again (judge.cache_size), no engine time
     return {"verdict_tokens": last["env/judge_tokens"] / n, "p_pass": last["env/judge_pass"] / n,
-            "latency_ms": lat / count, "busy_per_verdict_s": busy / count}
+            "latency_ms": lat / count, "busy_per_verdict_s": busy / count, "reuse": cached / (cached + n)}
 
 
 def _as_measured(cfg: Config, tree: dict[str, Any]) -> Config:
@@ -422,7 +424,8 @@ def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int, kj: 
                "prepare_weights_s": fit.sync_s / 2, "send_weights_s": fit.sync_s / 2}
     sim_tree: dict[str, Any] = {"latency": lat, "lengths": {"dist": "constant", "median": per_turn}, "trainer": trainer}
     if cfg.judge.model and fit.judge:
-        sim_tree["judge"] = {"verdict_tokens": fit.judge["verdict_tokens"], "p_pass": fit.judge["p_pass"], "scale": kj}
+        sim_tree["judge"] = {"verdict_tokens": fit.judge["verdict_tokens"], "p_pass": fit.judge["p_pass"], "scale": kj,
+                             "reuse": min(0.99, fit.judge.get("reuse", 0.0))}
     sim = msgspec.convert(sim_tree, SimModel)
     env = msgspec.structs.replace(cfg.env, name="sim", params=params)
     sim_cfg = msgspec.structs.replace(cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=run.steps, dashboard="off", max_time_s=0.0))

@@ -43,6 +43,9 @@ class SimJudge(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verdict_tokens: Annotated[float, Meta(gt=0, description="tokens the judge generates per verdict")] = 9.0
     p_pass: Annotated[float, Meta(ge=0, le=1, description="share of verdicts that pass")] = 0.5
     scale: Annotated[float, Meta(gt=0, description="the judge engines' step costs as a multiple of [sim.latency]'s")] = 1.0
+    reuse: Annotated[float, Meta(ge=0, lt=1, description=(
+        "share of episodes answered without the engines, as judge.cache_size answers a text asked before in a real run "
+        "(env/judge_cached over all the judged episodes; which texts repeat is the policy's, not simulated)"))] = 0.0
 
 
 class SimModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -201,17 +201,20 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
     if cfg.judge.model:  # the judge stage: the real JudgeClient and suite wrapper on simulated judge engines
         from flashrl.judge.client import JudgeClient
         from flashrl.rewardmodel.suite import RewardModelSuite
-        from flashrl.sim.judge import SimJudgeTokenizer, judge_engines
+        from flashrl.sim.judge import ReusedVerdicts, SimJudgeTokenizer, judge_engines
 
         jlat = msgspec.structs.replace(sim.latency, max_num_seqs=cfg.judge.max_num_seqs, **{
             f: getattr(sim.latency, f) * sim.judge.scale
             for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
         jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
                                  p_pass=sim.judge.p_pass, seed=cfg.run.seed)
-        # every episode asks the simulated judge: the simulator's answers are not the policy's, so which texts
-        # repeat (judge.cache_size's reuse in a real run) is not modelled
+        # the simulator's answers are not the policy's, so which texts repeat is not simulated: the client's
+        # cache is off and a fitted share of episodes (sim.judge.reuse) is answered without the engines instead
         jc = msgspec.structs.replace(cfg.judge, cache_size=0)
-        suite = RewardModelSuite(suite, JudgeClient(jc, jengines, SimJudgeTokenizer(tok)), cfg.reward,
+        client: Any = JudgeClient(jc, jengines, SimJudgeTokenizer(tok))
+        if sim.judge.reuse:
+            client = ReusedVerdicts(client, sim.judge.reuse, p_pass=sim.judge.p_pass, seed=cfg.run.seed)
+        suite = RewardModelSuite(suite, client, cfg.reward,
                                  kind="judge")
 
     async def main() -> None:

@@ -7,13 +7,17 @@
                                          verdict drawn from (seed, request) with probability p_pass
       counts, busy (aio.BusyTime), pids, start, aclose: as JudgeEngines keeps them
     SimJudgeTokenizer(tok)                         a SimTokenizer with the keyword arguments JudgeClient passes
+    ReusedVerdicts(client, reuse, p_pass, seed)    the client with a share ``reuse`` of the episodes answered at
+                                                   once, counted as judge_cached (judge.cache_size's reuse)
 
 What it models: the judge's requests queue and batch on engines of their own, beside the policy's, and
 each takes its prompt's prefill and its verdict's decode steps; a verdict's length is the engines' length
 model (set it to the fitted tokens per verdict, ``dist = "constant"``). What it does not: what the judge
 says (a fixed pass rate, not the answer's correctness), engine deaths (the real JudgeEngines' restarts are
-tested on real processes). ``flashrl bench calibrate`` fits the tokens per verdict and the pass rate from
-a real run's ``env/judge_*`` counters (flashrl/bench/calibrate.py).
+tested on real processes), which texts repeat (a real run's judge.cache_size reuses the verdict of a text
+asked before; here a fitted share ``reuse`` of the episodes, drawn per episode, takes no engine time).
+``flashrl bench calibrate`` fits the tokens per verdict, the pass rate and the reused share from a real
+run's ``env/judge_*`` counters (flashrl/bench/calibrate.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from flashrl.sim.engine import SimEngine, uniform
 from flashrl.sim.envs import SimTokenizer
 from flashrl.wire.protocol import Generate, Generated
 
-__all__ = ["SimJudgeEngines", "SimJudgeTokenizer", "judge_engines"]
+__all__ = ["ReusedVerdicts", "SimJudgeEngines", "SimJudgeTokenizer", "judge_engines"]
 
 
 class SimJudgeTokenizer:
@@ -40,6 +44,42 @@ class SimJudgeTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids)
+
+
+class ReusedVerdicts:
+    """``client`` (a JudgeClient) with a share ``reuse`` of its episodes answered at once: drawn from (seed, the
+    episode's number), the verdict a pass with probability ``p_pass``, counted as ``judge_cached``."""
+
+    def __init__(self, client: Any, reuse: float, *, p_pass: float, seed: int = 0) -> None:
+        if not 0.0 <= reuse < 1.0:
+            raise ValueError(f"reuse must be in [0, 1), got {reuse}")
+        self.client = client
+        self.reuse = reuse
+        self.p_pass = p_pass
+        self.seed = seed
+        self.cached = 0
+        self._n = 0
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return {**self.client.counters, "judge_cached": self.cached}
+
+    def pids(self) -> list[int]:
+        return list(self.client.pids())
+
+    async def start(self) -> None:
+        await self.client.start()
+
+    async def score(self, item: tuple[str, str]) -> float:
+        self._n += 1
+        n = str(self._n).encode()
+        if uniform(self.seed, n, b"reuse") < self.reuse:
+            self.cached += 1
+            return 1.0 if uniform(self.seed, n, b"reused verdict") < self.p_pass else 0.0
+        return float(await self.client.score(item))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 class SimJudgeEngines:

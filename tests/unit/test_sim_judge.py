@@ -67,7 +67,32 @@ def test_judge_stats_leave_out_the_steps_beside_an_eval() -> None:
     got = judge_stats(recs)
     assert got["latency_ms"] == pytest.approx(200.0) and got["busy_per_verdict_s"] == pytest.approx(0.001)
     assert got["verdict_tokens"] == pytest.approx(9.0) and got["p_pass"] == pytest.approx(0.5)
+    assert got["reuse"] == 0.0  # no env/judge_cached (a run before judge.cache_size): every episode asked
+    recs[-1]["env/judge_cached"] = 3 * recs[-1]["env/judge_verdicts"]
+    assert judge_stats(recs)["reuse"] == pytest.approx(0.75)
     assert judge_stats([{"step": 1, "time/step_s": 0.1}]) == {}
+
+
+def test_reused_verdicts_take_no_engine_time() -> None:
+    """sim.judge.reuse: that share of the episodes is answered without a request to the judge's engines
+    and counted as judge_cached; the rest go to the client as before."""
+    from flashrl.config import JudgeConfig
+    from flashrl.judge.client import JudgeClient
+    from flashrl.judge.fake import FakeJudgeEngines
+    from flashrl.sim.judge import ReusedVerdicts, SimJudgeTokenizer
+
+    tok = SimTokenizer()
+    fake = FakeJudgeEngines(lambda ids: tok.encode(" 1"))
+    client = ReusedVerdicts(JudgeClient(JudgeConfig(model="x", cache_size=0), fake, SimJudgeTokenizer(tok)), 0.6,
+                            p_pass=0.0, seed=1)
+
+    async def main() -> list[float]:
+        return [await client.score(("12+34=", str(i))) for i in range(1000)]
+
+    got = asyncio.run(main())
+    c = client.counters
+    assert 550 < c["judge_cached"] < 650 and c["judge_cached"] + len(fake.requests) == 1000
+    assert c["judge_verdicts"] == len(fake.requests) and sum(got) == len(fake.requests)  # reused: p_pass 0
 
 
 def test_cross_calibration_recovers_a_known_judge_scale() -> None:
