@@ -6,6 +6,7 @@ The tests here start real processes or open sockets; the unit tests (none of eit
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -126,3 +127,40 @@ def test_trl_vllm_peer_pushes_each_steps_weights_to_its_engine(tmp_path: Path) -
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generation"] == "vllm" and summary["vllm"].startswith("0.31")
     assert summary["weights_changed_l2"] > 0.5, (summary["weights_changed_l2"], rewards)  # the weights did move
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_bench_leaves_no_run_behind(tmp_path: Path) -> None:
+    """SIGKILL `flashrl bench seeds` while its run trains: the run (controller, engine, trainer) goes with it."""
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    from tests.helpers import killed_on_exit, process_gone
+
+    cmd = [sys.executable, "-m", "flashrl.cli", "bench", "seeds", "--config", str(TINY), "--modes", "async",
+           "--seeds", "0", "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with killed_on_exit(proc):
+        deadline = time.monotonic() + 150
+        kids: list[psutil.Process] = []
+        while time.monotonic() < deadline and proc.poll() is None:  # the run, its engine and its trainer are up
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            if sum("flashrl.engine.server" in " ".join(k.cmdline()) or "flashrl.trainer.worker" in " ".join(k.cmdline())
+                   for k in kids) >= 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the bench's run did not start its engine and trainer (bench exit {proc.poll()})")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(process_gone(k.pid) for k in kids):
+            time.sleep(0.2)
+        left = [f"{k.pid} {' '.join(k.cmdline())[:80]}" for k in kids if not process_gone(k.pid)]
+        for k in kids:  # the test leaves nothing either way
+            with contextlib.suppress(psutil.Error):
+                k.kill()
+        assert not left, f"still running 30 s after the bench was killed: {left}"

@@ -40,6 +40,7 @@ from flashrl.bench.peers.report import (
     write_results,
 )
 from flashrl.bench.provenance import append_record
+from flashrl.procs import PARENT_ENV
 
 TRL_PYTHON = Path(".venv-trl/bin/python")  # the trl-vllm mode's interpreter (make peers-venv), relative to the cwd
 
@@ -174,7 +175,8 @@ def run_one(mode: str, config: str | Path, seed: int, steps: int | None, out: Pa
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = child_command(mode, config, seed, steps, run_dir, extra_sets, variants, trl_python)
     run = Run(mode=mode, seed=seed, name=name, log=str(log))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the child dies with this bench (procs.child_init): a bench killed mid-run leaves no run going on
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     with log.open("w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()

@@ -370,6 +370,9 @@ def child(
         "--generation", help="TRL's generation backend: hf (HF generate) or vllm (colocated vLLM)")] = "hf",
 ) -> None:
     """Train CONFIG with TRL's GRPOTrainer (the peer of `flashrl bench peers`); exit 2 on a setting TRL cannot reproduce."""
+    from flashrl.procs import child_init
+
+    child_init("the TRL peer")  # started by the bench: dies with it
     try:
         run_trl(config, sets or [], out, threads, generation)
     except PeerConfigError as e:
