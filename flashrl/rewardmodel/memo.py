@@ -42,9 +42,6 @@ class ScoreMemo:
         self._kept: OrderedDict[bytes, float] = OrderedDict()
         self._running: dict[bytes, asyncio.Task[float]] = {}
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     async def get(self, text: str, compute: Callable[[], Awaitable[tuple[float, bool]]]) -> float:
         if not self.size:
             return (await compute())[0]
