@@ -54,7 +54,8 @@ STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM: finish the step and checkpoint wi
 class MemorySampler:
     """The whole run's resident memory (peak and last) and CPU time: this process plus every descendant (engines,
     trainer, vLLM cores, judge engines, reward-model workers). ``cpu_s`` sums each process's user + system
-    seconds as last seen, so a process that exited keeps counting what it used until its last sample."""
+    seconds as last seen, so a process that exited keeps counting what it used until its last sample; a process is
+    known by its pid and start time, so a pid the kernel hands to a new process of the run counts both."""
 
     def __init__(self) -> None:
         import psutil
@@ -62,7 +63,7 @@ class MemorySampler:
         self._proc = psutil.Process()
         self.peak_bytes = 0
         self.last_bytes = 0
-        self._cpu: dict[int, float] = {}  # pid -> user + system seconds at its last sample
+        self._cpu: dict[tuple[int, float], float] = {}  # (pid, start time) -> user + system seconds at its last sample
 
     @property
     def cpu_s(self) -> float:
@@ -79,7 +80,8 @@ class MemorySampler:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
                 t = p.cpu_times()
-                self._cpu[p.pid] = max(self._cpu.get(p.pid, 0.0), t.user + t.system)
+                key = (p.pid, p.create_time())
+                self._cpu[key] = max(self._cpu.get(key, 0.0), t.user + t.system)
         self.last_bytes = total
         self.peak_bytes = max(self.peak_bytes, total)
         return total

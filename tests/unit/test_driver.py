@@ -125,3 +125,40 @@ async def test_no_helper_is_left_running_when_the_run_ends(stand_ins: Config, mo
     summary = await asyncio.wait_for(driver.run_local(stand_ins), DEADLINE_S)
     assert summary["run"] == stand_ins.run.name and "final_policy" not in summary
     assert asyncio.all_tasks() - before == set()
+
+
+def test_the_cpu_sampler_counts_a_reused_pid_as_a_new_process() -> None:
+    """cpu_s keeps each process's CPU time as last seen, also once it exited; a new process the kernel gives an
+    exited one's pid (another start time) is counted beside it, not hidden under the old one's larger total."""
+    from types import SimpleNamespace
+
+    class Proc:
+        def __init__(self, pid: int, started: float, cpu: float) -> None:
+            self.pid, self.started, self.cpu = pid, started, cpu
+
+        def create_time(self) -> float:
+            return self.started
+
+        def cpu_times(self) -> Any:
+            return SimpleNamespace(user=self.cpu, system=0.0)
+
+        def memory_info(self) -> Any:
+            return SimpleNamespace(rss=1)
+
+    class Root(Proc):
+        kids: list[Proc] = []
+
+        def children(self, recursive: bool = False) -> list[Proc]:
+            return self.kids
+
+    sampler = driver.MemorySampler()
+    root = Root(1, 0.0, 1.0)
+    sampler._proc = root  # type: ignore[assignment]
+    root.kids = [Proc(50, 10.0, 5.0)]
+    sampler.sample()
+    root.kids = []  # pid 50 exited: its 5 s still count
+    sampler.sample()
+    assert sampler.cpu_s == pytest.approx(6.0)
+    root.kids = [Proc(50, 20.0, 2.0)]  # a new process of the run got pid 50
+    sampler.sample()
+    assert sampler.cpu_s == pytest.approx(8.0)
