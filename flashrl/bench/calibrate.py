@@ -251,6 +251,9 @@ def _ranges(steps: list[int]) -> str:
 #   trainer  per_token_s = train_s / tokens per step (through the origin: one batch size cannot
 #            separate a fixed cost from a per-token one), step_fixed_s = 0
 #   sync     prepare_weights_s = send_weights_s = sync_s / 2
+#   judge    (a config with judge.model) tokens per verdict, pass rate and reused share from its counters; the
+#            judge engines' scale kj to its busy time per verdict (in turn with k), then, both held,
+#            sim.judge.overhead_s (time per verdict outside the judge's steps, >= 0) to its mean verdict latency
 # What the predicted run contributes is its workload, never a timing: its config (engine count,
 # batch, scheduler, env delay distribution, max_new_tokens) and its measured turns per sample and
 # tokens per turn (the policy's behaviour). The env delay (sim_delay): the config's [env.params.faults]
@@ -401,10 +404,11 @@ def _tokens_per_step(run: CrossRun, prompt_chars: int) -> float:
     return samples * (prompt_chars + run.response_len)
 
 
-def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int, kj: float = 1.0) -> RunResult:
+def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int, kj: float = 1.0, jo: float = 0.0) -> RunResult:
     """``run`` simulated with the timing fitted on ``fit`` (engine scale ``k``; a judge stage, when ``run``
-    has one, with ``fit``'s tokens per verdict and pass rate and the same engine costs: the judge engines
-    run the policy engines' model family here); its ``step_s`` is the predicted steady s/step."""
+    has one, with ``fit``'s tokens per verdict and pass rate, the same engine costs x ``kj`` (the judge engines
+    run the policy engines' model family here) and ``jo`` seconds per verdict outside the judge's steps); its
+    ``step_s`` is the predicted steady s/step."""
     cfg = run.cfg
     prompt = _prompt_chars(cfg)
     turns = max(1, round(run.turns))
@@ -425,7 +429,7 @@ def simulate_cross(run: CrossRun, k: float, fit: CrossRun, fit_prompt: int, kj: 
     sim_tree: dict[str, Any] = {"latency": lat, "lengths": {"dist": "constant", "median": per_turn}, "trainer": trainer}
     if cfg.judge.model and fit.judge:
         sim_tree["judge"] = {"verdict_tokens": fit.judge["verdict_tokens"], "p_pass": fit.judge["p_pass"], "scale": kj,
-                             "reuse": min(0.99, fit.judge.get("reuse", 0.0))}
+                             "reuse": min(0.99, fit.judge.get("reuse", 0.0)), "overhead_s": jo}
     sim = msgspec.convert(sim_tree, SimModel)
     env = msgspec.structs.replace(cfg.env, name="sim", params=params)
     sim_cfg = msgspec.structs.replace(cfg, env=env, run=msgspec.structs.replace(cfg.run, steps=run.steps, dashboard="off", max_time_s=0.0))
@@ -438,6 +442,25 @@ def fit_engine_scale(fit: CrossRun, kj: float = 1.0) -> tuple[float, bool]:
     (``kj``: the judge engines' own scale, when the run has a judge)."""
     prompt = _prompt_chars(fit.cfg)
     return _bisect(lambda k: simulate_cross(fit, k, fit, prompt, kj).step_s, fit.step_s)
+
+
+def fit_judge_overhead(fit: CrossRun, k: float, kj: float) -> float:
+    """The seconds per verdict outside the judge engine's steps (sim.judge.overhead_s) that make the simulated
+    fit run's mean verdict latency the measured one: what the engine steps do not explain (a real verdict's
+    request and answer cross a socket and wait for the judge process's engine thread, which a busy host
+    schedules late). Never below 0: where the simulated engine alone is already slower than measured, 0 (the
+    busy-time fit of ``kj`` then decides). A few fixed-point rounds from 0: the latency grows about one for
+    one with the overhead (the verdicts' batches change a little)."""
+    prompt = _prompt_chars(fit.cfg)
+    want = fit.judge["latency_ms"] / 1000
+    jo = 0.0
+    for _ in range(3):
+        got = simulate_cross(fit, k, fit, prompt, kj, jo).judge.get("judge_latency_ms", 0.0) / 1000
+        nxt = max(0.0, jo + want - got)
+        if abs(nxt - jo) < 1e-3 * want:
+            return nxt
+        jo = nxt
+    return jo
 
 
 def fit_judge_scale(fit: CrossRun, k: float) -> tuple[float, bool]:
@@ -454,18 +477,20 @@ def fit_judge_scale(fit: CrossRun, k: float) -> tuple[float, bool]:
     return _bisect(busy, fit.judge["busy_per_verdict_s"])
 
 
-def fit_scales(fit: CrossRun) -> tuple[float, bool, float]:
-    """(k, clamped, kj): the engine scale, and with a judge stage its own scale, fitted in turn (each moves
-    the other's target a little: the judge's verdicts hold episodes, its engine shares nothing with the
-    policy's); kj = 1.0 without a judge."""
+def fit_scales(fit: CrossRun) -> tuple[float, bool, float, float]:
+    """(k, clamped, kj, jo): the engine scale, and with a judge stage its own scale (to its busy time per verdict),
+    fitted in turn (each moves the other's target a little: the judge's verdicts hold episodes, its engine shares
+    nothing with the policy's); then, those held, its per-verdict overhead (to its latency; 0 where the engine
+    steps alone already take as long as measured), last and alone: in the same loop it traded off against k and
+    kj and did not settle (bench/results/judge/sim-calibration-overhead). kj = 1.0, jo = 0 without a judge."""
     k, clamped = fit_engine_scale(fit)
     if not fit.judge:
-        return k, clamped, 1.0
+        return k, clamped, 1.0, 0.0
     kj = 1.0
     for _ in range(2):
         kj, _ = fit_judge_scale(fit, k)
         k, clamped = fit_engine_scale(fit, kj)
-    return k, clamped, kj
+    return k, clamped, kj, fit_judge_overhead(fit, k, kj)
 
 
 def _bisect(f: Callable[[float], float], target: float) -> tuple[float, bool]:
@@ -496,28 +521,31 @@ class CrossRow(msgspec.Struct, kw_only=True):
     judge_predicted_ms: float = 0.0
 
 
-def cross_validate(runs: list[CrossRun], fit_names: list[str] | None = None) -> tuple[list[CrossRow], dict[str, tuple[float, bool]]]:
-    """Fit on each of ``fit_names`` (default: every run) in turn; predict every run."""
+def cross_validate(runs: list[CrossRun], fit_names: list[str] | None = None
+                   ) -> tuple[list[CrossRow], dict[str, tuple[float, bool]], dict[str, tuple[float, float]]]:
+    """Fit on each of ``fit_names`` (default: every run) in turn; predict every run. Also returns each fit's
+    judge stage (kj, jo) where it has one."""
     rows: list[CrossRow] = []
     scales: dict[str, tuple[float, bool]] = {}
-    judge_scales: dict[str, float] = {}
+    judge_fits: dict[str, tuple[float, float]] = {}
     by_name = {r.name: r for r in runs}
     for name in fit_names or list(by_name):
         if name not in by_name:
             raise ValueError(f"--fit {name!r}: not one of {sorted(by_name)}")
         fit = by_name[name]
-        k, clamped, kj = fit_scales(fit)
+        k, clamped, kj, jo = fit_scales(fit)
         scales[name] = (k, clamped)
-        judge_scales[name] = kj
+        if fit.judge:
+            judge_fits[name] = (kj, jo)
         fp = _prompt_chars(fit.cfg)
         for r in runs:
-            res = simulate_cross(r, k, fit, fp, kj)
+            res = simulate_cross(r, k, fit, fp, kj, jo)
             pred = res.step_s
             rows.append(CrossRow(fit=name, target=r.name, measured_s=r.step_s, predicted_s=pred,
                                  error=pred / r.step_s - 1, in_sample=r.name == name,
                                  judge_measured_ms=r.judge.get("latency_ms", 0.0),
                                  judge_predicted_ms=float(res.judge.get("judge_latency_ms", 0.0))))
-    return rows, scales
+    return rows, scales, judge_fits
 
 
 def ratio_rows(rows: list[CrossRow]) -> list[dict[str, Any]]:
@@ -535,9 +563,11 @@ def ratio_rows(rows: list[CrossRow]) -> list[dict[str, Any]]:
 
 def cross_main(paths: list[str], fit_names: list[str], out: str, config: str = "") -> int:
     runs = [r for p in paths for r in load_cross_runs(Path(p), config)]
-    rows, scales = cross_validate(runs, fit_names or None)
+    rows, scales, judge_fits = cross_validate(runs, fit_names or None)
     oos = [abs(r.error) for r in rows if not r.in_sample]
     lines = ["fit run -> predicted run: measured / predicted s/step, error (out of sample unless marked)"]
+    lines += [f"  fit {n}: judge engine scale {kj:.3g}, per-verdict overhead outside its steps {1000 * jo:.0f} ms"
+              for n, (kj, jo) in judge_fits.items()]
     for r in rows:
         k, clamped = scales[r.fit]
         tag = " (in sample)" if r.in_sample else ""
@@ -560,7 +590,8 @@ def cross_main(paths: list[str], fit_names: list[str], out: str, config: str = "
     if out:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
-        doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()}, "rows": rows, "ratios": ratios,
+        doc = {"sources": paths, "scales": {n: {"k": k, "clamped": c} for n, (k, c) in scales.items()},
+               "judge": {n: {"scale": kj, "overhead_s": jo} for n, (kj, jo) in judge_fits.items()}, "rows": rows, "ratios": ratios,
                "oos_mean_abs_error": statistics.fmean(oos) if oos else None, "oos_max_abs_error": max(oos) if oos else None,
                "oos_judge_mean_abs_error": statistics.fmean(joos) if joos else None,
                "oos_judge_max_abs_error": max(joos) if joos else None}

@@ -46,6 +46,10 @@ class SimJudge(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reuse: Annotated[float, Meta(ge=0, lt=1, description=(
         "share of episodes answered without the engines, as judge.cache_size answers a text asked before in a real run "
         "(env/judge_cached over all the judged episodes; which texts repeat is the policy's, not simulated)"))] = 0.0
+    overhead_s: Annotated[float, Meta(ge=0, description=(
+        "seconds each verdict request spends outside the judge engine's steps (its way to the engine process and "
+        "back, the wait for that process's engine thread), added before the request reaches the simulated engine, "
+        "outside its busy time; calibrate fits it to the fit run's verdict latency"))] = 0.0
 
 
 class SimModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -207,7 +207,7 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
             f: getattr(sim.latency, f) * sim.judge.scale
             for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
         jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
-                                 p_pass=sim.judge.p_pass, seed=cfg.run.seed)
+                                 p_pass=sim.judge.p_pass, seed=cfg.run.seed, overhead_s=sim.judge.overhead_s)
         # the simulator's answers are not the policy's, so which texts repeat is not simulated: the client's
         # cache is off and a fitted share of episodes (sim.judge.reuse) is answered without the engines instead
         jc = msgspec.structs.replace(cfg.judge, cache_size=0)

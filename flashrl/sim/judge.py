@@ -1,7 +1,9 @@
 """The simulator's judge stage: a generative judge's engines as simulated engines, for the real JudgeClient.
 
-    SimJudgeEngines(engines, tok, p_pass, seed)    implements what JudgeClient asks of JudgeEngines
-      generate(ids, max_tokens, ...) -> the least-loaded SimEngine runs the verdict as one more request
+    SimJudgeEngines(engines, tok, p_pass, seed, overhead_s)  implements what JudgeClient asks of JudgeEngines
+      generate(ids, max_tokens, ...) -> after ``overhead_s`` (the request's way to the engine process and
+                                         back, outside its steps and its busy time), the least-loaded
+                                         SimEngine runs the verdict as one more request
                                          (its continuous batching, prefill and decode times, on virtual
                                          time) -> the tokens: spaces, then "1" (pass) or "0" (fail), the
                                          verdict drawn from (seed, request) with probability p_pass
@@ -22,6 +24,7 @@ run's ``env/judge_*`` counters (flashrl/bench/calibrate.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
@@ -83,11 +86,15 @@ class ReusedVerdicts:
 
 
 class SimJudgeEngines:
-    def __init__(self, engines: list[SimEngine], tok: SimTokenizer, *, p_pass: float, seed: int = 0) -> None:
+    def __init__(self, engines: list[SimEngine], tok: SimTokenizer, *, p_pass: float, seed: int = 0,
+                 overhead_s: float = 0.0) -> None:
         if not engines:
             raise ValueError("SimJudgeEngines needs at least one engine")
         if not 0.0 <= p_pass <= 1.0:
             raise ValueError(f"p_pass must be in [0, 1], got {p_pass}")
+        if overhead_s < 0:
+            raise ValueError(f"overhead_s must be >= 0, got {overhead_s}")
+        self.overhead_s = overhead_s
         self.engines = engines
         self.tok = tok
         self.p_pass = p_pass
@@ -106,6 +113,8 @@ class SimJudgeEngines:
         i = self.busy.least_loaded(range(len(self.engines)))
         self._n += 1
         rid = f"judge-{self._n}"
+        if self.overhead_s:  # outside the engine's busy time: calibrate fits that to the engine's work (scale)
+            await asyncio.sleep(self.overhead_s)
         with self.busy.request(i):
             out = await self.engines[i].generate(Generate(request_id=rid, prompt_ids=list(prompt_ids),
                                                           max_tokens=max_tokens, temperature=temperature, seed=seed))
@@ -119,12 +128,12 @@ class SimJudgeEngines:
 
 
 def judge_engines(n: int, latency: Any, verdict_tokens: float, tok: SimTokenizer, *, p_pass: float,
-                  seed: int = 0) -> SimJudgeEngines:
+                  seed: int = 0, overhead_s: float = 0.0) -> SimJudgeEngines:
     """``n`` simulated judge engines with the policy engine's ``latency`` model, verdicts of
-    ``verdict_tokens`` tokens (rounded, at least 1)."""
+    ``verdict_tokens`` tokens (rounded, at least 1), ``overhead_s`` per request outside the engine's steps."""
     from flashrl.sim.engine import LengthModel
 
     lengths = LengthModel(dist="constant", median=max(1.0, round(verdict_tokens)))
     engines = [SimEngine(f"judge{i}", latency, lengths, seed=seed + 1000 + i, vocab_size=tok.vocab_size)
                for i in range(n)]
-    return SimJudgeEngines(engines, tok, p_pass=p_pass, seed=seed)
+    return SimJudgeEngines(engines, tok, p_pass=p_pass, seed=seed, overhead_s=overhead_s)

@@ -188,7 +188,7 @@ def test_cross_calibration_recovers_a_known_engine_scale() -> None:
     # that reproduces the step time, near 3, not on 3 exactly
     assert not clamped and k == pytest.approx(3.0, rel=0.05)
     assert simulate_cross(fit, k, fit, prompt).step_s == pytest.approx(fit.step_s, rel=0.01)
-    rows, _ = cross_validate(runs, [fit.name])
+    rows, _, _ = cross_validate(runs, [fit.name])
     assert [(r.target, r.in_sample) for r in rows] == [("real_agentic/base", False), ("real_agentic/flash", True)]
     assert abs(rows[1].error) < 0.02
     assert rows[0].error == pytest.approx(rows[0].predicted_s / rows[0].measured_s - 1)

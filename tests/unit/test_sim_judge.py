@@ -115,3 +115,44 @@ def test_cross_calibration_recovers_a_known_judge_scale() -> None:
     assert not clamped and kj == pytest.approx(0.5, rel=0.1)
     again = simulate_cross(fit, 2.0, fit, prompt, kj).judge
     assert again["judge_latency_ms"] == pytest.approx(made["judge_latency_ms"], rel=0.1)
+
+
+def test_a_verdicts_overhead_adds_to_its_latency_not_to_the_engines_busy_time() -> None:
+    """sim.judge.overhead_s: each request spends that long before the engine takes it, not counted as the
+    engine's busy time (which calibrate fits the engine's scale to: the two stay apart)."""
+    tok = SimTokenizer()
+    lat = _latency()
+    prompt = tok.encode("12+34=46?")
+
+    async def one(overhead: float) -> tuple[float, float]:
+        je = judge_engines(1, lat, 9, tok, p_pass=0.5, seed=3, overhead_s=overhead)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await je.generate(prompt, max_tokens=12, temperature=0.0, seed=0)
+        took = loop.time() - t0
+        await je.aclose()
+        return took, je.busy.busy_s
+
+    base, base_busy = run_virtual(lambda: one(0.0)).result
+    slow, slow_busy = run_virtual(lambda: one(0.05)).result
+    assert slow == pytest.approx(base + 0.05, rel=1e-6) and slow_busy == pytest.approx(base_busy, rel=1e-6)
+    with pytest.raises(ValueError, match="overhead_s"):
+        judge_engines(1, lat, 9, tok, p_pass=0.5, overhead_s=-0.01)
+
+
+def test_cross_calibration_recovers_a_known_judge_overhead() -> None:
+    """A fit run whose verdict latency we made with 40 ms per verdict outside the judge's steps gives back
+    ~40 ms; one whose measured latency is below what the engine steps alone take gives 0, never less."""
+    from flashrl.bench.calibrate import _prompt_chars, fit_judge_overhead, load_cross_runs, simulate_cross
+
+    runs = load_cross_runs(ROOT / "bench" / "results" / "judge" / "async-vs-sync" / "results.json",
+                           str(ROOT / "configs" / "judge.toml"))
+    fit = msgspec.structs.replace(runs[0], steps=8, warmup=2)
+    prompt = _prompt_chars(fit.cfg)
+    made = simulate_cross(fit, 2.0, fit, prompt, 0.5, 0.04).judge
+    bare = simulate_cross(fit, 2.0, fit, prompt, 0.5, 0.0).judge
+    assert made["judge_latency_ms"] > bare["judge_latency_ms"] + 30
+    fit.judge = {**fit.judge, "latency_ms": made["judge_latency_ms"]}
+    assert fit_judge_overhead(fit, 2.0, 0.5) == pytest.approx(0.04, rel=0.15)
+    fit.judge = {**fit.judge, "latency_ms": 0.5 * bare["judge_latency_ms"]}
+    assert fit_judge_overhead(fit, 2.0, 0.5) == 0.0
