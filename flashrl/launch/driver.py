@@ -80,8 +80,7 @@ class MemorySampler:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
                 t = p.cpu_times()
-                key = (p.pid, p.create_time())
-                self._cpu[key] = max(self._cpu.get(key, 0.0), t.user + t.system)
+                self._cpu[(p.pid, p.create_time())] = t.user + t.system  # a process's CPU time only grows
         self.last_bytes = total
         self.peak_bytes = max(self.peak_bytes, total)
         return total
