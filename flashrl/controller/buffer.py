@@ -151,6 +151,7 @@ class SampleBuffer:
         self.dropped_uids: list[int] = []  # every group given up, in order (checkpointed: no prompt unaccounted for)
         self.complete: list[Group] = []  # COMPLETE groups in completion order
         self._generating = 0  # groups ADMITTED or RUNNING (kept, not counted, on every change)
+        self._training = 0  # groups TRAINING (kept likewise: admit_room reads it per admission)
         self.lending = lending
         self.unsettled = 0  # groups admitted into a lent slot whose lender still holds it (invariant 6)
         self.parked: list[Group] = []  # COMPLETE groups among those, in completion order (invariant 6)
@@ -198,8 +199,7 @@ class SampleBuffer:
         room = self.admission_capacity - self.outstanding
         left = self._left_to_train()
         if left is not None:
-            untaken = sum(g.state is not GroupState.TRAINING for g in self.groups.values())
-            room = min(room, left - untaken)
+            room = min(room, left - (len(self.groups) - self._training))  # minus the groups not yet in a batch
         return max(0, room)
 
     def _left_to_train(self) -> int | None:
@@ -350,6 +350,7 @@ class SampleBuffer:
         for g in batch:
             (self.parked if g in taken_lent else self.complete).remove(g)
             g.state = GroupState.TRAINING
+            self._training += 1
             g.step = step
             g.samples.sort(key=lambda t: t.index)
         self.staleness.taken(step)
@@ -428,6 +429,7 @@ class SampleBuffer:
             if g.state is not GroupState.TRAINING:
                 raise RuntimeError(f"group {g.uid} marked trained in state {g.state.value}")
             g.state = GroupState.TRAINED
+            self._training -= 1
             del self.groups[g.uid]
             if g.borrower is not None:  # the slot is its borrower's now
                 g.borrower.lender, g.borrower = None, None

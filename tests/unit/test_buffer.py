@@ -256,6 +256,22 @@ def test_a_run_admits_no_more_groups_than_it_trains(ratio: int, batch: int, step
     assert len(admitted) == trained + buf.counters["dropped/groups_unfillable"]
 
 
+def test_admission_room_counts_a_training_batch_as_taken() -> None:
+    """Invariant 5 while a batch trains: its groups are already counted against the steps left, so the
+    room is what the later steps still need (the TRAINING count is kept, not scanned, per admission)."""
+    buf = make(ratio=2, batch=2, total_steps=3)
+    for uid in (0, 1):
+        buf.admit(uid, Task(id=str(uid), prompt=""))
+        fill(buf, uid, version=0)
+    batch, _ = buf.take_batch(0)
+    assert batch is not None
+    assert buf.admit_room() == 4  # steps 1 and 2 need 4 groups; the 2 training are step 0's
+    buf.mark_trained(batch)
+    assert buf.admit_room() == 4
+    buf.admit(2, Task(id="2", prompt=""))
+    assert buf.admit_room() == 3
+
+
 def test_admission_room_without_total_steps_is_the_capacity() -> None:
     buf = make(ratio=2, batch=2)
     assert buf.admit_room() == 6
