@@ -11,6 +11,7 @@ Over 600 lines because it is the whole configuration reference: one struct per s
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -380,8 +381,9 @@ class RewardModelConfig(Section):
 
 class JudgeConfig(Section):
     """[judge]: a generative judge, a causal LM served by vLLM engine processes of its own, that reads the prompt
-    and the policy's answer and gives a verdict (pass/fail); its weights never change (docs/rewards.md).
-    The verdict (1 = pass, 0 = fail) is the model reward [reward]'s combine keys combine with the verifier's."""
+    and the policy's answer and gives a verdict (pass/fail, or a score); its weights never change (docs/rewards.md).
+    The verdict (1 = pass, 0 = fail; a score mapped to [0, 1]) is the model reward [reward]'s combine keys
+    combine with the verifier's."""
 
     model: Annotated[str, Meta(description=(
         'the judge: "" = none, "builtin:judge" (a built-in model warm-started on verdicts the environment\'s '
@@ -394,6 +396,15 @@ class JudgeConfig(Section):
         "the judge's prompt; {prompt} is the policy's prompt, {response} its answer (up to the end-of-sequence mark, stripped)"))] = "{prompt}{response}?"
     pass_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is pass (default: its last word is 1, pass or yes, as builtin:judge writes it after its own solution)")] = "(^|\\s)(1|P|pass|PASS|yes)\\s*$"
     fail_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is fail (default: its last word is 0, fail or no)")] = "(^|\\s)(0|F|fail|FAIL|no)\\s*$"
+    verdict: Annotated[Literal["pass_fail", "score"], Meta(description=(
+        'how the judge\'s answer is read: "pass_fail" = pass_pattern / fail_pattern (1 or 0); "score" = a number '
+        "score_pattern finds, mapped from [score_min, score_max] to [0, 1] (a number outside the range, or none, is "
+        "unparsable)"))] = "pass_fail"
+    score_pattern: Annotated[str, Meta(min_length=1, description=(
+        'verdict = "score": a regular expression with one group, the score; its last match in the answer counts '
+        '(default: a number ending the answer; e.g. "Rating: (\\d+)" for "Rating: 7/10")'))] = "(-?\\d+(?:\\.\\d+)?)\\s*$"
+    score_min: Annotated[float, Meta(description='verdict = "score": the lowest score the judge is asked to give (reward 0)')] = 0.0
+    score_max: Annotated[float, Meta(description='verdict = "score": the highest score (reward 1)')] = 10.0
     max_new_tokens: Annotated[int, Meta(ge=1, le=4096, description="tokens the judge may write per verdict (builtin:judge: its solution, a space, the answer copied, a space, the verdict)")] = 12
     temperature: Annotated[float, Meta(ge=0, le=2, description="the judge's sampling temperature (0 = greedy)")] = 0.0
     cache_size: Annotated[int, Meta(ge=0, le=100_000_000, description=(
@@ -542,6 +553,25 @@ def from_dict(data: dict[str, Any], source: str = "config") -> Config:
     return cfg
 
 
+def _check_verdict(jc: JudgeConfig, source: str) -> None:
+    """[judge]'s verdict reading: the options of the other kind of verdict are a mistake, said with the fix."""
+    d = JudgeConfig()
+    score_keys = [k for k in ("score_pattern", "score_min", "score_max") if getattr(jc, k) != getattr(d, k)]
+    pass_keys = [k for k in ("pass_pattern", "fail_pattern") if getattr(jc, k) != getattr(d, k)]
+    if jc.verdict == "pass_fail" and score_keys:
+        raise ConfigError(f"{source}: judge.{score_keys[0]}: set, but judge.verdict = \"pass_fail\" reads pass_pattern / "
+                          "fail_pattern; set judge.verdict = \"score\" to read scores, or remove it")
+    if jc.verdict == "score":
+        if pass_keys:
+            raise ConfigError(f"{source}: judge.{pass_keys[0]}: set, but judge.verdict = \"score\" reads score_pattern; "
+                              "set judge.verdict = \"pass_fail\", or remove it")
+        if not (math.isfinite(jc.score_min) and math.isfinite(jc.score_max) and jc.score_min < jc.score_max):
+            raise ConfigError(f"{source}: judge.score_min = {jc.score_min} must be below judge.score_max = {jc.score_max}")
+        if re.compile(jc.score_pattern).groups < 1:
+            raise ConfigError(f"{source}: judge.score_pattern: {jc.score_pattern!r} has no group; put the score in "
+                              "parentheses, e.g. \"Rating: (\\\\d+)\"")
+
+
 def _check(cfg: Config, source: str) -> None:
     """Cross-field rules msgspec bounds cannot express."""
     alg = cfg.algorithm
@@ -581,11 +611,12 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: judge: options of a judge, but judge.model is empty; set judge.model "
                           "(\"builtin:judge\" or a causal-LM folder) or remove [judge]")
     if cfg.judge.model:
-        for key in ("pass_pattern", "fail_pattern"):
+        for key in ("pass_pattern", "fail_pattern", "score_pattern"):
             try:
                 re.compile(getattr(cfg.judge, key))
             except re.error as e:
                 raise ConfigError(f"{source}: judge.{key}: invalid regular expression: {e}") from None
+        _check_verdict(cfg.judge, source)
         try:
             cfg.judge.template.format(prompt="", response="")
         except (KeyError, IndexError, ValueError) as e:
@@ -628,6 +659,11 @@ def advice(cfg: Config) -> list[str]:
             f"old{older}) as on-policy: no per-token behaviour correction. Use \"decoupled_ppo\" (the default), "
             "\"tis\", \"cispo\" or \"gspo\" (docs/algorithms.md), or scheduler.async_ratio = 0 "
             "(synchronous)")
+    jc = cfg.judge
+    if jc.model == "builtin:judge" and jc.verdict == "score" and (jc.score_min, jc.score_max) != (0.0, 1.0):
+        notes.append(f"judge.verdict = \"score\" with builtin:judge, which ends each verdict with 1 (pass) or 0 (fail): "
+                     f"read on [{jc.score_min:g}, {jc.score_max:g}] a pass is worth {(1 - jc.score_min) / (jc.score_max - jc.score_min):.2g}, "
+                     "not 1; set judge.score_min = 0 and judge.score_max = 1, or judge.verdict = \"pass_fail\"")
     return notes
 
 

@@ -1,18 +1,19 @@
 """Verdicts: the judge's prompt from its template, its answer parsed, failures retried.
 
-    score((prompt, response)) -> 1.0 (pass) | 0.0 (fail) | judge.unparsable_reward (after the parse retries)
+    score((prompt, response)) -> 1.0 (pass) | 0.0 (fail) | judge.unparsable_reward (after the parse retries);
+                                 verdict = "score": (score - score_min) / (score_max - score_min), in [0, 1]
         text = judge.template.format(prompt=..., response=response up to its EOS mark, stripped)
         ids  = the judge's tokenizer (no special tokens) -> JudgeEngines.generate (vLLM batches the concurrent
                requests itself: every episode's verdict is one request, in flight beside the policy's)
         an engine that died / hung / refused -> retried on a live (or restarted) engine, judge.retries times
                (judge_retries, judge_engine_<reason>), then RewardFailed -> EnvFailure: never a verdict of 0
-        a verdict neither pattern matches -> judge_unparsable; "retry": asked again at temperature 1
+        a verdict neither pattern matches (or, scores: no number in range) -> judge_unparsable; "retry": asked again at temperature 1
                (judge_parse_retries), up to judge.parse_retries times; then (or at once with "default")
                judge.unparsable_reward (judge_defaulted)
         the same judge text again (greedy judge, judge.cache_size > 0) -> the verdict already given, or the one
                being given (ScoreMemo; judge_cached): only a greedy verdict that parsed at once is kept
 
-``parse_verdict`` is the parser on its own (unit-tested).
+``parse_verdict`` and ``parse_score`` are the parsers on their own (unit-tested).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import itertools
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from flashrl.config import JudgeConfig
@@ -30,7 +32,7 @@ from flashrl.judge.engines import JudgeEngineFailed
 from flashrl.rewardmodel.memo import ScoreMemo
 from flashrl.rewards import RewardFailed
 
-__all__ = ["JudgeClient", "parse_verdict"]
+__all__ = ["JudgeClient", "parse_score", "parse_verdict", "verdict_parser"]
 
 log = logging.getLogger("flashrl.judge")
 
@@ -43,13 +45,37 @@ def parse_verdict(text: str, pass_re: re.Pattern[str], fail_re: re.Pattern[str])
     return 1.0 if ok else 0.0
 
 
+def parse_score(text: str, score_re: re.Pattern[str], lo: float, hi: float) -> float | None:
+    """The score ``score_re``'s first group holds in its last match, mapped from [lo, hi] to [0, 1]; None when
+    there is no match, it is not a number, or it lies outside [lo, hi] (garbage, not a verdict to clip)."""
+    matches = list(score_re.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        x = float(last.group(1))
+    except (TypeError, ValueError):
+        return None
+    if not lo <= x <= hi:  # also NaN
+        return None
+    return (x - lo) / (hi - lo)
+
+
+def verdict_parser(jc: JudgeConfig) -> Callable[[str], float | None]:
+    """judge.verdict's reader: text -> the verdict in [0, 1], or None (unparsable)."""
+    if jc.verdict == "score":
+        score_re, lo, hi = re.compile(jc.score_pattern), jc.score_min, jc.score_max
+        return lambda text: parse_score(text, score_re, lo, hi)
+    pass_re, fail_re = re.compile(jc.pass_pattern), re.compile(jc.fail_pattern)
+    return lambda text: parse_verdict(text, pass_re, fail_re)
+
+
 class JudgeClient:
     def __init__(self, jc: JudgeConfig, engines: Any, tokenizer: Any) -> None:
         self.jc = jc
         self.engines = engines  # JudgeEngines, or anything with its generate/start/aclose/counts/pids/busy (aio.BusyTime)
         self.tok = tokenizer
-        self.pass_re = re.compile(jc.pass_pattern)
-        self.fail_re = re.compile(jc.fail_pattern)
+        self.parse = verdict_parser(jc)
         self.counts: Counter[str] = Counter()
         self.latency_s = 0.0
         self._ids = itertools.count()
@@ -88,10 +114,10 @@ class JudgeClient:
             temperature = self.jc.temperature if attempt == 0 else 1.0  # greedy again would say the same
             out = await self._generate(ids, temperature)
             self.counts["judge_tokens"] += len(out)
-            verdict = parse_verdict(self.tok.decode(out, skip_special_tokens=True), self.pass_re, self.fail_re)
+            verdict = self.parse(self.tok.decode(out, skip_special_tokens=True))
             if verdict is not None:
                 self.counts["judge_verdicts"] += 1
-                self.counts["judge_pass"] += int(verdict == 1.0)
+                self.counts["judge_pass"] += int(verdict > 0.5)  # pass; a score in the upper half of its range
                 self.latency_s += clock() - t0
                 return verdict, attempt == 0
             self.counts["judge_unparsable"] += 1

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from envs.arithmetic import ArithmeticSuite
-from flashrl.config import ConfigError, JudgeConfig, RewardModelConfig, from_dict
+from flashrl.config import ConfigError, JudgeConfig, RewardModelConfig, advice, from_dict
 from flashrl.env import EnvFailure
-from flashrl.judge.client import JudgeClient, parse_verdict
+from flashrl.judge.client import JudgeClient, parse_score, parse_verdict
 from flashrl.judge.fake import FakeJudgeEngines
 from flashrl.models.tokenizer import build_char_tokenizer
 from flashrl.rewardmodel.suite import RewardModelSuite
@@ -36,6 +36,40 @@ def test_parse_verdict() -> None:
     assert parse_verdict("P", p, f) == 1.0 and parse_verdict(" pass", p, f) == 1.0
     assert parse_verdict("F", p, f) == 0.0 and parse_verdict("no", p, f) == 0.0
     assert parse_verdict("", p, f) is None and parse_verdict("maybe", p, f) is None
+
+
+def test_parse_score() -> None:
+    jc = JudgeConfig(model="x", verdict="score")
+    d = re.compile(jc.score_pattern)
+    assert parse_score("46 47 7", d, 0, 10) == 0.7 and parse_score("8.5", d, 0, 10) == 0.85
+    assert parse_score("0", d, 0, 10) == 0.0 and parse_score("10 ", d, 0, 10) == 1.0
+    assert parse_score("3", d, 1, 5) == 0.5  # mapped from [score_min, score_max]
+    assert parse_score("11", d, 0, 10) is None and parse_score("-1", d, 0, 10) is None  # out of range: garbage
+    assert parse_score("", d, 0, 10) is None and parse_score("7 of ten", d, 0, 10) is None  # no number at the end
+    rating = re.compile(r"Rating: (\d+)")
+    assert parse_score("Rating: 2/10, then Rating: 7/10", rating, 0, 10) == 0.7  # the last match counts
+    assert parse_score("Rating: 70", rating, 0, 10) is None
+
+
+async def test_score_verdicts_are_rewards_in_0_1_and_garbage_is_unparsable() -> None:
+    fake = FakeJudgeEngines(_says("Score: 8", "Score: 12", "Score: 3"))
+    jc = JudgeConfig(model="x", verdict="score", score_pattern=r"Score: (\d+)", score_min=0, score_max=10,
+                     cache_size=0)
+    c = JudgeClient(jc, fake, TOK)
+    assert await c.score(("1+2=", "3")) == 0.8
+    assert await c.score(("1+2=", "4")) == 0.3  # 12 is out of range: unparsable, asked again (sampled)
+    assert [t for _, t in fake.requests] == [0.0, 0.0, 1.0]
+    assert c.counters["judge_unparsable"] == 1 and c.counters["judge_parse_retries"] == 1
+    assert c.counters["judge_verdicts"] == 2 and c.counters["judge_pass"] == 1  # 0.8 is a pass, 0.3 is not
+    inner = ArithmeticSuite(ArithmeticSuite.Params(), seed=0, eval_size=10)
+    suite = RewardModelSuite(inner, JudgeClient(jc, FakeJudgeEngines(_says("Score: 6")), TOK), RewardModelConfig(),
+                             kind="judge")
+    task = inner.train_tasks()[0]
+    env = suite.make_env()
+    await env.reset(task)
+    res = await env.step(task.answer)  # right: the verifier's 1 against the judge's 0.6
+    assert res.reward == 0.6 and res.info["correct"] is True
+    assert abs(res.info["metrics"]["judge_gap"] - (0.6 - 1.0)) < 1e-9 and res.info["metrics"]["judge_agree"] == 1.0
 
 
 async def test_verdicts_fill_the_template_and_parse() -> None:
@@ -117,6 +151,19 @@ def test_judge_config_is_checked() -> None:
         from_dict({"judge": {"model": "builtin:judge"}, "reward": {"model": "builtin:rm"}})
     with pytest.raises(ConfigError, match="judge: options of a judge, but judge.model is empty"):
         from_dict({"judge": {"engines": 2}})
+    with pytest.raises(ConfigError, match='judge.score_max: set, but judge.verdict = "pass_fail"'):
+        from_dict({"judge": {"model": "builtin:judge", "score_max": 5}})
+    with pytest.raises(ConfigError, match='judge.fail_pattern: set, but judge.verdict = "score"'):
+        from_dict({"judge": {"model": "builtin:judge", "verdict": "score", "fail_pattern": "no"}})
+    with pytest.raises(ConfigError, match="judge.score_min = 5.0 must be below judge.score_max = 5.0"):
+        from_dict({"judge": {"model": "builtin:judge", "verdict": "score", "score_min": 5, "score_max": 5}})
+    with pytest.raises(ConfigError, match="judge.score_pattern: .* has no group"):
+        from_dict({"judge": {"model": "builtin:judge", "verdict": "score", "score_pattern": r"\d+"}})
+    with pytest.raises(ConfigError, match="judge.score_pattern: invalid regular expression"):
+        from_dict({"judge": {"model": "builtin:judge", "verdict": "score", "score_pattern": "(\\d"}})
+    cfg = from_dict({"judge": {"model": "builtin:judge", "verdict": "score"}})  # valid, but a pass would be 0.1
+    assert any("a pass is worth 0.1, not 1" in n for n in advice(cfg))
+    assert not advice(from_dict({"judge": {"model": "builtin:judge", "verdict": "score", "score_max": 1}}))
 
 
 def test_builtin_judge_targets_solve_copy_then_rule() -> None:
