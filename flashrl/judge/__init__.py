@@ -1,5 +1,5 @@
 """A generative judge beside the policy: a causal LM served by vLLM engine processes of its own gives each
-finished episode a verdict (pass/fail) that trains the policy, the environment's verifier held out as truth.
+finished episode a verdict (pass/fail, or a score) that trains the policy, the environment's verifier held out as truth.
 
     build.py    builtin:judge (the built-in model warm-started on verifier-labelled verdicts), cached
     engines.py  JudgeEngines: the judge's engine processes (the policy's engine server), watched, restarted
