@@ -66,6 +66,25 @@ def test_summarize_time_to_thresholds_dips_and_parts() -> None:
     assert [s for s, _, _ in run.evals] == [0, 10, 20, 30, 40, 50]
 
 
+@pytest.mark.parametrize("mode,marked", [("trl", True), ("trl", False), ("trl-vllm", False)])
+def test_start_up_charges_no_side_its_step_0_eval(mode: str, marked: bool) -> None:
+    """TRL's step-0 eval runs before its clock starts, so the bench's launch -> clock-0 offset holds it, while
+    flashrl's runs beside its first steps: "whole process" leaves it out of TRL's start-up too (issue 51). Its
+    records from before the marker key are read alike (their step-0 time/eval_s)."""
+    accs = {0: 0.5, 10: 0.81}
+    recs = _records(accs, 20)  # step 0's eval took 3.0 s
+    if marked:
+        recs[0]["time/eval_before_clock_s"] = 3.0
+    trl = Run(mode=mode, seed=0, name="t", startup_s=10.0)
+    summarize(trl, recs)
+    assert trl.startup_eval_s == pytest.approx(3.0)
+    assert trl.time_to["80%"]["process_s"] == pytest.approx(7.0 + 5.0)  # start-up 10 - 3 s eval, + 5 s clock
+    flash = Run(mode="async", seed=0, name="a", startup_s=10.0)
+    summarize(flash, _records(accs, 20))  # the same step-0 record: beside training, nothing to take out
+    assert flash.startup_eval_s == 0.0 and flash.time_to["80%"]["process_s"] == pytest.approx(15.0)
+    assert "(3.0 s eval left out)" in markdown_table([trl, flash])
+
+
 def test_a_skipped_sync_flag_is_no_part_of_the_step_time() -> None:
     """time/sync/skipped is 1 on a step whose version had no sync of its own: a flag, not seconds (a report once
     showed "sync/skipped 84 ms" and took it out of the step's rest)."""

@@ -66,7 +66,8 @@ class Run:
     returncode: int | None = None
     log: str = ""
     wall_s: float | None = None  # launch -> exit, measured here
-    startup_s: float | None = None  # launch -> training clock 0
+    startup_s: float | None = None  # launch -> training clock 0, as measured from outside (evals before clock 0 in it)
+    startup_eval_s: float = 0.0  # of that, held-out eval run before the clock started (TRL's step-0 eval)
     train_s: float | None = None  # training clock at the last step
     steps: int = 0
     samples: int = 0
@@ -125,6 +126,30 @@ def startup_offset(appeared: Sequence[tuple[float, float]]) -> float | None:
     return max(0.0, min(diffs)) if diffs else None
 
 
+EVAL_BEFORE_CLOCK = "time/eval_before_clock_s"  # the TRL peer's step-0 record: its eval ran before clock 0
+
+
+def eval_before_clock(mode: str, records: list[dict[str, Any]]) -> float:
+    """Seconds of held-out eval a run did before its training clock started: inside the start-up the bench
+    measures (launch -> clock 0), to be left out of it as every later eval is left out of the clock.
+
+    The TRL peer evaluates step 0 in ``on_train_begin``, before its clock starts, and says so
+    (``time/eval_before_clock_s``); its records from before that key existed are read the same way (their
+    step-0 ``time/eval_s``). flashrl's step-0 eval runs on its engine beside the first steps: nothing before
+    its clock, 0."""
+    first = next((r for r in records if int(r["step"]) == 0), None)
+    if first is None:
+        return 0.0
+    if EVAL_BEFORE_CLOCK in first:
+        return float(first[EVAL_BEFORE_CLOCK])
+    return float(first.get("time/eval_s", 0.0)) if mode in TRL_MODES else 0.0
+
+
+def startup_charged(run: Run) -> float | None:
+    """The start-up a table charges: launch -> training clock 0 with the evals before the clock left out."""
+    return None if run.startup_s is None else max(0.0, run.startup_s - run.startup_eval_s)
+
+
 def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted((r for r in records if int(r["step"]) >= 1 and "time/elapsed_s" in r), key=lambda r: int(r["step"]))
 
@@ -158,6 +183,8 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
     seed tables compare (default: 80% when it is timed, else the first)."""
     steps = _step_records(records)
     clock = training_clock(records)
+    run.startup_eval_s = eval_before_clock(run.mode, records)
+    startup = startup_charged(run)
     run.eval_wait_s = sum(eval_wait(r) for r in steps)
     evals = []
     for r in records:
@@ -212,7 +239,7 @@ def summarize(run: Run, records: list[dict[str, Any]], thresholds: Sequence[floa
         run.time_to[f"{thr:.0%}"] = {
             "step": hit[0] if hit else None,
             "train_s": hit[1] if hit else None,
-            "process_s": hit[1] + run.startup_s if hit and run.startup_s is not None else None,
+            "process_s": hit[1] + startup if hit and startup is not None else None,
         }
     hit80 = (run.time_to.get("80%") or {}).get("step")
     after = [a for s, a, _ in evals if hit80 is not None and s >= hit80]
@@ -257,7 +284,9 @@ def markdown_table(runs: Sequence[Run]) -> str:
         row(f"time to {thr} held-out (training clock)", [_time_to(r, thr, "train_s") for r in runs])
     for thr in targets:
         row(f"time to {thr} (whole process)", [_time_to(r, thr, "process_s") for r in runs])
-    row("start-up (launch -> first step starts)", ["n/a" if r.startup_s is None else f"{r.startup_s:.1f} s" for r in runs])
+    row("start-up (launch -> first step starts; step-0 eval left out)",
+        ["n/a" if r.startup_s is None else f"{startup_charged(r):.1f} s" + (
+            f" ({r.startup_eval_s:.1f} s eval left out)" if r.startup_eval_s else "") for r in runs])
     row("steps / training clock", [f"{r.steps} / {fmt(r.train_s)} s" for r in runs])
     row("held-out eval waits left out of the clock", [f"{r.eval_wait_s:.1f} s" if r.mode not in TRL_MODES else "(evals between steps)"
                                                     for r in runs])
@@ -472,7 +501,10 @@ What differs:
 - Memory: peak resident memory of each run's process tree, sampled every 0.5 s by the bench (RSS sums
   count shared pages once per process).
 - Start-up: from launch to the training clock's 0 (imports, model load, for flashrl also engine and
-  trainer start-up and the first weight sync); "whole process" = start-up + training clock.
+  trainer start-up and the first weight sync); "whole process" = start-up + training clock. Neither side's
+  step-0 eval is counted in it: TRL's runs before its clock starts (its time, `time/eval_before_clock_s`,
+  is taken out of its start-up), flashrl's beside its first steps (what they waited for it is taken out of
+  the clock), so "whole process" charges both sides' evals alike: not at all.
 """
 
 

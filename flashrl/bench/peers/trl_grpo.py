@@ -16,7 +16,8 @@ eps_low/eps_high, token-mean loss (TRL "dapo": over the active tokens of the opt
 one process, no accumulation), std-scaled group advantages, no KL (beta 0), grad clip. What TRL
 cannot reproduce is refused with ``PeerConfigError`` naming the key. Held-out accuracy every
 ``run.eval_every`` steps: greedy, the same 400 tasks, ``max_new_tokens`` tokens, scored by the env's
-verifier; its time is taken out of the training clock.
+verifier; its time is taken out of the training clock, and the step-0 eval's (run before the clock starts,
+``time/eval_before_clock_s``) out of start-up, as flashrl's step-0 eval runs beside its training.
 
 Generation: ``hf`` (TRL's default: HF ``generate`` on the training weights) or ``vllm`` (``use_vllm`` in
 colocate mode: a vLLM engine in this process, the weights pushed to it before each step's generation).
@@ -288,6 +289,9 @@ def run_trl(config: str | Path, overrides: Sequence[str], out: str | Path, threa
                           **kwargs: Any) -> None:
             rec: dict[str, Any] = {"step": 0, "version": 0}
             evaluate(0, rec)
+            # This eval runs before the training clock starts, so the bench's launch -> clock-0 offset holds
+            # it; said here so the report takes it out of start-up, as flashrl's beside-training one is.
+            rec["time/eval_before_clock_s"] = rec["time/eval_s"]
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             times["t0"] = time.perf_counter()
