@@ -1,4 +1,5 @@
-"""README's results tables, made from committed results: ``flashrl bench readme`` writes them, ``--check`` compares.
+"""README's results tables, made from committed raw results: ``flashrl bench readme`` writes them, ``--check``
+compares.
 
 Every number in README's Results section comes from a results folder under bench/results/ named in
 ``bench/results/readme.toml``; the section holds one marked block per table::
@@ -7,27 +8,37 @@ Every number in README's Results section comes from a results folder under bench
     ...
     <!-- /results:NAME -->
 
-A table says the host and the commit of its numbers (each folder's ``host.json``, flashrl/bench/provenance.py)
-and links the folder's own README, where its story is. tests/unit/test_readme_tables.py fails when README and
-the committed results disagree, so a re-measured result reaches README by one command, and a hand-edited
-number does not survive.
+Each table is recomputed from the raw per-run records committed in its folder, never from a derived file
+(results.json, results.md): an edited metrics line changes the table, and ``--check`` then fails. A table
+says the host and the commit of its numbers (each folder's ``host.json``, flashrl/bench/provenance.py), is
+refused when that commit had uncommitted changes, and links the folder's own README, where its story is.
 
-Table kinds:
-- ``peers``: a ``flashrl bench peers`` folder (``results.json``): per seed, trained samples/s, time to the target
-  held-out accuracy (training clock, and counting start-up), held-out start -> final, peak memory, per mode;
-- ``run``: one ``flashrl run`` folder (``summary.json``): held-out start -> end and the wall time.
+Table kinds and their raw files:
+- ``peers``: a ``flashrl bench peers`` folder. Per run ``runs/<mode>-seed<N>/bench_run.json`` (only what the
+  bench measured from outside the run: exit code, start-up, peak memory of the process tree) and the run's
+  metrics (``runs/<mode>-seed<N>/metrics.jsonl``, or ``metrics/<mode>-seed<N>.metrics.jsonl``, each
+  as committed: ``.xz``, ``.gz`` or plain), read by
+  the bench's own report code (flashrl/bench/peers/report.py ``summarize``). Rows per seed: trained samples/s,
+  time to the target held-out accuracy (training clock, and counting start-up), held-out start -> final,
+  peak memory; ``extras`` adds rows (``EXTRAS``) and ``compare`` a seed-by-seed line of two modes.
+- ``run``: one ``flashrl run`` folder: held-out start -> end and steps from ``metrics.jsonl`` (``.xz``/``.gz``), the wall
+  time from the run's own ``summary.json``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from flashrl.bench.peers.report import Run, summarize
 from flashrl.bench.provenance import describe, read_records
 
 # how each peers mode is named in a table, and the order of the columns; a mode not listed keeps its own name
@@ -37,6 +48,7 @@ MODE_NAMES = {
     "sync": "flashrl sync, vLLM",
     "async": "flashrl async, vLLM",
 }
+OUTSIDE = ("returncode", "startup_s", "peak_mem_gib", "wall_s")  # what bench_run.json contributes
 
 
 class Table(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,8 +58,10 @@ class Table(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kind: str  # "peers" | "run"
     dir: str
     caption: str = ""
-    target: str = "80%"  # peers: the held-out accuracy timed (a key of results.json's time_to)
+    target: str = "80%"  # peers: the held-out accuracy timed
     modes: list[str] = msgspec.field(default_factory=list)  # peers: the columns (default: every mode there)
+    extras: list[str] = msgspec.field(default_factory=list)  # peers: more rows, keys of EXTRAS
+    compare: list[str] = msgspec.field(default_factory=list)  # peers: [faster, slower] modes, seed by seed
 
 
 class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -65,78 +79,176 @@ def load_spec(path: Path) -> Spec:
         raise ReadmeError(f"{path}: {e}") from None
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A metrics file (``.jsonl``, ``.jsonl.gz`` or ``.jsonl.xz``) as its step records. Unlike a live run's reader this one
+    refuses a line it cannot parse: a committed raw file is whole, so a bad line is damage, not a torn write."""
+    unpack = {".gz": gzip.decompress, ".xz": lzma.decompress}.get(path.suffix)
+    try:
+        text = unpack(path.read_bytes()).decode() if unpack else path.read_text()
+    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:
+        raise ReadmeError(f"{path}: cannot read it ({e}); restore it from git") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            raise ReadmeError(f"{path}:{n}: not a JSON line") from None
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
 def _host_line(root: Path, folder: Path) -> str:
     records = read_records(root / folder)
     if not records:
         raise ReadmeError(f"{folder}: no host.json (who measured it, where, at what commit); re-run the bench, "
                           f"which writes it (flashrl/bench/provenance.py)")
-    hosts = sorted({describe(r) for r in records})
-    return "; ".join(hosts)
+    dirty = [r for r in records if r.get("dirty")]
+    if dirty:
+        raise ReadmeError(f"{folder}: measured at {dirty[0].get('commit')} with uncommitted changes "
+                          f"({', '.join(dirty[0]['dirty'][:3])}): no README table is made from code that "
+                          f"is in no commit; re-measure on a clean tree")
+    return "; ".join(sorted({describe(r) for r in records}))
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _raw(base: Path) -> Path | None:
+    """``base`` (a .jsonl path) as committed: compressed (.xz or .gz) or plain; None if absent."""
+    return next((p for p in (base.with_name(base.name + ".xz"), base.with_name(base.name + ".gz"), base)
+                 if p.exists()), None)
+
+
+def _metrics_path(folder: Path, name: str) -> Path:
+    for base in (folder / "runs" / name / "metrics.jsonl", folder / "metrics" / f"{name}.metrics.jsonl"):
+        if (p := _raw(base)) is not None:
+            return p
+    raise ReadmeError(f"{folder}: run {name} has no raw metrics (runs/{name}/metrics.jsonl.xz); commit them")
+
+
+def peer_runs(folder: Path, target: str) -> list[Run]:
+    """Every completed run of a peers folder, recomputed from its raw files."""
+    found = sorted(folder.glob("runs/*/bench_run.json"))
+    if not found:
+        raise ReadmeError(f"{folder}: no runs/<mode>-seed<N>/bench_run.json (run `flashrl bench peers --out {folder}`)")
+    thr = float(target.rstrip("%")) / 100
+    runs = []
+    for path in found:
+        data = json.loads(path.read_text())
+        run = Run(mode=data["mode"], seed=int(data["seed"]), name=path.parent.name,
+                  **{k: data.get(k) for k in OUTSIDE})
+        if run.returncode != 0:
+            continue
+        summarize(run, read_jsonl(_metrics_path(folder, run.name)), (thr,), primary=target)
+        runs.append(run)
+    return runs
+
+
+def _last(recs: list[dict[str, Any]], key: str) -> float:
+    return next((float(r[key]) for r in reversed(recs) if key in r), 0.0)
+
+
+def _cache_share(folder: Path, r: Run) -> str:
+    recs = read_jsonl(_metrics_path(folder, r.name))
+    cached, asked = _last(recs, "env/judge_cached"), _last(recs, "env/judge_verdicts")
+    return f"{cached / (cached + asked):.0%}" if cached + asked else "-"
+
+
+# extra rows a peers table may ask for: label, cell of one run (the folder, the run)
+EXTRAS: dict[str, tuple[str, Callable[[Path, Run], str]]] = {
+    "gain": ("held-out gain, points (final - start)",
+             lambda f, r: "-" if r.first_acc is None or r.final_acc is None
+             else f"{100 * (r.final_acc - r.first_acc):+.1f}"),
+    "cores": ("cores kept busy (CPU s per s)", lambda f, r: "-" if r.cpu_cores is None else f"{r.cpu_cores:.2f}"),
+    "judge-cache": ("episodes ruled from the verdict cache", _cache_share),
+}
+
+
+def _compare(runs: dict[tuple[str, int], Run], seeds: list[int], fast: str, slow: str, target: str) -> str:
+    def ratio(fn: Callable[[Run], float | None], invert: bool) -> str:
+        out = []
+        for s in seeds:
+            a, b = (runs.get((fast, s)), runs.get((slow, s)))
+            x, y = (fn(a) if a else None), (fn(b) if b else None)
+            out.append("-" if not x or not y else f"{(y / x if invert else x / y):.2f}x")
+        return ", ".join(out)
+
+    def t(r: Run) -> float | None:
+        return (r.time_to.get(target) or {}).get("train_s")
+    return (f"{MODE_NAMES.get(fast, fast)} against {MODE_NAMES.get(slow, slow)}, seeds "
+            f"{', '.join(map(str, seeds))}: {ratio(lambda r: r.samples_per_s, False)} the trained samples/s; "
+            f"{target} reached {ratio(t, True)} sooner on the training clock.")
+
+
 def _peers(root: Path, t: Table) -> list[str]:
-    folder = Path(t.dir)
-    path = root / folder / "results.json"
-    if not path.exists():
-        raise ReadmeError(f"{folder}: no results.json (run `flashrl bench peers --out {folder}`)")
-    runs = [r for r in json.loads(path.read_text()) if r.get("returncode") == 0]
-    present = list(dict.fromkeys(r["mode"] for r in runs))
+    folder = root / t.dir
+    runs = peer_runs(folder, t.target)
+    present = list(dict.fromkeys(r.mode for r in runs))
     modes = t.modes or [m for m in MODE_NAMES if m in present] + [m for m in present if m not in MODE_NAMES]
     missing = [m for m in modes if m not in present]
     if missing:
-        raise ReadmeError(f"{folder}: no completed run of mode(s) {', '.join(missing)}")
-    by = {(r["mode"], r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs if r["mode"] in modes})
+        raise ReadmeError(f"{t.dir}: no completed run of mode(s) {', '.join(missing)}")
+    by = {(r.mode, r.seed): r for r in runs}
+    seeds = sorted({r.seed for r in runs if r.mode in modes})
 
-    def cells(fn: Any) -> list[str]:
-        out = []
-        for m in modes:
-            vals = [fn(by[(m, s)]) if (m, s) in by else "-" for s in seeds]
-            out.append(", ".join(vals))
-        return out
+    def cells(fn: Callable[[Run], str]) -> list[str]:
+        return [", ".join(fn(by[(m, s)]) if (m, s) in by else "-" for s in seeds) for m in modes]
 
-    def reach(key: str) -> Any:
-        def f(r: dict[str, Any]) -> str:
-            got = (r.get("time_to") or {}).get(t.target)
-            return "not reached" if not got or got.get(key) is None else f"{got[key]:.1f} s"
+    def reach(key: str) -> Callable[[Run], str]:
+        def f(r: Run) -> str:
+            got = r.time_to.get(t.target) or {}
+            return "not reached" if got.get(key) is None else f"{got[key]:.1f} s"
         return f
 
-    seed_txt = ", ".join(str(s) for s in seeds)
     rows = [
-        (f"trained samples/s, seeds {seed_txt}", cells(lambda r: f"{r['samples_per_s']:.0f}")),
+        (f"trained samples/s, seeds {', '.join(map(str, seeds))}", cells(lambda r: f"{r.samples_per_s:.0f}")),
         (f"time to {t.target} held-out, training clock", cells(reach("train_s"))),
         (f"time to {t.target} held-out, counting start-up", cells(reach("process_s"))),
-        ("held-out accuracy, start -> final", cells(lambda r: f"{_pct(r.get('first_acc'))} -> {_pct(r.get('final_acc'))}")),
-        ("peak memory, process tree (GiB)", cells(lambda r: f"{r['peak_mem_gib']:.2f}")),
+        ("held-out accuracy, start -> final", cells(lambda r: f"{_pct(r.first_acc)} -> {_pct(r.final_acc)}")),
+        ("peak memory, process tree (GiB)", cells(lambda r: f"{r.peak_mem_gib:.2f}")),
     ]
-    head = "| | " + " | ".join(MODE_NAMES.get(m, m) for m in modes) + " |"
-    lines = [head, "|---|" + "---:|" * len(modes)]
+    for key in t.extras:
+        if key not in EXTRAS:
+            raise ReadmeError(f"table {t.name}: extras {key!r}; use any of {', '.join(EXTRAS)}")
+        label, fn = EXTRAS[key]
+        rows.append((label, cells(lambda r, fn=fn: fn(folder, r))))  # type: ignore[misc]
+    lines = ["| | " + " | ".join(MODE_NAMES.get(m, m) for m in modes) + " |", "|---|" + "---:|" * len(modes)]
     lines += ["| " + label + " | " + " | ".join(vals) + " |" for label, vals in rows]
+    if t.compare:
+        lines += ["", _compare(by, seeds, t.compare[0], t.compare[1], t.target)]
     return lines
 
 
 def _run(root: Path, t: Table) -> list[str]:
-    folder = Path(t.dir)
-    path = root / folder / "summary.json"
-    if not path.exists():
-        raise ReadmeError(f"{folder}: no summary.json (copy a run's runs/<name>/summary.json there)")
-    s = json.loads(path.read_text())
+    folder = root / t.dir
+    summary = folder / "summary.json"
+    if not summary.exists():
+        raise ReadmeError(f"{t.dir}: no summary.json (copy a run's runs/<name>/summary.json there)")
+    raw = _raw(folder / "metrics.jsonl")
+    if raw is None:
+        raise ReadmeError(f"{t.dir}: no metrics.jsonl.xz (the run's metrics.jsonl, compressed); commit it")
+    recs = read_jsonl(raw)
+    evals = sorted((int(r["step"]), float(r["eval/accuracy"])) for r in recs if r.get("eval/accuracy") is not None)
+    steps = max((int(r["step"]) for r in recs), default=0)
+    wall = json.loads(summary.read_text())["wall_s"]  # the run's own process start -> end
+    first, last = (evals[0][1], evals[-1][1]) if evals else (None, None)
     return ["| held-out accuracy, start -> end | steps | wall time (process start to end) |", "|---|---:|---:|",
-            f"| {_pct(s.get('eval_first'))} -> **{_pct(s.get('eval_last'))}** | {s['steps']} | {s['wall_s']:.0f} s |"]
+            f"| {_pct(first)} -> **{_pct(last)}** | {steps} | {wall:.0f} s |"]
 
 
 def render(root: Path, t: Table) -> str:
     kinds = {"peers": _peers, "run": _run}
     if t.kind not in kinds:
         raise ReadmeError(f"table {t.name}: kind {t.kind!r}; use one of {', '.join(kinds)}")
+    host = _host_line(root, Path(t.dir))
     lines = ([t.caption, ""] if t.caption else []) + kinds[t.kind](root, t)
     readme = Path(t.dir) / "README.md"
     link = f" ([{Path(t.dir).name}]({readme.as_posix()}))" if (root / readme).exists() else ""
-    lines += ["", f"Measured on {_host_line(root, Path(t.dir))}{link}."]
+    lines += ["", f"Measured on {host}{link}."]
     return "\n".join(lines)
 
 
