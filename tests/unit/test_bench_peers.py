@@ -361,6 +361,26 @@ def test_report_only_assembles_kept_and_recovered_runs(tmp_path: Path) -> None:
     assert runs[0].time_to["80%"]["step"] == 10 and (out / "results.md").is_file()
 
 
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_report_only_reads_a_committed_folder_s_compressed_metrics(tmp_path: Path, suffix: str) -> None:
+    """bench/results keeps a run's metrics compressed: --report-only (and --resume) read them as the run wrote them."""
+    import gzip
+    import lzma
+
+    from flashrl.bench.peers import runner as peers
+
+    out = tmp_path / "out"
+    run_dir = out / "runs" / "async-seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "bench_run.json").write_text(json.dumps({"mode": "async", "seed": 0, "name": "async-seed0",
+                                                        "returncode": 0, "startup_s": 4.0, "peak_mem_gib": 2.0}))
+    text = "\n".join(json.dumps(r) for r in _records({0: 0.5, 10: 0.82}, 10)) + "\n"
+    pack = lzma.compress if suffix == ".xz" else gzip.compress
+    (run_dir / f"metrics.jsonl{suffix}").write_bytes(pack(text.encode()))
+    runs = peers.run_bench(["async"], [0], out, TINY, report_only=True)
+    assert runs[0].steps == 10 and runs[0].final_acc == 0.82 and runs[0].time_to["80%"]["process_s"] == 9.0
+
+
 def test_paired_table_compares_seed_by_seed_on_the_seeds_both_reached() -> None:
     """Time to 80% is compared only where both reached it: async's mean over its own reached seeds (seed 0 only)
     would be 1.0 s against TRL's 2.5 s over seeds 0 and 1, but seed by seed async is later on seed 0 and never

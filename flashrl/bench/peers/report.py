@@ -101,10 +101,19 @@ class Run:
     eval_engine_share: float | None = None
 
 
+def metrics_file(run_dir: Path) -> Path | None:
+    """A run folder's metrics: metrics.jsonl as the run wrote it, or as committed under bench/results (.xz, .gz)."""
+    return next((p for p in (run_dir / f"metrics.jsonl{x}" for x in ("", ".xz", ".gz")) if p.exists()), None)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl as a list of records (blank or torn last lines skipped)."""
+    """metrics.jsonl (or its .xz / .gz) as a list of records (blank or torn last lines skipped)."""
+    import gzip
+    import lzma
+
+    unpack = {".gz": gzip.decompress, ".xz": lzma.decompress}.get(path.suffix)
     out = []
-    for line in path.read_text().splitlines():
+    for line in (unpack(path.read_bytes()).decode() if unpack else path.read_text()).splitlines():
         line = line.strip()
         if not line:
             continue

@@ -34,6 +34,7 @@ from flashrl.bench.peers.report import (
     THRESHOLDS,
     Run,
     fmt,
+    metrics_file,
     read_metrics,
     startup_offset,
     summarize,
@@ -223,8 +224,8 @@ def _kept(out: Path, mode: str, seed: int, steps: int | None, any_exit: bool = F
     run.evals = [tuple(e) for e in run.evals]  # type: ignore[misc]
     if not any_exit and (run.returncode != 0 or (steps is not None and run.steps < steps)):
         return None
-    metrics = out / "runs" / f"{mode}-seed{seed}" / "metrics.jsonl"
-    if metrics.exists():
+    metrics = metrics_file(out / "runs" / f"{mode}-seed{seed}")
+    if metrics is not None:
         summarize(run, read_metrics(metrics), targets)
     return run
 
@@ -233,8 +234,8 @@ def _recovered(out: Path, mode: str, seed: int, targets: Sequence[float] = THRES
     """A run whose bench process died after it (no bench_run.json) but whose metrics.jsonl is there: its numbers
     from the metrics alone (``--report-only``); start-up unknown, peak memory from flashrl's own ``mem/total_gib``."""
     name = f"{mode}-seed{seed}"
-    metrics = out / "runs" / name / "metrics.jsonl"
-    if not metrics.exists():
+    metrics = metrics_file(out / "runs" / name)
+    if metrics is None:
         return None
     recs = read_metrics(metrics)
     run = Run(mode=mode, seed=seed, name=name, log=str(out / "logs" / f"{name}.log"))
