@@ -443,6 +443,22 @@ def test_clock_from_reads_each_crossing_on_the_timing_runs_clock(tmp_path: Path)
         peers.run_bench(["async"], [0], learn, TINY, report_only=True, clock_from=tmp_path / "nowhere")
 
 
+def test_clock_from_reads_a_committed_timing_folder_s_compressed_metrics(tmp_path: Path) -> None:
+    """A timing invocation kept under bench/results has its metrics as .jsonl.xz: --clock-from still reads them."""
+    import lzma
+
+    from flashrl.bench.peers import runner as peers
+
+    learn, timing = tmp_path / "learn", tmp_path / "timing"
+    _write_run(learn, "async-seed0", _records({0: 0.3, 10: 0.45, 20: 0.55}, 20, step_s=0.5))
+    _write_run(timing, "async-seed0", _records({0: 0.3, 20: 0.6}, 20, step_s=0.25))
+    plain = timing / "runs" / "async-seed0" / "metrics.jsonl"
+    plain.with_name("metrics.jsonl.xz").write_bytes(lzma.compress(plain.read_bytes()))
+    plain.unlink()
+    peers.run_bench(["async"], [0], learn, TINY, report_only=True, targets=[0.5], clock_from=timing)
+    assert "| 0 | 50% | 5.0 s (20) |" in (learn / "results.md").read_text()
+
+
 def test_cores_kept_busy_from_the_run_s_cpu_seconds(tmp_path: Path) -> None:
     """cpu/total_s (the process tree's CPU seconds) over the elapsed time between the first and the last trained
     step: 1.5 CPU seconds a wall second here; no cpu/total_s (TRL's metrics, older runs) -> n/a."""

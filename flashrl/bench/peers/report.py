@@ -438,11 +438,12 @@ def clock_table(runs: Sequence[Run], timing: Path, targets: Sequence[float]) -> 
     a shared host. "" when no run here has a timing run."""
     by = {(r.mode, r.seed): r for r in runs}
     seeds = sorted({r.seed for r in runs})
-    timed = {(m, s) for m, s in by if m not in TRL_MODES and (timing / "runs" / f"{m}-seed{s}" / "metrics.jsonl").exists()}
+    timed = {(m, s) for m, s in by if m not in TRL_MODES and metrics_file(timing / "runs" / f"{m}-seed{s}")}
     if not timed:
         return ""
     modes = [m for m in dict.fromkeys(r.mode for r in runs) if m in TRL_MODES or any((m, s) in timed for s in seeds)]
-    clocks = {k: training_clock(read_metrics(timing / "runs" / f"{k[0]}-seed{k[1]}" / "metrics.jsonl")) for k in timed}
+    clocks = {k: training_clock(read_metrics(metrics_file(timing / "runs" / f"{k[0]}-seed{k[1]}")))  # type: ignore[arg-type]
+              for k in timed}
     trls = [m for m in TRL_MODES if m in modes]
     lines = ["| seed | target | " + " | ".join(modes) + " | sync / async | sync / async, sync's faster clock | "
              + "".join(f"{m} / async | " for m in trls),
