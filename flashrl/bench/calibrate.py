@@ -307,10 +307,8 @@ SEED_WARMUP = 5  # steps of a seeds run the cross fit leaves out (start-up), as 
 def load_seed_runs(path: Path, rows: list[dict[str, Any]], config: str) -> list[CrossRun]:
     """The flashrl runs of a `flashrl bench seeds` results.json (modes async and sync; peers' rows are left
     out): ``config`` is the config they ran (not in the file), with run.seed and, for sync, the synchronous
-    overrides set as the bench set them; each run's judge counters come from metrics/<name>.metrics.jsonl.xz
-    (or .gz, as older folders kept them)."""
-    import gzip
-    import lzma
+    overrides set as the bench set them; each run's judge counters come from metrics/<name>.metrics.jsonl.xz (or .gz)."""
+    from flashrl.bench.readme import read_jsonl
 
     if not config:
         raise ValueError(f"{path} is a `flashrl bench seeds` result: give the config its runs used with --config")
@@ -325,12 +323,10 @@ def load_seed_runs(path: Path, rows: list[dict[str, Any]], config: str) -> list[
             tree.setdefault("scheduler", {}).update({"async_ratio": 0, "queue_scheduling": False})
         cfg = from_dict(tree, source=f"{config} ({r['name']})")
         judge: dict[str, float] = {}
-        for suffix, opener in ((".xz", lzma.open), (".gz", gzip.open)):
-            metrics = path.parent / "metrics" / f"{r['name']}.metrics.jsonl{suffix}"
-            if metrics.is_file():
-                with opener(metrics, "rt") as f:
-                    judge = judge_stats([msgspec.json.decode(ln) for ln in f if ln.strip()])
-                break
+        found = [p for p in (path.parent / "metrics" / f"{r['name']}.metrics.jsonl{x}" for x in (".xz", ".gz"))
+                 if p.is_file()]
+        if found:
+            judge = judge_stats(read_jsonl(found[0]))
         parts = r.get("parts") or {}
         out.append(CrossRun(
             name=f"{path.parent.name}/{r['name']}", cfg=cfg, warmup=SEED_WARMUP, steps=int(r["steps"]),
