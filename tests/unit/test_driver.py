@@ -234,3 +234,21 @@ def test_a_final_failure_ends_the_run_with_its_code_and_record_not_an_auto_resum
     assert rec["error"] == "JudgeDown" and rec["exit_code"] == 3 and "down for good" in rec["message"]
     monkeypatch.setattr(driver, "_main_with_signals", lambda *a: asyncio.sleep(0, result=None))
     assert driver.main(cfg) == 130 and not (cfg.run_dir / driver.FAILURE_FILE).exists()  # a new run clears it
+
+
+def test_a_supervised_fresh_restart_over_a_checkpoint_exits_2_naming_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """driver.main under RESTART_ENV: the refusal is the run's end (exit 2, failure.json), before anything starts."""
+    from tests.unit.test_checkpoint import _checkpointed_run
+
+    cfg = with_dashboard_off(_checkpointed_run(tmp_path))
+    monkeypatch.setenv(driver.RESTART_ENV, "1")
+    monkeypatch.setattr(driver, "_main_with_signals", lambda *a: pytest.fail("nothing starts"))
+    assert driver.main(cfg) == 2
+    rec = msgspec.json.decode((cfg.run_dir / driver.FAILURE_FILE).read_bytes())
+    assert rec["error"] == "FreshStartRefused" and "step-4" in rec["message"] and rec["exit_code"] == 2
+    assert (cfg.run_dir / "checkpoints" / "step-4").is_dir()
+
+
+def with_dashboard_off(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, dashboard="off"))
