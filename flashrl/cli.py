@@ -12,7 +12,10 @@
     flashrl node CONFIG --node N             one node of a SLURM job (the job script runs it)
     flashrl engine ... / flashrl trainer ... process entry points (the launcher starts these)
 
-Config problems exit with code 2 and one message naming the key path, before any process starts.
+Config problems exit with code 2 and one message naming the key path, before any process starts (a config
+error found once the run began exits 2 too); a failure a restart would meet again (every judge engine down,
+JudgeDown; an adapter vLLM keeps refusing, AdapterRefused) exits 3 (launch/driver.py final_failure), recorded in
+runs/<name>/failure.json: --supervise stops at once and names it.
 Heavy imports (torch, vLLM) happen inside the commands, so `validate` answers at once.
 """
 
@@ -169,7 +172,7 @@ def run(
     resume: Annotated[bool, typer.Option("--resume", help="continue from the latest checkpoint of runs/<name> (or of PATH: `--resume PATH`)")] = False,
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="where the processes start: local, ray or slurm (= --set cluster.launcher=...)", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="with --launcher slurm: write and print the sbatch script, submit nothing")] = False,
-    supervise: Annotated[bool, typer.Option("--supervise", help="restart the controller from the latest checkpoint when it dies (OOM, SIGKILL, a crash); Ctrl-C / SIGTERM stop it all (flashrl/supervise.py)")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="restart the controller from its newest complete checkpoint when it dies (OOM, SIGKILL, a crash); a run dead after its final checkpoint ends as finished; Ctrl-C / SIGTERM stop it all (flashrl/supervise.py, docs/failures.md)")] = False,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="with --supervise: controller restarts allowed before giving up")] = 10,
 ) -> None:
     """Train: start engines and the trainer group, run the controller, show the dashboard."""

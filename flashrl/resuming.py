@@ -62,12 +62,24 @@ def find_checkpoint(run_dir: Path, explicit: Path | None = None) -> Resume:
         root = explicit / "checkpoints" if (explicit / "checkpoints").is_dir() else explicit
     else:
         root = Path(run_dir) / "checkpoints"
-    found = list_checkpoints(root)
-    if not found:
+    if not list_checkpoints(root):
         where = explicit if explicit is not None else run_dir
         raise CheckpointError(f"--resume: no checkpoint in {root} (nothing to resume in {where}); "
                               "run without --resume to start fresh, or pass --resume PATH to a step-<N> folder")
-    latest = read_latest(root)
+    r, skipped = newest_complete(root)
+    if r is None:
+        raise CheckpointError(f"--resume: every checkpoint in {root} is unusable:\n  " + "\n  ".join(skipped))
+    return r
+
+
+def newest_complete(root: Path) -> tuple[Resume | None, list[str]]:
+    """The checkpoint of ``root`` (a checkpoints folder) a resume takes: the one ``latest`` names, else (no
+    pointer: deleted, or a crash between a folder's rename and the pointer's write) the newest complete
+    ``step-N`` folder; a corrupt one is passed over for the one before. None when none is usable; with
+    why each was passed over. The one rule for what counts as saved progress: ``flashrl run --resume``,
+    run.auto_resume, the supervisor's restart and a fresh start's set-aside all ask it."""
+    found = list_checkpoints(root)
+    latest = read_latest(root) if found else None
     order = [p for _, p in reversed(found)]
     if latest is not None and latest in order:  # the pointer wins; newer folders are never half-written
         order = order[order.index(latest):]
@@ -79,8 +91,8 @@ def find_checkpoint(run_dir: Path, explicit: Path | None = None) -> Resume:
             log.error("checkpoint %s is unusable (%s); trying the one before", p, e)
             skipped.append(str(e))
             continue
-        return Resume(path=str(p), state=state, skipped=skipped)
-    raise CheckpointError(f"--resume: every checkpoint in {root} is unusable:\n  " + "\n  ".join(skipped))
+        return Resume(path=str(p), state=state, skipped=skipped), skipped
+    return None, skipped
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -122,16 +134,58 @@ def prepare_resume(cfg: Config, explicit: Path | None = None) -> Resume:
             f"Put back the checkpoint's values (its config is {Path(r.path) / CONFIG_FILE}) or start a new run "
             f"(another run.name). Keys that may change on resume: {', '.join(SAFE_TO_CHANGE)}"
         )
-    if r.state.step >= cfg.run.steps:
-        raise CheckpointError(f"{r.path} is at step {r.state.step} and run.steps = {cfg.run.steps}: nothing left to "
-                              f"train; raise run.steps (e.g. --set run.steps={r.state.step * 2}) to continue")
-    if cfg.run.max_time_s > 0 and r.state.elapsed_s >= cfg.run.max_time_s:
-        raise CheckpointError(f"{r.path} has used {r.state.elapsed_s:.0f} s of run.max_time_s = {cfg.run.max_time_s:g}: "
-                              "raise run.max_time_s (or set it to 0) to continue")
+    done = finished(cfg, r)
+    if done:
+        raise CheckpointError(done)
     jump = lr_jump(old, cfg, r.state.step)
     if jump:
         log.warning("%s", jump)
     return r
+
+
+def finished(cfg: Config, r: Resume) -> str:
+    """Why checkpoint ``r`` leaves nothing to train under ``cfg`` (its run.steps, run.max_time_s), with the
+    fix; '' when it does. A resume refuses such a checkpoint; the supervisor ends a run at one (finished)."""
+    if r.state.step >= cfg.run.steps:
+        return (f"{r.path} is at step {r.state.step} and run.steps = {cfg.run.steps}: nothing left to train; "
+                f"raise run.steps (e.g. --set run.steps={r.state.step * 2}) to continue")
+    if cfg.run.max_time_s > 0 and r.state.elapsed_s >= cfg.run.max_time_s:
+        return (f"{r.path} has used {r.state.elapsed_s:.0f} s of run.max_time_s = {cfg.run.max_time_s:g}: "
+                "raise run.max_time_s (or set it to 0) to continue")
+    return ""
+
+
+class RestartPlan(msgspec.Struct, frozen=True):
+    """What a restart of ``cfg``'s run does (``restart_plan``): "resume" from ``checkpoint`` (a step-N
+    folder), "fresh" (no complete checkpoint: the run starts over), or "finished" (the newest complete
+    checkpoint leaves nothing to train: ``why``)."""
+
+    action: str
+    checkpoint: str = ""
+    step: int = 0
+    why: str = ""
+
+    def describe(self) -> str:
+        """What the restart's command does, for the supervisor's log."""
+        if self.action == "resume":
+            return f"--resume from {Path(self.checkpoint).name}"
+        if self.action == "fresh":
+            return f"fresh start: {self.why}"
+        return f"finished: {self.why}"
+
+
+def restart_plan(cfg: Config) -> RestartPlan:
+    """How a run that died continues, by the rule a resume uses (``newest_complete``): a complete step-N
+    folder counts with or without ``latest``. A ``latest`` that cannot be read raises CheckpointError (its
+    message says the fix), as a resume would."""
+    root = cfg.run_dir / "checkpoints"
+    r, skipped = newest_complete(root)
+    if r is None:
+        why = f"no complete checkpoint in {root}" + (f" ({len(skipped)} unusable: {'; '.join(skipped)})"
+                                                      if skipped else "")
+        return RestartPlan(action="fresh", why=why)
+    done = finished(cfg, r)
+    return RestartPlan(action="finished" if done else "resume", checkpoint=r.path, step=r.step, why=done)
 
 
 def lr_jump(old: Config, new: Config, step: int) -> str:

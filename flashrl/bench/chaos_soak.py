@@ -44,7 +44,9 @@ from flashrl.bench.chaos_soak_report import (
     ProcInfo,
     Slot,
     analyze,
+    checkpoint_every,
     draw_kind,
+    early_kill_step,
     load,
     markdown,
     pick,
@@ -113,6 +115,7 @@ class Soak:
         self.run_dir = out / "run"
         self.t0 = time.monotonic()
         self.rng = random.Random(seed + 1)  # the draws at the slots (the plan has its own)
+        self.early: dict[str, Any] = {"step": early_kill_step(seed, checkpoint_every(self.sets)), "done": False}
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 2)
@@ -192,6 +195,9 @@ class Soak:
                 if time.monotonic() > deadline:
                     self.say(f"the run took over {self.timeout_s:.0f} s: stopping it")
                     break
+                if not self.early["done"] and last_step >= self.early["step"] and alive.get("controller"):
+                    self._kill_early(alive["controller"], last_step, kills_f)
+                    continue
                 if start is None or i >= len(self.slots) or self.now() < start + self.slots[i].t:
                     continue
                 due = start + self.slots[i].t
@@ -207,8 +213,9 @@ class Soak:
                     continue  # none of the kind alive now (restarting), or no checkpoint yet: the slot waits
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
-                ev = {"t": self.now(), "slot": i, "planned_t": round(due, 2), "kind": kind,
-                      "pid": proc.pid, "step": last_step, "alive": {k: len(v) for k, v in alive.items()}}
+                ev = {"t": self.now(), "slot": i, "planned_t": round(due, 2), "kind": kind, "pid": proc.pid,
+                      "step": last_step, "newest_step": newest_step(self.run_dir), "latest_step": latest_step(self.run_dir),
+                      "alive": {k: len(v) for k, v in alive.items()}}
                 kills_f.write(json.dumps(ev) + "\n")
                 kills_f.flush()
                 self.say(f"kill {i + 1}/{len(self.slots)}: SIGKILL {kind} pid {proc.pid} at step {last_step}")
@@ -229,9 +236,27 @@ class Soak:
         left = self._survivors(seen, sup.pid)
         (rec / "exit.json").write_text(json.dumps({
             "exit_code": code, "end_t": end_t, "kills_done": i, "kills_planned": len(self.slots), "left": left,
-            "run_kinds": sorted(run_kinds),
+            "run_kinds": sorted(run_kinds), "early_kill": self.early,
             "window_s": round(min(self.now() - start, self.minutes * 60), 1) if start is not None else 0.0}, indent=1))
         return code
+
+    def _kill_early(self, controllers: list[ProcInfo], last_step: int, kills_f: Any) -> None:
+        """The kill before the first ``latest`` (module docstring), recorded in kills.jsonl and exit.json."""
+        latest = self.run_dir / "checkpoints" / "latest"
+        deleted = latest.exists()
+        if deleted:  # the run got past its first checkpoint before the bench looked: take the pointer away
+            latest.unlink()
+        proc = self.rng.choice(controllers)
+        newest = newest_step(self.run_dir)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        self.early.update(done=True, at_step=last_step, latest_deleted=deleted, pid=proc.pid)
+        kills_f.write(json.dumps({"t": self.now(), "slot": "early", "kind": "controller", "pid": proc.pid,
+                                  "step": last_step, "newest_step": newest, "early": True,
+                                  "latest_deleted": deleted}) + "\n")
+        kills_f.flush()
+        self.say(f"early kill: SIGKILL controller pid {proc.pid} at step {last_step}, before the first `latest` "
+                 f"({'deleted first' if deleted else 'none yet'}; newest complete checkpoint: step {newest or '-'})")
 
     def _survivors(self, seen: dict[int, float], sup_pid: int) -> list[dict[str, Any]]:
         end = time.monotonic() + SURVIVOR_WAIT_S
@@ -246,10 +271,13 @@ class Soak:
         return left
 
     def keep_records(self) -> None:
-        """The final checkpoint's controller.json (+ the groups saved with their rollouts), the logs; not the weights."""
-        from flashrl.checkpoint import read_latest, read_rollouts
+        """The final checkpoint's controller.json (+ the groups saved with their rollouts), the logs, what a
+        fresh start set aside (set_aside.json: each checkpoints.<t> folder's complete steps); not the weights."""
+        from flashrl.checkpoint import list_checkpoints, read_latest, read_rollouts
 
         rd = self.run_dir
+        set_aside = {d.name: [n for n, _ in list_checkpoints(d)] for d in sorted(rd.glob("checkpoints.*")) if d.is_dir()}
+        (rd / "set_aside.json").write_text(json.dumps(set_aside, indent=1) + "\n")
         with contextlib.suppress(Exception):  # a run that never checkpointed: the report says so
             latest = read_latest(rd / "checkpoints")
             if latest is not None:
@@ -267,6 +295,21 @@ class Soak:
                 shutil.rmtree(aside, ignore_errors=True)
             for p in d.glob("samples*.jsonl"):
                 p.unlink()
+
+
+def newest_step(run_dir: Path) -> int:
+    """The newest complete step-N folder of the run (0: none), with or without ``latest``."""
+    from flashrl.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir / "checkpoints")
+    return found[-1][0] if found else 0
+
+
+def latest_step(run_dir: Path) -> int:
+    """The step ``latest`` names (0: no pointer, or one that cannot be read)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
+    return 0
 
 
 def last_step(run_dir: Path) -> int:

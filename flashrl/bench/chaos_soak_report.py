@@ -32,6 +32,10 @@ The report (``analyze`` over ``Records``; ``load`` reads them from the bench's f
     stretch (an eval) counts too; a kill whose stretch holds fewer than two new steps (the next kill came
     before the run was going again) is ``overlapped`` and left out of the per-kind medians (its loss
     runs on into the next kill's);
+  - restarts (``restarts``): after each controller kill the supervisor resumed the checkpoint a resume takes
+    (the one ``latest`` named at the kill, else the newest complete step-N folder), started fresh only when
+    there was no complete checkpoint, or ended a finished run; no complete checkpoint was set aside as
+    ``checkpoints.<t>`` (``set_aside``); and the one kill before the first ``latest`` (``early_kill_step``) was done;
   - processes left: every process seen under the supervisor, and every process whose environment
     names one of them as its parent, still alive 30 s after the supervisor exited (must be 0);
   - held-out accuracy at the last step against an undisturbed run of the same seed and steps.
@@ -62,6 +66,8 @@ KIND_WAIT_S = 60.0  # a slot waits this long for a process of its kind (an env w
 ACCURACY_POINTS = 3.0  # held-out accuracy within this many points of the undisturbed run
 _DEATH_RE = re.compile(r"death (\d+): the controller \(pid (\d+)\) ([^;]+);")
 _REAPED_RE = re.compile(r"killed (\d+) process\(es\) the dead controller had started")
+_PLAN_RE = re.compile(r"death \d+: the controller \(pid (\d+)\) [^;]+; restart \d+ of \d+ in \d+ s, (.+?)\. Last lines of ")
+_FINISHED_RE = re.compile(r"the run finished at step (\d+) .*?its controller \(pid (\d+)\)")
 
 
 class Slot(msgspec.Struct, frozen=True):
@@ -172,6 +178,43 @@ def redraw(rng: random.Random, alive: dict[str, list[ProcInfo]]) -> str | None:
     return rng.choice(kinds) if kinds else None
 
 
+def early_kill_step(seed: int, checkpoint_every: int) -> int:
+    """The step after which the bench kills the controller once in the window before the first ``latest``
+    exists (a restart then has no pointer: it must start fresh, or resume a complete step-N folder the dead
+    controller renamed but never pointed to): drawn, seeded, in the first half of the first checkpoint
+    interval, so the bench's polling (POLL_S) sees it before the checkpoint even on a fast host."""
+    return random.Random(seed + 2).randint(1, max(1, checkpoint_every // 2))
+
+
+def checkpoint_every(sets: Sequence[str], default: int = 10) -> int:
+    """run.checkpoint_every as the run's --set overrides give it (the last one wins)."""
+    found = [s.split("=", 1)[1] for s in sets if s.replace(" ", "").startswith("run.checkpoint_every=")]
+    return int(found[-1]) if found else default
+
+
+def restarts(supervisor_log: str, kills: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each controller kill against what the supervisor did after it (its log): resume the checkpoint a resume
+    takes (resuming.newest_complete: the one ``latest`` named at the kill, ``latest_step``; without a pointer
+    the newest complete step-N folder, ``newest_step``), or a newer one completed as it died; a fresh start
+    only when there was no complete checkpoint; or end a run that had finished."""
+    plans = {int(m.group(1)): m.group(2) for m in _PLAN_RE.finditer(supervisor_log)}
+    plans.update({int(m.group(2)): f"finished at step-{m.group(1)}" for m in _FINISHED_RE.finditer(supervisor_log)})
+    rows, wrong = [], []
+    for k in kills:
+        if k.get("kind") != "controller":
+            continue
+        newest, plan = int(k.get("newest_step", 0)), plans.get(int(k.get("pid", -1)), "")
+        due = int(k.get("latest_step", 0)) or newest  # the pointer wins (a folder newer than it is passed over)
+        m = re.match(r"(?:--resume from|finished at) step-(\d+)", plan)
+        ok = (m is not None and int(m.group(1)) >= due) or (newest == 0 and plan.startswith("fresh start"))
+        row = {"pid": k.get("pid"), "newest_step": newest, "latest_step": int(k.get("latest_step", 0)), "plan": plan,
+               "ok": ok}
+        rows.append(row)
+        if not ok:
+            wrong.append(row)
+    return {"controller_kills": rows, "wrong": wrong, "ok": not wrong}
+
+
 # --------------------------------------------------------------------------- the report
 
 
@@ -191,6 +234,8 @@ class Records(msgspec.Struct):
     window_s: float = 0.0
     end_t: float | None = None  # bench time the run ended (the last kill's window closes there)
     run_kinds: list[str] = []  # the kinds of process the run had (seen alive at least once)
+    early: dict[str, Any] | None = None  # the kill before the first ``latest`` (early_kill_step): step, done, latest_deleted
+    set_aside: dict[str, list[int]] = {}  # checkpoints.<t> folders a fresh start set aside -> the complete steps in them
 
 
 def _canon(row: dict[str, Any]) -> str:
@@ -302,6 +347,7 @@ def analyze(rec: Records, min_controller_kills: int = 0, points: float = ACCURAC
     if acc["chaos"] and acc["baseline"]:
         acc["diff_points"] = round(100 * (acc["chaos"][1] - acc["baseline"][1]), 2)
     samples_lost = len(prompts.get("lost", [])) * rec.group_size
+    restarted = restarts(rec.supervisor_log, rec.kills)
     checks = {
         "run_finished": rec.exit_code == 0,
         "every_step_trained_once": lin["ok"],
@@ -310,7 +356,12 @@ def analyze(rec: Records, min_controller_kills: int = 0, points: float = ACCURAC
         "no_process_left": not rec.left,
         f"controller_kills_ge_{min_controller_kills}": per_kind["controller"]["kills"] >= min_controller_kills,
         "every_kind_killed": all(per_kind[k]["kills"] for k in rec.run_kinds),
+        # issue 51: a restart resumes the newest complete checkpoint (with or without ``latest``); none is set aside
+        "restarts_resume_the_newest_checkpoint": restarted["ok"],
+        "no_complete_checkpoint_set_aside": not any(rec.set_aside.values()),
     }
+    if rec.early is not None:
+        checks["killed_before_the_first_latest"] = bool(rec.early.get("done"))
     if rec.baseline is not None:
         checks[f"accuracy_within_{points:g}_points"] = "diff_points" in acc and abs(acc["diff_points"]) <= points
     return {
@@ -325,12 +376,22 @@ def analyze(rec: Records, min_controller_kills: int = 0, points: float = ACCURAC
                                "steps_redone": len(thrown), "steps_redone_tokens": redone_tokens},
         "time_lost": {"step_s": round(median, 3) if median is not None else None, "per_kind": per_kind},
         "controller_deaths": deaths, "reaped_by_supervisor": reaped,
+        "restarts": restarted, "early_kill": rec.early, "set_aside": rec.set_aside,
         "counted": {k[len("count/"):]: v for k, v in last.items()
                     if k.startswith("count/") and k.split("/")[1] in ("engine", "resume", "env", "weight_sync", "rollout")},
         "processes_left": rec.left,
         "accuracy": acc,
         "kill_log": costs,
     }
+
+
+def _early_text(early: dict[str, Any] | None) -> str:
+    if not early:
+        return "-"
+    if not early.get("done"):
+        return f"planned after step {early.get('step')}, not done"
+    return f"after step {early.get('at_step')}" + (" (`latest` deleted first: it already existed)"
+                                                   if early.get("latest_deleted") else "")
 
 
 def markdown(rep: dict[str, Any], command: str) -> str:
@@ -356,6 +417,11 @@ def markdown(rep: dict[str, Any], command: str) -> str:
         f"({rep['tokens_regenerated']['resume_counter']} + {rep['tokens_regenerated']['steps_redone_tokens']} in "
         f"{rep['tokens_regenerated']['steps_redone']} steps redone) |",
         f"| controller deaths the supervisor logged / processes it reaped | {len(rep['controller_deaths'])} / {rep['reaped_by_supervisor']} |",
+        "| controller kills: the restart after each (newest complete step at the kill) | "
+        + ("; ".join(f"{r['plan'] or '-'} ({r['newest_step']})" for r in rep.get("restarts", {}).get("controller_kills", []))
+           or "-") + " |",
+        f"| kill before the first `latest` | {_early_text(rep.get('early_kill'))} |",
+        f"| complete checkpoints set aside | **{sum(len(v) for v in rep.get('set_aside', {}).values())}** |",
         f"| processes left 30 s after the run | **{len(rep['processes_left'])}** |",
         f"| held-out accuracy: chaos / undisturbed run | {ev(acc['chaos'])} / {ev(acc['baseline'])}"
         + (f" ({acc['diff_points']:+.1f} points)" if "diff_points" in acc else "") + " |",
@@ -400,4 +466,5 @@ def load(out: Path, run_dir: Path, baseline_dir: Path | None, steps_asked: int |
         group_size=group_size, steps_asked=steps_asked, left=meta.get("left", []), exit_code=meta.get("exit_code"),
         baseline=_jsonl(baseline_dir / "metrics.jsonl") if baseline_dir is not None else None,
         window_s=float(meta.get("window_s", 0.0)), end_t=meta.get("end_t"),
-        run_kinds=list(meta.get("run_kinds", [])))
+        run_kinds=list(meta.get("run_kinds", [])), early=meta.get("early_kill"),
+        set_aside=json.loads((run_dir / "set_aside.json").read_text()) if (run_dir / "set_aside.json").exists() else {})

@@ -40,6 +40,7 @@ from flashrl.config import Config, advice, to_toml
 from flashrl.core.records import StepRecord
 from flashrl.launch import Launcher, LaunchError, make_launcher
 from flashrl.launch.processes import judge_gpus, local_cluster, resolve_device
+from flashrl.launch.rundir import FAILURE_FILE, FINAL_EXIT, RESTART_ENV, FreshStartRefused, prepare_run_dir
 from flashrl.procs import child_init, paused_gc
 from flashrl.resuming import Resume
 
@@ -102,7 +103,10 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
 
     child_init("flashrl run")  # started by a supervisor (a test, a chaos bench) that sets FLASHRL_PARENT_PID: die with it
     run_dir = cfg.run_dir
-    dropped = prepare_run_dir(cfg, resume)
+    try:
+        dropped = prepare_run_dir(cfg, resume, restart=bool(os.environ.get(RESTART_ENV)))
+    except FreshStartRefused as e:
+        return _final(run_dir, e, 2)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     setup_logging(run_dir, "controller", cfg.run.log_level)
     for note in advice(cfg):  # valid but probably not meant: said once, in the log and on stderr
@@ -125,6 +129,9 @@ def main(cfg: Config, resume: Resume | None = None) -> int:
         except Exception as e:  # a crash is reported once, loudly, after cleanup
             log.exception("run failed")
             print(f"run failed: {type(e).__name__}: {e} (logs: {run_dir / 'logs'})", file=sys.stderr)
+            final = final_failure(e)
+            if final is not None:  # a restart (run.auto_resume, --supervise) would meet it again
+                return _final(run_dir, *final)
             if resumes >= cfg.run.auto_resume:
                 return 1
             resume = _auto_resume(cfg, resumes + 1)
@@ -165,32 +172,48 @@ def _auto_resume(cfg: Config, attempt: int) -> Resume | None:
     return resume
 
 
-def prepare_run_dir(cfg: Config, resume: Resume | None) -> int:
-    """Get ``runs/<name>/`` ready for a run: fresh, or continuing ``resume``. Returns the metrics lines dropped.
+def final_failure(e: BaseException) -> tuple[BaseException, int] | None:
+    """The error in ``e`` (itself, its causes, the errors of a group) that ends the run for good, with the
+    exit code: a config error found once the run began (2: the config cannot work), or an error final by
+    its own definition (FINAL_EXIT: every judge engine down for good, JudgeDown; an adapter vLLM refuses
+    again and again, AdapterRefused). None: a crash a restart may get past (run.auto_resume, --supervise)."""
+    from flashrl.config import ConfigError
+    from flashrl.controller.publisher import AdapterRefused
+    from flashrl.judge.build import JudgeModelError
+    from flashrl.judge.engines import JudgeDown
+    from flashrl.models import ModelPathError
+    from flashrl.models.chat import ChatTemplateError
+    from flashrl.plugins import PluginError
+    from flashrl.rewardmodel.build import RewardModelError
 
-    Fresh: earlier metrics/samples .jsonl and checkpoints/ are renamed aside (kept, never mixed in).
-    Resume: metrics.jsonl and samples.jsonl are cut back to the checkpoint's step, killed saves are
-    removed and newer checkpoints set aside (resuming.prepare_folder). Restarting after a failure in
-    the same process (run.auto_resume) is ``r = resuming.prepare_resume(cfg)``, this, ``run_local(cfg, r)``.
-    """
-    from flashrl.resuming import continue_metrics, prepare_folder
+    config_errors = (ConfigError, PluginError, ModelPathError, ChatTemplateError, RewardModelError, JudgeModelError)
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop(0)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (JudgeDown, AdapterRefused)):
+            return x, FINAL_EXIT
+        if isinstance(x, config_errors):
+            return x, 2
+        if isinstance(x, BaseExceptionGroup):
+            todo += list(x.exceptions)
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+    return None
 
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = run_dir / "checkpoints"
-    if resume is not None:
-        # metrics.jsonl (and samples.jsonl) continue: lines written after the checkpoint are dropped
-        dropped = continue_metrics(run_dir / "metrics.jsonl", resume)
-        continue_metrics(run_dir / "samples.jsonl", resume, through=resume.step)
-        prepare_folder(ckpts, resume)
-        return dropped
-    for stem in ("metrics", "samples"):
-        old = run_dir / f"{stem}.jsonl"
-        if old.exists():  # a rerun under the same name keeps the earlier records, never mixes them
-            old.rename(run_dir / f"{stem}.{int(old.stat().st_mtime)}.jsonl")
-    if ckpts.exists():  # ... and the earlier checkpoints (resume them with --resume PATH)
-        ckpts.rename(run_dir / f"checkpoints.{int(time.time())}")
-    return 0
+
+def _final(run_dir: Path, e: BaseException, code: int) -> int:
+    """A run that ended for good: said on stderr and in runs/<name>/failure.json (the supervisor names it
+    from there instead of restarting); ``code``: the process exit code."""
+    kind = "config error" if code == 2 else "final failure"
+    print(f"{kind}: {type(e).__name__}: {e}; a restart would fail the same way", file=sys.stderr)
+    log.error("%s, not restarted: %s: %s", kind, type(e).__name__, e)
+    with contextlib.suppress(OSError):
+        (run_dir / FAILURE_FILE).write_bytes(msgspec.json.encode(
+            {"error": type(e).__name__, "message": str(e), "exit_code": code, "time": time.time()}))
+    return code
 
 
 async def _main_with_signals(cfg: Config, resume: Resume | None = None) -> dict[str, Any] | None:

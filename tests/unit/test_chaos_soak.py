@@ -16,8 +16,10 @@ from flashrl.bench.chaos_soak_report import (
     Records,
     Slot,
     analyze,
+    checkpoint_every,
     classify,
     draw_kind,
+    early_kill_step,
     kill_costs,
     lineage,
     load,
@@ -27,6 +29,7 @@ from flashrl.bench.chaos_soak_report import (
     plan,
     redone,
     redraw,
+    restarts,
     step_time,
     targets,
 )
@@ -172,7 +175,7 @@ def _write(out: Path, *, steps: list[int], uids: dict[int, list[int]], next_uid:
                                                           "counters": {}}))
     (run / "supervisor.log").write_text(
         "2026-11-28 09:00:00 supervisor: death 1: the controller (pid 42) was killed by SIGKILL; restart 1 of 1000 "
-        "from the latest checkpoint in 2 s. Last lines of x: y\n"
+        "in 2 s, --resume from step-2. Last lines of x: y\n"
         "2026-11-28 09:00:10 supervisor: killed 3 process(es) the dead controller had started (pids [1, 2, 3])\n")
     base = out / "baseline"
     base.mkdir()
@@ -181,7 +184,8 @@ def _write(out: Path, *, steps: list[int], uids: dict[int, list[int]], next_uid:
     return run
 
 
-KILLS = [{"t": 14.5, "kind": "controller", "pid": 42, "step": 3}, {"t": 45.5, "kind": "engine", "pid": 43, "step": 6}]
+KILLS = [{"t": 14.5, "kind": "controller", "pid": 42, "step": 3, "newest_step": 2},
+         {"t": 45.5, "kind": "engine", "pid": 43, "step": 6}]
 
 
 def _report(out: Path, **kw: Any) -> dict[str, Any]:
@@ -266,3 +270,61 @@ def test_a_report_computed_again_against_a_baseline_that_ran_beside(tmp_path: Pa
     (tmp_path / "report.json").unlink()
     with pytest.raises(RuntimeError, match="give the --out folder of a finished"):
         report_again(tmp_path, "x", None)
+
+
+# --------------------------------------------------------------------------- issue 51: restarts and the early kill
+def test_the_early_kill_is_seeded_before_the_first_checkpoint() -> None:
+    """The bench kills the controller once before the first ``latest``: a seeded step in the first half of
+    the first checkpoint interval (run.checkpoint_every from the run's --set, the last one winning)."""
+    steps = {early_kill_step(seed, 10) for seed in range(200)}
+    assert steps == {1, 2, 3, 4, 5}
+    assert early_kill_step(7, 10) == early_kill_step(7, 10) and early_kill_step(0, 1) == 1
+    assert checkpoint_every(["run.seed=0", "run.checkpoint_every=10", "run.checkpoint_every = 4"]) == 4
+    assert checkpoint_every(["run.seed=0"]) == 10
+
+
+LOG = ("x supervisor: death 1: the controller (pid 10) was killed by SIGKILL; restart 1 of 1000 in 2 s, fresh start: "
+       "no complete checkpoint in /r/run.x/checkpoints. Last lines of /r/logs/controller.log: a | b\n"
+       "x supervisor: death 2: the controller (pid 11) was killed by SIGKILL; restart 2 of 1000 in 2 s, --resume from "
+       "step-20. Last lines of /r/logs/controller.log: c\n"
+       "x supervisor: the run finished at step 60 (/r/checkpoints/step-60), though its controller (pid 12) was killed "
+       "by SIGKILL after that checkpoint; not restarted\n")
+
+
+def test_each_restart_must_resume_the_newest_complete_checkpoint() -> None:
+    """A kill with a complete checkpoint (``latest`` or not) is resumed from it or a newer one; a fresh start only
+    when there was none: the restart of 7feef93 (fresh over a complete step-20 whose ``latest`` was gone) fails."""
+    kills = [{"kind": "controller", "pid": 10, "newest_step": 0, "early": True},
+             {"kind": "engine", "pid": 99, "newest_step": 20},
+             {"kind": "controller", "pid": 11, "newest_step": 20},
+             {"kind": "controller", "pid": 12, "newest_step": 60}]
+    got = restarts(LOG, kills)
+    assert got["ok"] and [r["plan"] for r in got["controller_kills"]] == [
+        "fresh start: no complete checkpoint in /r/run.x/checkpoints", "--resume from step-20", "finished at step-60"]
+    old = LOG.replace("--resume from step-20", "fresh start: no complete checkpoint in /r/checkpoints")
+    bad = restarts(old, kills)
+    assert not bad["ok"] and [r["pid"] for r in bad["wrong"]] == [11]
+    assert not restarts(LOG.replace("step-20", "step-10"), kills)["ok"]  # an older checkpoint than there was
+    assert not restarts("", kills[2:3])["ok"]  # a kill with no restart logged after it
+    # killed between step-30's rename and its pointer's write: the pointer (step-20) is what a resume takes
+    assert restarts(LOG, [{"kind": "controller", "pid": 11, "newest_step": 30, "latest_step": 20}])["ok"]
+    assert not restarts(LOG, [{"kind": "controller", "pid": 11, "newest_step": 30}])["ok"]  # no pointer: step-30
+
+
+def test_a_complete_checkpoint_set_aside_and_a_missed_early_kill_fail_the_report(tmp_path: Path) -> None:
+    uids = {s: [2 * (s - 1), 2 * (s - 1) + 1] for s in range(1, 7)}
+    run = _write(tmp_path, steps=list(range(7)), uids=uids, next_uid=12, kills=KILLS)
+    meta = json.loads((tmp_path / "chaos" / "exit.json").read_text())
+    meta["early_kill"] = {"step": 3, "done": True, "at_step": 3, "latest_deleted": False}
+    (tmp_path / "chaos" / "exit.json").write_text(json.dumps(meta))
+    (run / "set_aside.json").write_text(json.dumps({"checkpoints.1764": []}))  # a killed save only: fine
+    rep = analyze(load(tmp_path, run, tmp_path / "baseline", steps_asked=6), min_controller_kills=1)
+    assert rep["pass"] and rep["checks"]["killed_before_the_first_latest"], rep["checks"]
+    assert "| kill before the first `latest` | after step 3 |" in markdown(rep, "x")
+    (run / "set_aside.json").write_text(json.dumps({"checkpoints.1764": [10, 20]}))
+    meta["early_kill"] = {"step": 3, "done": False}
+    (tmp_path / "chaos" / "exit.json").write_text(json.dumps(meta))
+    rep = analyze(load(tmp_path, run, tmp_path / "baseline", steps_asked=6), min_controller_kills=1)
+    assert {k for k, v in rep["checks"].items() if not v} == {"no_complete_checkpoint_set_aside",
+                                                              "killed_before_the_first_latest"}
+    assert "| complete checkpoints set aside | **2** |" in markdown(rep, "x")

@@ -162,3 +162,93 @@ def test_the_cpu_sampler_counts_a_reused_pid_as_a_new_process() -> None:
     root.kids = [Proc(50, 20.0, 2.0)]  # a new process of the run got pid 50
     sampler.sample()
     assert sampler.cpu_s == pytest.approx(8.0)
+
+
+# ---------------------------------------------------------------------- the run folder and final failures (issue 51)
+def test_a_supervised_restart_never_sets_a_complete_checkpoint_aside(tmp_path: Path) -> None:
+    """A fresh start by a --supervise restart (RESTART_ENV) that finds a complete checkpoint refuses, naming
+    it and the --resume that continues it, and moves nothing; the user's own fresh start sets it aside,
+    kept, and says where and how to continue it; only killed saves (no complete step) go aside quietly."""
+    from flashrl.launch.rundir import FreshStartRefused, prepare_run_dir
+    from tests.unit.test_checkpoint import _checkpointed_run
+
+    cfg = _checkpointed_run(tmp_path)
+    run_dir, root = cfg.run_dir, cfg.run_dir / "checkpoints"
+    (root / "latest").unlink()  # the pointer alone does not make a checkpoint: the step folders do
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(FreshStartRefused, match=rf"holds a complete checkpoint \({root / 'step-4'}, step 4\)"):
+        prepare_run_dir(cfg, None, restart=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing set aside
+    prepare_run_dir(cfg, None)  # the user's own `flashrl run` without --resume: a fresh start
+    aside = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoints."))
+    assert len(aside) == 1 and not root.exists() and (run_dir / aside[0] / "step-4").is_dir()
+    (root / "step-9.tmp").mkdir(parents=True)  # a killed save, no complete step: nothing to keep
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    prepare_run_dir(cfg, None, restart=True)
+    assert not root.exists() and len([p for p in run_dir.iterdir() if p.name.startswith("checkpoints.")]) == 2
+    assert len(list(run_dir.glob("metrics.*.jsonl"))) == 2  # two in one second: neither overwrote the other
+
+
+def test_final_failures_are_found_through_wrappers_and_groups() -> None:
+    from flashrl.config import ConfigError
+    from flashrl.controller.publisher import AdapterRefused
+    from flashrl.judge.engines import JudgeDown
+
+    down = JudgeDown("every judge engine is down for good")
+    try:
+        raise RuntimeError("the controller failed") from down  # as _helper and the task group wrap it
+    except RuntimeError as e:
+        assert driver.final_failure(e) == (down, driver.FINAL_EXIT)
+    refused = AdapterRefused("3 versions refused in a row")
+    group = BaseExceptionGroup("several", [ValueError("x"), refused])
+    assert driver.final_failure(group) == (refused, driver.FINAL_EXIT)
+    try:
+        try:
+            raise ConfigError("judge.template: longer than judge.max_model_len")
+        except ConfigError:
+            raise RuntimeError("while building the judge") from None  # __context__ kept for the record
+    except RuntimeError as e:
+        e.__suppress_context__ = False
+        found = driver.final_failure(e)
+        assert found is not None and found[1] == 2 and isinstance(found[0], ConfigError)
+    assert driver.final_failure(RuntimeError("engine died")) is None  # a restart may get past it
+    assert driver.final_failure(OSError("disk")) is None
+
+
+def test_a_final_failure_ends_the_run_with_its_code_and_record_not_an_auto_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrl.judge.engines import JudgeDown
+
+    cfg = load(None, [f"run.output_dir={tmp_path}", "run.dashboard=off", "run.auto_resume=3"])
+    calls = []
+
+    async def judge_down(cfg: Config, resume: Any = None) -> Any:
+        calls.append(resume)
+        raise RuntimeError("the controller failed") from JudgeDown("every judge engine is down for good")
+
+    monkeypatch.setattr(driver, "_main_with_signals", judge_down)
+    monkeypatch.setattr(driver, "_auto_resume", lambda *a: pytest.fail("a final failure is not auto-resumed"))
+    assert driver.main(cfg) == driver.FINAL_EXIT == 3
+    assert len(calls) == 1
+    rec = msgspec.json.decode((cfg.run_dir / driver.FAILURE_FILE).read_bytes())
+    assert rec["error"] == "JudgeDown" and rec["exit_code"] == 3 and "down for good" in rec["message"]
+    monkeypatch.setattr(driver, "_main_with_signals", lambda *a: asyncio.sleep(0, result=None))
+    assert driver.main(cfg) == 130 and not (cfg.run_dir / driver.FAILURE_FILE).exists()  # a new run clears it
+
+
+def test_a_supervised_fresh_restart_over_a_checkpoint_exits_2_naming_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """driver.main under RESTART_ENV: the refusal is the run's end (exit 2, failure.json), before anything starts."""
+    from tests.unit.test_checkpoint import _checkpointed_run
+
+    cfg = with_dashboard_off(_checkpointed_run(tmp_path))
+    monkeypatch.setenv(driver.RESTART_ENV, "1")
+    monkeypatch.setattr(driver, "_main_with_signals", lambda *a: pytest.fail("nothing starts"))
+    assert driver.main(cfg) == 2
+    rec = msgspec.json.decode((cfg.run_dir / driver.FAILURE_FILE).read_bytes())
+    assert rec["error"] == "FreshStartRefused" and "step-4" in rec["message"] and rec["exit_code"] == 2
+    assert (cfg.run_dir / "checkpoints" / "step-4").is_dir()
+
+
+def with_dashboard_off(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, dashboard="off"))
