@@ -75,7 +75,7 @@ from flashrl.controller.types import Published
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.interfaces import EngineClient, TrainerClient
-from flashrl.wire.protocol import WeightManifest
+from flashrl.wire.protocol import AdapterRefused, WeightManifest
 from flashrl.wire.transport import PeerDead, RemoteError
 
 __all__ = ["AdapterRefused", "PendingSync", "WeightPublisher"]
@@ -454,7 +454,8 @@ class WeightPublisher:
                 f"{self.engine_versions[i]}: {r.error or 'no error given'}")
         if n >= ADAPTER_REFUSALS_MAX:
             raise AdapterRefused(f"{what}; {n} versions refused in a row by {name}: the adapter does not fit the "
-                                 "engines' LoRA settings (check model.lora against the model and the engine log)")
+                                 "engines' LoRA settings (check model.lora against the model and the engine log)",
+                                 version, self.engine_versions[i])
         log.error("%s (%d in a row; the run ends at %d)", what, n, ADAPTER_REFUSALS_MAX)
 
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
@@ -493,10 +494,6 @@ class WeightPublisher:
         if r.occupancy:
             self._engine_occupancy.append(r.occupancy)
         self._engine_extra = max(self._engine_extra, r.extra_bytes)
-
-
-class AdapterRefused(RuntimeError):
-    """An engine's vLLM refused ADAPTER_REFUSALS_MAX LoRA adapter versions in a row: the run ends."""
 
 
 # A refused adapter version (engine/lora.py AdapterRefused) leaves its engine alive at the version it had (no

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from flashrl.wire.lora import save_adapter, verify_adapter, vllm_max_rank
+from flashrl.wire.protocol import AdapterRefused
 
 __all__ = ["AdapterRefused", "PolicyAdapter", "lora_engine_kwargs", "verify_adapter", "vllm_max_rank"]
 
@@ -44,13 +45,11 @@ POLICY_ID = 1  # vLLM's lora_int_id (>= 1); one slot for the policy, replaced in
 LOAD_ATTEMPTS = 2
 
 
-class AdapterRefused(RuntimeError):
-    """vLLM refused an adapter version (every attempt); the slot still holds the previous version."""
-
-    def __init__(self, version: int, kept: int | None, error: str) -> None:
-        self.version, self.kept = version, kept
-        super().__init__(f"adapter v{version} refused by vLLM after {LOAD_ATTEMPTS} attempts "
-                         f"({'no adapter loaded yet' if kept is None else f'still serving v{kept}'}): {error}")
+def refusal(version: int, kept: int | None, error: str) -> AdapterRefused:
+    """The AdapterRefused of a load that failed every attempt; the slot still holds ``kept``."""
+    return AdapterRefused(f"adapter v{version} refused by vLLM after {LOAD_ATTEMPTS} attempts "
+                          f"({'no adapter loaded yet' if kept is None else f'still serving v{kept}'}): {error}",
+                          version, kept)
 
 
 def lora_engine_kwargs(rank: int) -> dict[str, Any]:
@@ -91,7 +90,7 @@ class PolicyAdapter:
             self.refused += 1
             if version != self.version:
                 shutil.rmtree(path, ignore_errors=True)
-            raise AdapterRefused(version, self.version, error)
+            raise refusal(version, self.version, error)
         # Requests carry the slot without load_inplace (vLLM would reload it at every step otherwise).
         self.request = self._req(POLICY_NAME, POLICY_ID, str(path))
         old, self.version = self.version, version

@@ -241,7 +241,7 @@ class EngineServer:
         got = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
         if not got["ok"]:
             return {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}
-        from flashrl.engine.lora import AdapterRefused
+        from flashrl.wire.protocol import AdapterRefused
 
         try:
             self.adapter.load(llm, version, got["tensors"])

@@ -170,10 +170,9 @@ class Trainer(PolicyTrainer):
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
         self.lora = None
         if cfg.model.lora.rank:
-            from flashrl.trainer.lora import LoraSpec
+            from flashrl.trainer.lora import spec_of
 
-            lo = cfg.model.lora
-            self.lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules))
+            self.lora = spec_of(cfg.model.lora)
 
         def build() -> torch.nn.Module:
             m = build_policy(model_path, mesh, mp, self.sharded, self.lora)

@@ -312,3 +312,28 @@ def test_kl_reference_is_the_base_model_with_no_second_copy(model_path) -> None:
     got = t.reference_logprobs(b)
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     assert (current - want).abs().max() > 1e-4  # the policy itself has moved
+
+
+def test_adapter_refused_defined_once_and_spec_built_by_spec_of() -> None:
+    """One AdapterRefused for both ends (the engine's per-load refusal and the controller's final one: a
+    supervisor that treats it as final matches one class), and every LoraSpec of a config built by spec_of
+    (a field added to model.lora reaches the trainer, the engines and export alike)."""
+    import re
+    from pathlib import Path
+
+    import flashrl
+    from flashrl.controller.publisher import AdapterRefused as controller_side
+    from flashrl.engine.lora import AdapterRefused as engine_side
+    from flashrl.trainer.lora import spec_of
+
+    assert engine_side is controller_side
+    root = Path(flashrl.__file__).parent
+    sources = {p: p.read_text() for p in root.rglob("*.py")}
+    assert [p.relative_to(root).as_posix() for p, s in sources.items() if "class AdapterRefused" in s] == ["wire/protocol.py"]
+    built = [p.relative_to(root).as_posix() for p, s in sources.items() if re.search(r"\bLoraSpec\(\s*rank=", s)]
+    assert built == ["trainer/lora.py"], built  # spec_of itself, nowhere else
+
+    class Lora:  # a [model.lora] section
+        rank, alpha, dropout, target_modules = 8, 16, 0.1, ["q_proj", "v_proj"]
+
+    assert spec_of(Lora()) == LoraSpec(8, 16, 0.1, ("q_proj", "v_proj"))
