@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -190,6 +191,16 @@ class Trainer(PolicyTrainer):
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, params)
+        if self.lora is not None and self.rank == 0:
+            _ = self.base_fingerprint  # now, while the base's bytes are in the page cache: not in a checkpoint's pause
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """LoRA: the base weights' fingerprint (trainer/lora.py base_fingerprint), computed once, at start (rank
+        0); recorded in each adapter checkpoint."""
+        from flashrl.trainer.lora import base_fingerprint
+
+        return base_fingerprint(self.model_path)
 
     @property
     def checkpoint_writer(self) -> str:
@@ -346,6 +357,8 @@ class Trainer(PolicyTrainer):
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
         meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None,
                 "rng": rng.FORMAT, "rng_shape": list(rng_table.shape), "adapter_only": self.lora is not None}
+        if self.lora is not None and self.rank == 0:  # the base the adapter is a delta on (resume, export check it)
+            meta.update(base_fingerprint=self.base_fingerprint, base_model=self.model_path)
         self.checkpoints.save(path, state, meta, background)
         return waited
 
@@ -373,6 +386,12 @@ class Trainer(PolicyTrainer):
         if adapter_only and self.lora is None:
             raise ValueError(f"checkpoint {path} holds a LoRA adapter only, and this run trains the full model: resume "
                              "it with the checkpoint's model.lora settings")
+        if adapter_only:  # every rank computes the same answer: all raise together, none waits on another
+            from flashrl.trainer.lora import base_mismatch
+
+            bad = base_mismatch(meta.get("base_fingerprint"), meta.get("base_model"), self.model_path, f"checkpoint {path}")
+            if bad:
+                raise ValueError(bad)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         if adapter_only:  # the base weights stay the model folder's, loaded at build
             from flashrl.trainer.lora import adapter_entries

@@ -234,3 +234,63 @@ def test_kl_anchor_is_the_frozen_base_not_a_second_model(world1, model_path: Pat
     full_cfg.algorithm.kl_coef = 0.1
     full = Trainer(full_cfg, str(model_path), torch.device("cpu"))
     assert full.ref_model is not None and params(full.ref_model) == params(full.model)
+
+
+def _other_base(model_dir: Path, out: Path) -> Path:
+    """A copy of ``model_dir`` whose weights differ in one element: another base of the same architecture."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    (f,) = out.glob("*.safetensors")
+    sd = load_file(str(f))
+    name = sorted(sd)[0]
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[0] += 1.0
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return out
+
+
+def test_adapter_checkpoint_records_its_base_and_refuses_another(world1, model_path: Path, tmp_path: Path) -> None:
+    """An adapter checkpoint records its base's fingerprint; resuming it, or exporting it, on another base (the
+    same architecture and names, other weights) is refused, naming both fingerprints and the fix."""
+    import json
+
+    from flashrl.config import load
+    from flashrl.models.export import ExportError, export_run
+    from flashrl.trainer.lora import base_fingerprint
+    from flashrl.trainer.worker import Trainer
+
+    cfg = lora_cfg(model_path, tmp_path / "out")
+    run, _ = train_and_checkpoint(cfg, model_path, steps=1)
+    ckpt = run / "checkpoints" / "step-1" / "trainer"
+    meta = json.loads((ckpt / "trainer.json").read_text())
+    assert meta["base_fingerprint"] == base_fingerprint(model_path) and meta["base_model"] == str(model_path)
+
+    other = _other_base(model_path, tmp_path / "other")
+    theirs, ours = base_fingerprint(other), meta["base_fingerprint"]
+    assert theirs != ours
+    t = Trainer(lora_cfg(other, tmp_path / "out2"), str(other), torch.device("cpu"))
+    with pytest.raises(ValueError, match="another base") as ei:
+        t.load_checkpoint(str(ckpt))
+    assert ours in str(ei.value) and theirs in str(ei.value) and "Point model.path" in str(ei.value)
+    same = Trainer(cfg, str(model_path), torch.device("cpu"))
+    same.load_checkpoint(str(ckpt))  # its own base resumes
+    assert same.version == 1
+
+    moved = load(run / "config.toml")
+    (run / "config.toml").write_text(to_toml(from_dict({**_as_dict(moved), "model": {
+        **_as_dict(moved)["model"], "path": str(other)}})))
+    for adapter in (False, True):
+        with pytest.raises(ExportError, match="another base") as ei:
+            export_run(run, tmp_path / f"x{adapter}", adapter=adapter)
+        assert ours in str(ei.value) and theirs in str(ei.value)
+        assert not (tmp_path / f"x{adapter}").exists()
+
+
+def _as_dict(cfg: Config) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(cfg)
+
