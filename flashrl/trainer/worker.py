@@ -274,20 +274,36 @@ class Trainer(PolicyTrainer):
         return cast(dict[str, torch.Tensor],
                     get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapter's tensors under peft's saved names (what a sync sends), gathered alone. Every rank
+        all-gathers only the adapter's shards (``DTensor.full_tensor``, in parameter order, the same on every
+        rank), never the frozen base, whose full gather each sync would cost as much as a full-weight sync's;
+        rank 0 gets them on the CPU, the others an empty dict."""
+        from torch.distributed.tensor import DTensor
+
+        from flashrl.trainer.lora import adapter_from_state_dict, is_adapter_key
+
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if is_adapter_key(name):
+                t = p.detach()
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                if self.rank == 0:
+                    out[name] = t.cpu()
+        return adapter_from_state_dict(out) if self.rank == 0 else {}
+
     def prepare_weights(self, version: int) -> WeightManifest | None:
         t0 = time.perf_counter()
-        sd = self.full_state_dict()
+        # LoRA: only the adapter's tensors travel (engine/lora.py loads them), and only they are gathered
+        sd = self.full_state_dict() if self.lora is None else self.adapter_state()
         if self.rank != 0:
             return None
         from flashrl.wire.weights import build_manifest
 
         t1 = time.perf_counter()
         self.weights.drop_prepared()  # free the previous version's buckets before building new ones
-        tied = self.tie_word_embeddings
-        if self.lora is not None:  # LoRA: only the adapter's tensors travel (engine/lora.py loads them)
-            from flashrl.trainer.lora import adapter_from_state_dict
-
-            sd, tied = adapter_from_state_dict(sd), False
+        tied = self.tie_word_embeddings and self.lora is None
         manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb, tie_word_embeddings=tied)
         self.weights.prepare(version, buckets)
         manifest.timings = {"gather_s": t1 - t0, "pack_s": time.perf_counter() - t1}

@@ -294,3 +294,48 @@ def _as_dict(cfg: Config) -> dict:
 
     return msgspec.to_builtins(cfg)
 
+
+def test_sync_gathers_the_adapter_alone_under_fsdp2(world1, model_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """LoRA under FSDP2: a sync's prepare all-gathers the adapter's shards only, never the frozen base (a full
+    state-dict gather each step costs as much as a full-weight sync), and sends exactly the adapter's tensors."""
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from flashrl.trainer.lora import spec_of
+    from flashrl.trainer.worker import Trainer, build_policy
+
+    cfg = lora_cfg(model_path, tmp_path, dropout=0.0)
+    t = Trainer(cfg, str(model_path), torch.device("cpu"))
+    t.model = build_policy(str(model_path), init_device_mesh("cpu", (1,)), None, True, spec_of(cfg.model.lora))
+    t.sharded = True  # as with two ranks or a GPU mixed-precision policy: a world of one shards the same way
+    with torch.no_grad():
+        for n, p in t.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(DTensor.from_local(torch.full_like(p.to_local(), 0.25), p.device_mesh, p.placements))
+    want = adapter_state_dict(t.model)  # peft's names and values (a local gather, before the spies)
+
+    gathered: list[int] = []
+    real_full = DTensor.full_tensor
+
+    def full_tensor(self, *a, **k):
+        gathered.append(self.numel())
+        return real_full(self, *a, **k)
+
+    def no_full_gather(*a, **k):
+        raise AssertionError("the sync gathered the whole model's state dict (the frozen base too)")
+
+    monkeypatch.setattr(DTensor, "full_tensor", full_tensor)
+    monkeypatch.setattr(dcp_sd, "get_model_state_dict", no_full_gather)
+    monkeypatch.setattr(dcp_sd, "get_state_dict", no_full_gather)
+    manifest = t.prepare_weights(1)
+    assert manifest is not None
+    names = [tm.name for b in manifest.buckets for tm in b.tensors]
+    assert sorted(names) == sorted(want) and len(gathered) == len(want)
+    assert sum(gathered) == sum(v.numel() for v in want.values())
+    base = sum(p.numel() for n, p in t.model.named_parameters() if ".lora_" not in n)
+    assert sum(gathered) < 0.5 * base  # the adapter, not the model
+    from flashrl.wire.lora import verify_adapter
+
+    got = verify_adapter(manifest, [b.clone() for b in t.weights.prepared[1]])
+    assert all(torch.equal(got[k], want[k].to_local() if isinstance(want[k], DTensor) else want[k]) for k in want)
