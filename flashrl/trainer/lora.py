@@ -164,7 +164,7 @@ def base_fingerprint(model_dir: str | Path) -> str:
 
     Every byte, not a sample: a base that differs in a few rows (new token embeddings) or a few tensors (a
     merged adapter) must not pass, and the trainer reads every byte at build anyway, so the hash reads them
-    from the page cache (XXH3 runs at memory speed; measured in docs/models.md). Names, dtypes and shapes
+    from the page cache (0.38 s for the 1.07 GB of the 0.27B model: docs/models.md). Names, dtypes and shapes
     from the safetensors headers, not the files' bytes: a re-save that shards or orders the tensors
     differently, or changes the header's free-form metadata, keeps the fingerprint."""
     import mmap
