@@ -148,6 +148,8 @@ def _train(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    from types import SimpleNamespace
+
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -155,7 +157,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from flashrl.trainer.lora import adapter_from_state_dict
-    from flashrl.trainer.worker import _decoder_layers
+    from flashrl.trainer.worker import Trainer, _decoder_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -168,8 +170,13 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         fully_shard(model, mesh=mesh)
         before, ref, pol = _train(model)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # the sync's own gather (trainer/worker.py Trainer.adapter_state): the adapter's shards alone
+        synced = Trainer.adapter_state(SimpleNamespace(model=model, rank=rank))
         if rank == 0:
-            torch.save({"before": before, "ref": ref, "pol": pol, "adapter": adapter_from_state_dict(full)}, out)
+            torch.save({"before": before, "ref": ref, "pol": pol, "adapter": adapter_from_state_dict(full),
+                        "synced": synced}, out)
+        else:
+            assert synced == {}
     finally:
         dist.destroy_process_group()
 
@@ -194,6 +201,8 @@ def test_fsdp2_trains_only_the_adapter_as_one_process_does(model_dir: Path, tmp_
     want = adapter_state_dict(plain)
     assert got["adapter"].keys() == want.keys()
     assert all(torch.allclose(got["adapter"][k], want[k], atol=1e-6) for k in want)
+    assert got["synced"].keys() == want.keys()  # the sync's gather of the adapter alone: the same tensors
+    assert all(torch.equal(got["synced"][k], got["adapter"][k]) for k in want)
 
 
 def _trainer_run(rank: int, port: int, model_dir: str, root: str) -> None:
