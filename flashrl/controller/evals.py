@@ -193,7 +193,9 @@ class Evals:
         t0 = self._clock()
         ev = self._running = EvalStats(accuracy=0.0, reward_mean=0.0)
         await self.publisher.loaded(version)  # every engine (or every one set apart) holds ``version`` first
-        assert self.publisher.holding(version), (self.publisher.published.version, version)
+        if not self.publisher.holding(version):  # LoRA: the eval's engines refused ``version``
+            self._refuse(version, record, done)
+            return
         apart = self.publisher.eval_engines
         if apart is not None:  # this task's requests, and those of the rollouts it starts, go there only
             EVAL_ENGINES.set(apart)
@@ -231,6 +233,25 @@ class Evals:
         if self.record is record:
             self.record = None
         self.publisher.unhold(version)  # after the emit: the records a deferred sync carries are later steps
+        done.set()
+
+    def _refuse(self, version: int, record: StepRecord, done: asyncio.Event) -> None:
+        """The eval of ``version`` is not run: its engines do not all hold it (a LoRA adapter refused). An eval on
+        mixed versions would report one version's accuracy for another's: counted (``eval/refused_versions``),
+        logged, and the record goes out without an eval."""
+        p = self.publisher
+        engines = p.eval_engines if p.eval_engines is not None else frozenset(self.ctx.router.live)
+        held = {p.engines[i].name: p.engine_versions[i] for i in sorted(engines)}
+        self.ledger.counters["eval/refused_versions"] += 1
+        log.error("eval of version %d not run: its engines hold %s (published version %d; a refused LoRA adapter); "
+                  "the step's record has no eval", version, held, p.published.version)
+        self._charge_trainer()
+        self._charge_gen()
+        self._running = None
+        self.ledger.emit(record)
+        if self.record is record:
+            self.record = None
+        p.unhold(version)
         done.set()
 
     async def _drained(self, apart: frozenset[int]) -> None:

@@ -17,7 +17,10 @@ Invariants: at most one sync runs (the train loop waits for the previous one bef
 the next: the trainer refuses otherwise), and ``Published.version`` moves only when every live
 engine answered ok with that version: a bad load is never served. An engine that dies or fails
 its load during a sync only drops out of it (handed to the supervisor, which restarts it when it
-can); without a restarter a failed load ends the run (a bad sync is never served). A step's record
+can); without a restarter a failed load ends the run (a bad sync is never served). A LoRA adapter an
+engine refuses leaves it live at its older version, held back from new requests (Router.hold_back) until
+it loads a newer one; when every live engine refused a version, ``Published.version`` stays at the one
+they serve, and an eval of the refused version is not run (evals.py: counted). A step's record
 goes out only with its sync's times: ``release(record)`` emits it now, or when its sync is done.
 
 Evals hold the engines' weights (``hold(v)`` .. ``unhold(v)``, evals.py): while an eval of version v
@@ -75,7 +78,7 @@ from flashrl.controller.types import Published
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.deadlines import weight_sync_timeout_s
 from flashrl.interfaces import EngineClient, TrainerClient
-from flashrl.wire.protocol import WeightManifest
+from flashrl.wire.protocol import AdapterRefused, WeightManifest
 from flashrl.wire.transport import PeerDead, RemoteError
 
 __all__ = ["AdapterRefused", "PendingSync", "WeightPublisher"]
@@ -132,6 +135,8 @@ class WeightPublisher:
         self.router = router
         self.counters = counters
         self._refusals: dict[int, int] = {}  # engine index -> LoRA adapter versions refused in a row
+        self._refused_at: dict[int, int] = {}  # engine index -> the newest LoRA adapter version it refused
+        self._sent = published.version  # the newest version whose sync every live engine answered (ok or refused)
         self.published = published
         self.supervisor = supervisor
         self._clock = clock
@@ -270,7 +275,9 @@ class WeightPublisher:
         return self._apart
 
     def holding(self, version: int) -> bool:
-        """Whether the engines an eval of ``version`` runs on hold exactly ``version`` (the live ones)."""
+        """Whether the engines an eval of ``version`` runs on hold exactly ``version`` (the live ones; without
+        engines set apart, those the router sends requests to: every engine behind the published version is
+        held back). False after a LoRA refusal left them at another version: the eval is refused (evals.py)."""
         if self._apart is None:
             return self.published.version == version
         return all(self.engine_versions[i] == version for i in self._apart if self.router.alive[i])
@@ -294,21 +301,31 @@ class WeightPublisher:
 
     async def loaded(self, version: int) -> None:
         """Wait until the engines hold ``version`` (or newer: held, they never do during its eval);
-        with engines set apart for evals, until those hold it."""
+        with engines set apart for evals, until those hold it. Also ends when they answered its sync and
+        refused it (LoRA): ``holding`` then says the eval's engines do not hold it."""
         while not self._loaded(version):
             await self._synced.wait()
 
     def _loaded(self, version: int) -> bool:
-        if self.published.version < version:
-            return False
-        return self._apart is None or all(self.engine_versions[i] >= version for i in self._apart if self.router.alive[i])
+        if self._apart is None:
+            return self.published.version >= version or self._sent >= version
+        return all(max(self.engine_versions[i], self._refused_at.get(i, -1)) >= version
+                   for i in self._apart if self.router.alive[i]) and (self.published.version >= version or self._sent >= version)
+
+    def _hold_back(self) -> None:
+        """The live engines behind the published version (a LoRA adapter refused; not those an eval holds at
+        its older version) take no new request while others can (Router.hold_back): every token generated from
+        now on is at least ``published.version``, as Published says."""
+        apart = self._apart or frozenset()
+        self.router.hold_back(frozenset(i for i in self.router.live
+                                        if i not in apart and self.engine_versions[i] < self.published.version))
 
     async def _rejoin(self, apart: frozenset[int], version: int | None, p: PendingSync | None) -> None:
         """After an eval on engines set apart: bring them to ``version`` (the queued eval's, which the train
         loop's wait() keeps on the trainer until then) or, None, to the newest published weights, then
         let training requests use them again. Like a restarted engine's catch-up (supervisor.py): the
         trainer re-sends the published version to those engines alone."""
-        while version is not None and self.published.version < version:
+        while version is not None and self.published.version < version and self._sent < version:
             await self._synced.wait()  # the other engines first (the train loop waits for this version meanwhile)
         async with self.published.lock:
             m = self.published.manifest
@@ -327,6 +344,7 @@ class WeightPublisher:
                         f"the eval engines' catch-up to version {m.version} took longer than weight_sync.timeout_s = "
                         f"{limit:.0f} s: check the trainer and engine logs, or raise the timeout") from None
                 self.counters["weight_sync/eval_rejoins"] += 1
+            self._hold_back()
             self._synced.set()
             self._synced = asyncio.Event()
         if version is None:
@@ -432,8 +450,16 @@ class WeightPublisher:
                     f"weight sync to version {version} took longer than weight_sync.timeout_s = "
                     f"{limit:.0f} s: check the trainer and engine logs, or raise the timeout"
                 ) from None
+            # the newest version sent (what a catch-up sends: the trainer holds it); the published version moves
+            # only if a live engine holds it: when every one refused it (LoRA), they all still serve the one before
             self.published.manifest = manifest
-            self.published.version = version
+            if not live or any(self.engine_versions[i] == version for i in live):
+                self.published.version = version
+            elif any(i in self._refused_at for i in live):
+                log.error("weights version %d: every live engine refused it; they serve version %d", version,
+                          self.published.version)
+            self._sent = max(self._sent, version)
+            self._hold_back()
             self._synced.set()
             self._synced = asyncio.Event()
             skipped = len(self.engines) - len(self.router.live)
@@ -448,13 +474,15 @@ class WeightPublisher:
         the engine stays live at the version it still serves, and takes the next version as every engine does.
         AdapterRefused after ADAPTER_REFUSALS_MAX refusals in a row (the adapter, not the engine, is at fault)."""
         self.counters["weight_sync/adapter_refused"] += 1
+        self._refused_at[i] = version
         n = self._refusals[i] = self._refusals.get(i, 0) + 1
         name = self.engines[i].name
         what = (f"engine {name} refused LoRA adapter version {version} and still serves version "
                 f"{self.engine_versions[i]}: {r.error or 'no error given'}")
         if n >= ADAPTER_REFUSALS_MAX:
             raise AdapterRefused(f"{what}; {n} versions refused in a row by {name}: the adapter does not fit the "
-                                 "engines' LoRA settings (check model.lora against the model and the engine log)")
+                                 "engines' LoRA settings (check model.lora against the model and the engine log)",
+                                 version, self.engine_versions[i])
         log.error("%s (%d in a row; the run ends at %d)", what, n, ADAPTER_REFUSALS_MAX)
 
     async def _update_engine(self, i: int, manifest: WeightManifest) -> None:
@@ -493,10 +521,6 @@ class WeightPublisher:
         if r.occupancy:
             self._engine_occupancy.append(r.occupancy)
         self._engine_extra = max(self._engine_extra, r.extra_bytes)
-
-
-class AdapterRefused(RuntimeError):
-    """An engine's vLLM refused ADAPTER_REFUSALS_MAX LoRA adapter versions in a row: the run ends."""
 
 
 # A refused adapter version (engine/lora.py AdapterRefused) leaves its engine alive at the version it had (no

@@ -163,7 +163,8 @@ class Router:
     Engines set apart for an eval (``reserve``: run.eval_engines, publisher.py) take no new training
     request while they hold the evaluated version (older than the others'), unless no other engine is
     live; a request made inside an eval (``EVAL_ENGINES`` set) goes to those engines only, while one
-    of them is live.
+    of them is live. Engines held back (``hold_back``: behind the published version, LoRA) take no new
+    request, training or eval, while another live engine can.
     """
 
     def __init__(self, n_engines: int, max_num_seqs: int) -> None:
@@ -175,6 +176,8 @@ class Router:
         self._dead = 0  # engines marked dead (0: the fast path of pick() applies)
         self._slots = [Permits(max_num_seqs) for _ in range(n_engines)]
         self._reserved: frozenset[int] = frozenset()  # set apart for an eval (see the class docstring)
+        # live engines behind the published version (LoRA: their vLLM refused the adapter; publisher.py)
+        self._behind: frozenset[int] = frozenset()
 
     def reserve(self, engines: frozenset[int]) -> None:
         """Set ``engines`` apart for an eval (empty: none): no new training request goes to them."""
@@ -184,14 +187,25 @@ class Router:
     def reserved(self) -> frozenset[int]:
         return self._reserved
 
+    def hold_back(self, engines: frozenset[int]) -> None:
+        """``engines`` hold an older version than the published one (LoRA: they refused the adapter): no new
+        request goes to them while another live engine can take it, until they load a newer version."""
+        self._behind = engines
+
+    @property
+    def behind(self) -> frozenset[int]:
+        return self._behind
+
     def pick(self, exclude: Sequence[int] = ()) -> int:
         """The live engine with the fewest inflight rollouts; ties round-robin. Counts it as taken."""
         only = EVAL_ENGINES.get()
         if only is not None:  # an eval's request: its engines, while one of them is live
             if any(self.alive[i] and i not in exclude for i in only):
                 return self._pick_from(exclude, lambda i: i in only)
-        elif self._reserved and any(a and i not in self._reserved and i not in exclude
-                                    for i, a in enumerate(self.alive)):
+        elif self._behind and any(a and i not in self._reserved and i not in self._behind and i not in exclude
+                                  for i, a in enumerate(self.alive)):
+            return self._pick_from(exclude, lambda i: i not in self._reserved and i not in self._behind)
+        if self._reserved and any(a and i not in self._reserved and i not in exclude for i, a in enumerate(self.alive)):
             return self._pick_from(exclude, lambda i: i not in self._reserved)
         return self._pick_from(exclude, None)
 
@@ -242,6 +256,7 @@ class Router:
         if not self.alive[i]:
             self._dead -= 1
         self.alive[i] = True
+        self._behind -= {i}  # a restarted engine caught up to the newest weights
 
     @property
     def all_dead(self) -> bool:

@@ -25,10 +25,14 @@ __all__ = ["Published", "Trajectory", "metric_means"]
 
 
 class Published:
-    """The weights every live engine holds: their manifest (None: version 0, the base model) and version.
+    """The weights every live engine that takes requests holds: their version, and the newest manifest sent
+    (None: version 0, the base model; what a restarted engine's catch-up sends, the trainer holds it).
 
     ``version`` is a lower bound on the version of any token generated from now on (the rollouts'
-    ``RolloutContext.version``); the controller's own version runs ahead of it while a sync runs.
+    ``RolloutContext.version``); the controller's own version runs ahead of it while a sync runs. With LoRA an
+    engine may refuse a version and keep serving the one before: it is held back from new requests
+    (Router.hold_back) until it loads a newer one, and ``version`` moves only if some live engine holds it, so
+    ``manifest.version`` may then be ahead of ``version`` (publisher.py).
     """
 
     def __init__(self, version: int = 0) -> None:

@@ -233,18 +233,16 @@ class EngineServer:
             engine=self.name,
         )
 
-    def _load_adapter(self, llm: Any, version: int) -> dict[str, Any]:
-        """LoRA: the verified tensors of ``version`` into the policy's slot through vLLM's add_lora (on the engine
-        thread, between two steps). vLLM loads the new adapter before it drops the old one: a refused adapter
-        leaves the served one intact (touched False)."""
+    def _load_adapter(self, llm: Any, version: int, tensors: dict[str, Any]) -> dict[str, Any]:
+        """LoRA: the verified ``tensors`` of ``version`` (taken out of the receive buffers beside generation) into
+        the policy's slot through vLLM's add_lora (on the engine thread, between two steps; from memory, no folder
+        written or read: engine/lora.py). vLLM builds the new adapter before it drops the old one: a refused
+        adapter leaves the served one intact (touched False)."""
         t0 = time.perf_counter()
-        got = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
-        if not got["ok"]:
-            return {"ok": False, "touched": False, "error": got["error"], "load_s": 0.0}
-        from flashrl.engine.lora import AdapterRefused
+        from flashrl.wire.protocol import AdapterRefused
 
         try:
-            self.adapter.load(llm, version, got["tensors"])
+            self.adapter.load(llm, version, tensors)
         except AdapterRefused as e:  # per load: the slot keeps the previous version, the engine goes on
             log.error("%s: %s (refused versions so far: %d)", self.name, e, self.adapter.refused)
             return {"ok": False, "touched": False, "refused": True, "error": str(e),
@@ -273,7 +271,11 @@ class EngineServer:
             # Beside generation (a thread of its own): buffers of its own only, nothing of vLLM's is touched.
             # Bucket mode receives and verifies the first bucket only here; the rest arrives during the load.
             method = "flashrl_open_stream" if bucket else "flashrl_receive_weights"
-            return llm.collective_rpc(method, args=(manifest_json,))[0]
+            got = llm.collective_rpc(method, args=(manifest_json,))[0]
+            if got["ok"] and self.adapter is not None:  # LoRA: the verified tensors out of the buffers, here too
+                took = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
+                got = {**got, "ok": took["ok"], "error": took["error"], "tensors": took["tensors"]}
+            return got
 
         occupancy: dict[str, float] = {}
 
@@ -284,7 +286,7 @@ class EngineServer:
             occupancy.update(self.engine.occupancy())
             try:
                 if self.adapter is not None:
-                    res = self._load_adapter(llm, version)
+                    res = self._load_adapter(llm, version, got["tensors"])
                 else:
                     res = llm.collective_rpc("flashrl_load_stream" if bucket else "flashrl_load_weights", args=(version,))[0]
             except Exception as e:  # the worker's own errors are answers; this is anything else: the model's

@@ -115,10 +115,9 @@ def _lora_engine(cfg: Config, model_path: Path) -> dict[str, Any]:
     lo = cfg.model.lora
     if not lo.rank:
         return {}
-    from flashrl.trainer.lora import LoraSpec, adapter_config
+    from flashrl.trainer.lora import adapter_config, spec_of
 
-    spec = LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules))
-    return {"lora_rank": lo.rank, "lora_config": adapter_config(spec, str(model_path))}
+    return {"lora_rank": lo.rank, "lora_config": adapter_config(spec_of(lo), str(model_path))}
 
 
 class EnginePool:

@@ -88,6 +88,24 @@ def load_checkpoint_adapter(trainer_dir: str | Path, base_dir: str | Path, spec:
     return {k: v.detach().clone() for k, v in adapter_from_state_dict(sd).items()}
 
 
+def _check_base(trainer_dir: Path, base: Path) -> None:
+    """Refuse to export an adapter checkpoint with a base other than the one it was trained on (its recorded
+    fingerprint, trainer/lora.py base_fingerprint); an older checkpoint without one is exported as before."""
+    import json
+
+    from flashrl.trainer.ckpt_writer import CHECKPOINT_META
+    from flashrl.trainer.lora import base_mismatch
+
+    meta_file = trainer_dir / CHECKPOINT_META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    bad = base_mismatch(meta.get("base_fingerprint"), meta.get("base_model"), base, str(trainer_dir))
+    if bad:
+        raise ExportError(bad)
+    if meta.get("adapter_only") and not meta.get("base_fingerprint"):
+        log.warning("%s records no base fingerprint (written before flashrl recorded one): the adapter is merged "
+                    "into %s unchecked", trainer_dir, base)
+
+
 def _copy_folder(src: Path, out: Path) -> None:
     """``src`` copied to the new folder ``out``, atomically (a temporary sibling, then renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +174,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, ad
         return out, f"checkpoint step {step} ({trainer_dir})"
     from flashrl.trainer.lora import adapter_config, export_merged, save_adapter, spec_of
 
+    _check_base(trainer_dir, base)
     spec = spec_of(lora)
     tensors = load_checkpoint_adapter(trainer_dir, base, spec)
     if adapter:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -170,10 +171,9 @@ class Trainer(PolicyTrainer):
         mesh = init_device_mesh(device.type, (comm.world,)) if self.sharded else None
         self.lora = None
         if cfg.model.lora.rank:
-            from flashrl.trainer.lora import LoraSpec
+            from flashrl.trainer.lora import spec_of
 
-            lo = cfg.model.lora
-            self.lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules))
+            self.lora = spec_of(cfg.model.lora)
 
         def build() -> torch.nn.Module:
             m = build_policy(model_path, mesh, mp, self.sharded, self.lora)
@@ -191,6 +191,16 @@ class Trainer(PolicyTrainer):
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
         self.checkpoint_timeout_s = checkpoint_timeout_s(cfg, params)
+        if self.lora is not None and self.rank == 0:
+            _ = self.base_fingerprint  # now, while the base's bytes are in the page cache: not in a checkpoint's pause
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """LoRA: the base weights' fingerprint (trainer/lora.py base_fingerprint), computed once, at start (rank
+        0); recorded in each adapter checkpoint."""
+        from flashrl.trainer.lora import base_fingerprint
+
+        return base_fingerprint(self.model_path)
 
     @property
     def checkpoint_writer(self) -> str:
@@ -264,20 +274,36 @@ class Trainer(PolicyTrainer):
         return cast(dict[str, torch.Tensor],
                     get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapter's tensors under peft's saved names (what a sync sends), gathered alone. Every rank
+        all-gathers only the adapter's shards (``DTensor.full_tensor``, in parameter order, the same on every
+        rank), never the frozen base, whose full gather each sync would cost as much as a full-weight sync's;
+        rank 0 gets them on the CPU, the others an empty dict."""
+        from torch.distributed.tensor import DTensor
+
+        from flashrl.trainer.lora import adapter_from_state_dict, is_adapter_key
+
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if is_adapter_key(name):
+                t = p.detach()
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                if self.rank == 0:
+                    out[name] = t.cpu()
+        return adapter_from_state_dict(out) if self.rank == 0 else {}
+
     def prepare_weights(self, version: int) -> WeightManifest | None:
         t0 = time.perf_counter()
-        sd = self.full_state_dict()
+        # LoRA: only the adapter's tensors travel (engine/lora.py loads them), and only they are gathered
+        sd = self.full_state_dict() if self.lora is None else self.adapter_state()
         if self.rank != 0:
             return None
         from flashrl.wire.weights import build_manifest
 
         t1 = time.perf_counter()
         self.weights.drop_prepared()  # free the previous version's buckets before building new ones
-        tied = self.tie_word_embeddings
-        if self.lora is not None:  # LoRA: only the adapter's tensors travel (engine/lora.py loads them)
-            from flashrl.trainer.lora import adapter_from_state_dict
-
-            sd, tied = adapter_from_state_dict(sd), False
+        tied = self.tie_word_embeddings and self.lora is None
         manifest, buckets = build_manifest(sd, version, self.cfg.weight_sync.bucket_mb, tie_word_embeddings=tied)
         self.weights.prepare(version, buckets)
         manifest.timings = {"gather_s": t1 - t0, "pack_s": time.perf_counter() - t1}
@@ -347,6 +373,8 @@ class Trainer(PolicyTrainer):
             state["critics"], state["critics_optim"] = get_state_dict(self.critics, self.critics.optimizer)
         meta = {"version": self.version, "world_size": self.world, "critics": self.critics is not None,
                 "rng": rng.FORMAT, "rng_shape": list(rng_table.shape), "adapter_only": self.lora is not None}
+        if self.lora is not None and self.rank == 0:  # the base the adapter is a delta on (resume, export check it)
+            meta.update(base_fingerprint=self.base_fingerprint, base_model=self.model_path)
         self.checkpoints.save(path, state, meta, background)
         return waited
 
@@ -374,6 +402,12 @@ class Trainer(PolicyTrainer):
         if adapter_only and self.lora is None:
             raise ValueError(f"checkpoint {path} holds a LoRA adapter only, and this run trains the full model: resume "
                              "it with the checkpoint's model.lora settings")
+        if adapter_only:  # every rank computes the same answer: all raise together, none waits on another
+            from flashrl.trainer.lora import base_mismatch
+
+            bad = base_mismatch(meta.get("base_fingerprint"), meta.get("base_model"), self.model_path, f"checkpoint {path}")
+            if bad:
+                raise ValueError(bad)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         if adapter_only:  # the base weights stay the model folder's, loaded at build
             from flashrl.trainer.lora import adapter_entries

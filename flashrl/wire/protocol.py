@@ -149,9 +149,21 @@ class WeightsUpdated(Msg):
     # the receive buffers the engine held for this sync, bytes (engine/sync_extra_bytes): one copy of the
     # weights in weight_sync.load "whole", a few buckets in "bucket"; 0 from an engine that does not measure it
     extra_bytes: int = 0
-    # LoRA: vLLM refused this adapter version (engine/lora.py AdapterRefused); the engine is alive and still
+    # LoRA: vLLM refused this adapter version (AdapterRefused, below); the engine is alive and still
     # serves ``version``, its previous one
     adapter_refused: bool = False
+
+
+class AdapterRefused(RuntimeError):
+    """vLLM refused a LoRA adapter version: it does not fit the engine's LoRA settings (rank, target modules,
+    shapes), or its folder could not be written. Defined here, once, for both ends: an engine raises it per load
+    (engine/lora.py; the slot keeps the version it had, the engine lives on, and its answer carries
+    ``WeightsUpdated.adapter_refused``); the controller raises it when versions keep being refused
+    (controller/publisher.py), which ends the run: a restart would send the same adapter, so it is final."""
+
+    def __init__(self, message: str, version: int | None = None, kept: int | None = None) -> None:
+        super().__init__(message)
+        self.version, self.kept = version, kept
 
 
 class LoadReport(Msg):

@@ -234,3 +234,108 @@ def test_kl_anchor_is_the_frozen_base_not_a_second_model(world1, model_path: Pat
     full_cfg.algorithm.kl_coef = 0.1
     full = Trainer(full_cfg, str(model_path), torch.device("cpu"))
     assert full.ref_model is not None and params(full.ref_model) == params(full.model)
+
+
+def _other_base(model_dir: Path, out: Path) -> Path:
+    """A copy of ``model_dir`` whose weights differ in one element: another base of the same architecture."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    (f,) = out.glob("*.safetensors")
+    sd = load_file(str(f))
+    name = sorted(sd)[0]
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[0] += 1.0
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return out
+
+
+def test_adapter_checkpoint_records_its_base_and_refuses_another(world1, model_path: Path, tmp_path: Path) -> None:
+    """An adapter checkpoint records its base's fingerprint; resuming it, or exporting it, on another base (the
+    same architecture and names, other weights) is refused, naming both fingerprints and the fix."""
+    import json
+
+    from flashrl.config import load
+    from flashrl.models.export import ExportError, export_run
+    from flashrl.trainer.lora import base_fingerprint
+    from flashrl.trainer.worker import Trainer
+
+    cfg = lora_cfg(model_path, tmp_path / "out")
+    run, _ = train_and_checkpoint(cfg, model_path, steps=1)
+    ckpt = run / "checkpoints" / "step-1" / "trainer"
+    meta = json.loads((ckpt / "trainer.json").read_text())
+    assert meta["base_fingerprint"] == base_fingerprint(model_path) and meta["base_model"] == str(model_path)
+
+    other = _other_base(model_path, tmp_path / "other")
+    theirs, ours = base_fingerprint(other), meta["base_fingerprint"]
+    assert theirs != ours
+    t = Trainer(lora_cfg(other, tmp_path / "out2"), str(other), torch.device("cpu"))
+    with pytest.raises(ValueError, match="another base") as ei:
+        t.load_checkpoint(str(ckpt))
+    assert ours in str(ei.value) and theirs in str(ei.value) and "Point model.path" in str(ei.value)
+    same = Trainer(cfg, str(model_path), torch.device("cpu"))
+    same.load_checkpoint(str(ckpt))  # its own base resumes
+    assert same.version == 1
+
+    moved = load(run / "config.toml")
+    (run / "config.toml").write_text(to_toml(from_dict({**_as_dict(moved), "model": {
+        **_as_dict(moved)["model"], "path": str(other)}})))
+    for adapter in (False, True):
+        with pytest.raises(ExportError, match="another base") as ei:
+            export_run(run, tmp_path / f"x{adapter}", adapter=adapter)
+        assert ours in str(ei.value) and theirs in str(ei.value)
+        assert not (tmp_path / f"x{adapter}").exists()
+
+
+def _as_dict(cfg: Config) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(cfg)
+
+
+def test_sync_gathers_the_adapter_alone_under_fsdp2(world1, model_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """LoRA under FSDP2: a sync's prepare all-gathers the adapter's shards only, never the frozen base (a full
+    state-dict gather each step costs as much as a full-weight sync), and sends exactly the adapter's tensors."""
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from flashrl.trainer.lora import spec_of
+    from flashrl.trainer.worker import Trainer, build_policy
+
+    cfg = lora_cfg(model_path, tmp_path, dropout=0.0)
+    t = Trainer(cfg, str(model_path), torch.device("cpu"))
+    t.model = build_policy(str(model_path), init_device_mesh("cpu", (1,)), None, True, spec_of(cfg.model.lora))
+    t.sharded = True  # as with two ranks or a GPU mixed-precision policy: a world of one shards the same way
+    with torch.no_grad():
+        for n, p in t.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(DTensor.from_local(torch.full_like(p.to_local(), 0.25), p.device_mesh, p.placements))
+    want = adapter_state_dict(t.model)  # peft's names and values (a local gather, before the spies)
+
+    gathered: list[int] = []
+    real_full = DTensor.full_tensor
+
+    def full_tensor(self, *a, **k):
+        gathered.append(self.numel())
+        return real_full(self, *a, **k)
+
+    def no_full_gather(*a, **k):
+        raise AssertionError("the sync gathered the whole model's state dict (the frozen base too)")
+
+    monkeypatch.setattr(DTensor, "full_tensor", full_tensor)
+    monkeypatch.setattr(dcp_sd, "get_model_state_dict", no_full_gather)
+    monkeypatch.setattr(dcp_sd, "get_state_dict", no_full_gather)
+    manifest = t.prepare_weights(1)
+    assert manifest is not None
+    names = [tm.name for b in manifest.buckets for tm in b.tensors]
+    assert sorted(names) == sorted(want) and len(gathered) == len(want)
+    assert sum(gathered) == sum(v.numel() for v in want.values())
+    base = sum(p.numel() for n, p in t.model.named_parameters() if ".lora_" not in n)
+    assert sum(gathered) < 0.5 * base  # the adapter, not the model
+    from flashrl.wire.lora import verify_adapter
+
+    got = verify_adapter(manifest, [b.clone() for b in t.weights.prepared[1]])
+    assert all(torch.equal(got[k], want[k].to_local() if isinstance(want[k], DTensor) else want[k]) for k in want)

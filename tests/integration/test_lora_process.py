@@ -22,6 +22,7 @@ from flashrl.trainer.lora import (  # noqa: E402
     apply_lora,
     export_merged,
     reference_disabled,
+    save_adapter,
 )
 from flashrl.wire.lora import verify_adapter  # noqa: E402
 from flashrl.wire.weights import build_manifest  # noqa: E402
@@ -101,7 +102,10 @@ def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: P
         tokens, lps = _generate(llm, f"v{version}", adapter.request)
         assert _max_diff(policy, tokens, lps) < 1e-4  # the engine serves exactly this version
         seen.append(lps)
-        assert sorted(p.name for p in (tmp_path / "adapters").iterdir() if not p.name.startswith(".")) == [f"v{version}"]
+        # from memory: no adapter tensors written (or read) for a load; the folder holds the config alone
+        assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "adapters").rglob("*")) == [
+            "adapters/policy", "adapters/policy/adapter_config.json"]
+        assert adapter.in_memory is True
     assert max(abs(a - b) for a, b in zip(*seen)) > 1e-3  # version 2 replaced version 1
     assert llm.list_loras() == {1}  # one slot, reloaded in place
     assert _generate(llm, "base-again", None)[1] == pytest.approx(base_lps, abs=1e-6)  # the base is untouched
@@ -110,10 +114,11 @@ def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: P
     # transformers, and their greedy continuation is the engine's, with its logprobs
     from peft import PeftModel
 
-    merged_dir = export_merged(model_dir, tmp_path / "adapters" / "v2", tmp_path / "merged")
+    v2 = save_adapter(tmp_path / "v2", adapter_state_dict(policy), adapter.config)  # the tensors the engine loaded
+    merged_dir = export_merged(model_dir, v2, tmp_path / "merged")
     for name, model in {
         "adapter": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                             str(tmp_path / "adapters" / "v2")).eval(),
+                                             str(v2)).eval(),
         "merged": AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval(),
     }.items():
         ids = torch.tensor([PROMPT + tokens])
@@ -143,6 +148,8 @@ def _train(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    from types import SimpleNamespace
+
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -150,7 +157,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from flashrl.trainer.lora import adapter_from_state_dict
-    from flashrl.trainer.worker import _decoder_layers
+    from flashrl.trainer.worker import Trainer, _decoder_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -163,8 +170,13 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         fully_shard(model, mesh=mesh)
         before, ref, pol = _train(model)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # the sync's own gather (trainer/worker.py Trainer.adapter_state): the adapter's shards alone
+        synced = Trainer.adapter_state(SimpleNamespace(model=model, rank=rank))
         if rank == 0:
-            torch.save({"before": before, "ref": ref, "pol": pol, "adapter": adapter_from_state_dict(full)}, out)
+            torch.save({"before": before, "ref": ref, "pol": pol, "adapter": adapter_from_state_dict(full),
+                        "synced": synced}, out)
+        else:
+            assert synced == {}
     finally:
         dist.destroy_process_group()
 
@@ -189,6 +201,8 @@ def test_fsdp2_trains_only_the_adapter_as_one_process_does(model_dir: Path, tmp_
     want = adapter_state_dict(plain)
     assert got["adapter"].keys() == want.keys()
     assert all(torch.allclose(got["adapter"][k], want[k], atol=1e-6) for k in want)
+    assert got["synced"].keys() == want.keys()  # the sync's gather of the adapter alone: the same tensors
+    assert all(torch.equal(got["synced"][k], got["adapter"][k]) for k in want)
 
 
 def _trainer_run(rank: int, port: int, model_dir: str, root: str) -> None:
@@ -246,7 +260,7 @@ def test_a_refused_adapter_keeps_the_served_version_and_the_engine(llm, model_di
     previous version with the same output, and the next good version loads."""
     from transformers import AutoModelForCausalLM
 
-    from flashrl.engine.lora import LOAD_ATTEMPTS, AdapterRefused
+    from flashrl.engine.lora import LOAD_ATTEMPTS, STAGED, AdapterRefused
 
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), SPEC)
     torch.manual_seed(3)
@@ -260,12 +274,12 @@ def test_a_refused_adapter_keeps_the_served_version_and_the_engine(llm, model_di
 
     wide = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
                       LoraSpec(rank=32, alpha=64))
-    big = PolicyAdapter(tmp_path / "adapters", adapter_config(LoraSpec(rank=32, alpha=64), str(model_dir)))
+    big = PolicyAdapter(tmp_path / "big", adapter_config(LoraSpec(rank=32, alpha=64), str(model_dir)))
     big.version, big.request = adapter.version, adapter.request  # the same slot, as the engine's one adapter
     with pytest.raises(AdapterRefused, match=rf"adapter v11 refused by vLLM after {LOAD_ATTEMPTS} attempts \(still "
                                              r"serving v10\): .*rank"):
         _sync(wide, big, llm, 11)
-    assert big.refused == 1 and big.version == 10 and not (tmp_path / "adapters" / "v11").exists()
+    assert big.refused == 1 and big.version == 10 and str(tmp_path / "big" / "policy") not in STAGED
     assert _generate(llm, "after-refusal", adapter.request) == before  # the engine serves v10, unchanged
     _sync(policy, adapter, llm, 12)  # and takes the next good version
     assert _max_diff(policy, *_generate(llm, "v12", adapter.request)) < 1e-4

@@ -393,6 +393,55 @@ def test_refused_adapter_is_counted_and_the_engine_kept() -> None:
         run(c)
 
 
+class _Watched(FakeEngine):
+    """A FakeEngine that records, for each request sent to it, its own version and the published one then."""
+
+    controller: Controller | None = None
+
+    async def generate(self, req: Generate) -> Any:
+        assert self.controller is not None
+        self.seen = [*getattr(self, "seen", []), (req.request_id, self.version, self.controller.published.version)]
+        return await super().generate(req)
+
+
+def test_refused_adapter_version_is_never_served_as_published() -> None:
+    """LoRA: an engine that refused version 2 keeps version 1. The published version (a lower bound on every new
+    token's version) and the engines agree: the refuser takes no request while behind, and the eval of
+    version 2 runs on the engine that holds it, not on both (no mixed versions)."""
+    cfg = config(run={"steps": 4, "eval_every": 2}, rollout={"group_size": 1, "batch_prompts": 1})
+    ok, picky = _Watched("e0"), _Watched("picky", refuse_adapter=lambda v: v == 2)
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, FakeSuite(n_eval=4), [ok, picky], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
+    ok.controller = picky.controller = c
+    summary, left = run(c)
+    assert summary.steps == 4 and left == set()
+    assert summary.counters["weight_sync/adapter_refused"] == 1 and 2 not in picky.updates and 2 in ok.updates
+    stale = [(rid, held, pub) for e in (ok, picky) for rid, held, pub in e.seen if held < pub]
+    assert stale == []  # no request went to an engine behind the published version
+    assert summary.counters.get("eval/mixed_versions", 0) == 0 and "eval/refused_versions" not in summary.counters
+    assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 4}
+    assert c.published.version == 4 and c.engine_versions == [4, 4]
+
+
+def test_eval_of_a_version_no_engine_holds_is_refused_not_mixed() -> None:
+    """LoRA: the only engine refuses version 2, the one an eval is due for: the published version stays 1 (what
+    the engine holds), and the eval of 2 is not run on version 1's weights: counted, its record without an eval;
+    the run goes on to version 3."""
+    cfg = config(run={"steps": 4, "eval_every": 2}, rollout={"group_size": 1, "batch_prompts": 1})
+    picky = _Watched("picky", refuse_adapter=lambda v: v == 2)
+    records: list[dict[str, Any]] = []
+    c = Controller(cfg, TOK, FakeSuite(n_eval=4), [picky], FakeTrainer(), on_step=lambda r: records.append(r.to_dict()))
+    picky.controller = c
+    summary, left = run(c)
+    assert summary.steps == 4 and left == set()
+    assert [held for _, held, pub in picky.seen if held != pub] == []  # published agreed with the engine throughout
+    assert summary.counters.get("eval/mixed_versions", 0) == 0
+    assert summary.counters["eval/refused_versions"] == 1
+    assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 4}
+    assert not any(rid.startswith("eval2-") for rid, _, _ in picky.seen)
+    assert c.published.version == 4
+
+
 def test_env_failures_are_retried_not_lost() -> None:
     cfg = config(run={"steps": 4}, rollout={"group_size": 2, "batch_prompts": 2, "max_retries": 1})
     suite = FakeSuite(fail=lambda t, call: "crash" if call == 0 else None)

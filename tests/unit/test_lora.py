@@ -312,3 +312,66 @@ def test_kl_reference_is_the_base_model_with_no_second_copy(model_path) -> None:
     got = t.reference_logprobs(b)
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     assert (current - want).abs().max() > 1e-4  # the policy itself has moved
+
+
+def test_adapter_refused_defined_once_and_spec_built_by_spec_of() -> None:
+    """One AdapterRefused for both ends (the engine's per-load refusal and the controller's final one: a
+    supervisor that treats it as final matches one class), and every LoraSpec of a config built by spec_of
+    (a field added to model.lora reaches the trainer, the engines and export alike)."""
+    import re
+    from pathlib import Path
+
+    import flashrl
+    from flashrl.controller.publisher import AdapterRefused as controller_side
+    from flashrl.engine.lora import AdapterRefused as engine_side
+    from flashrl.trainer.lora import spec_of
+
+    assert engine_side is controller_side
+    root = Path(flashrl.__file__).parent
+    sources = {p: p.read_text() for p in root.rglob("*.py")}
+    assert [p.relative_to(root).as_posix() for p, s in sources.items() if "class AdapterRefused" in s] == ["wire/protocol.py"]
+    built = [p.relative_to(root).as_posix() for p, s in sources.items() if re.search(r"\bLoraSpec\(\s*rank=", s)]
+    assert built == ["trainer/lora.py"], built  # spec_of itself, nowhere else
+
+    class Lora:  # a [model.lora] section
+        rank, alpha, dropout, target_modules = 8, 16, 0.1, ["q_proj", "v_proj"]
+
+    assert spec_of(Lora()) == LoraSpec(8, 16, 0.1, ("q_proj", "v_proj"))
+
+
+def _safetensors_folder(folder, tensors, shards: int = 1, metadata=None):
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    names = sorted(tensors)
+    for k in range(shards):
+        part = {n: tensors[n] for n in names[k::shards]}
+        save_file(part, str(folder / f"model-{k}.safetensors"), metadata=metadata)
+    return folder
+
+
+def test_base_fingerprint_sees_every_byte_not_the_layout(tmp_path) -> None:
+    """The fingerprint an adapter checkpoint records of its base: one element changed anywhere (here the last
+    row of the embedding, as a new token's would) changes it; the same tensors re-saved in other shards, with
+    other header metadata, keep it."""
+    from flashrl.trainer.lora import base_fingerprint, base_mismatch
+
+    torch.manual_seed(0)
+    w = {"embed.weight": torch.randn(64, 16), "layers.0.q_proj.weight": torch.randn(16, 16),
+         "norm.weight": torch.ones(16, dtype=torch.bfloat16)}
+    fp = base_fingerprint(_safetensors_folder(tmp_path / "a", w))
+    assert fp.startswith("xxh3-128:") and fp == base_fingerprint(tmp_path / "a")  # deterministic
+    assert base_fingerprint(_safetensors_folder(tmp_path / "b", w, shards=2, metadata={"format": "pt"})) == fp
+    other = dict(w, **{"embed.weight": w["embed.weight"].clone()})
+    other["embed.weight"][-1, -1] += 1e-3
+    assert base_fingerprint(_safetensors_folder(tmp_path / "c", other)) != fp
+    retyped = dict(w, **{"norm.weight": w["norm.weight"].to(torch.float16)})  # same bytes, another dtype
+    assert base_fingerprint(_safetensors_folder(tmp_path / "d", retyped)) != fp
+
+    assert base_mismatch(fp, "/x/a", tmp_path / "b", "checkpoint s") is None
+    assert base_mismatch(None, None, tmp_path / "c", "checkpoint s") is None  # older checkpoints: nothing recorded
+    msg = base_mismatch(fp, "/x/a", tmp_path / "c", "checkpoint s")
+    assert msg is not None and fp in msg and base_fingerprint(tmp_path / "c") in msg and "/x/a" in msg
+    assert "Point model.path at the base the run trained" in msg
+    with pytest.raises(FileNotFoundError, match="no weight files"):
+        base_fingerprint(tmp_path)
