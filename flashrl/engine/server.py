@@ -235,8 +235,8 @@ class EngineServer:
 
     def _load_adapter(self, llm: Any, version: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """LoRA: the verified ``tensors`` of ``version`` (taken out of the receive buffers beside generation) into
-        the policy's slot through vLLM's add_lora (on the engine thread, between two steps; from memory, no folder
-        written or read: engine/lora.py). vLLM builds the new adapter before it drops the old one: a refused
+        the policy's slot through vLLM's add_lora (on the engine thread, between two steps; the folder staged
+        beside generation: engine/lora.py). vLLM builds the new adapter before it drops the old one: a refused
         adapter leaves the served one intact (touched False)."""
         t0 = time.perf_counter()
         from flashrl.wire.protocol import AdapterRefused
@@ -275,6 +275,8 @@ class EngineServer:
             if got["ok"] and self.adapter is not None:  # LoRA: the verified tensors out of the buffers, here too
                 took = llm.collective_rpc("flashrl_take_weights", args=(version,))[0]
                 got = {**got, "ok": took["ok"], "error": took["error"], "tensors": took["tensors"]}
+                if took["ok"]:  # its folder written here too: the paused load only runs add_lora
+                    self.adapter.stage(version, took["tensors"])
             return got
 
         occupancy: dict[str, float] = {}
@@ -455,11 +457,9 @@ async def _serve(opts: EngineSpec) -> int:
     engine = build_engine(opts, meter, asyncio.get_running_loop())
     adapter = None
     if opts.lora_rank:
-        import tempfile
+        from flashrl.engine.lora import PolicyAdapter, adapter_root
 
-        from flashrl.engine.lora import PolicyAdapter
-
-        adapter = PolicyAdapter(Path(tempfile.mkdtemp(prefix=f"flashrl-{opts.name}-lora-")), opts.lora_config)
+        adapter = PolicyAdapter(adapter_root(opts.name), opts.lora_config)
     server = EngineServer(engine, opts.name, meter, opts.sync_load, adapter)
     try:
         await server.start()

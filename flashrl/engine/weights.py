@@ -518,13 +518,6 @@ class WeightSyncExtension:
         receiver.release(list(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]  # vLLM's worker
         return {"ok": True, "error": "", "tensors": tensors}
 
-    def flashrl_adapter_in_memory(self) -> int:
-        """LoRA: adapter loads of staged folders come from memory (engine/lora.py install_in_memory); this
-        process's id, 0 where vLLM's LoRA manager offers no model-class hook."""
-        from flashrl.engine.lora import install_in_memory
-
-        return install_in_memory(self)
-
     # ------------------------------------------------------------------ weight_sync.load = "bucket"
     def flashrl_open_stream(self, manifest_json: str) -> dict[str, Any]:
         """Bucket mode, beside generation: check the manifest, receive and verify its first bucket. Returns ok,

@@ -78,9 +78,22 @@ def _max_diff(model, tokens: list[int], logprobs: list[float]) -> float:
     return max(abs(lp[i, t].item() - logprobs[i]) for i, t in enumerate(tokens))
 
 
-def _sync(policy, adapter: PolicyAdapter, llm, version: int) -> None:
+def _sync(policy, adapter: PolicyAdapter, llm, version: int, stage: bool = False) -> int:
+    """One adapter version into the engine, as the server does it (``stage``: its folder written first, beside
+    generation). Returns how many folder writes the paused load itself did."""
+    import flashrl.engine.lora as engine_lora
+
     manifest, flats = build_manifest(adapter_state_dict(policy), version, bucket_mb=0.05)
-    adapter.load(llm, version, verify_adapter(manifest, [f.clone() for f in flats]))
+    tensors = verify_adapter(manifest, [f.clone() for f in flats])
+    if stage:
+        adapter.stage(version, tensors)
+    writes, save = [], engine_lora.save_adapter
+    engine_lora.save_adapter = lambda *a, **k: (writes.append(a[0]), save(*a, **k))[1]
+    try:
+        adapter.load(llm, version, tensors)
+    finally:
+        engine_lora.save_adapter = save
+    return len(writes)
 
 
 def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: Path, tmp_path: Path) -> None:
@@ -98,14 +111,13 @@ def test_adapter_versions_load_in_place_and_match_transformers(llm, model_dir: P
         for n, p in policy.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.05)  # a "trained" adapter, different per version
-        _sync(policy, adapter, llm, version)
+        # staged beside generation: the paused load writes nothing, it only runs add_lora
+        assert _sync(policy, adapter, llm, version, stage=True) == 0
         tokens, lps = _generate(llm, f"v{version}", adapter.request)
         assert _max_diff(policy, tokens, lps) < 1e-4  # the engine serves exactly this version
         seen.append(lps)
-        # from memory: no adapter tensors written (or read) for a load; the folder holds the config alone
-        assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "adapters").rglob("*")) == [
-            "adapters/policy", "adapters/policy/adapter_config.json"]
-        assert adapter.in_memory is True
+        # the folder of the version served, alone (the previous one removed once this one loaded)
+        assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [f"v{version}"]
     assert max(abs(a - b) for a, b in zip(*seen)) > 1e-3  # version 2 replaced version 1
     assert llm.list_loras() == {1}  # one slot, reloaded in place
     assert _generate(llm, "base-again", None)[1] == pytest.approx(base_lps, abs=1e-6)  # the base is untouched
@@ -260,7 +272,7 @@ def test_a_refused_adapter_keeps_the_served_version_and_the_engine(llm, model_di
     previous version with the same output, and the next good version loads."""
     from transformers import AutoModelForCausalLM
 
-    from flashrl.engine.lora import LOAD_ATTEMPTS, STAGED, AdapterRefused
+    from flashrl.engine.lora import LOAD_ATTEMPTS, AdapterRefused
 
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), SPEC)
     torch.manual_seed(3)
@@ -279,7 +291,7 @@ def test_a_refused_adapter_keeps_the_served_version_and_the_engine(llm, model_di
     with pytest.raises(AdapterRefused, match=rf"adapter v11 refused by vLLM after {LOAD_ATTEMPTS} attempts \(still "
                                              r"serving v10\): .*rank"):
         _sync(wide, big, llm, 11)
-    assert big.refused == 1 and big.version == 10 and str(tmp_path / "big" / "policy") not in STAGED
+    assert big.refused == 1 and big.version == 10 and not (tmp_path / "big" / "v11").exists()
     assert _generate(llm, "after-refusal", adapter.request) == before  # the engine serves v10, unchanged
     _sync(policy, adapter, llm, 12)  # and takes the next good version
     assert _max_diff(policy, *_generate(llm, "v12", adapter.request)) < 1e-4

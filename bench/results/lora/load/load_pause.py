@@ -3,10 +3,11 @@ thread runs between two steps), timed alone on an in-process vLLM engine, for th
 
     PYTHONPATH=<checkout> python bench/results/lora/load/load_pause.py MODEL_DIR [RANK] [N]
 
-Per version: the verified tensors' copy out of the receive buffers (flashrl_take_weights' clone; inside the
-pause before the in-memory load, beside generation after it: timed here only where the checkout does it in
-the pause) and ``PolicyAdapter.load``. Prints one JSON line: median and max seconds over N versions after one
-warm-up, the adapter's bytes, and whether the load came from memory."""
+Per version: what the checkout does inside the pause. At 7feef93: the verified tensors' copy out of the
+receive buffers (flashrl_take_weights' clone), the peft folder's write and ``add_lora``. After: the copy
+and the folder's write (``PolicyAdapter.stage``) run beside generation, untimed here, and the pause runs
+``add_lora`` alone. Prints one JSON line: median and max seconds over N versions after one warm-up, the
+adapter's bytes, where the folders live, and whether the folder was staged before the pause."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def main() -> None:
     llm = LLMEngine.from_engine_args(EngineArgs(**server.engine_kwargs(opts), **lora_engine_kwargs(rank)),
                                      enable_multiprocessing=False)
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), spec)
-    adapter = PolicyAdapter(Path(tempfile.mkdtemp(prefix="lora-load-")), adapter_config(spec, model_dir))
-    # before the in-memory load, the server took the tensors out of the receive buffers inside the pause
+    root = Path(tempfile.mkdtemp(prefix="lora-load-", dir=os.environ.get("LORA_ROOT")))
+    adapter = PolicyAdapter(root, adapter_config(spec, model_dir))
+    # at 7feef93 the server took the tensors out of the receive buffers inside the pause, and staged nothing
     take_in_pause = "flashrl_take_weights" in inspect.getsource(server.EngineServer._load_adapter)
+    staged = callable(getattr(adapter, "stage", None))
     times = []
     for v in range(n + 1):
         with torch.no_grad():
@@ -50,6 +53,8 @@ def main() -> None:
                 if "lora_B" in name:
                     p.normal_(std=0.05)
         tensors = adapter_state_dict(policy)
+        if staged:  # beside generation, before the pause
+            adapter.stage(v + 1, tensors)
         t0 = time.perf_counter()
         got = {k: t.clone() for k, t in tensors.items()} if take_in_pause else tensors
         adapter.load(llm, v + 1, got)
@@ -57,7 +62,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(json.dumps({"model": model_dir, "rank": rank, "versions": n, "adapter_bytes": nbytes,
-                      "in_memory": bool(getattr(adapter, "in_memory", False)), "take_in_pause": take_in_pause,
+                      "root": str(root.parent), "staged": staged, "take_in_pause": take_in_pause,
                       "median_s": round(statistics.median(times), 5), "max_s": round(max(times), 5)}))
 
 
