@@ -183,3 +183,26 @@ def test_a_text_longer_than_the_reward_model_is_cut_to_its_last_tokens_and_count
     assert cut == 1
     alone, none = score([long[-256:]])
     assert none == 0 and got[0] == pytest.approx(alone[0], abs=1e-5)
+
+
+def test_validate_checks_the_judge_template_against_the_judge_max_model_len() -> None:
+    """`flashrl validate` refuses (exit 2) a judge whose template + the policy's longest text + the verdict
+    cannot fit the judge engines' max_model_len, and a judge max_model_len past the judge model's positions
+    (vLLM would not start it), naming the keys and the fix. Before: both passed validate; the first was
+    refused verdict by verdict at run time, the second ended in JudgeDown after judge.max_restarts."""
+    from typer.testing import CliRunner
+
+    from flashrl.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["validate", "configs/judge.toml"])
+    assert ok.exit_code == 0, ok.output
+    long = "{prompt}<response>{response}</response> " + "is it right? " * 8
+    bad = runner.invoke(app, ["validate", "configs/judge.toml", "--set", f"judge.template={long}"])
+    assert bad.exit_code == 2, bad.output
+    assert "judge.template: its 126 tokens" in bad.output and "model.max_model_len = 64" in bad.output
+    assert "judge.max_new_tokens = 12" in bad.output and "judge's max_model_len = 128" in bad.output
+    assert "shorten judge.template by 74 tokens" in bad.output and "raise model.max_model_len to 138" in bad.output
+    big = runner.invoke(app, ["validate", "configs/judge.toml", "--set", "model.max_model_len=256"])
+    assert big.exit_code == 2, big.output
+    assert "2 x model.max_model_len = 512 is past the judge model's max_position_embeddings = 256" in big.output
