@@ -206,3 +206,72 @@ def test_validate_checks_the_judge_template_against_the_judge_max_model_len() ->
     big = runner.invoke(app, ["validate", "configs/judge.toml", "--set", "model.max_model_len=256"])
     assert big.exit_code == 2, big.output
     assert "2 x model.max_model_len = 512 is past the judge model's max_position_embeddings = 256" in big.output
+
+
+class _Stdin:
+    def write(self, data: bytes) -> None:
+        self.sent = data
+
+    async def drain(self) -> None:
+        pass
+
+
+class _Stdout:
+    def __init__(self, line: bytes) -> None:
+        self.line = line
+
+    async def readline(self) -> bytes:
+        return self.line
+
+
+class _Pool:
+    """A WorkerPool stand-in with one worker whose reply is ``line``."""
+
+    def __init__(self, line: bytes) -> None:
+        proc = type("P", (), {"pid": 7, "stdin": _Stdin(), "stdout": _Stdout(line)})()
+        self.worker = type("W", (), {"handle": proc})()
+        self.killed: list[str] = []
+        self.released = 0
+        self.counters: dict[str, int] = {"spawned": 1, "exits": 0}
+
+    async def acquire(self) -> Any:
+        return self.worker
+
+    def release(self, w: Any) -> None:
+        self.released += 1
+
+    def kill(self, w: Any, why: str = "") -> None:
+        self.killed.append(why)
+
+
+def test_the_process_backend_reads_refused_texts_and_truncations_from_the_worker() -> None:
+    """A worker's reply with one refused text: its place holds why (the client fails that episode alone), the
+    others their scores, the worker kept (no garbage), and its truncations counted (env/rm_truncated)."""
+    import msgspec
+
+    from flashrl.rewardmodel.client import ProcessScorer, ScoreFailed
+    from flashrl.rewardmodel.worker import Scores
+
+    async def main() -> None:
+        ps = ProcessScorer("model")
+        reply = Scores(scores=[0.5, 0.0, -1.0], refused=["", "ValueError: too long", ""], truncated=2)
+        ps.pool = _Pool(msgspec.json.encode(reply) + b"\n")  # type: ignore[assignment]
+        got = await ps.score_batch(["a", "b", "c"], timeout_s=5.0)
+        assert got == [0.5, "ValueError: too long", -1.0]
+        assert ps.pool.killed == [] and ps.pool.released == 1 and ps.counters["rm_truncated"] == 2  # type: ignore[attr-defined]
+        ps.pool = _Pool(msgspec.json.encode(Scores(scores=[0.5], refused=["", ""])) + b"\n")  # type: ignore[assignment]
+        with pytest.raises(ScoreFailed, match="garbage"):
+            await ps.score_batch(["a", "b"], timeout_s=5.0)
+
+    run_virtual(main)
+
+
+def test_rewards_md_states_the_unparsable_verdict_as_a_reward() -> None:
+    """docs/rewards.md says plainly what an unparsable (or refused) verdict earns: judge.unparsable_reward, with
+    its default as the code has it, and the counters that show it."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    default = JudgeConfig().unparsable_reward
+    assert "An unparsable verdict is a reward, not a failure" in doc
+    assert f"`judge.unparsable_reward`, by default\n  {default}, the reward of a fail" in doc
+    for counter in ("env/judge_defaulted", "env/judge_refused", "env/rm_refused", "env/rm_truncated"):
+        assert counter in doc, counter
