@@ -84,7 +84,7 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
 
 def _check_reward_model_or_exit(cfg: Config, config: Path) -> None:
     """reward.model names a sequence-classification folder with one label, judge.model a causal LM (exit 2
-    naming it and the fix); a built-in one not built yet is noted, not built."""
+    naming it and the fix); a built-in one not built yet is noted, not built; the judge's text fits its engines."""
     from flashrl.judge.build import BUILTIN_JUDGE, JudgeModelError, ensure_judge_model
     from flashrl.rewardmodel.build import BUILTIN_RM, RewardModelError, ensure_reward_model
 
@@ -100,6 +100,11 @@ def _check_reward_model_or_exit(cfg: Config, config: Path) -> None:
                 continue
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
+    from flashrl.judge.checks import check_lengths
+
+    for problem in check_lengths(cfg):  # the judge's text and its engines' max_model_len (flashrl/judge/checks.py)
+        typer.echo(f"config error: {config}: {problem}", err=True)
+        raise typer.Exit(code=2)
 
 
 def _check_lora_or_exit(cfg: Config, config: Path) -> None:

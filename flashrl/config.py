@@ -393,7 +393,7 @@ class JudgeConfig(Section):
         "cuda each gets a GPU of its own after the trainer ranks' and the engines' when there are enough), ray "
         "(a placement group of cluster.ray.judge_* bundles), slurm (cluster.slurm.layout's judges, or the automatic layout)"))] = 1
     template: Annotated[str, Meta(min_length=1, description=(
-        "the judge's prompt; {prompt} is the policy's prompt, {response} its answer (up to the end-of-sequence mark, stripped)"))] = "{prompt}{response}?"
+        "the judge's prompt; {prompt} = the policy's prompt, {response} = its answer (to its EOS, stripped, without the fence tags <response> </response>)"))] = "{prompt}<response>{response}</response>?"
     pass_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is pass (default: its last word is 1, pass or yes, as builtin:judge writes it after its own solution)")] = "(^|\\s)(1|P|pass|PASS|yes)\\s*$"
     fail_pattern: Annotated[str, Meta(min_length=1, description="a regular expression: a verdict it matches is fail (default: its last word is 0, fail or no)")] = "(^|\\s)(0|F|fail|FAIL|no)\\s*$"
     verdict: Annotated[Literal["pass_fail", "score"], Meta(description=(

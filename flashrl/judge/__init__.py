@@ -4,6 +4,7 @@ finished episode a verdict (pass/fail, or a score) that trains the policy, the e
     build.py    builtin:judge (the built-in model warm-started on verifier-labelled verdicts), cached
     engines.py  JudgeEngines: the judge's engine processes (the policy's engine server), watched, restarted
     client.py   JudgeClient: template -> tokens -> verdict; parse, retry, count
+    checks.py   what `flashrl validate` checks of [judge] against lengths (the judge engines' max_model_len)
     the suite   flashrl.rewardmodel.suite.RewardModelSuite(kind="judge"): combined with the verifier, logged
 
 docs/rewards.md tells the whole story.
@@ -27,6 +28,7 @@ async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any =
     from transformers import AutoTokenizer
 
     from flashrl.judge.build import ensure_judge_model
+    from flashrl.judge.checks import judge_max_model_len
     from flashrl.judge.client import JudgeClient
     from flashrl.judge.engines import JudgeEngines
     from flashrl.rewardmodel.suite import RewardModelSuite
@@ -35,7 +37,7 @@ async def with_judge(cfg: Any, suite: Any, progress: Any = None, launcher: Any =
     tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(folder))
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=max(cfg.model.max_model_len, 64) * 2, seed=cfg.run.seed,
+    engines = JudgeEngines(cfg.judge, folder, logs, max_model_len=judge_max_model_len(cfg), seed=cfg.run.seed,
                            launcher=launcher, device=device, gpus=gpus)
     wrapped = RewardModelSuite(suite, JudgeClient(cfg.judge, engines, tok), cfg.reward, kind="judge")
     await wrapped.client.start()

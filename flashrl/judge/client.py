@@ -1,12 +1,20 @@
 """Verdicts: the judge's prompt from its template, its answer parsed, failures retried.
 
-    score((prompt, response)) -> 1.0 (pass) | 0.0 (fail) | judge.unparsable_reward (after the parse retries);
-                                 verdict = "score": (score - score_min) / (score_max - score_min), in [0, 1]
-        text = judge.template.format(prompt=..., response=response up to its EOS mark, stripped)
+    score((prompt, response)) -> 1.0 (pass) | 0.0 (fail) | judge.unparsable_reward (after the parse retries, or
+                                 refused); verdict = "score": (score - score_min) / (score_max - score_min), in [0, 1]
+        text = judge.template.format(prompt=..., response=response up to its EOS mark, stripped, FENCE's tags
+               removed: the default template fences the response in <response>...</response>, and a response
+               cannot close the fence itself and write text the judge would take for the template's)
         ids  = the judge's tokenizer (no special tokens) -> JudgeEngines.generate (vLLM batches the concurrent
                requests itself: every episode's verdict is one request, in flight beside the policy's)
         an engine that died / hung / refused -> retried on a live (or restarted) engine, judge.retries times
                (judge_retries, judge_engine_<reason>), then RewardFailed -> EnvFailure: never a verdict of 0
+        a text the judge cannot read (its tokens + judge.max_new_tokens past the engines' max_model_len, or the
+               engine answered Error for it: vLLM's input check) -> judge_refused, judge.unparsable_reward at once:
+               the same text would be refused again, so it is neither retried nor an engine failure
+        the judge's answer cut at judge.max_new_tokens (finish "length") -> unparsable: only an answer the judge
+               finished is read (a judge that copies the response it judges, cut off right after a "1" the
+               response wrote, would otherwise pass it)
         a verdict neither pattern matches (or, scores: no number in range) -> judge_unparsable; "retry": asked again at temperature 1
                (judge_parse_retries), up to judge.parse_retries times; then (or at once with "default")
                judge.unparsable_reward (judge_defaulted)
@@ -28,13 +36,25 @@ from typing import Any
 
 from flashrl.config import JudgeConfig
 from flashrl.env import cut_at_eos
-from flashrl.judge.engines import JudgeEngineFailed
+from flashrl.judge.engines import JudgeEngineFailed, JudgeRefused
 from flashrl.rewardmodel.memo import ScoreMemo
 from flashrl.rewards import RewardFailed
+from flashrl.wire.protocol import Generated
 
-__all__ = ["JudgeClient", "parse_score", "parse_verdict", "verdict_parser"]
+__all__ = ["FENCE", "JudgeClient", "judge_text", "parse_score", "parse_verdict", "verdict_parser"]
 
 log = logging.getLogger("flashrl.judge")
+
+FENCE = ("<response>", "</response>")  # the default judge.template's fence around the policy's response
+
+
+def judge_text(template: str, prompt: str, response: str) -> str:
+    """The judge's text: ``template`` with the policy's prompt and its response (up to its EOS mark, stripped,
+    without FENCE's tags: whatever the template, the response cannot open or close the fence)."""
+    body = cut_at_eos(response)
+    for tag in FENCE:
+        body = body.replace(tag, "")
+    return template.format(prompt=prompt, response=body.strip())
 
 
 def parse_verdict(text: str, pass_re: re.Pattern[str], fail_re: re.Pattern[str]) -> float | None:
@@ -74,6 +94,7 @@ class JudgeClient:
     def __init__(self, jc: JudgeConfig, engines: Any, tokenizer: Any) -> None:
         self.jc = jc
         self.engines = engines  # JudgeEngines, or anything with its generate/start/aclose/counts/pids/busy (aio.BusyTime)
+        # and, optionally, its max_model_len
         self.tok = tokenizer
         self.parse = verdict_parser(jc)
         self.counts: Counter[str] = Counter()
@@ -101,20 +122,37 @@ class JudgeClient:
 
     async def score(self, item: tuple[str, str]) -> float:
         prompt, response = item
-        text = self.jc.template.format(prompt=prompt, response=cut_at_eos(response).strip())
+        text = judge_text(self.jc.template, prompt, response)
         return await self.memo.get(text, lambda: self._verdict(text))
+
+    def _refused(self, why: str) -> tuple[float, bool]:
+        """A text the judge cannot read: judge.unparsable_reward, counted apart (never an engine failure)."""
+        self.counts["judge_refused"] += 1
+        if self.counts["judge_refused"] == 1:  # the first said; the rest counted (env/judge_refused)
+            log.warning("judge: a verdict refused for its input (it gets judge.unparsable_reward = %s; counted as "
+                        "env/judge_refused): %s", self.jc.unparsable_reward, why)
+        return self.jc.unparsable_reward, False
 
     async def _verdict(self, text: str) -> tuple[float, bool]:
         """The judge's verdict on ``text`` and whether it may be given again (greedy, parsed at the first try)."""
         clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in the simulator
         ids = self.tok.encode(text, add_special_tokens=False)
+        limit = getattr(self.engines, "max_model_len", None)  # JudgeEngines' (a stand-in may have none)
+        if limit is not None and len(ids) + self.jc.max_new_tokens > limit:
+            return self._refused(f"{len(ids)} tokens + judge.max_new_tokens = {self.jc.max_new_tokens} > the judge's "
+                                 f"max_model_len = {limit}")
         t0 = clock()
         tries = 1 + (self.jc.parse_retries if self.jc.on_unparsable == "retry" else 0)
         for attempt in range(tries):
             temperature = self.jc.temperature if attempt == 0 else 1.0  # greedy again would say the same
-            out = await self._generate(ids, temperature)
+            try:
+                got = await self._generate(ids, temperature)
+            except JudgeRefused as e:
+                return self._refused(str(e))
+            out = list(got.token_ids)
             self.counts["judge_tokens"] += len(out)
-            verdict = self.parse(self.tok.decode(out, skip_special_tokens=True))
+            # an answer cut at max_new_tokens is no verdict: what it ends with may be the response it copied
+            verdict = None if got.finish_reason == "length" else self.parse(self.tok.decode(out, skip_special_tokens=True))
             if verdict is not None:
                 self.counts["judge_verdicts"] += 1
                 self.counts["judge_pass"] += int(verdict > 0.5)  # pass; a score in the upper half of its range
@@ -128,7 +166,7 @@ class JudgeClient:
         self.latency_s += clock() - t0
         return self.jc.unparsable_reward, False
 
-    async def _generate(self, ids: list[int], temperature: float) -> list[int]:
+    async def _generate(self, ids: list[int], temperature: float) -> Generated:
         failure: JudgeEngineFailed | None = None
         for attempt in range(self.jc.retries + 1):
             try:
@@ -143,7 +181,7 @@ class JudgeClient:
                     # death is logged once, by the engine's watcher); the counters carry the numbers
                     log.debug("judge: %s; retrying the verdict (retry %d of %d)", e, attempt + 1, self.jc.retries)
                 continue
-            return list(got.token_ids)
+            return got
         assert failure is not None
         self.counts["judge_failed"] += 1
         raise RewardFailed(f"judge_{failure.reason}", failure.detail)

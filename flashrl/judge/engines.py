@@ -11,6 +11,13 @@ weights, never synced, restarted when one dies.
     a start that fails  : (vLLM refused, its address taken, the deadline) counted (judge_engine_start_failed) and
                           tried again as a restart, with backoff; once every engine's restarts are spent,
                           generate raises JudgeDown and the run stops, named (never an endless wait)
+    a task that crashes : a start or watcher task that ends by an error (a launcher's kill or stop raising, a
+                          bug) or a cancel not aclose's: logged at once, and every generate from then on (the
+                          verdicts waiting for an engine too) raises aio.TaskDied naming the task and its error:
+                          the run stops at once, never waiting judge.startup_timeout_s for an engine that
+                          nothing will start
+    a request refused   : the engine answered Error for this request alone (vLLM refused its input: a prompt
+                          longer than the judge's max_model_len) -> JudgeRefused, not an engine failure
     aclose()            : watchers cancelled, every engine terminated (Shutdown, SIGTERM, SIGKILL to its group)
 
 Invariants: a request goes only to an engine that answered Ping and has not exited; ``generate`` waits for a
@@ -28,18 +35,20 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
-from flashrl.aio import BusyTime
+from flashrl.aio import BusyTime, TaskDied
 from flashrl.config import JudgeConfig
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, engine_extra_env
 from flashrl.engine.server import EngineSpec
 from flashrl.launch.base import Launcher
 from flashrl.procs import backoff
 from flashrl.wire.protocol import Generate, Generated
-from flashrl.wire.transport import PeerDead, TransportError
+from flashrl.wire.transport import PeerDead, RemoteError, TransportError
 
-__all__ = ["JudgeDown", "JudgeEngineFailed", "JudgeEngines"]
+__all__ = ["JudgeDown", "JudgeEngineFailed", "JudgeEngines", "JudgeRefused"]
 
 log = logging.getLogger("flashrl.judge")
 
@@ -51,6 +60,11 @@ class JudgeEngineFailed(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class JudgeRefused(Exception):
+    """The judge refused this verdict request for its input (its engine is healthy and would refuse it again):
+    the judge's text is longer than its max_model_len leaves room for, or vLLM's input check failed."""
 
 
 class JudgeDown(RuntimeError):
@@ -87,6 +101,7 @@ class JudgeEngines:
         self._generation = 0
         self._starting: list[asyncio.Task[None]] = []
         self._down: set[int] = set()  # engines whose restarts are spent
+        self._crash: tuple[str, BaseException | None] | None = None  # (what, its error): a task of ours that died
 
     def _spec(self, i: int, address: str) -> EngineSpec:
         return EngineSpec(address=address, model=self.model, name=f"judge{i}", device=self.device,  # type: ignore[arg-type]
@@ -107,10 +122,33 @@ class JudgeEngines:
         """Spawn every engine; they come up in the background (beside the policy's engines) unless ``wait``.
         One that cannot start is logged and counted (judge_engine_start_failed); verdicts wait for a live
         engine at most judge.startup_timeout_s."""
-        loop = asyncio.get_running_loop()
-        self._starting = [loop.create_task(self._first_start(i), name=f"judge{i}-start") for i in range(self.jc.engines)]
+        self._starting = [self._task(self._first_start(i), f"judge{i}-start") for i in range(self.jc.engines)]
         if wait:
             await asyncio.gather(*self._starting)
+
+    def _task(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A start or watcher task, watched: its crash is ``_task_ended``'s."""
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        t.add_done_callback(self._task_ended)
+        return t
+
+    def _task_ended(self, t: asyncio.Task[None]) -> None:
+        """A task that ends by an error or a cancel not our own leaves an engine nobody starts or watches: the
+        first is kept (generate raises it) and the verdicts waiting for an engine are woken to hear it."""
+        if self._closing or (not t.cancelled() and t.exception() is None):
+            return
+        err = None if t.cancelled() else t.exception()
+        what = f"judge task {t.get_name()!r} " + (f"died: {type(err).__name__}: {err}" if err is not None
+                                                  else "was cancelled before the judge closed")
+        if self._crash is None:
+            self._crash = (what, err)
+            log.error("%s; the run stops (every verdict from now on raises it)", what, exc_info=err)
+        self._live.set()
+
+    def _raise_crash(self) -> None:
+        if self._crash is not None:
+            what, err = self._crash
+            raise TaskDied(what) from err
 
     async def _first_start(self, i: int) -> None:
         try:
@@ -160,12 +198,16 @@ class JudgeEngines:
         try:
             await ep.wait_ready(self.jc.startup_timeout_s)
         except BaseException:
-            await ep.discard()
+            try:
+                await ep.discard()
+            except Exception as e:  # the start's own error is the one to tell; this one is logged
+                log.error("judge engine %d: discarding it after a failed start failed too: %s: %s", i,
+                          type(e).__name__, e)
             raise
         self.counts["judge_engines_started"] += 1
         self.procs[i] = ep
         self._live.set()
-        self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i, ep), name=f"judge{i}-watcher")
+        self._watchers[i] = self._task(self._watch(i, ep), f"judge{i}-watcher")
         log.info("judge engine %d up (pid %d) in %.1f s", i, _pid(ep), ep.ready_s or 0.0)
 
     async def _watch(self, i: int, ep: EngineProcess) -> None:
@@ -183,9 +225,11 @@ class JudgeEngines:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:
         """One verdict's tokens from the least-loaded live engine; JudgeEngineFailed when that engine fails."""
+        self._raise_crash()
         try:
             async with asyncio.timeout(self.jc.startup_timeout_s):
                 while not any(self.procs):
+                    self._raise_crash()
                     if self._all_down:
                         raise JudgeDown(f"every judge engine is down for good: judge.max_restarts = "
                                         f"{self.jc.max_restarts} restarts spent; see the judge engines' logs in "
@@ -210,6 +254,9 @@ class JudgeEngines:
                                                       f"{self.jc.timeout_s} s") from None
         except PeerDead as e:
             raise JudgeEngineFailed("engine_died", f"judge engine {i} died: {e}") from None
+        except RemoteError as e:  # this request alone (the engine answered): asked again, it is refused again
+            raise JudgeRefused(f"judge engine {i} refused the verdict request ({len(prompt_ids)} prompt tokens, "
+                               f"max_model_len {self.max_model_len}): {e}") from None
         except TransportError as e:
             raise JudgeEngineFailed("engine_error", f"judge engine {i} failed the request: {e}") from None
 

@@ -1,5 +1,6 @@
 """A stand-in for JudgeEngines (tests, the simulator): verdict tokens from a function of the prompt's ids, and
-engine failures on demand, counted as JudgeEngines counts them.
+engine failures ("engine_died", "engine_timeout", "engine_error") and refusals ("refused") on demand, counted as
+JudgeEngines counts them.
 
     fake = FakeJudgeEngines(lambda ids: [ord("P")], fail=["engine_died"])
     client = JudgeClient(JudgeConfig(model="x"), fake, tokenizer)
@@ -11,15 +12,18 @@ from collections import Counter
 from collections.abc import Callable
 
 from flashrl.aio import BusyTime
-from flashrl.judge.engines import JudgeEngineFailed
+from flashrl.judge.engines import JudgeEngineFailed, JudgeRefused
 from flashrl.wire.protocol import Generated
 
 __all__ = ["FakeJudgeEngines"]
 
 
 class FakeJudgeEngines:
-    def __init__(self, fn: Callable[[list[int]], list[int]], *, fail: list[str] | None = None) -> None:
+    def __init__(self, fn: Callable[[list[int]], list[int]], *, fail: list[str] | None = None,
+                 max_model_len: int = 1 << 20, eos: int | None = None) -> None:
         self.fn = fn
+        self.max_model_len = max_model_len  # as JudgeEngines': the longest prompt + answer an engine takes
+        self.eos = eos  # the EOS id: an answer cut at max_tokens before it finishes "length" (None: never)
         self.fail = list(fail or [])
         self.counts: Counter[str] = Counter()
         self.busy = BusyTime(1)  # nothing counted: the fake answers at once
@@ -36,11 +40,15 @@ class FakeJudgeEngines:
         self.requests.append((list(prompt_ids), temperature))
         if self.fail:
             reason = self.fail.pop(0)
+            if reason == "refused":  # the engine's Error reply for this request alone
+                raise JudgeRefused(f"fake refusal of {len(prompt_ids)} prompt tokens")
             if reason == "engine_died":
                 self.counts["judge_engine_died"] += 1
                 self.counts["judge_engine_restarts"] += 1
             raise JudgeEngineFailed(reason, f"fake {reason}")
-        return Generated(request_id=f"judge-{seed}", token_ids=self.fn(prompt_ids)[:max_tokens])
+        out = self.fn(prompt_ids)
+        cut = len(out) > max_tokens and self.eos is not None and self.eos not in out[:max_tokens]
+        return Generated(request_id=f"judge-{seed}", token_ids=out[:max_tokens], finish_reason="length" if cut else "stop")
 
     async def aclose(self) -> None:
         self.closed = True

@@ -253,11 +253,20 @@ def build_untrained_rm(out: Path, spec: RmSpec, seed: int) -> None:
     tok.save_pretrained(str(out))
 
 
+def text_ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids (no special tokens; an empty text is one pad token)."""
+    return [tok.encode(t, add_special_tokens=False) or [tok.pad_token_id] for t in texts]
+
+
 def encode_batch(tok: Any, texts: list[str]) -> tuple[Any, Any]:
     """Right-padded input ids and attention mask (the sequence-classification head reads the last real token)."""
+    return pad_batch(tok, text_ids(tok, texts))
+
+
+def pad_batch(tok: Any, ids: list[list[int]]) -> tuple[Any, Any]:
+    """``ids`` right-padded, and their attention mask."""
     import torch
 
-    ids = [tok.encode(t, add_special_tokens=False) or [tok.pad_token_id] for t in texts]
     width = max(len(x) for x in ids)
     inp = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)

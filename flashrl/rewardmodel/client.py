@@ -6,7 +6,12 @@
     batch task <-- scores (one per text) -- futures resolved; each episode goes on
 
 Invariants:
-- every ``score`` call ends with a float or ``RewardFailed`` (never a made-up score, never 0 for an outage);
+- every ``score`` call ends with a float, ``RewardFailed`` (never a made-up score, never 0 for an outage) or,
+  when a task of the client crashed, ``aio.TaskDied``;
+- one text the model cannot score never fails the others in its batch: the backend scores the batch's texts
+  alone when the batch raises and returns, in that text's place, why it was refused (a str): that episode
+  alone fails with RewardFailed("rm_refused") (``rm_refused``; the rollout is retried); a text longer than
+  the model takes is cut to its last tokens by the worker and scored (``rm_truncated``);
 - a batch whose worker died, hung past ``timeout_s`` or sent garbage (wrong count, not finite, not
   decodable) is retried up to ``retries`` times on a restarted worker (``rm_retries``; the cause counted as
   ``rm_crash`` / ``rm_timeout`` / ``rm_garbage`` / ``rm_error``) and only then fails every episode in it
@@ -14,7 +19,11 @@ Invariants:
 - a text scored before (or being scored) is not scored again: ``ScoreMemo`` (reward.cache_size) gives its
   score (``rm_cached``); the model is frozen, so the score is the same;
 - the dispatcher never blocks on a batch: batches run as tasks, as many at once as there are workers
-  (the pool's acquire waits for one), so scoring goes on beside generation.
+  (the pool's acquire waits for one), so scoring goes on beside generation;
+- no task dies unseen: the dispatcher or a batch task that ends by an error (a bug: anything but a
+  ScoreFailed) or by a cancel not ``aclose``'s is logged at once, fails every episode waiting on the client
+  with ``aio.TaskDied`` naming the task and its error, and so does every later ``score``: the run stops,
+  named, instead of its episodes waiting for a dispatcher that is gone (or a bug retried as an outage).
 
 ``ProcessScorer`` is the worker-process backend; ``Scorer`` is the protocol a backend satisfies (the
 unit tests drive ``RewardModelClient`` with ``flashrl.rewardmodel.fake.FakeScorer``).
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -34,6 +44,7 @@ from typing import Protocol
 
 import msgspec
 
+from flashrl.aio import TaskDied
 from flashrl.procs import PARENT_ENV
 from flashrl.rewardmodel.memo import ScoreMemo
 from flashrl.rewardmodel.worker import Ready, ScoreBatch, Scores
@@ -57,7 +68,10 @@ class ScoreFailed(Exception):
 
 
 class Scorer(Protocol):
-    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float]: ...
+    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float | str]:
+        """One score per text, in order, or in a text's place why the model refused that text alone (a str);
+        ScoreFailed when the batch failed."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -87,6 +101,7 @@ class ProcessScorer:
         self.runner = runner  # what the workers are asked to run: torch | vllm | auto
         self.kv_cache_gib = kv_cache_gib
         self.served_by: dict[str, int] = {}  # workers started per runner that served ("torch" / "vllm")
+        self.truncated = 0  # texts the workers cut to the model's length
         self.startup_timeout_s = startup_timeout_s
         self.pool: WorkerPool[asyncio.subprocess.Process] = WorkerPool(
             f"reward-model worker ({self.model})", workers, start=self._spawn, ready=self._ready,
@@ -98,6 +113,7 @@ class ProcessScorer:
         c = self.pool.counters
         return {"rm_workers_started": c["spawned"], "rm_workers_exited": c["exits"],
                 "rm_workers_killed": sum(v for k, v in c.items() if k.startswith("killed:")),
+                "rm_truncated": self.truncated,
                 **{f"rm_workers_{r}": n for r, n in self.served_by.items() if r}}
 
     def pids(self) -> list[int]:
@@ -131,7 +147,7 @@ class ProcessScorer:
         else:
             log.info("reward-model worker (pid %d): %s serves %s", proc.pid, msg.runner, self.model)
 
-    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float]:
+    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float | str]:
         # a worker being restarted gets its start-up deadline (loading torch and the model), not the batch's
         try:
             async with asyncio.timeout(self.startup_timeout_s + timeout_s):
@@ -169,12 +185,15 @@ class ProcessScorer:
         if reply.error:
             self.pool.release(w)
             raise ScoreFailed("error", f"the reward-model worker (pid {proc.pid}) failed on a batch: {reply.error}")
-        if len(reply.scores) != len(texts) or not all(math.isfinite(s) for s in reply.scores):
+        refused = reply.refused or [""] * len(reply.scores)
+        if (len(reply.scores) != len(texts) or len(refused) != len(texts)
+                or not all(math.isfinite(s) for s, r in zip(reply.scores, refused) if not r)):
             self.pool.kill(w, "garbage")
             raise ScoreFailed("garbage", f"the reward-model worker (pid {proc.pid}) sent {len(reply.scores)} scores "
                                          f"for {len(texts)} texts (or a non-finite one); killed, it is restarted")
         self.pool.release(w)
-        return reply.scores
+        self.truncated += reply.truncated
+        return [r or s for s, r in zip(reply.scores, refused)]
 
     async def aclose(self) -> None:
         await self.pool.aclose()
@@ -199,6 +218,7 @@ class RewardModelClient:
         self._dispatcher: asyncio.Task[None] | None = None
         self._batches: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._crash: tuple[str, BaseException | None] | None = None  # (what, its error): a task of ours that died
 
     @property
     def counters(self) -> dict[str, float]:
@@ -219,12 +239,14 @@ class RewardModelClient:
         return await self.memo.get(text, lambda: self._score(text))
 
     async def _score(self, text: str) -> tuple[float, bool]:
+        self._raise_crash()
         if self._closed:
             raise RewardFailed("rm_closed", "the reward-model client is closed")
         loop = asyncio.get_running_loop()
-        if self._dispatcher is None or self._dispatcher.done():
+        if self._dispatcher is None:
             self._wakeup = asyncio.Event()
             self._dispatcher = loop.create_task(self._dispatch(), name="rm-dispatcher")
+            self._dispatcher.add_done_callback(self._task_ended)
         fut: asyncio.Future[float] = loop.create_future()
         self._pending.append((text, fut, time.monotonic()))
         assert self._wakeup is not None
@@ -253,6 +275,7 @@ class RewardModelClient:
                 t = asyncio.get_running_loop().create_task(self._run_batch(batch), name="rm-batch")
                 self._batches.add(t)
                 t.add_done_callback(self._batches.discard)
+                t.add_done_callback(functools.partial(self._task_ended, batch=batch))
 
     async def _run_batch(self, batch: list[tuple[str, asyncio.Future[float], float]]) -> None:
         texts = [t for t, _, _ in batch]
@@ -268,25 +291,67 @@ class RewardModelClient:
                     log.warning("reward model: %s; retrying the batch of %d (retry %d of %d)", e, len(texts),
                                 attempt + 1, self.retries)
                 continue
-            except BaseException as e:  # cancelled (closing) or a bug: every waiter hears it
-                for _, fut, _ in batch:
-                    if not fut.done():
-                        fut.set_exception(RewardFailed("rm_error", f"{type(e).__name__}: {e}"))
+            except asyncio.CancelledError:  # closing (or a cancel not ours: _task_ended names it)
+                _fail_all(batch, RewardFailed("rm_closed", "the reward-model client closed"))
                 raise
-            now = time.monotonic()
-            self.counts["rm_batches"] += 1
-            self.counts["rm_scored"] += len(batch)
-            for (_, fut, t0), s in zip(batch, got):
-                self.latency_s += now - t0
-                if not fut.done():
-                    fut.set_result(s)
+            except Exception as e:  # a bug, not an outage: this batch's episodes hear it named, the run stops
+                _fail_all(batch, self._died(asyncio.current_task(), e))
+                raise
+            self._resolve(batch, got)
             return
         assert failure is not None
         self.counts["rm_failed"] += len(batch)
         log.error("reward model: a batch of %d failed after %d retries: %s", len(texts), self.retries, failure)
-        for _, fut, _ in batch:
+        _fail_all(batch, RewardFailed(f"rm_{failure.reason}", failure.detail))
+
+    def _resolve(self, batch: list[tuple[str, asyncio.Future[float], float]], got: list[float | str]) -> None:
+        """Each episode its score, or RewardFailed("rm_refused") for a text the model refused alone."""
+        now = time.monotonic()
+        self.counts["rm_batches"] += 1
+        for (_, fut, t0), s in zip(batch, got):
+            if isinstance(s, str):
+                self.counts["rm_refused"] += 1
+                if self.counts["rm_refused"] == 1:  # the first said; the rest counted (env/rm_refused)
+                    log.warning("reward model: a text refused alone (its episode is retried; counted as "
+                                "env/rm_refused): %s", s)
+                if not fut.done():
+                    fut.set_exception(RewardFailed("rm_refused", f"the reward model refused the text: {s}"))
+                continue
+            self.counts["rm_scored"] += 1
+            self.latency_s += now - t0
             if not fut.done():
-                fut.set_exception(RewardFailed(f"rm_{failure.reason}", failure.detail))
+                fut.set_result(s)
+
+    def _died(self, task: asyncio.Task[None] | None, err: BaseException | None) -> TaskDied:
+        """The error that names a crashed task of ours: the first is kept, logged, and given to every waiter."""
+        if self._crash is None:
+            name = task.get_name() if task is not None else "?"
+            what = f"reward-model task {name!r} " + (f"died: {type(err).__name__}: {err}" if err is not None
+                                                      else "was cancelled before the client closed")
+            self._crash = (what, err)
+            log.error("%s; the run stops (every score from now on raises it)", what, exc_info=err)
+            died = self._crashed_error()
+            _fail_all(self._pending, died)
+            self._pending = []
+        return self._crashed_error()
+
+    def _crashed_error(self) -> TaskDied:
+        assert self._crash is not None
+        what, err = self._crash
+        died = TaskDied(what)
+        died.__cause__ = err
+        return died
+
+    def _raise_crash(self) -> None:
+        if self._crash is not None:
+            raise self._crashed_error()
+
+    def _task_ended(self, t: asyncio.Task[None], batch: list[tuple[str, asyncio.Future[float], float]] | None = None) -> None:
+        """The dispatcher or a batch task ended: by an error or a cancel not aclose's, a crash (``_died``); a
+        batch's episodes that still wait (its task cancelled before it ran) hear it too."""
+        if self._closed or (not t.cancelled() and t.exception() is None):
+            return
+        _fail_all(batch or [], self._died(t, None if t.cancelled() else t.exception()))
 
     async def aclose(self) -> None:
         """Stop dispatching, fail what waits, stop every worker (idempotent)."""
@@ -301,3 +366,9 @@ class RewardModelClient:
         self._pending = []
         await self.backend.aclose()
         await self.memo.aclose()  # what waits has heard rm_closed by now
+
+
+def _fail_all(batch: list[tuple[str, asyncio.Future[float], float]], err: BaseException) -> None:
+    for _, fut, _ in batch:
+        if not fut.done():
+            fut.set_exception(err)

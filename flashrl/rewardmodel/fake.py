@@ -7,6 +7,7 @@ scores in-process with a function, and fails on demand the way a worker does.
 ``fail``: the failures of the next batches, in order ("crash", "timeout", "garbage", "error"), each counted
 the way ProcessScorer counts it (a crash or garbage "restarts" the worker: ``restarts`` grows). ``delay_s``:
 each batch takes this long (virtual or real, whatever the loop's clock is). ``batches`` records every batch.
+A text whose ``fn`` raises is refused alone, as the worker refuses it (why, a str, in its score's place).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class FakeScorer:
     async def start(self) -> None:
         pass
 
-    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float]:
+    async def score_batch(self, texts: list[str], timeout_s: float) -> list[float | str]:
         self.batches.append(list(texts))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -47,7 +48,13 @@ class FakeScorer:
             if what in ("crash", "garbage", "timeout"):
                 self.restarts += 1
             raise ScoreFailed(what, f"fake {what}")
-        return [self.fn(t) for t in texts]
+        return [self._one(t) for t in texts]
+
+    def _one(self, text: str) -> float | str:
+        try:
+            return self.fn(text)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
 
     async def aclose(self) -> None:
         self.closed = True

@@ -1,7 +1,15 @@
 """The reward-model worker process: ``python -m flashrl.rewardmodel.worker --model FOLDER``.
 
     stdin  (msgspec JSON lines)  ScoreBatch{texts}            one batch at a time
-    stdout (msgspec JSON lines)  Ready{} first, then Scores{scores} (one per text, in order) or Scores{error}
+    stdout (msgspec JSON lines)  Ready{} first, then Scores{scores, refused, truncated} (one score per text, in
+                                 order) or Scores{error}
+
+Long texts: a text longer than the model takes (its max_position_embeddings; vLLM: its max_model_len) is cut
+from the left to its last that many tokens (the response and the prompt's end are kept: the head reads the last
+token), and counted (``truncated``; the client's env/rm_truncated). One bad text never fails the others: a
+batch that raises is scored again text by text, and a text that fails alone is refused (``refused[i]`` says
+why; its score is a 0.0 placeholder the client never gives out); only when every text fails alone is it the
+batch's error (the model or the worker is broken: the client retries the batch).
 
 ``--runner`` says what serves the model:
 - ``torch``: transformers' AutoModelForSequenceClassification (``--threads`` CPU threads, or ``--device cuda``);
@@ -30,7 +38,7 @@ import msgspec
 
 from flashrl.procs import child_init
 
-__all__ = ["Ready", "ScoreBatch", "Scores", "main"]
+__all__ = ["Ready", "ScoreBatch", "Scores", "fit", "main", "score_each"]
 
 
 class ScoreBatch(msgspec.Struct, kw_only=True):
@@ -40,6 +48,8 @@ class ScoreBatch(msgspec.Struct, kw_only=True):
 class Scores(msgspec.Struct, kw_only=True, omit_defaults=True):
     scores: list[float] = []
     error: str = ""
+    refused: list[str] = []  # empty, or one per text: "" = scored, else why that text alone failed
+    truncated: int = 0  # texts of the batch cut to the model's length
 
 
 class Ready(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -50,26 +60,61 @@ class Ready(msgspec.Struct, kw_only=True, omit_defaults=True):
     note: str = ""  # runner auto: why vLLM does not serve it
 
 
-Score = Callable[[list[str]], list[float]]
+Score = Callable[[list[str]], tuple[list[float], int]]  # texts -> (one score each, how many were truncated)
+
+
+def fit(ids: list[list[int]], max_len: int) -> tuple[list[list[int]], int]:
+    """Each id list cut to its last ``max_len`` ids; and how many were cut."""
+    cut = sum(len(x) > max_len for x in ids)
+    return ([x[-max_len:] for x in ids] if cut else ids), cut
+
+
+def score_each(score: Score, texts: list[str]) -> Scores:
+    """The batch's scores; when it raises, each text alone, so one bad text does not fail the rest (see the
+    module doc); every text failing alone is the batch's error."""
+    try:
+        got, cut = score(texts)
+        return Scores(scores=got, truncated=cut)
+    except Exception as e:
+        batch_error = f"{type(e).__name__}: {e}"
+    if len(texts) == 1:
+        return Scores(error=batch_error)
+    scores: list[float] = []
+    refused: list[str] = []
+    truncated = 0
+    for t in texts:
+        try:
+            one, cut = score([t])
+            scores.append(one[0])
+            refused.append("")
+            truncated += cut
+        except Exception as e:
+            scores.append(0.0)
+            refused.append(f"{type(e).__name__}: {e}")
+    if all(refused):
+        return Scores(error=batch_error)
+    return Scores(scores=scores, refused=refused, truncated=truncated)
 
 
 def torch_scorer(model: str, threads: int, device: str) -> Score:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from flashrl.rewardmodel.build import encode_batch
+    from flashrl.rewardmodel.build import pad_batch, text_ids
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model)
     net = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32).to(device).eval()
     if tok.pad_token_id is None:
         raise ValueError(f"the tokenizer of {model} has no pad token; set one (tokenizer.pad_token) and save it")
+    max_len = int(getattr(net.config, "max_position_embeddings", 0) or 1 << 30)
 
-    def score(texts: list[str]) -> list[float]:
-        inp, mask = encode_batch(tok, texts)
+    def score(texts: list[str]) -> tuple[list[float], int]:
+        ids, cut = fit(text_ids(tok, texts), max_len)
+        inp, mask = pad_batch(tok, ids)
         with torch.no_grad():
             logits = net(input_ids=inp.to(device), attention_mask=mask.to(device)).logits
-        return [float(x) for x in logits[:, 0].tolist()]
+        return [float(x) for x in logits[:, 0].tolist()], cut
 
     return score
 
@@ -91,12 +136,12 @@ def vllm_scorer(model: str, device: str, kv_cache_gib: float, seed: int = 0) -> 
                       enable_chunked_prefill=False)
     llm = LLM(model=model, runner="pooling", **kwargs)
     raw = PoolingParams(use_activation=False)
+    max_len = int(llm.model_config.max_model_len)  # a longer prompt vLLM refuses
 
-    def score(texts: list[str]) -> list[float]:
-        prompts = [TokensPrompt(prompt_token_ids=tok.encode(t, add_special_tokens=False) or [tok.pad_token_id])
-                   for t in texts]
-        out = llm.classify(prompts, pooling_params=raw, use_tqdm=False)
-        return [float(o.outputs.probs[0]) for o in out]
+    def score(texts: list[str]) -> tuple[list[float], int]:
+        ids, cut = fit([tok.encode(t, add_special_tokens=False) or [tok.pad_token_id] for t in texts], max_len)
+        out = llm.classify([TokensPrompt(prompt_token_ids=x) for x in ids], pooling_params=raw, use_tqdm=False)
+        return [float(o.outputs.probs[0]) for o in out], cut
 
     return score
 
@@ -137,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     dec = msgspec.json.Decoder(ScoreBatch)
     for line in sys.stdin.buffer:
         try:
-            batch = dec.decode(line)
-            reply = Scores(scores=score(batch.texts))
-        except Exception as e:  # a bad batch is the caller's to handle; the worker stays up
+            reply = score_each(score, dec.decode(line).texts)
+        except Exception as e:  # a malformed batch is the caller's to handle; the worker stays up
             reply = Scores(error=f"{type(e).__name__}: {e}")
         out.write(enc.encode(reply) + b"\n")
     return 0
