@@ -178,13 +178,13 @@ def final_failure(e: BaseException) -> tuple[BaseException, int] | None:
     its own definition (FINAL_EXIT: every judge engine down for good, JudgeDown; an adapter vLLM refuses
     again and again, AdapterRefused). None: a crash a restart may get past (run.auto_resume, --supervise)."""
     from flashrl.config import ConfigError
-    from flashrl.controller.publisher import AdapterRefused
     from flashrl.judge.build import JudgeModelError
     from flashrl.judge.engines import JudgeDown
     from flashrl.models import ModelPathError
     from flashrl.models.chat import ChatTemplateError
     from flashrl.plugins import PluginError
     from flashrl.rewardmodel.build import RewardModelError
+    from flashrl.wire.protocol import AdapterRefused
 
     config_errors = (ConfigError, PluginError, ModelPathError, ChatTemplateError, RewardModelError, JudgeModelError)
     seen: set[int] = set()
