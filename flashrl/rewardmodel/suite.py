@@ -36,8 +36,8 @@ Combination (``reward.combine``), m the model reward (r or z):
     else sigmoid(m) (a raw or normalized reward); a reward model's u at least U_MIN = 2e-9. model_weight > 0
     (flashrl validate), so a verifier-passed episode is never ranked below a failed one, whatever the reward
     model says and whatever the statistics: strictly above for a reward model (unless model_weight x 2e-9 is
-    lost to float rounding next to a huge gate_reward), level for a judge's verdict of 0. The margin is the model's: with
-    gate_reward <= 0 a pass is model_weight x u, as without the gate.
+    lost to float rounding next to a huge gate_reward), level for a judge's verdict of 0. With gate_reward <= 0
+    (the default 0) a pass is model_weight x u, as it was before the order was guaranteed.
 
 Limit: an episode is scored once, at its end, on its first prompt and last action (single-turn tasks; a
 multi-turn episode's earlier turns keep their own rewards).
