@@ -143,6 +143,7 @@ class ControllerState(msgspec.Struct, kw_only=True):
     dropped_uids: list[int] = []  # uids given up (dropped/groups_*): with the trained and readmitted ones, every uid < next_uid
     counters: dict[str, int] = {}
     env_counters: dict[str, float] = {}  # the environment suite's own counters (env/<name>), continued on resume
+    env_state: dict[str, Any] = {}  # the suite's own state (flashrl.env.Stateful: a reward model's statistics)
     reward_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []
     gap_history: list[tuple[int, float]] = []  # a reward model's or judge's reward minus the verifier's, per step

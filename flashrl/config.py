@@ -340,8 +340,8 @@ class RewardModelConfig(Section):
         "Hugging Face folder whose config.json names a *ForSequenceClassification architecture with one label"))] = ""
     combine: Annotated[Literal["sum", "gate"], Meta(description=(
         'how the model reward and the verifier\'s reward make the training reward: "sum" = model_weight x model '
-        '+ verifier_weight x verifier; "gate" = model_weight x model where the verifier passes (reward >= '
-        "gate_threshold), gate_reward where it does not"))] = "sum"
+        '+ verifier_weight x verifier; "gate" = max(gate_reward, 0) + model_weight x u(model), u in [0, 1], where the '
+        "verifier passes (reward >= gate_threshold), gate_reward where it does not: a pass ranks above a fail"))] = "sum"
     model_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description="weight of the model reward")] = 1.0
     verifier_weight: Annotated[float, Meta(ge=-1e6, le=1e6, description=(
         "weight of the verifier's reward in the sum (0 = the verifier is held-out truth only: logged, never trained on)"))] = 0.0
@@ -350,8 +350,8 @@ class RewardModelConfig(Section):
     transform: Annotated[Literal["sigmoid", "raw"], Meta(description=(
         'the model reward from the model\'s score: "sigmoid" = sigmoid(score) in (0, 1); "raw" = the score'))] = "sigmoid"
     normalize: Annotated[bool, Meta(description=(
-        "normalize the model reward by the running mean and std of the training episodes' model rewards (Welford, "
-        "from the run's start) before combining"))] = False
+        "normalize the model reward by the running mean and std of the model rewards of the training episodes scored "
+        "before it (Welford, from the run's start, kept in checkpoints) before combining"))] = False
     score_evals: Annotated[bool, Meta(description=(
         "score held-out (eval) episodes with the reward model or judge too: eval/reward/<rm|judge>_* then show the "
         "model against the verifier on held-out; false = held-out episodes get the verifier's reward alone and take "
@@ -607,6 +607,9 @@ def _check(cfg: Config, source: str) -> None:
     if not cfg.reward.model and not cfg.judge.model and cfg.reward != RewardModelConfig():
         raise ConfigError(f"{source}: reward: options of a reward model, but reward.model is empty; set reward.model "
                           "(\"builtin:rm\" or a sequence-classification folder) or judge.model, or remove [reward]")
+    if cfg.reward.combine == "gate" and cfg.reward.model_weight <= 0:  # the gate's order (rewardmodel/suite.py)
+        raise ConfigError(f"{source}: reward.model_weight: must be > 0 with combine = \"gate\" (a verifier-passed episode "
+                          f"gets max(gate_reward, 0) + model_weight x u, u in [0, 1]); found {cfg.reward.model_weight}")
     if not cfg.judge.model and cfg.judge != JudgeConfig():
         raise ConfigError(f"{source}: judge: options of a judge, but judge.model is empty; set judge.model "
                           "(\"builtin:judge\" or a causal-LM folder) or remove [judge]")

@@ -117,7 +117,8 @@ class EnvSuite(Protocol):
     """An environment family as the controller uses it: data splits plus a factory of episodes.
 
     Optional parts, each its own protocol below: ``aclose()`` (Closable), ``counters`` (Counting),
-    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating), ``max_turns`` (MultiTurn). A suite *class*, as env.name names
+    ``task_suite`` (Wrapping), ``demonstration()`` (Demonstrating), ``max_turns`` (MultiTurn),
+    ``make_eval_env()`` (HeldOutAware), ``checkpoint_state()`` (Stateful). A suite *class*, as env.name names
     it, also has ``Params: ClassVar[type]``, a msgspec Struct (forbid_unknown_fields) of its
     ``[env.params]`` options, and is built as ``cls(params, seed=..., eval_size=...)``
     (flashrl.plugins checks both when it loads the class; the controller never needs them).
@@ -145,6 +146,26 @@ class Counting(Protocol):
 
     @property
     def counters(self) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class HeldOutAware(Protocol):
+    """An EnvSuite whose held-out episodes differ from training ones (a reward model's running statistics learn
+    from training episodes only): the controller makes each held-out (eval) episode with ``make_eval_env()``.
+    Which split an episode is in is the rollout's (evals are its negative groups), never the task's id: ids are
+    unique within a split only, and a dataset read twice from one folder repeats them."""
+
+    def make_eval_env(self) -> Env: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An EnvSuite with state a resumed run must continue (a reward model's normalization statistics):
+    ``checkpoint_state()`` (JSON-able) is saved in every checkpoint and ``restore_state`` puts it back on resume."""
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def restore_state(self, state: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable

@@ -40,7 +40,7 @@ from flashrl.controller.types import Trajectory, env_share, metric_means
 from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.records import BatchStats, StepRecord
 from flashrl.core.staleness import lag_stats
-from flashrl.env import Counting, EnvSuite
+from flashrl.env import Counting, EnvSuite, Stateful
 from flashrl.interfaces import EngineClient, Tokenizer
 from flashrl.metrics import EngineStat, Snapshot
 
@@ -54,7 +54,7 @@ GAP_METRICS = ("rm_gap", "judge_gap")
 # (episodes scored, their mean latency in ms since this process started)
 LATENCY_COUNTERS = (("rm_scored", "rm_latency_ms"), ("judge_verdicts", "judge_latency_ms"))
 # suite counters that say what is true now (a mean, a gauge), not a count: a resumed run's replace the checkpoint's
-NOT_SUMMED = ("_latency_ms", "_inflight")
+NOT_SUMMED = ("_latency_ms", "_inflight", "_norm_mean_x1000")  # rm_norm_mean: restored with the suite's state
 
 RATE_WINDOW_S = 10.0  # dashboard rates and busy fractions: "now", not since the start of the run
 
@@ -425,6 +425,7 @@ class Ledger:
             dropped_uids=list(buffer.dropped_uids),
             counters=dict(self.counters),
             env_counters=self.env_counters(),
+            env_state=self.suite.checkpoint_state() if isinstance(self.suite, Stateful) else {},
             reward_history=list(self.reward_history),
             eval_history=list(self.eval_history),
             gap_history=list(self.gap_history),
@@ -479,6 +480,8 @@ class Ledger:
         self.elapsed_before = st.elapsed_s
         self.emitted_through = st.metrics_through
         self.env_before = dict(st.env_counters)
+        if st.env_state and isinstance(self.suite, Stateful):
+            self.suite.restore_state(st.env_state)
         self.resumed_from = st.step
         self.pending = (StepRecord.from_dict(st.pending_record), st.pending_eval) if st.pending_record is not None else None
 

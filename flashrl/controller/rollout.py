@@ -78,7 +78,7 @@ from flashrl.aio import Resumed, TaskCancel, as_coroutine, first_step, shielded,
 from flashrl.controller.context import RolloutContext, RolloutSpec
 from flashrl.controller.scheduler import request_seed
 from flashrl.controller.types import Trajectory
-from flashrl.env import EnvFailure, StepResult
+from flashrl.env import EnvFailure, HeldOutAware, StepResult
 from flashrl.interfaces import ChatTokenizer
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError
@@ -195,7 +195,8 @@ async def run_trajectory(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt
         t_start=loop.time(),
         task_id=spec.task.id,
     )
-    env = ctx.suite.make_env()
+    suite = ctx.suite  # a held-out rollout (negative group) is said to a suite that tells them apart
+    env = suite.make_eval_env() if spec.group < 0 and isinstance(suite, HeldOutAware) else suite.make_env()
     try:
         held = None  # env_async off: the engine permit, held from before env.reset to the end
         if not cfg.rollout.env_async:

@@ -131,12 +131,13 @@ async def test_held_out_episodes_are_judged_only_when_score_evals(score_evals: b
     suite = RewardModelSuite(inner, JudgeClient(JudgeConfig(model="x"), fake, TOK),
                              RewardModelConfig(score_evals=score_evals), kind="judge")
     held_out = inner.eval_tasks()[0]
-    env = suite.make_env()
+    env = suite.make_eval_env()  # a held-out episode, as the controller makes it for an eval's rollout
     await env.reset(held_out)
     res = await env.step(str(int(held_out.answer) + 1))  # wrong: the lenient judge would pass it
     assert len(fake.requests) == (1 if score_evals else 0)
     assert res.reward == (1.0 if score_evals else 0.0) and res.info["correct"] is False
     assert ("judge_gap" in res.info.get("metrics", {})) is score_evals
+    env = suite.make_env()
     await env.reset(inner.train_tasks()[0])
     await env.step("12")
     assert len(fake.requests) == (2 if score_evals else 1)  # training episodes: judged either way
