@@ -107,6 +107,32 @@ def _check_reward_model_or_exit(cfg: Config, config: Path) -> None:
         raise typer.Exit(code=2)
 
 
+def _check_teachers_or_exit(cfg: Config, config: Path, build: bool = False) -> list[Path]:
+    """Each distillation teacher's folder loads as a causal LM and its tokenizer is the student's (exit 2 naming
+    both and the fix); a built-in teacher (or student) not built yet is noted, not built (``build`` False:
+    validate). Returns the teachers' folders (init-model: built)."""
+    from flashrl.distill.build import TeacherModelError, teacher_folder, vocabulary_problem
+    from flashrl.models import ModelNotBuilt, Progress, ensure_model
+
+    folders = []
+    for tc in cfg.distill.teachers:
+        try:
+            folder = teacher_folder(cfg, tc, Progress.for_stderr("init-model") if build else None, build=build)
+            student = ensure_model(cfg, build=build)
+        except ModelNotBuilt as e:
+            typer.echo(f"note: {e}", err=True)
+            continue
+        except TeacherModelError as e:
+            typer.echo(f"config error: {config}: {e}", err=True)
+            raise typer.Exit(code=2) from None
+        problem = vocabulary_problem(Path(student), Path(folder), tc.name)
+        if problem:
+            typer.echo(f"config error: {config}: {problem}", err=True)
+            raise typer.Exit(code=2)
+        folders.append(Path(folder))
+    return folders
+
+
 def _check_lora_or_exit(cfg: Config, config: Path) -> None:
     """[model.lora] fits the model: every target projection takes the rank (exit 2 naming the fix). A model
     folder not built yet is not checked."""
@@ -158,6 +184,7 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
             raise typer.Exit(code=2) from None
     _check_model_or_exit(cfg, config, build=False)
     _check_reward_model_or_exit(cfg, config)
+    _check_teachers_or_exit(cfg, config)
     _check_lora_or_exit(cfg, config)
     from flashrl.config import advice
 
@@ -282,6 +309,8 @@ def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
             typer.echo(f"config error: {config}: {e}", err=True)
             raise typer.Exit(code=2) from None
         typer.echo(str(jm))
+    for folder in _check_teachers_or_exit(cfg, config, build=True):  # builtin:teacher built (cached), folders checked
+        typer.echo(str(folder))
 
 
 @app.command()

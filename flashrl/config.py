@@ -21,6 +21,8 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.config_errors import describe
+from flashrl.distill.config import DistillConfig
+from flashrl.distill.config import check as distill_check
 
 
 class ConfigError(ValueError):
@@ -506,6 +508,7 @@ class Config(Section):
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     reward: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
@@ -640,6 +643,7 @@ def _check(cfg: Config, source: str) -> None:
                               "\"auto\" or one of the node's addresses (e.g. from `hostname -I`)") from None
     from flashrl.plugins import env_name_problem  # imports no environment: names and entry points only
 
+    distill_check(cfg, source, ConfigError)
     problem = env_name_problem(cfg.env.name)
     if problem:
         raise ConfigError(f"{source}: env.name: {problem}")

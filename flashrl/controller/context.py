@@ -77,6 +77,9 @@ class RolloutContext:
     # checkpoint cuts (cut.py; partial mode with checkpoints): the training rollouts and their requests
     # register there; None: no cuts
     cut: CheckpointCut | None = None
+    # on-policy distillation (flashrl/distill/client.py Teachers): a finished training rollout is scored by its
+    # teacher before it goes to its group; None: no teacher
+    teachers: Any = None
 
     def prompt_ids(self, obs: str) -> list[int]:
         """The first observation's token ids (chat-rendered when the tokenizer has a chat template)."""

@@ -122,6 +122,7 @@ class Controller:
         restarter: EngineRestarter | None = None,
         checkpoints: Any | None = None,
         resume: ControllerState | None = None,
+        teachers: Any | None = None,
     ) -> None:
         if not engines:
             raise ValueError("Controller needs at least one engine (engine.count >= 1)")
@@ -132,6 +133,7 @@ class Controller:
         self.engine_versions = [0] * len(engines)
         self.trainer = trainer
         self.on_samples = on_samples  # readable rollouts for samples.jsonl (log.samples_per_step, log.eval_samples)
+        self.teachers = teachers  # on-policy distillation (flashrl/distill): scores every finished training rollout
         self.counters: Counter[str] = Counter()
         self.version = 0
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
@@ -153,7 +155,7 @@ class Controller:
         self.admission = Admission(cfg.scheduler.queue_scheduling)
         self.stream = DataStream(suite.train_tasks(), cfg.run.seed)
         self.eval_tasks = list(suite.eval_tasks())
-        self.ledger = Ledger(cfg, suite, tokenizer, self.counters, on_step)
+        self.ledger = Ledger(cfg, suite, tokenizer, self.counters, on_step, counting=[teachers] if teachers else [])
         # the weights every live engine holds (their version: a lower bound on a new token's version)
         self.published = Published()
         self.supervisor = EngineSupervisor(cfg, self.engines, self.engine_versions, self.router, self.counters,
@@ -210,6 +212,7 @@ class Controller:
             if self.checkpoints is not None and self.staleness.mode == "partial" else None,
             on_engine_dead=self.supervisor.engine_dead,
             wait_engine=self.supervisor.wait_engine if self.supervisor.restarts else None,
+            teachers=self.teachers,
         )
         self.evals = Evals(self.cfg, self.eval_tasks, self.ctx, self.ledger, self.publisher, clock=self._clock,
                            spawn=self._spawn, on_samples=self.on_samples)

@@ -107,13 +107,30 @@ def template_stats(samples: Sequence[Trajectory]) -> dict[str, float]:
     }
 
 
+def teacher_stats(samples: Sequence[Trajectory]) -> dict[str, float]:
+    """The step's rollout/teacher_* metrics over the samples a teacher scored (flashrl/distill): their mean wait
+    for the teacher (rollout's end to its scores, ms) and the per-token reverse-KL estimate log pi_student -
+    log pi_teacher on their generated tokens (the student's behaviour log-probabilities); {} when none was."""
+    scored = [t for t in samples if t.teacher_logp]
+    if not scored:
+        return {}
+    diff = [b - lp for t in scored for b, lp, m in zip(t.behav_logp, t.teacher_logp, t.loss_mask) if m]
+    return {
+        "teacher_latency_ms": 1000 * sum(t.teacher_s for t in scored) / len(scored),
+        "teacher_reverse_kl": sum(diff) / len(diff) if diff else 0.0,
+        "teacher_scored": len(scored),
+    }
+
+
 class Ledger:
     """Step records, histories and totals of one run; the controller's part of a checkpoint."""
 
     def __init__(self, cfg: Config, suite: EnvSuite, tokenizer: Tokenizer, counters: Counter[str],
-                 on_step: Callable[[StepRecord], None] | None) -> None:
+                 on_step: Callable[[StepRecord], None] | None, counting: Sequence[Counting] = ()) -> None:
         self.cfg = cfg
         self.suite = suite
+        # other parts of the run whose counters are logged as the suite's are (env/<name>): the teachers'
+        self.counting = list(counting)
         self.tokenizer = tokenizer
         self.counters = counters
         self.on_step = on_step
@@ -194,7 +211,7 @@ class Ledger:
             reward_metrics=metric_means(samples),
             counters=dict(sorted(self.counters.items())),
             env_counters={k.removeprefix("env/"): v for k, v in self.env_counters().items()},
-            template=template_stats(samples),
+            template=template_stats(samples) | teacher_stats(samples),
             env_share=env_share(samples),
         )
         # which prompts this step trained (resume checks)
@@ -228,7 +245,8 @@ class Ledger:
         ``restored`` (resumes that continued it from a checkpoint's snapshot, its tokens before kept)
         and, for a trained sample (``kind`` "train", trained at step ``step - 1``), ``staleness``
         (trained step - version_first) and ``token_staleness_mean`` (over its tokens, each its own
-        version). A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
+        version). A sample a distillation teacher scored also gets ``teacher`` (its name) and, per generated token,
+        ``response_ids``, ``behav_logp`` (the student's) and ``teacher_logp``. A trained line also gets ``importance_ratio`` (train_lines): the mean over its tokens of
         pi_prox / pi_behav, as the trainer reported it."""
         decode = self.tokenizer.decode
         first, last, vsum = _lineage(t)
@@ -245,6 +263,11 @@ class Ledger:
         if t.template_mismatch >= 0:  # a multi-turn chat sample: its chat template's re-rendering, measured
             line["template_mismatch_tokens"] = t.template_mismatch
             line["retokenize_mismatch_tokens"] = t.retokenize_mismatch
+        if t.teacher_logp:  # distillation: per generated token, the student's behaviour and the teacher's log-prob
+            line["teacher"] = t.teacher
+            line["response_ids"] = [x for x, m in zip(t.response_ids, t.loss_mask) if m]
+            line["behav_logp"] = [x for x, m in zip(t.behav_logp, t.loss_mask) if m]
+            line["teacher_logp"] = [x for x, m in zip(t.teacher_logp, t.loss_mask) if m]
         if kind == "train":
             line["staleness"] = step - 1 - first
             line["token_staleness_mean"] = (step - 1) - vsum / n if n else 0.0
@@ -296,8 +319,9 @@ class Ledger:
         a resumed run's counts continue from the checkpoint's, its means and gauges (``NOT_SUMMED``) are this
         process's."""
         out = dict(self.env_before)
-        if isinstance(self.suite, Counting):
-            for k, v in self.suite.counters.items():
+        sources = [self.suite] if isinstance(self.suite, Counting) else []
+        for source in [*sources, *self.counting]:
+            for k, v in source.counters.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     summed = not k.endswith(NOT_SUMMED)
                     out[f"env/{k}"] = (out.get(f"env/{k}", 0) if summed else 0) + v

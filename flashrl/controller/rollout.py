@@ -418,6 +418,23 @@ def _failed(spec: RolloutSpec, reason: str, attempts: int, engine: str) -> Traje
 
 # --------------------------------------------------------------------------- one sample
 async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Trajectory:
+    """One sample (``generate_sample``), then, for a training sample of a run that distills, its teacher's
+    scores (flashrl/distill: after its engine permit is given back, so scoring overlaps other rollouts' generation).
+    A sample whose scores could not be had fails (rollout/failed_teacher_<reason>): never trained without them."""
+    traj = await generate_sample(ctx, spec, engine)
+    if traj.status != "ok" or spec.group < 0 or ctx.teachers is None:
+        return traj
+    from flashrl.distill.client import TeacherFailed
+
+    try:
+        await ctx.teachers.score(traj, spec.task.meta)
+    except TeacherFailed as e:
+        ctx.counters[f"rollout/failed_teacher_{e.reason}"] += 1
+        return _failed(spec, f"teacher_{e.reason}", traj.attempts, traj.engine)
+    return traj
+
+
+async def generate_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Trajectory:
     """One sample, retried after infrastructure failures. ``engine`` was picked (and counted) by the caller.
 
     Returns a Trajectory with status "ok" or "failed" (the failure named and counted); releases

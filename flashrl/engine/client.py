@@ -43,6 +43,8 @@ from flashrl.wire.protocol import (
     Ping,
     Pong,
     Resume,
+    Score,
+    Scored,
     Shutdown,
     UpdateWeights,
     WeightManifest,
@@ -104,6 +106,17 @@ class EngineProcessClient:
             self._inflight -= 1
         _expect(reply, Generated, self.name)
         assert isinstance(reply, Generated)
+        return reply
+
+    async def score(self, req: Score) -> Scored:
+        """A distillation teacher's scores of one token sequence (flashrl/distill)."""
+        self._inflight += 1
+        try:
+            reply = await self._request(req)
+        finally:
+            self._inflight -= 1
+        _expect(reply, Scored, self.name)
+        assert isinstance(reply, Scored)
         return reply
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -2,6 +2,8 @@
 
     controller --EngineRequest--> RpcServer (ROUTER) --one task per request--> EngineServer.handle
         Generate        -> InprocEngine.generate (token ids in, FINAL_ONLY out) -> Generated
+        Score           -> InprocEngine.generate of one greedy token with prompt logprobs -> Scored (a
+                           distillation teacher's log-probability of each token of a sequence; flashrl/distill)
         Abort           -> InprocEngine.abort: the aborted Generate answers finish_reason "abort"
         Pause / Resume  -> InprocEngine.pause(mode) / resume
         InitWeightSync  -> worker: join the weight-sync group (engine/weights.py)
@@ -73,6 +75,8 @@ from flashrl.wire.protocol import (
     Ping,
     Pong,
     Resume,
+    Score,
+    Scored,
     Shutdown,
     UpdateWeights,
     WeightsUpdated,
@@ -168,6 +172,8 @@ class EngineServer:
     async def _dispatch(self, msg: Msg) -> Msg | None:
         if isinstance(msg, Generate):
             return await self.generate(msg)
+        if isinstance(msg, Score):
+            return await self.score(msg)
         if isinstance(msg, Abort):
             await self.engine.abort(list(msg.request_ids))
             return Ok()
@@ -232,6 +238,28 @@ class EngineServer:
             finish_reason=str(comp.finish_reason or "abort"),
             engine=self.name,
         )
+
+    async def score(self, req: Score) -> Scored:
+        """The log-probability of each token of ``req.token_ids`` from ``req.start`` on (vLLM's prompt logprobs of
+        a one-token greedy request; its one generated token is thrown away). A sequence longer than max_model_len
+        or a ``start`` outside it is vLLM's or this check's ValueError: an Error answer for this request alone."""
+        ids = list(req.token_ids)
+        if not 1 <= req.start < len(ids):
+            raise ValueError(f"Score: start {req.start} outside 1..{len(ids) - 1} ({len(ids)} tokens)")
+        params = self._params(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=req.top_k, detokenize=False,
+                              output_kind=self._final_only, skip_clone=True)
+        request_id = req.request_id or uuid.uuid4().hex
+        self.meter.request_started(time.monotonic())
+        try:
+            final = await self.engine.generate(request_id, self._prompt(prompt_token_ids=ids), params, None)
+        finally:
+            self.meter.request_finished(time.monotonic())
+        positions = list(final.prompt_logprobs or [])[req.start:]
+        if len(positions) != len(ids) - req.start or any(p is None for p in positions):
+            raise RuntimeError(f"request {request_id}: vLLM returned {len(positions)} prompt logprobs for "
+                               f"{len(ids) - req.start} scored tokens")
+        return Scored(request_id=req.request_id, logprobs=[float(p[t].logprob) for p, t in zip(positions, ids[req.start:])],
+                      top_logprobs=top_k_of(positions, req.top_k), engine=self.name)
 
     def _load_adapter(self, llm: Any, version: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """LoRA: the verified ``tensors`` of ``version`` (taken out of the receive buffers beside generation) into

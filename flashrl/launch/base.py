@@ -36,6 +36,12 @@ class LaunchError(RuntimeError):
 Role = Literal["engine", "trainer", "env", "judge"]
 
 
+def served_engines(cfg: Any) -> int:
+    """Engines of the "judge" role the run starts: the judge's (judge.engines when judge.model is set), then each
+    distillation teacher's (distill.teachers' engines, in order): fixed models served beside the policy."""
+    return (cfg.judge.engines if cfg.judge.model else 0) + sum(t.engines for t in cfg.distill.teachers)
+
+
 def proc_name(role: Role, index: int) -> str:
     """The name a process goes by in logs and error messages: "engine engine0", "trainer rank 1", "env worker 2",
     "judge engine judge0"."""

@@ -178,6 +178,8 @@ def final_failure(e: BaseException) -> tuple[BaseException, int] | None:
     its own definition (FINAL_EXIT: every judge engine down for good, JudgeDown; an adapter vLLM refuses
     again and again, AdapterRefused). None: a crash a restart may get past (run.auto_resume, --supervise)."""
     from flashrl.config import ConfigError
+    from flashrl.distill.build import TeacherModelError
+    from flashrl.distill.engines import TeacherDown
     from flashrl.judge.build import JudgeModelError
     from flashrl.judge.engines import JudgeDown
     from flashrl.models import ModelPathError
@@ -186,7 +188,8 @@ def final_failure(e: BaseException) -> tuple[BaseException, int] | None:
     from flashrl.rewardmodel.build import RewardModelError
     from flashrl.wire.protocol import AdapterRefused
 
-    config_errors = (ConfigError, PluginError, ModelPathError, ChatTemplateError, RewardModelError, JudgeModelError)
+    config_errors = (ConfigError, PluginError, ModelPathError, ChatTemplateError, RewardModelError, JudgeModelError,
+                     TeacherModelError)
     seen: set[int] = set()
     todo: list[BaseException] = [e]
     while todo:
@@ -194,7 +197,7 @@ def final_failure(e: BaseException) -> tuple[BaseException, int] | None:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, (JudgeDown, AdapterRefused)):
+        if isinstance(x, (JudgeDown, TeacherDown, AdapterRefused)):
             return x, FINAL_EXIT
         if isinstance(x, config_errors):
             return x, 2
@@ -269,6 +272,7 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     mem = MemorySampler()
     dash = Dashboard.for_config(cfg.run.dashboard)
     dash.start()
+    wrapped: Any = None  # the suite with its reward model or judge started, to close if what follows fails
     try:
         dash.status(f"preparing model {cfg.model.path}")
         # a first run builds the built-in model (minutes): its phases show on the status line as they go
@@ -278,16 +282,19 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
         if cfg.reward.model:  # a reward model beside the verifier: the suite scores episodes with it too
             from flashrl.rewardmodel import with_reward_model
 
-            suite = await with_reward_model(cfg, suite, progress=shown)
+            suite = wrapped = await with_reward_model(cfg, suite, progress=shown)
         elif cfg.judge.model:  # a generative judge beside the verifier, on engines of its own
             from flashrl.judge import with_judge
 
             await launcher.start()  # the judge's engines are placed by the run's launcher (local_cluster's start: a no-op)
             device = resolve_device(cfg)  # the judge runs where the policy's engines do
-            suite = await with_judge(cfg, suite, progress=shown, launcher=launcher, device=device,
-                                     gpus=judge_gpus(cfg) if device == "cuda" else None)
+            suite = wrapped = await with_judge(cfg, suite, progress=shown, launcher=launcher, device=device,
+                                     gpus=judge_gpus(cfg)[: cfg.judge.engines] if device == "cuda" else None)
+        teachers = await _teachers(cfg, model_path, shown, launcher)
     except BaseException:  # local_cluster (which closes the launcher) is not entered: close it here
         dash.stop()
+        if wrapped is not None:  # the teachers failed to start: the judge's engines (the reward model's workers) stop
+            await asyncio.shield(wrapped.aclose())
         await asyncio.shield(launcher.close())  # e.g. a private Ray instance started by preflight
         raise
     # The tokenizer loads while the engines and trainer start (importing transformers alone takes seconds,
@@ -301,13 +308,29 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
             tokenizer_load = tasks.create_task(_helper("the tokenizer load", asyncio.to_thread, load),
                                                name="tokenizer-load")
             sampler = tasks.create_task(_helper("the memory sampler", mem.run), name="memory-sampler")
-            summary = await _train(cfg, resume, hooks, tasks, tokenizer_load, model_path, suite, launcher, mem, dash, t0)
+            summary = await _train(cfg, resume, hooks, tasks, tokenizer_load, model_path, suite, launcher, mem, dash, t0,
+                                   teachers)
             sampler.cancel()  # the run is over: the group ends once its helpers have
         return summary
     finally:
         dash.stop()
         if cfg.reward.model or cfg.judge.model:  # its workers or engines, when the controller never closed the suite
             await asyncio.shield(suite.aclose())
+        if teachers is not None:
+            await asyncio.shield(teachers.aclose())
+
+
+async def _teachers(cfg: Config, model_path: Path, shown: Any, launcher: Launcher) -> Any:
+    """The run's distillation teachers (flashrl/distill; None without any), their engines starting in the background
+    beside the policy's, placed by the run's launcher after the judge's."""
+    if not cfg.distill.on:
+        return None
+    from flashrl.distill import start_teachers
+
+    await launcher.start()  # local_cluster's start: a no-op
+    device = resolve_device(cfg)  # the teachers run where the policy's engines do
+    gpus = judge_gpus(cfg)[(cfg.judge.engines if cfg.judge.model else 0):] if device == "cuda" else None
+    return await start_teachers(cfg, model_path, progress=shown, launcher=launcher, device=device, gpus=gpus)
 
 
 async def _helper(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -322,7 +345,7 @@ async def _helper(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> A
 
 async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | None, tasks: asyncio.TaskGroup,
                  tokenizer_load: asyncio.Task[Any], model_path: Path, suite: Any, launcher: Launcher,
-                 mem: MemorySampler, dash: Dashboard, t0: float) -> dict[str, Any]:
+                 mem: MemorySampler, dash: Dashboard, t0: float, teachers: Any = None) -> dict[str, Any]:
     """run_local's middle: the processes up, the controller run, the final policy written; the summary."""
     from flashrl.checkpoint import CheckpointWriter
     from flashrl.controller.controller import Controller
@@ -358,7 +381,7 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
         controller = Controller(cfg, tokenizer, suite, clients, trainer, on_step=on_step, on_samples=samples_out.write,
                                 restarter=restarter,
                                 checkpoints=checkpoints,
-                                resume=resume.state if resume else None)
+                                resume=resume.state if resume else None, teachers=teachers)
         if hooks is not None:
             hooks["controller"] = controller
         if resume is not None:

@@ -31,6 +31,7 @@ from flashrl.deadlines import startup_timeout_s, weight_sync_timeout_s
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
 from flashrl.engine.server import EXIT_ADDRESS_IN_USE
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
+from flashrl.launch.base import served_engines
 from flashrl.launch.local import LocalLauncher
 from flashrl.procs import backoff, exit_text
 from flashrl.trainer.client import TrainerGroup
@@ -76,7 +77,7 @@ def judge_gpus(cfg: Config, visible: list[str] | None = None) -> list[str | None
     """Each judge engine's GPU on this machine (local launcher, cuda): visible GPU ``ranks + engines + j`` when
     there are enough for every trainer rank, engine and judge engine; else None (unpinned: they share)."""
     visible = _visible_gpus() if visible is None else visible
-    first, n = cfg.trainer.ranks + cfg.engine.count, cfg.judge.engines
+    first, n = cfg.trainer.ranks + cfg.engine.count, served_engines(cfg)  # the judge's, then the teachers'
     return [visible[first + j] if len(visible) >= first + n else None for j in range(n)]
 
 

@@ -68,7 +68,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, proc_name, tcp_url
+from flashrl.launch.base import Endpoint, LaunchError, Proc, Role, proc_name, served_engines, tcp_url
 from flashrl.launch.ray_head import READY, check_version
 from flashrl.launch.ray_proc import (
     CALL_TIMEOUT_S,
@@ -165,8 +165,8 @@ class RayLauncher:
         return {k: v for k, v in b.items() if v > 0}
 
     def judges(self) -> int:
-        """Judge engines the run starts (judge.engines when judge.model is set, else none)."""
-        return self.cfg.judge.engines if self.cfg.judge.model else 0
+        """Engines of the "judge" role the run starts: the judge's, then the distillation teachers' (base.served_engines)."""
+        return served_engines(self.cfg)
 
     def judge_bundle(self) -> dict[str, float]:
         g = self.rcfg.judge_gpus

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashrl.launch.base import LaunchError, Role, proc_name, tcp_url
+from flashrl.launch.base import LaunchError, Role, proc_name, served_engines, tcp_url
 from flashrl.launch.local import KEYS_FILE
 from flashrl.wire.keys import KEYS_ENV, CurveKeys, KeyFileError
 from flashrl.wire.protocol import (
@@ -190,7 +190,7 @@ def plan(cfg: Config) -> Plan:
     s = cfg.cluster.slurm
     n, gpn = s.nodes, s.gpus_per_node
     engines, ranks = cfg.engine.count, cfg.trainer.ranks
-    judges = cfg.judge.engines if cfg.judge.model else 0
+    judges = served_engines(cfg)
     if gpn == 0 and cfg.engine.device == "cuda":
         raise LaunchError("engine.device = \"cuda\" but cluster.slurm.gpus_per_node = 0: give the nodes' GPU count "
                           "(cluster.slurm.gpus_per_node = 8) or set engine.device = \"cpu\"")

@@ -165,6 +165,9 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
     final = cache / f"tiny-{key}"
     if _is_built(final):
         return final
+    if not build:
+        raise ModelNotBuilt(f"{BUILTIN_TINY} for this config is not built yet ({final}); `flashrl init-model CONFIG` "
+                            "(or `flashrl run`) builds it")
     shown = progress or Progress.off()
 
     def fill(tmp: Path) -> None:

@@ -66,3 +66,14 @@ def count_groups(groups: torch.Tensor, which: torch.Tensor | None = None) -> int
 def token_advantages(adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Broadcast per-sample A [B] to every token [B, T]; 0 where the mask is 0."""
     return adv.unsqueeze(-1).to(loss_mask.dtype) * loss_mask
+
+
+def distill_advantages(adv_tok: torch.Tensor, behav_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                       loss_mask: torch.Tensor, *, kl_weight: float, with_reward: bool) -> torch.Tensor:
+    """On-policy distillation's advantages [B, T] (flashrl/distill): on every generated token the reverse-KL estimate
+    on the sampled token, k_t = log pi_student(x_t) - log pi_teacher(x_t) (the student's behaviour log-probability,
+    the one it was sampled with), enters as -kl_weight * k_t: added to the reward's ``adv_tok`` (``with_reward``)
+    or alone. Tokens the teacher prefers get a positive advantage, tokens it finds unlikely a negative one."""
+    kl = (behav_logp - teacher_logp) * loss_mask
+    base = adv_tok if with_reward else torch.zeros_like(adv_tok)
+    return base - kl_weight * kl

@@ -8,7 +8,7 @@ Layout of one sample (P prompt tokens, R response tokens), right-padded to the b
     loss_mask        0  0 m0   m1 m2 m3  0    0               m_k = sample.loss_mask[k]
 
 So response token k sits at input position P + k and is predicted by logits position P + k - 1; every
-aligned tensor (targets, loss_mask, behav_logp, versions, top_ids, top_logp) has length L - 1 and puts token k's value at
+aligned tensor (targets, loss_mask, behav_logp, versions, top_ids, top_logp, teacher_logp) has length L - 1 and puts token k's value at
 index P + k - 1. Right padding keeps the positions of real tokens 0 .. n-1 (what the engine used), so no
 position_ids are needed. A sample needs at least one prompt token (nothing predicts position 0).
 
@@ -48,6 +48,10 @@ class PaddedBatch:
     # (-1 and 0.0 elsewhere); k = 0 (the default: [B, T, 0]) when no sample carries them
     top_ids: torch.Tensor  # [B, T, k] long
     top_logp: torch.Tensor  # [B, T, k] float
+    # on-policy distillation (flashrl/distill): the teacher's log-probability of each generated token (0 elsewhere),
+    # and whether the sample carries its teacher's scores at all ([B] bool; False without a teacher)
+    teacher_logp: torch.Tensor  # [B, T] float
+    scored: torch.Tensor  # [B] bool
 
     @property
     def size(self) -> int:
@@ -61,7 +65,8 @@ class PaddedBatch:
         length = max(length, 2)  # keep T >= 1 so shapes stay valid
         for name in ("input_ids", "attention_mask"):
             picked[name] = picked[name][:, :length]
-        for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages", "top_ids", "top_logp"):
+        for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages", "top_ids", "top_logp",
+                     "teacher_logp"):
             picked[name] = picked[name][:, : length - 1]
         return PaddedBatch(**picked)
 
@@ -75,9 +80,9 @@ def _check(i: int, s: Trajectory) -> None:
         raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
                          "(nothing predicts position 0): prepend a BOS token")
     r = len(s.response_ids)
-    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs"):
+    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs", "teacher_logp"):
         n = len(getattr(s, name))
-        if n != r and not (name == "top_logprobs" and n == 0):
+        if n != r and not (name in ("top_logprobs", "teacher_logp") and n == 0):
             raise BatchError(f"{where}: {name} has {n} entries but response_ids has {r}; "
                              "the engine reply and the trajectory are out of step")
 
@@ -115,6 +120,12 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         versions[r_rows, r_cols] = torch.where(
             m > 0, torch.tensor([x for s in samples for x in s.versions], dtype=torch.long), -1)
     top_ids, top_logp = _top_k(samples, b, t)
+    teacher_logp = torch.zeros((b, t), dtype=torch.float32)
+    t_rows = [i for i, s in enumerate(samples) for _ in s.teacher_logp]
+    if t_rows:
+        t_cols = [len(s.prompt_ids) - 1 + k for s in samples for k in range(len(s.teacher_logp))]
+        teacher_logp[t_rows, t_cols] = torch.tensor([x for s in samples for x in s.teacher_logp], dtype=torch.float32)
+        teacher_logp *= loss_mask > 0
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -128,6 +139,8 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         top_ids=top_ids,
         top_logp=top_logp,
+        teacher_logp=teacher_logp,
+        scored=torch.tensor([bool(s.teacher_logp) for s in samples], dtype=torch.bool),
     )
 
 

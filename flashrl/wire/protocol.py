@@ -44,6 +44,17 @@ class Generate(Msg):
     top_logprobs: int = 0  # k > 0: Generated.top_logprobs holds each token's k most likely (engine.top_logprobs)
 
 
+class Score(Msg):
+    """Score a token sequence without generating: the model's log-probability of each token of ``token_ids``
+    from position ``start`` on, given the tokens before it (vLLM's prompt logprobs: the untempered log-softmax,
+    temperature 1). A distillation teacher's request (flashrl/distill): the policy's prompt + response, scored whole."""
+
+    request_id: str = ""
+    token_ids: list[int] = []
+    start: int = 1  # the first position scored (>= 1: nothing predicts position 0)
+    top_k: int = 0  # k > 0: Scored.top_logprobs holds each scored position's k most likely tokens too
+
+
 class Abort(Msg):
     """Abort in-flight requests; each aborted request answers with finish_reason "abort"."""
 
@@ -117,7 +128,7 @@ class Shutdown(Msg):
     pass
 
 
-EngineRequest = Union[Generate, Abort, Pause, Resume, InitWeightSync, UpdateWeights, GetLoad, Ping, Shutdown]
+EngineRequest = Union[Generate, Score, Abort, Pause, Resume, InitWeightSync, UpdateWeights, GetLoad, Ping, Shutdown]
 
 
 # --------------------------------------------------------------------------- engine replies
@@ -131,6 +142,16 @@ class Generated(Msg):
     # Generate.top_logprobs = k > 0: per token, the k most likely (token id, logprob), most likely first
     top_logprobs: list[list[tuple[int, float]]] = []
     finish_reason: str = "stop"  # "stop" | "length" | "abort"
+    engine: str = ""
+
+
+class Scored(Msg):
+    """Score's answer: ``logprobs[j]`` is the log-probability of ``token_ids[start + j]``; ``top_logprobs[j]``
+    (Score.top_k > 0) that position's k most likely (token id, logprob), most likely first."""
+
+    request_id: str = ""
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
     engine: str = ""
 
 
@@ -194,7 +215,7 @@ class Error(Msg):
     kind: str = "error"
 
 
-EngineReply = Union[Generated, WeightsUpdated, LoadReport, Ok, Pong, Error]
+EngineReply = Union[Generated, Scored, WeightsUpdated, LoadReport, Ok, Pong, Error]
 
 
 # --------------------------------------------------------------------------- trainer

@@ -17,6 +17,8 @@ Invariant: ``loss_mask``, ``behav_logp`` and ``versions`` have one entry per ``r
 -1), so ``version_start`` (the staleness bound's input) is the version of the first generated token.
 ``top_logprobs`` is empty (engine.top_logprobs = 0, the default) or has one entry per ``response_ids``
 token too: the engine's k most likely (token id, logprob) pairs there, [] on observation tokens.
+``teacher_logp`` (and ``teacher_top``) follow the same rule: empty (no teacher) or one entry per ``response_ids``
+token, the teacher's values on generated tokens and 0.0 ([]) on observation tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
     behav_logp: list[float] = []
     versions: list[int] = []
     top_logprobs: list[list[tuple[int, float]]] = []  # engine.top_logprobs > 0 only
+    # on-policy distillation (flashrl/distill): the teacher's log-probability of each response token (0.0 on
+    # observation tokens), and (its top_k > 0) its k most likely tokens there ([] on observation tokens); filled
+    # once the rollout is finished, scored whole; empty without a teacher
+    teacher_logp: list[float] = []
+    teacher_top: list[list[tuple[int, float]]] = []
+    teacher: str = ""  # the name of the teacher that scored it
     reward: float = 0.0
     correct: bool = False  # StepResult.info["correct"] when the env says, else reward >= 1
     finish_reason: str = ""  # engine's "stop"/"length", or "max_turns", "max_model_len"
@@ -58,6 +66,7 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
     gen_s: float = 0.0  # inside engine.generate
     env_s: float = 0.0  # inside env.reset / env.step
     wait_s: float = 0.0  # waiting for an engine permit
+    teacher_s: float = 0.0  # from the end of the rollout to its teacher's scores (retries included)
     metrics: dict[str, float] = {}  # StepResult.info["metrics"] (e.g. a reward function's extras), last value per key
     # Multi-turn chat trajectories (rollout._measure_template), -1 where not measured: tokens by which the
     # chat template's re-rendering of the finished conversation differs from prompt_ids + response_ids,
@@ -84,7 +93,7 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
 
 # The fields a checkpoint does not keep: the outcome of the attempt and the timings of the process that
 # generated it (a resumed run starts them afresh).
-NOT_SAVED = ("status", "failure", "t_start", "t_end", "gen_s", "env_s", "wait_s")
+NOT_SAVED = ("status", "failure", "t_start", "t_end", "gen_s", "env_s", "wait_s", "teacher_s")
 _BLANK = Trajectory(group=0)
 
 
