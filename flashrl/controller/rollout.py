@@ -424,13 +424,10 @@ async def run_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -> Tra
     traj = await generate_sample(ctx, spec, engine)
     if traj.status != "ok" or spec.group < 0 or ctx.teachers is None:
         return traj
-    from flashrl.distill.client import TeacherFailed
-
-    try:
-        await ctx.teachers.score(traj, spec.task.meta)
-    except TeacherFailed as e:
-        ctx.counters[f"rollout/failed_teacher_{e.reason}"] += 1
-        return _failed(spec, f"teacher_{e.reason}", traj.attempts, traj.engine)
+    failed = await ctx.teachers.score_or_reason(traj, spec.task.meta)
+    if failed:
+        ctx.counters[f"rollout/failed_teacher_{failed}"] += 1
+        return _failed(spec, f"teacher_{failed}", traj.attempts, traj.engine)
     return traj
 
 

@@ -88,6 +88,14 @@ class Teachers:
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.pools.values()), return_exceptions=True)
 
+    async def score_or_reason(self, traj: Trajectory, meta: Mapping[str, Any]) -> str:
+        """``score``, for the rollout: "" once ``traj`` is scored, else the reason its scores could not be had."""
+        try:
+            await self.score(traj, meta)
+        except TeacherFailed as e:
+            return e.reason
+        return ""
+
     def name_of(self, meta: Mapping[str, Any]) -> str:
         return str(meta.get(self.dc.teacher_key, self.default))
 

@@ -32,7 +32,7 @@ class TeacherConfig(_Section):
     """``[[distill.teachers]]``: one teacher, a causal LM served by vLLM engine processes of its own, never updated."""
 
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description=(
-        "the teacher's name: metrics (teacher/<name>/...), logs, samples.jsonl, and the value of a task's "
+        "the teacher's name: metrics (env/teacher_<name>_*), logs, samples.jsonl, and the value of a task's "
         "meta[distill.teacher_key] that picks it"))] = "teacher"
     model: Annotated[str, Meta(description=(
         '"builtin:teacher" (the built-in model warm-started on exact answers: the carry the default student\'s '
@@ -46,7 +46,7 @@ class TeacherConfig(_Section):
     timeout_s: Annotated[float, Meta(gt=0, le=86_400, description="deadline of one scoring request")] = 60.0
     retries: Annotated[int, Meta(ge=0, le=100, description=(
         "retries of a sample's scoring after its engine died, hung or answered garbage (counted apart: "
-        "teacher/retries); past them the sample fails (rollout/failed_teacher_<reason>), never trained without"))] = 3
+        "env/teacher_retries); past them the sample fails (rollout/failed_teacher_<reason>), never trained without"))] = 3
     max_restarts: Annotated[int, Meta(ge=0, le=1000, description=(
         "restarts of this teacher's engines in the run; with every engine down and these spent the run stops "
         "(TeacherDown, exit 3)"))] = 5

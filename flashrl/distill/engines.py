@@ -21,6 +21,8 @@ from typing import Any
 
 from flashrl.distill.config import TeacherConfig
 from flashrl.engine.served import ServedEngines
+from flashrl.launch.base import Launcher
+from flashrl.launch.local import LocalLauncher
 from flashrl.wire.protocol import Score, Scored
 from flashrl.wire.transport import PeerDead, RemoteError, TransportError
 
@@ -66,8 +68,11 @@ class TeacherEngines(ServedEngines):
 
     Down = TeacherDown
 
-    def __init__(self, tc: TeacherConfig, model: str | Path, logs: Path, **kw: Any) -> None:
-        super().__init__(tc, model, logs, **kw)
+    def __init__(self, tc: TeacherConfig, model: str | Path, logs: Path, *, launcher: Launcher | None = None,
+                 **kw: Any) -> None:
+        """``launcher``: the run's, or None: a local launcher of this teacher's own (closed by ``aclose``)."""
+        super().__init__(tc, model, logs, launcher=launcher or LocalLauncher(logs.parent), own_launcher=launcher is None,
+                         **kw)
         self.tc = tc
         self.what = f"teacher {tc.name}"
         self.names = f"teacher-{tc.name}-"

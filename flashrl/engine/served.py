@@ -19,8 +19,8 @@ Subclasses say what a request is (flashrl/judge/engines.py: ``generate``; flashr
 and name their errors (``Down``). ``opts`` is their config section: engines, kv_cache_gib, max_num_seqs, threads,
 gpu_memory_utilization, max_restarts, startup_timeout_s.
 Placement: engine i of a pool is the launcher's (role "judge", index0 + i): a restart is spawned again in the same
-place (the same Ray bundle, the same SLURM node). Without a launcher (tests, a pool used on its own) a local
-launcher of its own starts them on this machine.
+place (the same Ray bundle, the same SLURM node). Without the run's launcher (tests, a pool used on its own) the
+subclass gives the pool a local launcher of its own (``own_launcher``): the roles never import a concrete launcher.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ log = logging.getLogger("flashrl.engine.served")
 
 
 class ServedEngines:
-    """``launcher``: the run's (it places and restarts the engines; the run closes it), or None: a local launcher of
-    this object's own, closed by ``aclose``. ``device``: "cpu" | "cuda"; ``gpus``: on cuda with the local launcher,
+    """``launcher``: the run's (it places and restarts the engines; the run closes it), or (``own_launcher``) one of
+    this pool's own (a subclass's local launcher: started here, closed by ``aclose``). ``device``: "cpu" | "cuda"; ``gpus``: on cuda with the local launcher,
     engine i's CUDA_VISIBLE_DEVICES (None: unpinned). ``what``: the pool's name in logs and errors ("judge");
     ``prefix``: its counters' ("judge_"); ``names``: engine i's name is f"{names}{i}"."""
 
@@ -56,19 +56,15 @@ class ServedEngines:
     names = "served"
     restarts_key = "max_restarts"  # the config key whose restarts are spent, for the Down message
 
-    def __init__(self, opts: Any, model: str | Path, logs: Path, *, max_model_len: int = 256, seed: int = 0,
-                 launcher: Launcher | None = None, device: str = "cpu", gpus: list[str | None] | None = None,
+    def __init__(self, opts: Any, model: str | Path, logs: Path, *, launcher: Launcher, own_launcher: bool = False,
+                 max_model_len: int = 256, seed: int = 0, device: str = "cpu", gpus: list[str | None] | None = None,
                  index0: int = 0) -> None:
         self.opts = opts
         self.n = int(opts.engines)
         self.device = device
         self.gpus = gpus or [None] * self.n
         self.index0 = index0
-        self._own_launcher = launcher is None
-        if launcher is None:
-            from flashrl.launch.local import LocalLauncher
-
-            launcher = LocalLauncher(logs.parent)
+        self._own_launcher = own_launcher  # a local launcher the subclass made for this pool alone: closed by aclose
         self.launcher = launcher
         self.model = str(model)
         self.logs = logs

@@ -39,6 +39,8 @@ from typing import Any
 
 from flashrl.config import JudgeConfig
 from flashrl.engine.served import ServedEngines
+from flashrl.launch.base import Launcher
+from flashrl.launch.local import LocalLauncher
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError, TransportError
 
@@ -75,8 +77,11 @@ class JudgeEngines(ServedEngines):
     names = "judge"
     restarts_key = "judge.max_restarts"
 
-    def __init__(self, jc: JudgeConfig, model: str | Path, logs: Path, **kw: Any) -> None:
-        super().__init__(jc, model, logs, **kw)
+    def __init__(self, jc: JudgeConfig, model: str | Path, logs: Path, *, launcher: Launcher | None = None,
+                 **kw: Any) -> None:
+        """``launcher``: the run's, or None: a local launcher of the judge's own (closed by ``aclose``)."""
+        super().__init__(jc, model, logs, launcher=launcher or LocalLauncher(logs.parent), own_launcher=launcher is None,
+                         **kw)
         self.jc = jc
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int) -> Generated:

@@ -13,7 +13,11 @@ Group ids need not be contiguous or sorted: samples of one group may sit anywher
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from flashrl.trainer.batch import BatchError, PaddedBatch
 
 EPS = 1e-6  # GRPO (DeepSeekMath) denominator guard
 
@@ -77,3 +81,21 @@ def distill_advantages(adv_tok: torch.Tensor, behav_logp: torch.Tensor, teacher_
     kl = (behav_logp - teacher_logp) * loss_mask
     base = adv_tok if with_reward else torch.zeros_like(adv_tok)
     return base - kl_weight * kl
+
+
+def distill_step(full: PaddedBatch, adv_tok: torch.Tensor, dc: Any, extra: dict[str, float]) -> torch.Tensor:
+    """The teacher's per-token term in a step's advantages (``distill_advantages``; ``dc`` is [distill]), and its
+    metrics in ``extra``. A sample without its teacher's scores is refused (BatchError): never trained with a
+    signal it did not get."""
+    if not bool(full.scored.all()):
+        missing = int((~full.scored).sum())
+        raise BatchError(f"distillation: {missing} of {full.size} samples carry no teacher scores "
+                         "(Trajectory.teacher_logp); every training sample must be scored before it is trained")
+    out = distill_advantages(adv_tok, full.behav_logp, full.teacher_logp, full.loss_mask, kl_weight=dc.kl_weight,
+                             with_reward=dc.mode == "reward+kl")
+    n = max(float(full.loss_mask.sum()), 1.0)
+    kl = (full.behav_logp - full.teacher_logp) * full.loss_mask
+    extra["distill/reverse_kl"] = float(kl.sum()) / n
+    extra["distill/reverse_kl_seq"] = float(kl.sum(-1).mean())  # per sample, summed over its tokens
+    extra["distill/teacher_logp"] = float((full.teacher_logp * full.loss_mask).sum()) / n
+    return out

@@ -47,15 +47,9 @@ import torch
 
 from flashrl.config import Config
 from flashrl.core.lr_schedule import scheduled_lr
-from flashrl.trainer.advantages import (
-    count_groups,
-    distill_advantages,
-    grpo_advantages,
-    tied_groups,
-    token_advantages,
-)
+from flashrl.trainer import advantages
+from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
-    BatchError,
     PaddedBatch,
     PrefixSplit,
     pad_batch,
@@ -389,27 +383,10 @@ class PolicyTrainer:
                 n_resp = max(int(resp.sum()), 1)
                 prep.extra["credit/amplified_frac"] = float(((gamma > 1) & resp).sum()) / n_resp
                 prep.extra["credit/gamma_mean"] = float(gamma[resp].sum()) / n_resp
-        if self.cfg.distill.on:
-            adv_tok = self._distill(full, adv_tok, prep.extra)
+        if self.cfg.distill.on:  # the teacher's per-token term (flashrl/distill)
+            adv_tok = advantages.distill_step(full, adv_tok, self.cfg.distill, prep.extra)
         prep.full = dataclasses.replace(full, advantages=adv_tok)
         return prep
-
-    def _distill(self, full: PaddedBatch, adv_tok: torch.Tensor, extra: dict[str, float]) -> torch.Tensor:
-        """The teacher's per-token term in the advantages (advantages.distill_advantages); a sample without its
-        teacher's scores is refused (BatchError): never trained with a signal it did not get."""
-        dc = self.cfg.distill
-        if not bool(full.scored.all()):
-            missing = int((~full.scored).sum())
-            raise BatchError(f"distillation: {missing} of {full.size} samples carry no teacher scores "
-                             "(Trajectory.teacher_logp); every training sample must be scored before it is trained")
-        out = distill_advantages(adv_tok, full.behav_logp, full.teacher_logp, full.loss_mask,
-                                 kl_weight=dc.kl_weight, with_reward=dc.mode == "reward+kl")
-        n = max(float(full.loss_mask.sum()), 1.0)
-        kl = (full.behav_logp - full.teacher_logp) * full.loss_mask
-        extra["distill/reverse_kl"] = float(kl.sum()) / n
-        extra["distill/reverse_kl_seq"] = float(kl.sum(-1).mean())  # per sample, summed over its tokens
-        extra["distill/teacher_logp"] = float((full.teacher_logp * full.loss_mask).sum()) / n
-        return out
 
     def _inert(self, prep: Prepared) -> torch.Tensor | None:
         """``trainer.skip_inert``: the samples [B] whose loss and gradient are exactly zero (every advantage on

@@ -22,7 +22,7 @@ from flashrl.distill.engines import check_scored
 from flashrl.distill.fake import FakeTeacherEngines
 from flashrl.sim.clock import run_virtual
 from flashrl.sim.fake import FakeEngine, FakeSuite, FakeTokenizer
-from flashrl.trainer.advantages import distill_advantages
+from flashrl.trainer.advantages import distill_advantages, distill_step
 from flashrl.trainer.batch import pad_batch
 from flashrl.wire.protocol import Generate, Scored
 from flashrl.wire.trajectory import Trajectory
@@ -220,10 +220,10 @@ def test_the_trainer_refuses_a_sample_without_its_teacher_scores(model_path: Pat
     a.teacher_logp = [-0.1, -0.2]
     batch = pad_batch([a, b], pad_id=0)
     with pytest.raises(BatchError, match="1 of 2 samples carry no teacher scores"):
-        trainer._distill(batch, torch.zeros_like(batch.behav_logp), {})
+        distill_step(batch, torch.zeros_like(batch.behav_logp), trainer.cfg.distill, {})
     b.teacher_logp = [-0.3, -0.4]
     extra: dict[str, float] = {}
-    out = trainer._distill(pad_batch([a, b], pad_id=0), torch.zeros_like(batch.behav_logp), extra)
+    out = distill_step(pad_batch([a, b], pad_id=0), torch.zeros_like(batch.behav_logp), trainer.cfg.distill, extra)
     assert extra["distill/reverse_kl"] == pytest.approx(((-0.5 + 0.1) + (-0.5 + 0.2) + (-0.5 + 0.3) + (-0.5 + 0.4)) / 4)
     assert out[0, 1].item() == pytest.approx(0.4) and out[1, 2].item() == pytest.approx(0.1)
 

@@ -36,6 +36,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.workers",  # the worker-process pool (remote env workers, process rewards)
     "flashrl.logging_setup",
     "flashrl.config_errors",  # msgspec errors as key paths with the fix (config and env.params)
+    "flashrl.distill.config",  # [distill]: a section owned by its package, read by flashrl.config
     "flashrl.plugins",
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs
@@ -53,6 +54,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),
     "flashrl.rewardmodel",  # reward models beside the verifier: built (on models), served in worker processes
     "flashrl.judge",  # a generative judge beside the verifier: built (on models), served by engine processes
+    "flashrl.distill",  # on-policy distillation: teachers built (on models), served by engine processes
     "flashrl.envcheck",  # what validate checks of an environment beyond its params (builds the suite)
     "flashrl.doctor",  # `flashrl doctor --gpu`: the trainer, the weight sync and a built chat model, checked on a device
     "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher
