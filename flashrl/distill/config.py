@@ -71,6 +71,10 @@ class DistillConfig(_Section):
         "GRPO (or critic) advantage"))] = "reward+kl"
     kl_weight: Annotated[float, Meta(gt=0, le=1000, description=(
         "lambda: the weight of the per-token reverse-KL estimate in the advantage"))] = 1.0
+    forward_kl_coef: Annotated[float, Meta(ge=0, le=1000, description=(
+        "> 0: also a forward-KL loss term with this weight, at every generated position the teacher's top-k "
+        "distribution against the student's (every teacher's top_k > 0; these gradient forwards are padded ones: "
+        "trainer.share_prefix does not apply to them); 0 = off"))] = 0.0
     teacher_key: Annotated[str, Meta(min_length=1, description=(
         "several teachers: the key of Task.meta (a dataset column) whose value names the prompt's teacher; a task "
         "without it gets the first teacher"))] = "teacher"
@@ -105,6 +109,12 @@ def check(cfg: Any, source: str, error: type[Exception]) -> None:
             raise error(f"{source}: distill.teachers[{i}].model: \"builtin:teacher\" speaks the built-in model's "
                         f"tokenizer, but model.path = {cfg.model.path!r}; give a teacher folder with that model's "
                         "tokenizer")
+    if dc.forward_kl_coef > 0:
+        without = [t.name for t in dc.teachers if t.top_k == 0]
+        if without:
+            raise error(f"{source}: distill.forward_kl_coef = {dc.forward_kl_coef} needs each teacher's top-k "
+                        f"distribution, but teacher {without[0]!r} has top_k = 0; set its top_k (e.g. 8) or "
+                        "distill.forward_kl_coef = 0")
     if cfg.rollout.temperature != 1.0:
         raise error(f"{source}: rollout.temperature = {cfg.rollout.temperature}: distillation compares the student's "
                     "log-probability of each sampled token with the teacher's, both at temperature 1 (the teacher "

@@ -52,6 +52,8 @@ class PaddedBatch:
     # and whether the sample carries its teacher's scores at all ([B] bool; False without a teacher)
     teacher_logp: torch.Tensor  # [B, T] float
     scored: torch.Tensor  # [B] bool
+    teacher_top_ids: torch.Tensor  # [B, T, k] long: the teacher's k most likely tokens (its top_k; k = 0 without)
+    teacher_top_logp: torch.Tensor  # [B, T, k] float
 
     @property
     def size(self) -> int:
@@ -66,7 +68,7 @@ class PaddedBatch:
         for name in ("input_ids", "attention_mask"):
             picked[name] = picked[name][:, :length]
         for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages", "top_ids", "top_logp",
-                     "teacher_logp"):
+                     "teacher_logp", "teacher_top_ids", "teacher_top_logp"):
             picked[name] = picked[name][:, : length - 1]
         return PaddedBatch(**picked)
 
@@ -80,9 +82,9 @@ def _check(i: int, s: Trajectory) -> None:
         raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
                          "(nothing predicts position 0): prepend a BOS token")
     r = len(s.response_ids)
-    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs", "teacher_logp"):
+    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs", "teacher_logp", "teacher_top"):
         n = len(getattr(s, name))
-        if n != r and not (name in ("top_logprobs", "teacher_logp") and n == 0):
+        if n != r and not (name in ("top_logprobs", "teacher_logp", "teacher_top") and n == 0):
             raise BatchError(f"{where}: {name} has {n} entries but response_ids has {r}; "
                              "the engine reply and the trajectory are out of step")
 
@@ -120,6 +122,7 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         versions[r_rows, r_cols] = torch.where(
             m > 0, torch.tensor([x for s in samples for x in s.versions], dtype=torch.long), -1)
     top_ids, top_logp = _top_k(samples, b, t)
+    teacher_top_ids, teacher_top_logp = _top_k(samples, b, t, "teacher_top")
     teacher_logp = torch.zeros((b, t), dtype=torch.float32)
     t_rows = [i for i, s in enumerate(samples) for _ in s.teacher_logp]
     if t_rows:
@@ -141,17 +144,20 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         top_logp=top_logp,
         teacher_logp=teacher_logp,
         scored=torch.tensor([bool(s.teacher_logp) for s in samples], dtype=torch.bool),
+        teacher_top_ids=teacher_top_ids,
+        teacher_top_logp=teacher_top_logp,
     )
 
 
-def _top_k(samples: Sequence[Trajectory], b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top_logprobs`` aligned like behav_logp: [B, T, k] token ids (-1 where none) and logprobs (0.0),
-    k the longest list in the batch (the engines' engine.top_logprobs; 0 when no sample carries any)."""
-    k = max((len(top) for s in samples for top in s.top_logprobs), default=0)
+def _top_k(samples: Sequence[Trajectory], b: int, t: int, field: str = "top_logprobs") -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_logprobs`` (or ``field``: teacher_top) aligned like behav_logp: [B, T, k] token ids (-1 where none) and
+    logprobs (0.0), k the longest list in the batch (the engines' engine.top_logprobs, a teacher's top_k; 0 when no
+    sample carries any)."""
+    k = max((len(top) for s in samples for top in getattr(s, field)), default=0)
     ids = torch.full((b, t, k), -1, dtype=torch.long)
     logp = torch.zeros((b, t, k), dtype=torch.float32)
     at = [(i, len(s.prompt_ids) - 1 + j, r, tok, lp) for i, s in enumerate(samples)
-          for j, top in enumerate(s.top_logprobs) for r, (tok, lp) in enumerate(top)]
+          for j, top in enumerate(getattr(s, field)) for r, (tok, lp) in enumerate(top)]
     if at:  # one scatter per tensor, as pad_batch does
         rows, cols, ranks, toks, lps = zip(*at)
         ids[rows, cols, ranks] = torch.tensor(toks, dtype=torch.long)

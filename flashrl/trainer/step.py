@@ -51,13 +51,13 @@ from flashrl.trainer import advantages
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
     PaddedBatch,
-    PrefixSplit,
     pad_batch,
     split_prefixes,
-    to_aligned,
     token_logprobs,
 )
 from flashrl.trainer.critics import MiniCritics
+from flashrl.trainer.distill import forward_kl, forward_with_top
+from flashrl.trainer.forward import shared_prefix_logprobs
 from flashrl.trainer.lora import adapter_dropout, dropout_modules, is_lora, reference_disabled
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
@@ -281,24 +281,7 @@ class PolicyTrainer:
         if split is None:
             out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
             return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
-        return self._shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
-
-    @staticmethod
-    def _shared_prefix_logprobs(model: torch.nn.Module, b: PaddedBatch, s: PrefixSplit, entropy_grad: bool,
-                                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_logprobs`` with each distinct prompt forwarded once (batch.PrefixSplit): the prompts'
-        keys and values are gathered to their samples (index_select: the gradient of every sample
-        flows back into its prompt's one forward), then the continuations run against them."""
-        pre = model(input_ids=s.prefix_ids, attention_mask=s.prefix_attention, use_cache=True)
-        cache = pre.past_key_values
-        cache.reorder_cache(s.row_prefix)  # [G] prompts -> [B] samples
-        cont = model(input_ids=s.cont_ids, attention_mask=s.cont_attention, position_ids=s.cont_positions,
-                     past_key_values=cache, use_cache=True)
-        first = pre.logits[s.row_prefix, s.prefix_last[s.row_prefix]]  # [B, V]: predicts continuation token 0
-        logits = torch.cat([first.unsqueeze(1), cont.logits[:, :-1]], dim=1)  # [B, R, V]
-        logp, entropy = token_logprobs(logits, s.cont_ids, entropy_grad=entropy_grad, temperature=temperature)
-        width = b.targets.shape[1]
-        return to_aligned(logp, s, width), to_aligned(entropy, s, width)
+        return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 
     @staticmethod
     def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:
@@ -474,6 +457,7 @@ class PolicyTrainer:
         """Per mini-batch: forward + loss + backward per micro-batch, then clip and one optimizer step."""
         alg, full = self.cfg.algorithm, prep.full
         entropy_grad = alg.entropy_coef > 0
+        fkl = self.cfg.distill.forward_kl_coef if self.cfg.distill.on else 0.0
         acc = Accumulated(iw=torch.zeros((2, full.size), dtype=torch.float64))
         # The parameters the optimizer steps, not model.parameters(): while an FSDP2 group is unsharded
         # (the root group stays unsharded after a no-grad proximal forward) the module exposes its
@@ -488,7 +472,10 @@ class PolicyTrainer:
                     b = self._micro(full, mini, idx).to(self.device)
                     em = self._rows(prep.ent_mask, mini, idx, b.loss_mask.shape[1])
                     with adapter_dropout(self.dropouts):
-                        logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
+                        if fkl:  # the forward-KL term needs each position's distribution (trainer/distill.py)
+                            logp, entropy, s_top = forward_with_top(self.model, b, entropy_grad, self.temperature)
+                        else:
+                            logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
                     # the weights at the start of the step, without dropout (mini-batch 1: this very forward
                     # when it has no dropout)
                     prox_logp = prox[i, k] if (i, k) in prox else logp.detach()
@@ -508,6 +495,9 @@ class PolicyTrainer:
                         entropy_mask=em.to(self.device) if em is not None else None,
                         norm=norm,
                     )
+                    if fkl:
+                        f_loss, f_met = forward_kl(s_top, b, norm)
+                        loss, met = loss + fkl * f_loss, met | f_met
                 with timer.phase("backward"):
                     loss.backward()
                 n_tok = float(b.loss_mask.sum())
