@@ -227,6 +227,9 @@ def _curves(s: Snapshot) -> Panel:
     ]
     if s.gap_history:  # a reward model or judge beside the verifier: its reward minus the truth's
         rows.append(_curve_row("model-verifier", s.gap_history, s.gap_history[-1][1], s.gap_history[-1][0]))
+    if s.teacher_kl_history:  # distillation: how far the student still is from its teacher, per token
+        rows.append(_curve_row("teacher KL", s.teacher_kl_history, s.teacher_kl_history[-1][1],
+                               s.teacher_kl_history[-1][0]))
     if s.latency_history:  # ... and what its scoring takes, from an episode's end to its score (ms)
         rows.append(_curve_row("score ms", s.latency_history, s.latency_history[-1][1], s.latency_history[-1][0]))
     return Panel(Group(*rows), title="learning", title_align="left")

@@ -74,6 +74,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     gap_history: list[tuple[int, float]] = []
     # ms from an episode's end to its reward-model score or judge verdict, mean per step: what scoring costs
     latency_history: list[tuple[int, float]] = []
+    # on-policy distillation: the per-token reverse KL from the student to its teacher on the trained batch, per step
+    teacher_kl_history: list[tuple[int, float]] = []
     eval_history: list[tuple[int, float]] = []
     # counters: dropped / retried / failed rollouts and why (nothing is lost silently)
     counters: dict[str, int] = {}

@@ -140,6 +140,7 @@ class Ledger:
         # (step, mean ms from an episode's end to its reward-model score or verdict, over the episodes scored since
         # the step before); _scored: the suite's (count, summed ms) at the last record
         self.latency_history: list[tuple[int, float]] = []
+        self.teacher_kl_history: list[tuple[int, float]] = []  # (step, reverse KL to the teacher), flashrl/distill
         self._scored = (0.0, 0.0)
         self.eval_history: list[tuple[int, float]] = []
         self.last: StepRecord | None = None  # the last trained step's record
@@ -231,6 +232,10 @@ class Ledger:
         if gap is not None:  # a reward model or judge beside the verifier: how far its reward is from the truth
             self.gap_history.append((s + 1, gap))
         latency = self._step_latency_ms()
+        if latency is None:  # a distillation teacher's scoring, when no reward model or judge scores
+            latency = stats.template.get("teacher_latency_ms")
+        if "teacher_reverse_kl" in stats.template:  # distillation: the student's distance to its teacher
+            self.teacher_kl_history.append((s + 1, stats.template["teacher_reverse_kl"]))
         if latency is not None:
             self.latency_history.append((s + 1, latency))
         self.last = record
@@ -408,6 +413,7 @@ class Ledger:
             reward_history=list(self.reward_history),
             gap_history=list(self.gap_history),
             latency_history=list(self.latency_history),
+            teacher_kl_history=list(self.teacher_kl_history),
             eval_history=list(self.eval_history),
             counters=self.all_counters(),
             status=status,
