@@ -158,11 +158,19 @@ def _cache_share(folder: Path, r: Run) -> str:
     return f"{cached / (cached + asked):.0%}" if cached + asked else "-"
 
 
+def _teacher_kl(folder: Path, r: Run) -> str:
+    kl = [float(x["distill/reverse_kl"]) for x in read_jsonl(_metrics_path(folder, r.name)) if "distill/reverse_kl" in x]
+    return f"{kl[0]:.2f} -> {kl[-1]:.2f}" if kl else "-"
+
+
 # extra rows a peers table may ask for: label, cell of one run (the folder, the run)
 EXTRAS: dict[str, tuple[str, Callable[[Path, Run], str]]] = {
     "gain": ("held-out gain, points (final - start)",
              lambda f, r: "-" if r.first_acc is None or r.final_acc is None
              else f"{100 * (r.final_acc - r.first_acc):+.1f}"),
+    "steps": ("steps to the target held-out accuracy (first eval at or above it)",
+              lambda f, r: str((r.time_to.get(r.primary) or {}).get("step") or "not reached")),
+    "teacher-kl": ("teacher's reverse KL per token, first -> last step", _teacher_kl),
     "cores": ("cores kept busy (CPU s per s)", lambda f, r: "-" if r.cpu_cores is None else f"{r.cpu_cores:.2f}"),
     "judge-cache": ("episodes ruled from the verdict cache", _cache_share),
 }
