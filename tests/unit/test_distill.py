@@ -267,3 +267,26 @@ def test_step_metrics_of_the_scored_samples() -> None:
     assert stats["teacher_latency_ms"] == pytest.approx(200.0)
     assert stats["teacher_reverse_kl"] == pytest.approx(((-0.5 + 0.1) + (-0.5 + 0.3)) / 2)
     assert teacher_stats([b]) == {}
+
+
+# --------------------------------------------------------------------------- validate's vocabulary check
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both(tmp_path: Path) -> None:
+    import json
+
+    from flashrl.distill.build import TeacherModelError, teacher_folder, vocabulary_problem
+    from flashrl.models.tiny import build_untrained
+    from flashrl.models.tokenizer import CHARSET, build_char_tokenizer
+
+    student, same = build_untrained(tmp_path / "student", seed=0), build_untrained(tmp_path / "same", seed=1)
+    assert vocabulary_problem(student, same, "t") == ""  # other weights, the same tokenizer: fine
+    other = build_untrained(tmp_path / "other", seed=1)
+    build_char_tokenizer(CHARSET[::-1]).save_pretrained(str(other))  # the same characters, other ids
+    problem = vocabulary_problem(student, other, "t")
+    assert "distill.teachers[t]" in problem and str(other) in problem and str(student) in problem
+    assert "tokens with other ids" in problem
+    bigger = build_untrained(tmp_path / "bigger", seed=1)
+    conf = json.loads((bigger / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps(conf | {"vocab_size": conf["vocab_size"] + 8}))
+    assert "vocab_size" in vocabulary_problem(student, bigger, "t")
+    with pytest.raises(TeacherModelError, match="does not exist"):
+        teacher_folder(from_dict({}, "t"), TeacherConfig(name="t", model=str(tmp_path / "nowhere")))
