@@ -115,3 +115,34 @@ def agent_port(nodes: int = 2) -> int:
             continue
         return base
     raise RuntimeError(f"no {nodes} adjacent free ports at or below 65000")
+
+
+def wait_while_running(what: str, cond: Any, proc: subprocess.Popen[Any], deadline_s: float) -> Any:
+    """Poll ``cond()`` until it returns something true (returned), failing the test when ``proc`` ends first or
+    ``deadline_s`` passes."""
+    import pytest
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended while waiting for {what}"
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    pytest.fail(f"no {what} within {deadline_s} s")
+
+
+def engine_processes(pid: int, name: str) -> list[psutil.Process]:
+    """The engine server processes under ``pid`` whose EngineSpec is named ``name`` (judge0, teacher-exact-0)."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if "flashrl.engine.server" in " ".join(k.cmdline()) and f'"name":"{name}"' in k.environ().get("FLASHRL_SPEC", ""):
+                out.append(k)
+        except psutil.Error:
+            pass
+    return out

@@ -16,13 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
 from flashrl.metrics import read_jsonl
-from tests.helpers import killed_on_exit
+from tests.helpers import engine_processes, killed_on_exit, wait_while_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -82,33 +81,6 @@ def test_the_runs_reverse_kl_equals_an_independent_computation(tmp_path: Path) -
     assert diffs and all(abs(d) < 50 for d in diffs)
 
 
-def _teacher_engines(pid: int) -> list[psutil.Process]:
-    out = []
-    try:
-        kids = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    for k in kids:
-        try:
-            spec = k.environ().get("FLASHRL_SPEC", "")
-            if "flashrl.engine.server" in " ".join(k.cmdline()) and '"name":"teacher-exact-0"' in spec:
-                out.append(k)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _wait(what: str, cond: Any, proc: subprocess.Popen[bytes], deadline_s: float) -> Any:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"no {what} within {deadline_s} s")
-
-
 @pytest.mark.timeout(1200)
 def test_a_killed_teacher_engine_is_restarted_and_every_step_trains_once(tmp_path: Path) -> None:
     steps = 12
@@ -118,15 +90,15 @@ def test_a_killed_teacher_engine_is_restarted_and_every_step_trains_once(tmp_pat
     metrics = tmp_path / "tkill" / "metrics.jsonl"
     seen: list[psutil.Process] = []
     with killed_on_exit(proc):
-        _wait("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
+        wait_while_running("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
               proc, 900)
-        first = _wait("the teacher engine", lambda: _teacher_engines(proc.pid), proc, 30)[0]
+        first = wait_while_running("the teacher engine", lambda: engine_processes(proc.pid, "teacher-exact-0"), proc, 30)[0]
         seen += psutil.Process(proc.pid).children(recursive=True)
         first.send_signal(signal.SIGSTOP)  # stopped, so the kill lands with scoring requests in flight
         time.sleep(1.0)
         os.killpg(first.pid, signal.SIGKILL)
-        second = _wait("a restarted teacher engine",
-                       lambda: [p for p in _teacher_engines(proc.pid) if p.pid != first.pid], proc, 300)[0]
+        second = wait_while_running("a restarted teacher engine",
+                       lambda: [p for p in engine_processes(proc.pid, "teacher-exact-0") if p.pid != first.pid], proc, 300)[0]
         seen.append(second)
         proc.wait(timeout=900)
     out_file.close()

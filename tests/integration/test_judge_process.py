@@ -15,36 +15,10 @@ import psutil
 import pytest
 
 from flashrl.metrics import read_jsonl
-from tests.helpers import killed_on_exit
+from tests.helpers import engine_processes, killed_on_exit, wait_while_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _judge_engines(pid: int) -> list[psutil.Process]:
-    try:
-        kids = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for k in kids:
-        try:
-            if "flashrl.engine.server" in " ".join(k.cmdline()) and '"name":"judge0"' in k.environ().get("FLASHRL_SPEC", ""):
-                out.append(k)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _wait(what: str, cond, proc: subprocess.Popen, deadline_s: float):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"no {what} within {deadline_s} s")
 
 
 @pytest.mark.timeout(1500)
@@ -68,13 +42,13 @@ def test_a_killed_judge_engine_is_restarted_and_the_run_finishes(tmp_path: Path)
         def at_step(n: int):  # type: ignore[no-untyped-def]
             return lambda: metrics.exists() and any(r.get("step", 0) >= n for r in read_jsonl(metrics))
 
-        _wait("training step 2", at_step(2), proc, 900)
-        first = _wait("the judge engine", lambda: _judge_engines(proc.pid), proc, 30)[0]
+        wait_while_running("training step 2", at_step(2), proc, 900)
+        first = wait_while_running("the judge engine", lambda: engine_processes(proc.pid, "judge0"), proc, 30)[0]
         seen += psutil.Process(proc.pid).children(recursive=True)
         first.send_signal(signal.SIGSTOP)  # stopped, so the kill lands with verdicts in flight
         time.sleep(1.0)
         os.killpg(first.pid, signal.SIGKILL)
-        second = _wait("a restarted judge engine", lambda: [p for p in _judge_engines(proc.pid) if p.pid != first.pid],
+        second = wait_while_running("a restarted judge engine", lambda: [p for p in engine_processes(proc.pid, "judge0") if p.pid != first.pid],
                        proc, 300)[0]
         seen.append(second)
         proc.wait(timeout=900)
@@ -115,9 +89,9 @@ def test_a_judge_that_cannot_come_back_stops_the_run_naming_it(tmp_path: Path) -
     metrics = tmp_path / "jdown" / "metrics.jsonl"
     seen: list[psutil.Process] = []
     with killed_on_exit(proc):
-        _wait("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
+        wait_while_running("training step 2", lambda: metrics.exists() and any(r.get("step", 0) >= 2 for r in read_jsonl(metrics)),
               proc, 900)
-        first = _wait("the judge engine", lambda: _judge_engines(proc.pid), proc, 30)[0]
+        first = wait_while_running("the judge engine", lambda: engine_processes(proc.pid, "judge0"), proc, 30)[0]
         seen += psutil.Process(proc.pid).children(recursive=True)
         os.killpg(first.pid, signal.SIGKILL)
         t0 = time.monotonic()

@@ -17,7 +17,7 @@ import pytest
 
 from flashrl.metrics import read_jsonl
 from flashrl.rewardmodel.build import RmSpec, build_untrained_rm
-from tests.helpers import killed_on_exit
+from tests.helpers import killed_on_exit, wait_while_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -74,17 +74,6 @@ def _workers(pid: int) -> list[psutil.Process]:
     return out
 
 
-def _wait(what: str, cond, proc: subprocess.Popen, deadline_s: float):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"no {what} within {deadline_s} s")
-
-
 @pytest.mark.timeout(1200)
 def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes(tmp_path: Path, rm_folder: Path) -> None:
     steps = 20
@@ -104,18 +93,18 @@ def test_a_hung_then_killed_reward_model_worker_is_replaced_and_the_run_finishes
         def at_step(n: int):  # type: ignore[no-untyped-def]
             return lambda: metrics.exists() and any(r.get("step", 0) >= n for r in read_jsonl(metrics))
 
-        _wait("training step 2", at_step(2), proc, 900)
-        first = _wait("a reward-model worker", lambda: _workers(proc.pid), proc, 30)[0]
+        wait_while_running("training step 2", at_step(2), proc, 900)
+        first = wait_while_running("a reward-model worker", lambda: _workers(proc.pid), proc, 30)[0]
         seen += psutil.Process(proc.pid).children(recursive=True)
         first.send_signal(signal.SIGSTOP)  # hung: a batch sent to it times out (reward.timeout_s), it is killed
-        second = _wait("a replacement worker", lambda: [w for w in _workers(proc.pid) if w.pid != first.pid], proc, 120)[0]
+        second = wait_while_running("a replacement worker", lambda: [w for w in _workers(proc.pid) if w.pid != first.pid], proc, 120)[0]
         seen.append(second)
         now = max(r.get("step", 0) for r in read_jsonl(metrics))
-        _wait("two more steps", at_step(now + 2), proc, 300)  # the replacement is up and scoring
+        wait_while_running("two more steps", at_step(now + 2), proc, 300)  # the replacement is up and scoring
         second.send_signal(signal.SIGSTOP)  # stopped, so the kill lands with a batch in flight
         time.sleep(1.0)
         os.kill(second.pid, signal.SIGKILL)
-        third = _wait("a second replacement", lambda: [w for w in _workers(proc.pid) if w.pid not in (first.pid, second.pid)],
+        third = wait_while_running("a second replacement", lambda: [w for w in _workers(proc.pid) if w.pid not in (first.pid, second.pid)],
                       proc, 120)[0]
         seen.append(third)
         proc.wait(timeout=600)
