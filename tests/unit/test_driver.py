@@ -213,6 +213,13 @@ def test_final_failures_are_found_through_wrappers_and_groups() -> None:
         assert found is not None and found[1] == 2 and isinstance(found[0], ConfigError)
     assert driver.final_failure(RuntimeError("engine died")) is None  # a restart may get past it
     assert driver.final_failure(OSError("disk")) is None
+    from flashrl.distill.build import TeacherModelError
+    from flashrl.distill.engines import TeacherDown
+
+    teacher = TeacherDown("every engine of teacher exact is down for good")
+    assert driver.final_failure(BaseExceptionGroup("run", [teacher])) == (teacher, driver.FINAL_EXIT)
+    vocab = TeacherModelError("distill.teachers[t]: the teacher's tokenizer is not the student's")
+    assert driver.final_failure(vocab) == (vocab, 2)  # a config that cannot work: 2, never restarted
 
 
 def test_a_final_failure_ends_the_run_with_its_code_and_record_not_an_auto_resume(
