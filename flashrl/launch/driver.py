@@ -402,6 +402,8 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
         try:
             result = await controller.run()
         finally:
+            if teachers is not None:  # before local_cluster closes the launcher: an engine it stops is no death
+                await asyncio.shield(teachers.aclose())
             refresher.cancel()
             with contextlib.suppress(Exception):
                 dash.update(controller.snapshot())
