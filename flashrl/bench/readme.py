@@ -62,6 +62,7 @@ class Table(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     modes: list[str] = msgspec.field(default_factory=list)  # peers: the columns (default: every mode there)
     extras: list[str] = msgspec.field(default_factory=list)  # peers: more rows, keys of EXTRAS
     compare: list[str] = msgspec.field(default_factory=list)  # peers: [faster, slower] modes, seed by seed
+    names: dict[str, str] = msgspec.field(default_factory=dict)  # peers: a column's name for a mode (else MODE_NAMES')
 
 
 class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -176,7 +177,8 @@ EXTRAS: dict[str, tuple[str, Callable[[Path, Run], str]]] = {
 }
 
 
-def _compare(runs: dict[tuple[str, int], Run], seeds: list[int], fast: str, slow: str, target: str) -> str:
+def _compare(runs: dict[tuple[str, int], Run], seeds: list[int], fast: str, slow: str, target: str,
+             names: dict[str, str] = MODE_NAMES) -> str:
     def ratio(fn: Callable[[Run], float | None], invert: bool) -> str:
         out = []
         for s in seeds:
@@ -187,7 +189,7 @@ def _compare(runs: dict[tuple[str, int], Run], seeds: list[int], fast: str, slow
 
     def t(r: Run) -> float | None:
         return (r.time_to.get(target) or {}).get("train_s")
-    return (f"{MODE_NAMES.get(fast, fast)} against {MODE_NAMES.get(slow, slow)}, seeds "
+    return (f"{names.get(fast, fast)} against {names.get(slow, slow)}, seeds "
             f"{', '.join(map(str, seeds))}: {ratio(lambda r: r.samples_per_s, False)} the trained samples/s; "
             f"{target} reached {ratio(t, True)} sooner on the training clock.")
 
@@ -224,10 +226,11 @@ def _peers(root: Path, t: Table) -> list[str]:
             raise ReadmeError(f"table {t.name}: extras {key!r}; use any of {', '.join(EXTRAS)}")
         label, fn = EXTRAS[key]
         rows.append((label, cells(lambda r, fn=fn: fn(folder, r))))  # type: ignore[misc]
-    lines = ["| | " + " | ".join(MODE_NAMES.get(m, m) for m in modes) + " |", "|---|" + "---:|" * len(modes)]
+    names = MODE_NAMES | t.names
+    lines = ["| | " + " | ".join(names.get(m, m) for m in modes) + " |", "|---|" + "---:|" * len(modes)]
     lines += ["| " + label + " | " + " | ".join(vals) + " |" for label, vals in rows]
     if t.compare:
-        lines += ["", _compare(by, seeds, t.compare[0], t.compare[1], t.target)]
+        lines += ["", _compare(by, seeds, t.compare[0], t.compare[1], t.target, names)]
     return lines
 
 

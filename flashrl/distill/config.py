@@ -122,6 +122,10 @@ def check(cfg: Any, source: str, error: type[Exception]) -> None:
     if cfg.rollout.top_p < 1.0:
         raise error(f"{source}: rollout.top_p = {cfg.rollout.top_p}: distillation needs the student's full "
                     "distribution (its behaviour log-probabilities are the nucleus's otherwise); set rollout.top_p = 1.0")
+    if dc.mode == "kl" and (cfg.reward.model or cfg.judge.model):
+        key = "reward.model" if cfg.reward.model else "judge.model"
+        raise error(f"{source}: {key}: a model reward is scored for every episode, but distill.mode = \"kl\" trains on "
+                    "the teacher's signal alone; set distill.mode = \"reward+kl\" or remove the model reward")
     if dc.mode == "kl" and cfg.algorithm.credit != "none":
         raise error(f"{source}: algorithm.credit = {cfg.algorithm.credit!r} scales the reward's advantage, and "
                     "distill.mode = \"kl\" has none; set distill.mode = \"reward+kl\" or algorithm.credit = \"none\"")

@@ -54,6 +54,8 @@ def test_a_config_with_teachers_loads_and_says_which_teacher_a_task_gets() -> No
     ({"teachers": [TEACHER]}, {"model": {"path": "/m"}}, "speaks the built-in model's tokenizer"),
     ({"teachers": [TEACHER], "mode": "kl"}, {"algorithm": {"credit": "waad"}}, "distill.mode = \"kl\" has none"),
     ({"teachers": [TEACHER], "kl_weight": 0}, {}, "distill.kl_weight"),
+    ({"teachers": [TEACHER], "mode": "kl"}, {"judge": {"model": "builtin:judge"}}, "trains on the teacher's signal alone"),
+    ({"teachers": [TEACHER], "forward_kl_coef": 1.0}, {}, "has top_k = 0"),
 ])
 def test_a_config_that_makes_no_sense_is_refused_naming_the_key(distill: dict[str, Any], extra: dict[str, Any],
                                                               words: str) -> None:
