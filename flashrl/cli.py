@@ -64,9 +64,9 @@ def _check_env_or_exit(cfg: Config, config: Path) -> None:
 def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
     """A local model folder: its tokenizer loads and its chat template fits model.chat_template (exit 2).
     ``build`` False (validate): a folder [model.build] would build is noted, not built."""
-    from flashrl.models import BUILTIN_TINY
+    from flashrl.models import BUILTIN_MODELS
 
-    if cfg.model.path == BUILTIN_TINY:
+    if cfg.model.path in BUILTIN_MODELS:
         return
     from flashrl.models import ModelNotBuilt, ModelPathError, ensure_model, load_tokenizer
     from flashrl.models.chat import ChatTemplateError

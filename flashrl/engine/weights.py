@@ -60,6 +60,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from flashrl.moe.capture import RouteCaptureExtension
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.weights import (
     DTYPES,
@@ -447,8 +448,9 @@ def load_into(worker: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     refresh_tied_layers(worker.model_runner.get_model())
 
 
-class WeightSyncExtension:
-    """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``)."""
+class WeightSyncExtension(RouteCaptureExtension):
+    """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``). Also MoE route
+    capture's methods (flashrl/moe/capture.py): vLLM takes one extension class."""
 
     def _flashrl_receiver(self) -> WeightReceiver:
         recv = getattr(self, "_flashrl_recv", None)

@@ -47,6 +47,7 @@ import torch
 
 from flashrl.config import Config
 from flashrl.core.lr_schedule import scheduled_lr
+from flashrl.moe.replay import RouteReplay
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
     PaddedBatch,
@@ -142,7 +143,9 @@ class Mismatch:
     step), compared with the trainer's first-pass (proximal) logprobs of the same tokens before the
     update. ``mismatch/kl``: mean k3 estimate of KL(engine || trainer), exp(d) - 1 - d with d = trainer -
     engine logprob (tokens were drawn from the engine); ``mismatch/max_abs``: largest |d|;
-    ``mismatch/tokens``: how many tokens were compared (no keys when none: a step of only stale samples).
+    ``mismatch/tokens``: how many tokens were compared (no keys when none: a step of only stale samples);
+    ``mismatch/mean_abs``: mean |d|; ``mismatch/ratio_std``: the spread (standard deviation) of the
+    token importance ratios exp(d) (a MoE's routing disagreement shows in both: flashrl/moe/replay.py).
     Near 0 when engines and trainer hold the same weights and score the same distribution; a weight
     that did not sync, a wrong weight name or a different temperature shows up here at once. With
     rollout.top_p < 1 it also holds the mass top-p cut off (engine logprobs are renormalized).
@@ -152,6 +155,8 @@ class Mismatch:
         self.kl_sum = 0.0
         self.tokens = 0
         self.max_abs = 0.0
+        self.abs_sum = 0.0
+        self.ratio_sums = (0.0, 0.0)  # sum of exp(d), of exp(d)^2
 
     def add(self, trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor,
             version: int) -> None:
@@ -164,19 +169,26 @@ class Mismatch:
             self.kl_sum += float((torch.expm1(d) - d).sum())
             self.tokens += n
             self.max_abs = max(self.max_abs, float(d.abs().max()))
+            self.abs_sum += float(d.abs().sum())
+            r = torch.exp(d)
+            self.ratio_sums = (self.ratio_sums[0] + float(r.sum()), self.ratio_sums[1] + float((r * r).sum()))
 
     def reduce(self, device: torch.device, comm: Collectives) -> dict[str, float]:
         """Sums and max over the ranks (every rank calls it); the metrics, identical on every rank."""
         kl_sum, tokens, max_abs = self.kl_sum, float(self.tokens), self.max_abs
+        abs_sum, (r1, r2) = self.abs_sum, self.ratio_sums
         if comm.world > 1:
-            flat = torch.tensor([kl_sum, tokens], dtype=torch.float64, device=device)
+            flat = torch.tensor([kl_sum, tokens, abs_sum, r1, r2], dtype=torch.float64, device=device)
             mx = torch.tensor([max_abs], dtype=torch.float64, device=device)
             comm.all_reduce(flat)
             comm.all_reduce(mx, op="max")
-            kl_sum, tokens, max_abs = float(flat[0]), float(flat[1]), float(mx[0])
+            kl_sum, tokens, abs_sum, r1, r2 = (float(x) for x in flat)
+            max_abs = float(mx[0])
         if tokens == 0:
             return {}
-        return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens}
+        return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens,
+                "mismatch/mean_abs": abs_sum / tokens,
+                "mismatch/ratio_std": max(r2 / tokens - (r1 / tokens) ** 2, 0.0) ** 0.5}
 
 
 @dataclasses.dataclass
@@ -264,6 +276,8 @@ class PolicyTrainer:
         # otherwise stays in eval mode, so the proximal, reference and ComputeLogprobs logprobs are the
         # engines' (no dropout), and mini-batch 1 then needs a proximal pass of its own (_proximal).
         self.dropouts = dropout_modules(model)
+        # A Mixture-of-Experts policy: routing replay (flashrl/moe/replay.py, [moe] replay) and its metrics; None: dense
+        self.moe = RouteReplay.of(model, cfg.moe.replay)
 
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
@@ -276,9 +290,12 @@ class PolicyTrainer:
         the engines' behaviour logprobs compares one distribution. With FSDP every rank calls it.
         """
         t = self.temperature if temperature is None else temperature
-        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix else None
+        routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0
+        # a routed batch forwards whole: the routes are laid out by the batch's positions (flashrl/moe/replay.py)
+        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed else None
         if split is None:
-            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+            with self.moe.forcing(b.routes, b.input_ids.shape[1]) if routed else contextlib.nullcontext():  # type: ignore[union-attr]
+                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
             return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
         return self._shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 
@@ -324,6 +341,10 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         timer = PhaseTimer(self.device)
         prep = self._prepare(tb, timer)
+        if self.moe is not None:  # r2: the trainer's own routes, recorded now (flashrl/moe/replay.py)
+            with timer.phase("routes"):
+                prep.full = self.moe.prepare(prep.full, lambda b: self.forward_logprobs(self.model, b.to(self.device)),
+                                             self.cfg.trainer.micro_batch)
         order = shuffle_order(prep.full.size, self.cfg.run.seed, tb.step) if self.cfg.trainer.shuffle else None
         plan = plan_micro_batches(prep.full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch, order)
@@ -339,6 +360,8 @@ class PolicyTrainer:
         with timer.phase("metrics"):
             metrics = self._reduce(acc)
             metrics.update(acc.mismatch.reduce(self.device, self.comm))
+            if self.moe is not None:
+                metrics.update(self.moe.metrics(self.comm, self.device))
             sample_iw = acc.sample_iw(self.device, self.comm)
         if self.critics is not None and prep.returns is not None:
             with timer.phase("critics"):

@@ -1,0 +1,208 @@
+"""Routing replay in the trainer: every forward of a step sends each token to given experts (R2, R3).
+
+A MoE trainer that routes tokens itself can pick other experts than the engine did for the same token (its
+numerics differ: other kernels, other batch shapes), and the logprob the loss compares to the engine's then
+comes from another network. Replay forces the routes instead (``[moe] replay``):
+
+    off  the trainer routes every token itself (routes the engines captured are only compared: metrics)
+    r2   a no-grad forward over the batch at the step's start records the trainer's own routes; every
+         forward of the step (proximal, the updates of every mini-batch, the reference) replays them
+    r3   every forward replays the routes the engine sampled each token with (rollout routing replay)
+
+How: a forward hook on each router module of the Hugging Face model (``layers.<i>.mlp.gate`` beside
+``experts``; transformers' ``Qwen3MoeTopKRouter`` returns ``(router_logits, top_k_weights, top_k_index)``)
+replaces the router's choice, on the positions that have a route, by the replayed experts, and their
+combine weights by the router's full softmax gathered at them, renormalized as the model does
+(``norm_topk_prob``): w_e = softmax(logits)_e / sum over the replayed e' of softmax(logits)_e'. The router
+logits keep their graph, so the router still learns: its gradient is the one of that expression
+(tests/unit/test_moe_replay.py checks it against a reference computation). A position without a route
+(prompt tokens, observation tokens) keeps the router's own choice.
+
+Which positions: a generated token's route is the one of the forward over the position before it (the
+engine sampled it from those logits; flashrl/moe/routes.py), so the route of response token k sits at
+input position P + k - 1: the index ``PaddedBatch.routes`` keeps it at, aligned like ``behav_logp``.
+
+Metrics (per step; ``moe/``): ``disagree/layer<i>``, the share of routed generated tokens whose top-k set
+the trainer's router picks (before replay) differs from the engine's in layer i, and ``disagree`` over all
+layers; ``replayed`` the share of routed positions forced. Under r3 every forced route is the engine's,
+asserted in the hook (``RouteReplayError``), so the logprobs the loss compares come from one network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from flashrl.moe.capture import router_modules
+from flashrl.moe.model import moe_shape
+from flashrl.moe.routes import RouteShape
+
+__all__ = ["RouteReplay", "RouteReplayError", "combine_weights"]
+
+
+class RouteReplayError(RuntimeError):
+    """A replayed forward did not use the routes it was given (a bug, never data): the message says where."""
+
+
+def combine_weights(logits: torch.Tensor, experts: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The combine weights of ``experts`` [N, k]: the router's softmax over all ``logits`` [N, E] gathered at
+    them, renormalized over the k when ``normalize`` (norm_topk_prob), in the logits' dtype."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    w = probs.gather(-1, experts)
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+class RouteReplay:
+    """The trainer's routing hooks on one HF MoE model (built once; inert outside ``forcing``/``recording``)."""
+
+    def __init__(self, model: torch.nn.Module, mode: str) -> None:
+        config: Any = model.config
+        shape = moe_shape(config)
+        routers = router_modules(model)
+        if shape is None or len(routers) != shape[0]:
+            raise ValueError(f"{type(model).__name__}: {len(routers)} router modules (layers.<i>.mlp.gate beside "
+                             f"experts) for the config's MoE shape {shape}; routing replay supports models with a "
+                             "sparse block in every layer (Qwen3-MoE)")
+        self.shape = RouteShape(*shape)
+        self.mode = mode
+        self.normalize = bool(getattr(config, "norm_topk_prob", True))
+        self._forced: torch.Tensor | None = None  # [N, layers, k] long, -1 where the router routes itself
+        self._record: torch.Tensor | None = None  # [N, layers, k]: the router's own choice, written by the hooks
+        self.counts = torch.zeros(2, self.shape.layers, dtype=torch.float64)  # compared, disagreed; per layer
+        self.forced_rows = 0.0
+        self.counting = mode != "r2"  # r2: only its recording pass compares the engines' routes
+        for pos, (_, module) in enumerate(routers):
+            module.register_forward_hook(self._hook(pos))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, mode: str) -> RouteReplay | None:
+        """The replay of a MoE ``model`` (any mode: off still measures disagreement); None for a dense one."""
+        return cls(model, mode) if moe_shape(model.config) is not None else None
+
+    # ------------------------------------------------------------------ routes in a batch
+    def decode(self, routes: torch.Tensor) -> torch.Tensor:
+        """PaddedBatch.routes [B, T, W] (packed bytes, -1 none) -> expert ids [B, T, layers, k] (-1 none)."""
+        b, t, w = routes.shape
+        s = self.shape
+        if w == 0:
+            return torch.full((b, t, s.layers, s.top_k), -1, dtype=torch.long, device=routes.device)
+        if w != s.row_bytes:
+            raise ValueError(f"routes of {w} bytes per token for a model whose routes take {s.row_bytes} "
+                             f"({s.layers} layers x top-{s.top_k}, {s.experts} experts)")
+        r = routes.long()
+        ids = r if s.dtype.itemsize == 1 else torch.where(r[..., 0::2] < 0, -1, r[..., 0::2] + 256 * r[..., 1::2])
+        return ids.view(b, t, s.layers, s.top_k)
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        """``decode``'s inverse: ids [B, T, layers, k] (-1 none) -> [B, T, W] packed bytes (-1 none)."""
+        b, t = ids.shape[:2]
+        flat = ids.reshape(b, t, -1)
+        if self.shape.dtype.itemsize == 1:
+            return flat.to(torch.int16)
+        lo, hi = torch.where(flat < 0, -1, flat % 256), torch.where(flat < 0, -1, flat // 256)
+        return torch.stack([lo, hi], dim=-1).reshape(b, t, -1).to(torch.int16)
+
+    # ------------------------------------------------------------------ forwards
+    @contextlib.contextmanager
+    def forcing(self, routes: torch.Tensor, length: int) -> Iterator[None]:
+        """In this block the model's forwards over a [B, ``length``] batch see ``routes`` (PaddedBatch.routes,
+        [B, length - 1, W]): compared with the router's choice always, forced unless the mode is off."""
+        ids = self.decode(routes)
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, 0, 0, length - ids.shape[1]), value=-1)  # the last position
+        self._forced = ids.reshape(-1, self.shape.layers, self.shape.top_k)
+        try:
+            yield
+        finally:
+            self._forced = None
+
+    def record(self, forward: Callable[[], Any], batch: int, length: int) -> torch.Tensor:
+        """Run ``forward()`` (over a [``batch``, ``length``] batch) recording the router's own top-k of every
+        position: [batch, length, layers, k], sorted within each layer."""
+        self._record = torch.full((batch * length, self.shape.layers, self.shape.top_k), -1, dtype=torch.long)
+        try:
+            forward()
+            return self._record.view(batch, length, self.shape.layers, self.shape.top_k)
+        finally:
+            self._record = None
+
+    def _hook(self, pos: int) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if self._record is not None:
+                self._record[:, pos] = output[2].detach().sort(dim=-1).values.to(self._record.device)
+            if self._forced is None:
+                return None
+            logits, _, own = output
+            forced = self._forced[:, pos].to(own.device)
+            if forced.shape[0] != own.shape[0]:
+                raise RouteReplayError(f"router of MoE layer {pos}: {own.shape[0]} rows for routes of "
+                                       f"{forced.shape[0]} positions")
+            have = forced[:, 0] >= 0
+            n = int(have.sum())
+            if n == 0:
+                return None
+            if self.counting:
+                with torch.no_grad():
+                    differ = (own.sort(dim=-1).values != forced).any(-1) & have
+                    self.counts[0, pos] += n
+                    self.counts[1, pos] += float(differ.sum())
+            if self.mode == "off" or self._record is not None:
+                return None
+            use = torch.where(have[:, None], forced, own)
+            if not torch.equal(use[have], forced[have]):
+                raise RouteReplayError(f"router of MoE layer {pos}: the replayed forward does not use the given routes")
+            self.forced_rows += n
+            return logits, combine_weights(logits, use, self.normalize), use
+
+        return hook
+
+    def prepare(self, full: Any, forward: Callable[[Any], Any], chunk: int) -> Any:
+        """The step's batch (a PaddedBatch) with the routes its forwards replay: r3 and off keep the engines';
+        r2 records the trainer's own (``forward(batch)`` over ``chunk`` rows at a time, no grad, comparing
+        the engines' routes when the batch has them) on its generated tokens."""
+        self.reset()
+        if self.mode != "r2":
+            return full
+        import dataclasses
+
+        b, t = full.loss_mask.shape
+        own = torch.full((b, t, self.shape.layers, self.shape.top_k), -1, dtype=torch.long)
+        self.counting = True
+        try:
+            with torch.no_grad():
+                for start in range(0, b, chunk):
+                    part = full.select(torch.arange(start, min(start + chunk, b)))
+                    length = part.input_ids.shape[1]  # forward() forces (compares, under counting) the engines' routes
+                    got = self.record(functools.partial(forward, part), part.size, length)
+                    own[start:start + part.size, : length - 1] = got[:, : length - 1]
+        finally:
+            self.counting = False
+        own[full.loss_mask <= 0] = -1  # generated tokens only, as the engines' routes
+        return dataclasses.replace(full, routes=self.encode(own))
+
+    # ------------------------------------------------------------------ metrics
+    def reset(self) -> None:
+        self.counts.zero_()
+        self.forced_rows = 0.0
+
+    def metrics(self, comm: Any, device: torch.device) -> dict[str, float]:
+        """This step's ``moe/*`` metrics, summed over the ranks (every rank calls it)."""
+        counts = self.counts.clone()
+        flat = torch.cat([counts.flatten(), torch.tensor([self.forced_rows], dtype=torch.float64)])
+        if comm.world > 1:
+            flat = flat.to(device)
+            comm.all_reduce(flat)
+            flat = flat.cpu()
+        layers = self.shape.layers
+        compared, disagreed, forced = flat[:layers], flat[layers:2 * layers], float(flat[-1])
+        if float(compared.sum()) == 0:
+            return {}
+        out = {f"moe/disagree/layer{i}": float(d / c) for i, (c, d) in enumerate(zip(compared, disagreed)) if c > 0}
+        out["moe/disagree"] = float(disagreed.sum() / compared.sum())
+        out["moe/replayed"] = forced / float(compared.sum())
+        return out
