@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from flashrl.moe.capture import RouteCaptureExtension
+from flashrl.moe.reload import ExpertProbe, repack_cpu_experts
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.weights import (
     DTYPES,
@@ -444,8 +445,11 @@ def load_into(worker: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
 
     reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after loading, and
     only the reload path redoes that processing (a plain load would serve unpacked weights); then the tied layers it skips."""
-    worker.reload_weights(weights_iterator=iter(named))
-    refresh_tied_layers(worker.model_runner.get_model())
+    probe = ExpertProbe(named)  # a MoE on the CPU: its experts repacked after the reload (flashrl/moe/reload.py)
+    worker.reload_weights(weights_iterator=iter(probe))
+    model = worker.model_runner.get_model()
+    refresh_tied_layers(model)
+    repack_cpu_experts(model, probe)
 
 
 class WeightSyncExtension(RouteCaptureExtension):
