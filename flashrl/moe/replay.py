@@ -22,10 +22,13 @@ Which positions: a generated token's route is the one of the forward over the po
 engine sampled it from those logits; flashrl/moe/routes.py), so the route of response token k sits at
 input position P + k - 1: the index ``PaddedBatch.routes`` keeps it at, aligned like ``behav_logp``.
 
-Metrics (per step; ``moe/``): ``disagree/layer<i>``, the share of routed generated tokens whose top-k set
-the trainer's router picks (before replay) differs from the engine's in layer i, and ``disagree`` over all
-layers; ``replayed`` the share of routed positions forced. Under r3 every forced route is the engine's,
-asserted in the hook (``RouteReplayError``), so the logprobs the loss compares come from one network.
+Metrics (per step; ``moe/``), measured by one no-grad pass at the step's start (``prepare``) on the
+on-policy tokens (sampled by the weights the step starts from, so engine and trainer hold the same
+weights): ``disagree/layer<i>``, the share of them whose top-k set the trainer's own router picks differs
+from the engine's in layer i, ``disagree`` over all layers, ``compared_tokens``; ``replayed``, the share
+of the routed positions of the step's forwards that were forced (1 under r2 and r3, 0 under off). Every
+forced route is the one given, asserted in the hook (``RouteReplayError``): under r3 the experts the
+trainer computes with are the engine's, so the logprobs the loss compares come from one network.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ class RouteReplay:
         self._forced: torch.Tensor | None = None  # [N, layers, k] long, -1 where the router routes itself
         self._record: torch.Tensor | None = None  # [N, layers, k]: the router's own choice, written by the hooks
         self.counts = torch.zeros(2, self.shape.layers, dtype=torch.float64)  # compared, disagreed; per layer
-        self.forced_rows = 0.0
-        self.counting = mode != "r2"  # r2: only its recording pass compares the engines' routes
+        self.forced_rows = 0.0  # routed positions of the step's forwards (all layers), and of them the forced ones
+        self.routed_rows = 0.0
+        self._compare: torch.Tensor | None = None  # [N] bool: positions whose routes are compared (prepare's pass)
         for pos, (_, module) in enumerate(routers):
             module.register_forward_hook(self._hook(pos))
 
@@ -146,12 +150,15 @@ class RouteReplay:
             n = int(have.sum())
             if n == 0:
                 return None
-            if self.counting:
+            if self._compare is not None:
                 with torch.no_grad():
-                    differ = (own.sort(dim=-1).values != forced).any(-1) & have
-                    self.counts[0, pos] += n
+                    compared = have & self._compare.to(have.device)
+                    differ = (own.sort(dim=-1).values != forced).any(-1) & compared
+                    self.counts[0, pos] += float(compared.sum())
                     self.counts[1, pos] += float(differ.sum())
-            if self.mode == "off" or self._record is not None:
+                return None  # prepare's pass: measured (and recorded), never forced
+            self.routed_rows += n
+            if self.mode == "off":
                 return None
             use = torch.where(have[:, None], forced, own)
             if not torch.equal(use[have], forced[have]):
@@ -161,48 +168,58 @@ class RouteReplay:
 
         return hook
 
-    def prepare(self, full: Any, forward: Callable[[Any], Any], chunk: int) -> Any:
-        """The step's batch (a PaddedBatch) with the routes its forwards replay: r3 and off keep the engines';
-        r2 records the trainer's own (``forward(batch)`` over ``chunk`` rows at a time, no grad, comparing
-        the engines' routes when the batch has them) on its generated tokens."""
-        self.reset()
-        if self.mode != "r2":
-            return full
+    def prepare(self, full: Any, forward: Callable[[Any], Any], chunk: int, version: int) -> Any:
+        """The step's batch (a PaddedBatch) with the routes its forwards replay (r3 and off: the engines'; r2:
+        the trainer's own, recorded here on its generated tokens), after one no-grad pass (``forward(part)``
+        over ``chunk`` rows at a time) with the step's starting weights that measures the disagreement: the
+        router's own top-k against the engines' routes on the on-policy tokens (sampled by ``version``, the
+        weights the step starts from: the same weights on both sides). The pass runs over every row for r2,
+        over the rows with on-policy tokens otherwise (none: no pass)."""
         import dataclasses
 
-        b, t = full.loss_mask.shape
-        own = torch.full((b, t, self.shape.layers, self.shape.top_k), -1, dtype=torch.long)
-        self.counting = True
-        try:
-            with torch.no_grad():
-                for start in range(0, b, chunk):
-                    part = full.select(torch.arange(start, min(start + chunk, b)))
-                    length = part.input_ids.shape[1]  # forward() forces (compares, under counting) the engines' routes
+        self.reset()
+        on = (full.versions == version) & (full.loss_mask > 0)
+        rows = torch.arange(full.size) if self.mode == "r2" else torch.nonzero(on.any(-1)).flatten()
+        if full.routes.shape[-1] == 0 and self.mode != "r2":
+            return full
+        own = torch.full((full.size, full.loss_mask.shape[1], self.shape.layers, self.shape.top_k), -1, dtype=torch.long)
+        with torch.no_grad():
+            for start in range(0, len(rows), chunk):
+                idx = rows[start:start + chunk]
+                part = full.select(idx)
+                length = part.input_ids.shape[1]
+                compare = torch.nn.functional.pad(on[idx, : length - 1], (0, 1), value=False)
+                self._compare = compare.reshape(-1)
+                try:
                     got = self.record(functools.partial(forward, part), part.size, length)
-                    own[start:start + part.size, : length - 1] = got[:, : length - 1]
-        finally:
-            self.counting = False
+                finally:
+                    self._compare = None
+                own[idx, : length - 1] = got[:, : length - 1]
+        if self.mode != "r2":
+            return full
         own[full.loss_mask <= 0] = -1  # generated tokens only, as the engines' routes
         return dataclasses.replace(full, routes=self.encode(own))
 
     # ------------------------------------------------------------------ metrics
     def reset(self) -> None:
         self.counts.zero_()
-        self.forced_rows = 0.0
+        self.forced_rows = self.routed_rows = 0.0
 
     def metrics(self, comm: Any, device: torch.device) -> dict[str, float]:
         """This step's ``moe/*`` metrics, summed over the ranks (every rank calls it)."""
         counts = self.counts.clone()
-        flat = torch.cat([counts.flatten(), torch.tensor([self.forced_rows], dtype=torch.float64)])
+        flat = torch.cat([counts.flatten(), torch.tensor([self.forced_rows, self.routed_rows], dtype=torch.float64)])
         if comm.world > 1:
             flat = flat.to(device)
             comm.all_reduce(flat)
             flat = flat.cpu()
         layers = self.shape.layers
-        compared, disagreed, forced = flat[:layers], flat[layers:2 * layers], float(flat[-1])
-        if float(compared.sum()) == 0:
-            return {}
+        compared, disagreed = flat[:layers], flat[layers:2 * layers]
+        forced, routed = float(flat[-2]), float(flat[-1])
         out = {f"moe/disagree/layer{i}": float(d / c) for i, (c, d) in enumerate(zip(compared, disagreed)) if c > 0}
-        out["moe/disagree"] = float(disagreed.sum() / compared.sum())
-        out["moe/replayed"] = forced / float(compared.sum())
+        if float(compared.sum()) > 0:
+            out["moe/disagree"] = float(disagreed.sum() / compared.sum())
+            out["moe/compared_tokens"] = float(compared.sum()) / layers
+        if routed > 0:
+            out["moe/replayed"] = forced / routed
         return out

@@ -344,7 +344,7 @@ class PolicyTrainer:
         if self.moe is not None:  # r2: the trainer's own routes, recorded now (flashrl/moe/replay.py)
             with timer.phase("routes"):
                 prep.full = self.moe.prepare(prep.full, lambda b: self.forward_logprobs(self.model, b.to(self.device)),
-                                             self.cfg.trainer.micro_batch)
+                                             self.cfg.trainer.micro_batch, tb.step)
         order = shuffle_order(prep.full.size, self.cfg.run.seed, tb.step) if self.cfg.trainer.shuffle else None
         plan = plan_micro_batches(prep.full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch, order)

@@ -192,32 +192,50 @@ def test_combine_weights_renormalize_the_full_softmax() -> None:
     torch.testing.assert_close(w, torch.stack([p[0], p[2]]).unsqueeze(0) / (p[0] + p[2]))
 
 
-def test_off_measures_disagreement_and_forces_nothing() -> None:
+def _batch(routes: list[list[bytes]] | None = None, versions: int = 0) -> Any:
+    s = [Trajectory(group=i, prompt_ids=[3, 4], response_ids=[5, 6, 7], loss_mask=[1, 1, 1], behav_logp=[0.0] * 3,
+                    versions=[versions] * 3, routes=routes[i] if routes else []) for i in range(2)]
+    return pad_batch(s, pad_id=0)
+
+
+def _forward(model: Any, replay: RouteReplay) -> Any:
+    def forward(b: Any) -> Any:  # what PolicyTrainer.forward_logprobs does for a routed batch
+        if b.routes.shape[-1]:
+            with replay.forcing(b.routes, b.input_ids.shape[1]):
+                return model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+        return model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+
+    return forward
+
+
+@pytest.mark.parametrize("mode", ["off", "r3"])
+def test_disagreement_is_measured_on_on_policy_tokens_before_the_update(mode: str) -> None:
     model = tiny_moe()
-    ids = torch.randint(2, 32, (2, 5))
-    base = model(input_ids=ids).logits
-    replay = RouteReplay(model, "off")
-    with replay.forcing(_routes(2, 5, seed=3), 5):
-        out = model(input_ids=ids).logits
-    torch.testing.assert_close(out, base)
-    m = replay.metrics(type("C", (), {"world": 1})(), torch.device("cpu"))
-    assert m["moe/replayed"] == 0.0 and 0.0 < m["moe/disagree"] <= 1.0 and "moe/disagree/layer1" in m
+    replay = RouteReplay(model, mode)
+    rng = np.random.default_rng(0)
+    routes = [[pack_routes(np.stack([rng.choice(8, 2, replace=False) for _ in range(2)])[None], SHAPE)
+               for _ in range(3)] for _ in range(2)]
+    full = _batch(routes)
+    base = model(input_ids=full.input_ids).logits
+    comm = type("C", (), {"world": 1})()
+    assert replay.prepare(full, _forward(model, replay), chunk=1, version=1) is full
+    assert "moe/disagree" not in replay.metrics(comm, torch.device("cpu"))  # no token of version 1: nothing compared
+    replay.prepare(full, _forward(model, replay), chunk=1, version=0)
+    m = replay.metrics(comm, torch.device("cpu"))
+    assert 0.0 < m["moe/disagree"] <= 1.0 and m["moe/compared_tokens"] == 6.0 and "moe/disagree/layer1" in m
+    out = _forward(model, replay)(full).logits
+    if mode == "off":  # compared only: the router routes itself
+        torch.testing.assert_close(out, base)
+    else:
+        assert not torch.allclose(out, base)
+    assert replay.metrics(comm, torch.device("cpu"))["moe/replayed"] == (0.0 if mode == "off" else 1.0)
 
 
 def test_r2_records_the_trainers_own_routes_then_replays_them() -> None:
     model = tiny_moe()
     replay = RouteReplay(model, "r2")
-    s = [Trajectory(group=0, prompt_ids=[3, 4], response_ids=[5, 6, 7], loss_mask=[1, 1, 1], behav_logp=[0.0] * 3,
-                    versions=[0] * 3)]
-    full = pad_batch(s, pad_id=0)
-
-    def forward(b: Any) -> Any:
-        if b.routes.shape[-1]:
-            with replay.forcing(b.routes, b.input_ids.shape[1]):
-                return model(input_ids=b.input_ids)
-        return model(input_ids=b.input_ids)
-
-    full2 = replay.prepare(full, forward, chunk=1)
+    full = _batch()
+    full2 = replay.prepare(full, _forward(model, replay), chunk=1, version=0)
     own = replay.decode(full2.routes)
     assert (own[0, 0] == -1).all() and (own[0, 1:] >= 0).all()  # the generated tokens' positions only
     base = model(input_ids=full.input_ids).logits
