@@ -25,7 +25,9 @@ input position P + k - 1: the index ``PaddedBatch.routes`` keeps it at, aligned 
 Metrics (per step; ``moe/``), measured by one no-grad pass at the step's start (``prepare``) on the
 on-policy tokens (sampled by the weights the step starts from, so engine and trainer hold the same
 weights): ``disagree/layer<i>``, the share of them whose top-k set the trainer's own router picks differs
-from the engine's in layer i, ``disagree`` over all layers, ``compared_tokens``; ``replayed``, the share
+from the engine's in layer i, ``disagree`` over all layers, ``compared_tokens``; ``disagree_all`` the same
+over every generated token of the batch (async: older ones were routed by older weights, which is what r3
+replays and the trainer's own routing does not); ``replayed``, the share
 of the routed positions of the step's forwards that were forced (1 under r2 and r3, 0 under off). Every
 forced route is the one given, asserted in the hook (``RouteReplayError``): under r3 the experts the
 trainer computes with are the engine's, so the logprobs the loss compares come from one network.
@@ -77,10 +79,11 @@ class RouteReplay:
         self.normalize = bool(getattr(config, "norm_topk_prob", True))
         self._forced: torch.Tensor | None = None  # [N, layers, k] long, -1 where the router routes itself
         self._record: torch.Tensor | None = None  # [N, layers, k]: the router's own choice, written by the hooks
-        self.counts = torch.zeros(2, self.shape.layers, dtype=torch.float64)  # compared, disagreed; per layer
+        # per layer: on-policy tokens compared, of them disagreed; every generated token compared, of them disagreed
+        self.counts = torch.zeros(4, self.shape.layers, dtype=torch.float64)
         self.forced_rows = 0.0  # routed positions of the step's forwards (all layers), and of them the forced ones
         self.routed_rows = 0.0
-        self._compare: torch.Tensor | None = None  # [N] bool: positions whose routes are compared (prepare's pass)
+        self._compare: torch.Tensor | None = None  # [N] (prepare's pass): 2 on-policy token, 1 older one, 0 none
         for pos, (_, module) in enumerate(routers):
             module.register_forward_hook(self._hook(pos))
 
@@ -152,10 +155,11 @@ class RouteReplay:
                 return None
             if self._compare is not None:
                 with torch.no_grad():
-                    compared = have & self._compare.to(have.device)
-                    differ = (own.sort(dim=-1).values != forced).any(-1) & compared
-                    self.counts[0, pos] += float(compared.sum())
-                    self.counts[1, pos] += float(differ.sum())
+                    kind = self._compare.to(have.device)
+                    differ = (own.sort(dim=-1).values != forced).any(-1) & have
+                    for row, mask in ((0, have & (kind == 2)), (2, have & (kind > 0))):
+                        self.counts[row, pos] += float(mask.sum())
+                        self.counts[row + 1, pos] += float((differ & mask).sum())
                 return None  # prepare's pass: measured (and recorded), never forced
             self.routed_rows += n
             if self.mode == "off":
@@ -173,13 +177,15 @@ class RouteReplay:
         the trainer's own, recorded here on its generated tokens), after one no-grad pass (``forward(part)``
         over ``chunk`` rows at a time) with the step's starting weights that measures the disagreement: the
         router's own top-k against the engines' routes on the on-policy tokens (sampled by ``version``, the
-        weights the step starts from: the same weights on both sides). The pass runs over every row for r2,
-        over the rows with on-policy tokens otherwise (none: no pass)."""
+        weights the step starts from: the same weights on both sides), and on every generated token (the older
+        ones were routed by older weights: ``moe/disagree_all``). The pass runs over every row for r2, over the
+        rows with generated tokens otherwise, and not at all for a batch without routes (off, r3)."""
         import dataclasses
 
         self.reset()
-        on = (full.versions == version) & (full.loss_mask > 0)
-        rows = torch.arange(full.size) if self.mode == "r2" else torch.nonzero(on.any(-1)).flatten()
+        gen = full.loss_mask > 0
+        kind = torch.where(gen & (full.versions == version), 2, torch.where(gen, 1, 0))
+        rows = torch.arange(full.size) if self.mode == "r2" else torch.nonzero(gen.any(-1)).flatten()
         if full.routes.shape[-1] == 0 and self.mode != "r2":
             return full
         own = torch.full((full.size, full.loss_mask.shape[1], self.shape.layers, self.shape.top_k), -1, dtype=torch.long)
@@ -188,7 +194,7 @@ class RouteReplay:
                 idx = rows[start:start + chunk]
                 part = full.select(idx)
                 length = part.input_ids.shape[1]
-                compare = torch.nn.functional.pad(on[idx, : length - 1], (0, 1), value=False)
+                compare = torch.nn.functional.pad(kind[idx, : length - 1], (0, 1), value=0)
                 self._compare = compare.reshape(-1)
                 try:
                     got = self.record(functools.partial(forward, part), part.size, length)
@@ -215,11 +221,14 @@ class RouteReplay:
             flat = flat.cpu()
         layers = self.shape.layers
         compared, disagreed = flat[:layers], flat[layers:2 * layers]
+        every, every_disagreed = flat[2 * layers:3 * layers], flat[3 * layers:4 * layers]
         forced, routed = float(flat[-2]), float(flat[-1])
         out = {f"moe/disagree/layer{i}": float(d / c) for i, (c, d) in enumerate(zip(compared, disagreed)) if c > 0}
         if float(compared.sum()) > 0:
             out["moe/disagree"] = float(disagreed.sum() / compared.sum())
             out["moe/compared_tokens"] = float(compared.sum()) / layers
+        if float(every.sum()) > 0:
+            out["moe/disagree_all"] = float(every_disagreed.sum() / every.sum())
         if routed > 0:
             out["moe/replayed"] = forced / routed
         return out

@@ -219,7 +219,8 @@ def test_disagreement_is_measured_on_on_policy_tokens_before_the_update(mode: st
     base = model(input_ids=full.input_ids).logits
     comm = type("C", (), {"world": 1})()
     assert replay.prepare(full, _forward(model, replay), chunk=1, version=1) is full
-    assert "moe/disagree" not in replay.metrics(comm, torch.device("cpu"))  # no token of version 1: nothing compared
+    m = replay.metrics(comm, torch.device("cpu"))
+    assert "moe/disagree" not in m and 0.0 < m["moe/disagree_all"] <= 1.0  # no on-policy token (version 1)
     replay.prepare(full, _forward(model, replay), chunk=1, version=0)
     m = replay.metrics(comm, torch.device("cpu"))
     assert 0.0 < m["moe/disagree"] <= 1.0 and m["moe/compared_tokens"] == 6.0 and "moe/disagree/layer1" in m
