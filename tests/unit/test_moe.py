@@ -275,3 +275,34 @@ def test_builtin_moe_folder_keeps_the_char_tokenizer_and_checkpoint_layout(tmp_p
     assert set(sd) - {"lm_head.weight"} == set(disk)  # per-expert names, as vLLM's loader reads them
     assert all(torch.equal(sd[k], disk[k]) for k in disk)
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in disk
+
+
+# --------------------------------------------------------------------------- resume
+def _routed(run: Any) -> Any:
+    for i, e in enumerate(run.engines):
+        e.routes = stand_in_routes(SHAPE, seed=i)
+    run.controller.route_shape = SHAPE
+    return run
+
+
+def test_a_resumed_run_trains_the_saved_routes_of_its_continued_rollouts(tmp_path: Path) -> None:
+    """Stopped with rollouts in flight, resumed: each continued rollout's trained routes start with the ones its
+    checkpoint saved (replayed as the engine chose them then), one per response token, then the new engine's."""
+    from flashrl.resuming import prepare_resume
+    from tests.unit.test_resume_rollouts import Run, partial_cfg, snapshot_prefixes, tail_script
+
+    cfg = partial_cfg(tmp_path)
+    first = _routed(Run(cfg, FakeSuite(n_train=5, turns=1), stop_at_s=8.0, script=tail_script))
+    first.go()
+    r = prepare_resume(cfg)
+    assert r.state.rollouts is not None
+    prefixes = snapshot_prefixes(r.state.rollouts)
+    assert prefixes and all(len(t.routes) == len(t.response_ids) for t in prefixes.values())
+    second = _routed(Run(cfg, FakeSuite(n_train=5, turns=1), resume=r, script=tail_script))
+    second.go()
+    trained = {x.sample_id: x for b in second.trainer.batches for x in b.samples}
+    continued = [sid for sid in prefixes if sid in trained]
+    assert continued
+    for sid in continued:
+        p, t = prefixes[sid], trained[sid]
+        assert len(t.routes) == len(t.response_ids) and t.routes[: len(p.routes)] == p.routes
