@@ -4,7 +4,7 @@
       "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, its params but faults,
                                                     its code (flashrl.plugins.code_fingerprint), seed; for a
                                                     demonstrating env also the RL eval's turns and tokens)
-      "builtin:moe"  -> <cache_dir>/moe-<key>/    the same, a Qwen3-MoE decoder (flashrl/moe/model.py), "builtin" in the key
+      "builtin:moe"  -> <cache_dir>/moe-<key>/    the same, a Qwen3-MoE decoder (flashrl/models/moe.py), "builtin" in the key
           lock <cache_dir>/tiny-<key>.lock (fcntl, so concurrent callers build it once)
             hit : the folder exists -> return it
             miss: build_untrained -> warm_start on the env's train split -> flashrl_warmstart.json
@@ -33,10 +33,11 @@ from pathlib import Path
 import msgspec
 
 from flashrl.env import Wrapping
+from flashrl.models.moe import build_untrained_moe
 from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
-from flashrl.moe.model import MoeSpec, build_untrained_moe
+from flashrl.moe.model import MoeSpec
 
 __all__ = ["BUILTIN_MODELS", "BUILTIN_MOE", "BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 

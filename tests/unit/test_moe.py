@@ -260,7 +260,8 @@ def test_builtin_moe_folder_keeps_the_char_tokenizer_and_checkpoint_layout(tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashrl.moe.model import MoeSpec, build_untrained_moe
+    from flashrl.models.moe import build_untrained_moe
+    from flashrl.moe.model import MoeSpec
     from flashrl.moe.routes import route_shape
     from flashrl.moe.weights import checkpoint_layout
 
