@@ -307,3 +307,21 @@ def test_a_resumed_run_trains_the_saved_routes_of_its_continued_rollouts(tmp_pat
     for sid in continued:
         p, t = prefixes[sid], trained[sid]
         assert len(t.routes) == len(t.response_ids) and t.routes[: len(p.routes)] == p.routes
+
+
+def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
+    """The simulator knows the routing payload: SimEngine answers with routes, the rollouts check and keep them."""
+    from flashrl.bench.simulate import moe_routes
+    from flashrl.sim.engine import SimEngine
+    from flashrl.wire.protocol import Generate
+
+    cfg = msgspec.convert({"model": {"path": "builtin:moe"}}, Config)
+    shape = moe_routes(cfg)
+    assert shape == SHAPE and moe_routes(msgspec.convert({}, Config)) is None
+    eng = SimEngine("sim0", routes=shape)
+
+    async def one() -> Any:
+        return await eng.generate(Generate(request_id="r", prompt_ids=[5, 6, 7], max_tokens=6, temperature=1.0, seed=1))
+
+    out = run_virtual(one).result
+    assert len(route_rows(out.routes, len(out.token_ids), SHAPE, "sim0")) == len(out.token_ids) > 0
