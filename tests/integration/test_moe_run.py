@@ -72,6 +72,7 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
     records: list[dict] = []
     prompts = [tok.encode(p) for p in ("12+34=", "57+68=", "9+99=", "71+18=", "45+45=")]
     greedy: list[list[int]] = []
+    sampled: list[Generate] = []
 
     async def main() -> None:
         async with local_cluster(cfg, model_dir, cfg.run_dir) as (engines, trainer):
@@ -85,6 +86,7 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
                                                      seed=k))
                 assert hot.versions == [3] * len(hot.token_ids)
                 check_routes(hot.routes, len(hot.token_ids), shape, "engine0")  # one well-formed route per token
+                sampled.append(hot)
                 assert len(np.unique(unpack_routes(hot.routes, shape))) > 2
                 # the synced experts: the engine's logprobs (at the training temperature) are the trainer's recomputation
                 assert await trainer.compute_logprobs(p, hot.token_ids) == pytest.approx(hot.logprobs, abs=2e-3)
@@ -104,6 +106,16 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
     before = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     moved = [n for n, p in model.named_parameters() if "experts" in n and not torch.equal(p, before.get_parameter(n))]
     assert moved, "the experts did not train"
+    # the captured routes are the router's choice: transformers' router over the same tokens, same weights
+    caught: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, a, o: caught.append(o[2]))
+    for p, hot in zip(prompts, sampled):
+        caught.clear()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([p + hot.token_ids]))
+        hf = torch.stack(caught, 1).sort(-1).values.numpy()[len(p) - 1: len(p) - 1 + len(hot.token_ids)]
+        assert (hf == unpack_routes(hot.routes, shape)).all()
     for p, want in zip(prompts, greedy):
         got = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=4, do_sample=False)
