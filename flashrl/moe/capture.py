@@ -26,6 +26,10 @@ aborted (engine/inproc.py calls it on the engine thread, right after the step th
 forward with no request laid out (vLLM's warm-up and profile runs) is not recorded.
 
 Cost: one top-k over a few rows per MoE layer per step, and the hook's Python call.
+
+Limits (GPU engines, untested): CUDA graphs replay without calling Python hooks, and a chunked prefill's
+partial chunk samples no token though its last row is recorded; both leave a request with missing or extra
+rows, which the controller's check (flashrl/moe/routes.py ``check_routes``) refuses, naming the engine.
 """
 
 from __future__ import annotations
