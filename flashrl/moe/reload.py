@@ -62,7 +62,7 @@ def repack_cpu_experts(model: torch.nn.Module, probe: ExpertProbe) -> int:
         experts = _cpu_experts(module)
         if want is None or experts is None:
             continue
-        if not torch.equal(module.w13_weight.data[0, : want.shape[0]].to(want.dtype), want):
+        if not torch.equal(module.w13_weight.data[0, : want.shape[0]], want.to(module.w13_weight.dtype)):
             continue  # packed already
         cfg = experts.moe_config
         if experts._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:

@@ -325,3 +325,47 @@ def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
 
     out = run_virtual(one).result
     assert len(route_rows(out.routes, len(out.token_ids), SHAPE, "sim0")) == len(out.token_ids) > 0
+
+
+# --------------------------------------------------------------------------- the engine's experts after a reload
+class _CpuExperts:
+    isa = "vec"  # what marks vLLM's CPU experts (flashrl/moe/reload.py)
+
+    def __init__(self, width: int) -> None:
+        self.moe_config = type("Cfg", (), {"intermediate_size_per_partition": width})()
+        self.packed = 0
+
+    @staticmethod
+    def _padded_intermediate_size(cfg: Any) -> int:
+        return cfg.intermediate_size_per_partition
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        self.packed += 1
+
+
+def _routed_experts(w13: torch.Tensor) -> Any:
+    experts = _CpuExperts(w13.shape[1] // 2)
+    mod = torch.nn.Module()
+    mod.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+    mod.quant_method = type("QM", (), {"moe_kernel": type("K", (), {"fused_experts": experts})()})()
+    root, layer, mlp, moe = torch.nn.Module(), torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    root.add_module("layer", layer)
+    layer.add_module("mlp", mlp)
+    mlp.add_module("experts", moe)
+    moe.add_module("routed_experts", mod)  # "layer.mlp.experts.routed_experts", as in vLLM's Qwen3-MoE
+    return root, experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reload_left_unpacked_is_repacked_once_in_the_engines_dtype(dtype: torch.dtype) -> None:
+    from flashrl.moe.reload import ExpertProbe, repack_cpu_experts
+
+    gate, up = torch.randn(8, 16), torch.randn(8, 16)  # what the sync sends: float32, per expert
+    named = [("layer.mlp.experts.0.gate_proj.weight", gate), ("layer.mlp.experts.0.up_proj.weight", up)]
+    probe = ExpertProbe(named)
+    assert list(probe) == named  # passed on unchanged
+    raw = torch.cat([gate, up]).unsqueeze(0).to(dtype)  # what vLLM's reload leaves: unpacked, in the engine's dtype
+    model, experts = _routed_experts(raw)
+    assert repack_cpu_experts(model, probe) == 1 and experts.packed == 1
+    model, experts = _routed_experts(raw.flip(-1))  # packed already (another layout): left alone
+    assert repack_cpu_experts(model, probe) == 0 and experts.packed == 0
