@@ -92,6 +92,17 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
                 assert await trainer.compute_logprobs(p, hot.token_ids) == pytest.approx(hot.logprobs, abs=2e-3)
                 g = await client.generate(Generate(request_id=f"g{k}", prompt_ids=p, max_tokens=4, temperature=0.0))
                 greedy.append(g.token_ids)
+            # an aborted request (a checkpoint cut, a partial rollout) answers with the routes of the tokens it has
+            for wait in (0.1, 0.05, 0.02, 0.01, 0.005):  # until one is cut with tokens (the engine's speed varies)
+                long = asyncio.ensure_future(client.generate(Generate(
+                    request_id=f"long{wait}", prompt_ids=prompts[0], max_tokens=50, temperature=1.0, seed=9, ignore_eos=True)))
+                await asyncio.sleep(wait)
+                await client.abort([f"long{wait}"])
+                cut = await long
+                check_routes(cut.routes, len(cut.token_ids), shape, "engine0")
+                if cut.finish_reason == "abort" and cut.token_ids:
+                    break
+            print("the aborted request:", len(cut.token_ids), "tokens,", cut.finish_reason)
             await trainer.save_model(cfg.run_dir / "final")
 
     asyncio.run(main())
