@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RouteShape", "RoutesError", "capture_routes", "check_routes", "pack_routes", "route_rows", "route_shape", "stand_in_routes", "unpack_routes"]
+__all__ = ["RouteShape", "RoutesError", "capture_routes", "check_routes", "pack_routes", "moe_problem", "route_rows", "route_shape", "stand_in_routes", "unpack_routes"]
 
 
 class RoutesError(RuntimeError):
@@ -106,19 +106,24 @@ def route_shape(model_dir: str | Path) -> RouteShape | None:
 
 def capture_routes(cfg: Any, model_dir: str | Path) -> bool:
     """Whether the run's engines capture routes: ``[moe] capture`` auto = for a MoE model, on = required (a
-    dense model is an error naming the fix), off = never; r3 replay needs them."""
-    shape = route_shape(model_dir)
-    mode = cfg.moe.capture
-    if mode == "off":
-        if cfg.moe.replay == "r3":
-            raise RoutesError('[moe] replay = "r3" replays the engines\' routes, but [moe] capture = "off"; set '
-                              'capture = "auto" (or replay = "r2" / "off")')
-        return False
-    if shape is None and (mode == "on" or cfg.moe.replay != "off"):
-        raise RoutesError(f"[moe]: {model_dir} is not a Mixture-of-Experts model (its config.json has no "
-                          f"num_experts / num_experts_per_tok), but capture = {mode!r}, replay = {cfg.moe.replay!r}; "
-                          "remove [moe] for a dense model")
-    return shape is not None
+    dense model is an error naming the fix), off = never; r3 replay needs them. RoutesError: ``moe_problem``'s."""
+    problem = moe_problem(cfg, route_shape(model_dir) is not None, str(model_dir))
+    if problem:
+        raise RoutesError(problem)
+    return cfg.moe.capture != "off" and route_shape(model_dir) is not None
+
+
+def moe_problem(cfg: Any, moe: bool | None, model: str) -> str:
+    """What is wrong with ``[moe]`` for a model that is a MoE (``moe``; None: not known yet), or ""."""
+    mode, replay = cfg.moe.capture, cfg.moe.replay
+    if mode == "off" and replay == "r3":
+        return ('[moe] replay = "r3" replays the engines\' routes, but [moe] capture = "off"; set capture = "auto" '
+                '(or replay = "r2" / "off")')
+    if moe is False and (mode == "on" or replay != "off"):
+        return (f"[moe]: {model} is not a Mixture-of-Experts model (no num_experts / num_experts_per_tok in its "
+                f"config), but capture = {mode!r}, replay = {replay!r}; remove [moe] for a dense model (or use "
+                "model.path = \"builtin:moe\")")
+    return ""
 
 
 def route_rows(data: bytes, tokens: int, shape: RouteShape, engine: str) -> list[bytes]:

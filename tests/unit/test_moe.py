@@ -369,3 +369,17 @@ def test_a_reload_left_unpacked_is_repacked_once_in_the_engines_dtype(dtype: tor
     assert repack_cpu_experts(model, probe) == 1 and experts.packed == 1
     model, experts = _routed_experts(raw.flip(-1))  # packed already (another layout): left alone
     assert repack_cpu_experts(model, probe) == 0 and experts.packed == 0
+
+
+def test_moe_section_problems_name_the_fix() -> None:
+    from flashrl.moe.routes import moe_problem
+
+    def cfg(**moe: str) -> Config:
+        return msgspec.convert({"moe": moe}, Config)
+
+    assert moe_problem(cfg(), False, "builtin:tiny") == ""  # the default section fits any model
+    assert moe_problem(cfg(replay="r3"), True, "builtin:moe") == ""
+    assert moe_problem(cfg(replay="r3"), None, "/m") == ""  # a folder not built yet: checked at the run's start
+    assert "not a Mixture-of-Experts" in moe_problem(cfg(replay="r2"), False, "builtin:tiny")
+    assert "not a Mixture-of-Experts" in moe_problem(cfg(capture="on"), False, "/m")
+    assert 'capture = "off"' in moe_problem(cfg(replay="r3", capture="off"), True, "builtin:moe")
