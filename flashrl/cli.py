@@ -64,9 +64,16 @@ def _check_env_or_exit(cfg: Config, config: Path) -> None:
 def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
     """A local model folder: its tokenizer loads and its chat template fits model.chat_template (exit 2).
     ``build`` False (validate): a folder [model.build] would build is noted, not built."""
-    from flashrl.models import BUILTIN_TINY
+    from flashrl.models import BUILTIN_MODELS, BUILTIN_MOE
+    from flashrl.moe.routes import moe_problem, route_shape
 
-    if cfg.model.path == BUILTIN_TINY:
+    folder = Path(cfg.model.path).expanduser()
+    moe = (cfg.model.path == BUILTIN_MOE if cfg.model.path in BUILTIN_MODELS else
+           route_shape(folder) is not None if (folder / "config.json").is_file() else None)
+    if problem := moe_problem(cfg, moe, cfg.model.path):
+        typer.echo(f"config error: {config}: {problem}", err=True)
+        raise typer.Exit(code=2)
+    if cfg.model.path in BUILTIN_MODELS:
         return
     from flashrl.models import ModelNotBuilt, ModelPathError, ensure_model, load_tokenizer
     from flashrl.models.chat import ChatTemplateError

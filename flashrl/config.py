@@ -23,6 +23,7 @@ from msgspec import Meta
 from flashrl.config_errors import describe
 from flashrl.distill.config import DistillConfig
 from flashrl.distill.config import check as distill_check
+from flashrl.moe.config import MoeConfig
 
 
 class ConfigError(ValueError):
@@ -85,7 +86,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" (built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
+    path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" or "builtin:moe" (a Mixture-of-Experts; both built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
     cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="weights dtype for engines and trainer")] = "float32"
     max_model_len: Annotated[int, Meta(ge=16, le=1 << 20, description="prompt + response tokens per sequence")] = 128
@@ -511,6 +512,7 @@ class Config(Section):
     distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    moe: MoeConfig = msgspec.field(default_factory=MoeConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -590,7 +592,7 @@ def _check(cfg: Config, source: str) -> None:
                           f"{cfg.engine.count}; set run.eval_engines <= engine.count (0 = all of them)")
     if cfg.trainer.backend == "nccl" and cfg.engine.device == "cpu":
         raise ConfigError(f"{source}: trainer.backend: nccl needs GPUs but engine.device is cpu; use gloo or auto")
-    if cfg.model.path == "builtin:tiny" and (cfg.model.chat_template == "on" or cfg.model.system_prompt):
+    if cfg.model.path in ("builtin:tiny", "builtin:moe") and (cfg.model.chat_template == "on" or cfg.model.system_prompt):
         key = "model.system_prompt" if cfg.model.system_prompt else "model.chat_template"
         raise ConfigError(f"{source}: {key}: the built-in model has no chat template; use a Hugging Face model "
                           "folder with one (model.path), or leave model.chat_template = \"auto\" and model.system_prompt empty")
@@ -598,9 +600,9 @@ def _check(cfg: Config, source: str) -> None:
     if build.recipe == "none" and build != ModelBuildConfig():
         raise ConfigError(f"{source}: model.build: options of a build recipe, but model.build.recipe = \"none\"; "
                           "set model.build.recipe (e.g. \"chat\") or remove [model.build]")
-    if build.recipe != "none" and cfg.model.path == "builtin:tiny":
+    if build.recipe != "none" and cfg.model.path in ("builtin:tiny", "builtin:moe"):
         raise ConfigError(f"{source}: model.build.recipe: {build.recipe!r} builds a model folder, but model.path is "
-                          "\"builtin:tiny\" (built by flashrl anyway); set model.path to the folder to build")
+                          f"{cfg.model.path!r} (built by flashrl anyway); set model.path to the folder to build")
     if cfg.model.system_prompt and cfg.model.chat_template == "off":
         raise ConfigError(f"{source}: model.system_prompt: a system prompt needs the chat template, but "
                           "model.chat_template = \"off\"; set it to \"auto\" or remove the system prompt")

@@ -105,7 +105,7 @@ def format_plain(s: Snapshot) -> str:
     ``acc`` is the latest held-out accuracy (``-`` before the first eval); ``stale`` is mean/max
     policy-version lag of the last batch; ``lr`` the last step's learning rate (once a step has trained);
     ``mismatch`` (when measured) the last step's mismatch/kl
-    between engine and trainer logprobs. Non-zero problem counters (dropped, retried, failed, dead,
+    between engine and trainer logprobs; ``route-disagree`` (a MoE policy) the last step's moe/disagree. Non-zero problem counters (dropped, retried, failed, dead,
     ...; see ``is_problem_counter``) follow as ``name=count`` (sorted), so a CI log shows every lost
     or repeated rollout; progress counters (admitted/trained groups) are left to metrics.jsonl.
     """
@@ -125,6 +125,8 @@ def format_plain(s: Snapshot) -> str:
         parts.append(f"lr {s.lr:.1e}")
     if s.mismatch_kl is not None:
         parts.append(f"mismatch {s.mismatch_kl:.1e}")
+    if s.moe_disagree is not None:
+        parts.append(f"route-disagree {s.moe_disagree:.3f}")
     if s.gap_history:
         parts.append(f"model-gap {s.gap_history[-1][1]:+.2f}")
     if s.latency_history:
@@ -202,6 +204,9 @@ def _pipeline_table(s: Snapshot) -> Table:
     if s.mismatch_kl is not None:
         # engine vs trainer logprobs of the same tokens (trainer Mismatch): ~0 unless weights or sampling disagree
         table.add_row("train/infer KL", Text(f"{s.mismatch_kl:.1e}", style="bold red" if s.mismatch_kl > 1e-2 else ""))
+    if s.moe_disagree is not None:
+        # a MoE policy: the share of on-policy tokens the trainer's router sends elsewhere than the engine did
+        table.add_row("route disagree", f"{s.moe_disagree:.3f}")
     return table
 
 

@@ -70,7 +70,7 @@ def foreign_chars(suite: Any, charset: str) -> dict[str, str]:
 
 def check_env(cfg: Any) -> list[str]:
     """Build the suite ``cfg`` names and check it against the config (module docstring); the warnings."""
-    from flashrl.models import BUILTIN_TINY, warm_start_of
+    from flashrl.models import BUILTIN_MODELS, warm_start_of
     from flashrl.plugins import make_suite
 
     env = cfg.env
@@ -88,7 +88,7 @@ def check_env(cfg: Any) -> list[str]:
     if turns > have:
         warnings.append(f"rollout.max_turns = {have} cuts the episodes of {what}, which take up to {turns} turns "
                         f"(by {known}): an episode past it ends unfinished; raise rollout.max_turns to {turns}")
-    if cfg.model.path == BUILTIN_TINY:
+    if cfg.model.path in BUILTIN_MODELS:
         from flashrl.models.tokenizer import CHARSET
 
         bad = foreign_chars(suite, CHARSET)

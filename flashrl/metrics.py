@@ -67,6 +67,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     weight_sync_s: float = 0.0
     step_s: float = 0.0
     mismatch_kl: float | None = None  # train/inference mismatch of the last step (mismatch/kl); None: not measured
+    moe_disagree: float | None = None  # a MoE policy's routing disagreement, engine vs trainer (moe/disagree); None: not measured
     lr: float | None = None  # the last step's learning rate (trainer.lr and its schedule); None: no step yet
     # history for sparklines: (step, value)
     reward_history: list[tuple[int, float]] = []

@@ -176,13 +176,26 @@ class RunResult(msgspec.Struct, kw_only=True):
     judge: dict[str, float] = {}  # the judge stage's counters at the end (judge.model set): verdicts, latency, busy
 
 
+def moe_routes(cfg: Config) -> Any:
+    """The route shape (flashrl/moe/routes.py) simulated engines answer with: builtin:moe's (MoeSpec), unless
+    [moe] capture is off; None for any other model."""
+    if cfg.model.path != "builtin:moe" or cfg.moe.capture == "off":
+        return None
+    from flashrl.moe.model import MoeSpec
+    from flashrl.moe.routes import RouteShape
+
+    spec = MoeSpec()
+    return RouteShape(spec.layers, spec.experts, spec.top_k)
+
+
 def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunResult:
     """Run the real controller on simulated engines/trainer/envs, on virtual time."""
     tok = SimTokenizer()
     n_eng = cfg.engine.count
+    routes = moe_routes(cfg)  # builtin:moe: the engines answer with routes, as a MoE engine does
     engines = [
         SimEngine(f"sim{i}", sim.latency, sim.lengths, seed=cfg.run.seed, vocab_size=tok.vocab_size,
-                  sync_extra_s=sim.trainer.sync_extra_s(n_eng))
+                  sync_extra_s=sim.trainer.sync_extra_s(n_eng), routes=routes)
         for i in range(n_eng)
     ]
     trainer = SimTrainer(sim.trainer, engines=n_eng)
@@ -221,6 +234,7 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         if cfg.judge.model:
             await suite.client.start()
         ctrl = Controller(cfg, tok, suite, engines, trainer)
+        ctrl.route_shape = routes
         try:
             await ctrl.run()
         finally:

@@ -20,6 +20,7 @@ from flashrl.core.meters import BusyMeter, RateMeter
 from flashrl.core.staleness import Staleness
 from flashrl.env import EnvSuite, Task
 from flashrl.interfaces import ChatTokenizer, EngineClient, Tokenizer
+from flashrl.moe.routes import RouteShape
 
 __all__ = ["RolloutContext", "RolloutSpec"]
 
@@ -80,6 +81,8 @@ class RolloutContext:
     # on-policy distillation (flashrl/distill/client.py Teachers): a finished training rollout is scored by its
     # teacher before it goes to its group; None: no teacher
     teachers: Any = None
+    # a MoE policy whose engines capture routes (flashrl/moe/routes.py): their shape, checked on every answer
+    routes: RouteShape | None = None
 
     def prompt_ids(self, obs: str) -> list[int]:
         """The first observation's token ids (chat-rendered when the tokenizer has a chat template)."""

@@ -86,6 +86,7 @@ from flashrl.core.staleness import Staleness
 from flashrl.env import Closable, EnvSuite
 from flashrl.interfaces import EngineClient, EngineRestarter, Tokenizer, TrainerClient
 from flashrl.metrics import Snapshot
+from flashrl.moe.routes import RouteShape
 from flashrl.wire.protocol import TrainBatch
 
 __all__ = ["Controller", "RunSummary"]
@@ -137,6 +138,7 @@ class Controller:
         self.counters: Counter[str] = Counter()
         self.version = 0
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
+        self.route_shape: RouteShape | None = None  # set before run() when the engines capture MoE routes
         # THE staleness rule of this run: the buffer applies it (and advances next_step as it hands
         # out batches), the rollouts' early abort and the step records read it.
         self.staleness = Staleness(cfg.scheduler.async_ratio, mode=cfg.scheduler.stale)
@@ -213,6 +215,7 @@ class Controller:
             on_engine_dead=self.supervisor.engine_dead,
             wait_engine=self.supervisor.wait_engine if self.supervisor.restarts else None,
             teachers=self.teachers,
+            routes=self.route_shape,
         )
         self.evals = Evals(self.cfg, self.eval_tasks, self.ctx, self.ledger, self.publisher, clock=self._clock,
                            spawn=self._spawn, on_samples=self.on_samples)

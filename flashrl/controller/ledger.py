@@ -409,6 +409,7 @@ class Ledger:
             weight_sync_s=last_sync_s,
             step_s=float(last.step_s) if last else 0.0,
             mismatch_kl=last.trainer.get("mismatch/kl") if last else None,
+            moe_disagree=last.trainer.get("moe/disagree") if last else None,
             lr=last.trainer.get("lr") if last else None,
             reward_history=list(self.reward_history),
             gap_history=list(self.gap_history),

@@ -80,6 +80,7 @@ from flashrl.controller.scheduler import request_seed
 from flashrl.controller.types import Trajectory
 from flashrl.env import EnvFailure, HeldOutAware, StepResult
 from flashrl.interfaces import ChatTokenizer
+from flashrl.moe.routes import route_rows
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError
 
@@ -294,6 +295,8 @@ async def _turn_loop(
         traj.versions += [-1] * len(obs_ids)
         if cfg.engine.top_logprobs:
             traj.top_logprobs += [[] for _ in obs_ids]
+        if ctx.routes is not None:
+            traj.routes += [b""] * len(obs_ids)
         if conversation is not None:
             conversation.append((ids, res.observation))
         if rule is not None and att not in ctx.watched and traj.n_generated > 0:
@@ -345,6 +348,7 @@ def _continue(ctx: RolloutContext, saved: Trajectory, traj: Trajectory) -> bool:
     traj.behav_logp = list(saved.behav_logp)
     traj.versions = list(saved.versions)
     traj.top_logprobs = list(saved.top_logprobs)
+    traj.routes = list(saved.routes)
     traj.restored = saved.restored + 1
     if saved.turns:
         traj.turns, traj.finish_reason = saved.turns, saved.finish_reason
@@ -397,6 +401,8 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
         traj.behav_logp += out.logprobs
         traj.versions += out.versions
         traj.top_logprobs += out.top_logprobs
+        if ctx.routes is not None:  # checked: a malformed or all-zero answer ends the run, naming the engine
+            traj.routes += route_rows(out.routes, n, ctx.routes, ctx.engines[i].name)
         if ctx.checkin(req.request_id) and out.finish_reason == "abort":
             part += 1  # a checkpoint cut took the tokens so far: go on (after it: the gate, in _generate)
             continue

@@ -53,6 +53,11 @@ class InprocEngine:
         self._seq = itertools.count()
         self._waiting: dict[str, asyncio.Future[Any]] = {}  # vLLM request id (unique) -> its future
         self._by_external: dict[str, set[str]] = {}  # the caller's request id -> vLLM request ids
+        # MoE route capture (flashrl/moe/capture.py), switched on by the server: each request's routes, taken from
+        # the worker on the engine thread right after the step that finished (or the abort that ended) it
+        self.route_capture = False
+        self._internal: dict[str, list[str]] = {}  # (engine thread) our key -> vLLM's internal request ids
+        self.routes: dict[str, bytes] = {}  # our key -> its packed routes, until the caller pops them
         # Engine-thread state (only that thread reads or writes these once it runs).
         self._paused = False
         self._halted = False  # never step again (weights half-loaded): set by halt()
@@ -97,6 +102,8 @@ class InprocEngine:
                     self.llm.add_request(key, prompt, params)
                 else:
                     self.llm.add_request(key, prompt, params, lora_request=lora_request)
+                if self.route_capture:
+                    self._internal[key] = list(self.llm.output_processor.external_req_ids.get(key, ()))
             except Exception as e:  # a bad request fails alone
                 self._post(self._fail_one, key, e)
 
@@ -279,6 +286,8 @@ class InprocEngine:
                 self.steps += 1
                 done = [o for o in outs if o.finished]
                 if done:
+                    if self.route_capture:
+                        self._take_routes([o.request_id for o in done])
                     self._post(self._deliver, done)
         except BaseException as e:  # noqa: BLE001 - a dead engine is reported, not swallowed
             log.exception("vLLM engine step failed")
@@ -300,10 +309,20 @@ class InprocEngine:
                     out = state.make_request_output([], None, FinishReason.ABORT, None)
                     if out is not None:
                         answers.append(out)
+        if self.route_capture and answers:
+            self._take_routes([o.request_id for o in answers])
         self.llm.abort_request(keys)
         # A request with no state left had finished: its answer is already on its way.
         if answers:
             self._post(self._deliver, answers)
+
+    def _take_routes(self, keys: list[str]) -> None:
+        """Engine thread: the routes of the finished requests ``keys`` out of the worker (one collective_rpc,
+        a direct call in this process), kept in ``routes`` for the caller; before their outputs are delivered."""
+        internal = {k: self._internal.pop(k, []) for k in keys}
+        got = self.llm.collective_rpc("flashrl_take_routes", args=([i for ids in internal.values() for i in ids],))[0]
+        for k, ids in internal.items():
+            self.routes[k] = b"".join(got.get(i, b"") for i in ids)
 
     # ------------------------------------------------------------------ back on the event loop
     def _deliver(self, outputs: list[Any]) -> None:

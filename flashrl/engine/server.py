@@ -115,6 +115,7 @@ class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sync_load: Annotated[Literal["whole", "bucket"], Meta(description="weight_sync.load: load a sync once every bucket verified (whole) or bucket by bucket")] = "whole"
     lora_rank: Annotated[int, Meta(ge=0, le=512, description="model.lora.rank: serve the policy as a LoRA adapter of this rank, each sync a new adapter version (0 = off: full weights)")] = 0
     lora_config: Annotated[dict[str, Any], Meta(description="the adapter's adapter_config.json (peft) when lora_rank > 0")] = {}
+    routes: Annotated[bool, Meta(description="capture a MoE model's routes per generated token (flashrl/moe/capture.py)")] = False
 
 
 # --------------------------------------------------------------------------- the engine shell
@@ -222,6 +223,7 @@ class EngineServer:
             final = await self.engine.generate(request_id, self._prompt(prompt_token_ids=list(req.prompt_ids)), params, lora)
         finally:
             self.meter.request_finished(time.monotonic())
+        routes = self.engine.routes.pop(final.request_id, b"") if self.engine.route_capture else b""
         if not final.outputs:
             raise RuntimeError(f"request {request_id}: vLLM returned no output")
         comp = final.outputs[0]
@@ -237,6 +239,7 @@ class EngineServer:
             versions=self._versions(comp.weight_versions, len(token_ids)),
             finish_reason=str(comp.finish_reason or "abort"),
             engine=self.name,
+            routes=routes,
         )
 
     async def score(self, req: Score) -> Scored:
@@ -491,6 +494,10 @@ async def _serve(opts: EngineSpec) -> int:
     server = EngineServer(engine, opts.name, meter, opts.sync_load, adapter)
     try:
         await server.start()
+        if opts.routes:
+            shape = await engine.call(lambda llm: llm.collective_rpc("flashrl_start_routes")[0])
+            engine.route_capture = True
+            log.info("%s: capturing MoE routes (%d layers, %d experts, top-%d; flashrl/moe/capture.py)", opts.name, *shape)
         log.info("%s: serving %s on %s (ready in %.1fs)", opts.name, opts.model, opts.address, time.perf_counter() - t0)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -60,6 +60,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from flashrl.moe.capture import RouteCaptureExtension
+from flashrl.moe.reload import ExpertProbe, repack_cpu_experts
 from flashrl.wire.protocol import WeightManifest
 from flashrl.wire.weights import (
     DTYPES,
@@ -443,12 +445,16 @@ def load_into(worker: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
 
     reload_weights, not model.load_weights: vLLM's CPU backend repacks linear weights after loading, and
     only the reload path redoes that processing (a plain load would serve unpacked weights); then the tied layers it skips."""
-    worker.reload_weights(weights_iterator=iter(named))
-    refresh_tied_layers(worker.model_runner.get_model())
+    probe = ExpertProbe(named)  # a MoE on the CPU: its experts repacked after the reload (flashrl/moe/reload.py)
+    worker.reload_weights(weights_iterator=iter(probe))
+    model = worker.model_runner.get_model()
+    refresh_tied_layers(model)
+    repack_cpu_experts(model, probe)
 
 
-class WeightSyncExtension:
-    """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``)."""
+class WeightSyncExtension(RouteCaptureExtension):
+    """Mixed into vLLM's worker class; ``self`` is the worker (it has ``reload_weights``). Also MoE route
+    capture's methods (flashrl/moe/capture.py): vLLM takes one extension class."""
 
     def _flashrl_receiver(self) -> WeightReceiver:
         recv = getattr(self, "_flashrl_recv", None)

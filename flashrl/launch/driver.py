@@ -351,6 +351,7 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
     from flashrl.controller.controller import Controller
     from flashrl.deadlines import resolve as resolve_deadlines
     from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
+    from flashrl.moe.routes import capture_routes, route_shape
 
     run_dir = cfg.run_dir
     user_cfg, cfg = cfg, resolve_deadlines(cfg, model_path)  # checkpoints keep the user's (auto stays auto)
@@ -382,6 +383,8 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
                                 restarter=restarter,
                                 checkpoints=checkpoints,
                                 resume=resume.state if resume else None, teachers=teachers)
+        if capture_routes(cfg, model_path):  # the engines capture them (launch/processes.py): checked per answer
+            controller.route_shape = route_shape(model_path)
         if hooks is not None:
             hooks["controller"] = controller
         if resume is not None:

@@ -33,6 +33,7 @@ from flashrl.engine.server import EXIT_ADDRESS_IN_USE
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
 from flashrl.launch.base import served_engines
 from flashrl.launch.local import LocalLauncher
+from flashrl.moe.routes import capture_routes
 from flashrl.procs import backoff, exit_text
 from flashrl.trainer.client import TrainerGroup
 from flashrl.wire.transport import PeerDead
@@ -107,6 +108,7 @@ def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str
         log_level=cfg.run.log_level,
         nice=cfg.engine.nice,
         sync_load=cfg.weight_sync.load,
+        routes=capture_routes(cfg, model_path),
         **_lora_engine(cfg, model_path),
     )
 

@@ -4,6 +4,7 @@
       "builtin:tiny" -> <cache_dir>/tiny-<key>/   (key = hash of spec, warm-start, env, its params but faults,
                                                     its code (flashrl.plugins.code_fingerprint), seed; for a
                                                     demonstrating env also the RL eval's turns and tokens)
+      "builtin:moe"  -> <cache_dir>/moe-<key>/    the same, a Qwen3-MoE decoder (flashrl/models/moe.py), "builtin" in the key
           lock <cache_dir>/tiny-<key>.lock (fcntl, so concurrent callers build it once)
             hit : the folder exists -> return it
             miss: build_untrained -> warm_start on the env's train split -> flashrl_warmstart.json
@@ -32,13 +33,17 @@ from pathlib import Path
 import msgspec
 
 from flashrl.env import Wrapping
+from flashrl.models.moe import build_untrained_moe
 from flashrl.models.progress import Progress
 from flashrl.models.tiny import TinySpec, WarmStart, build_untrained, warm_start
 from flashrl.models.tokenizer import load_tokenizer
+from flashrl.moe.model import MoeSpec
 
-__all__ = ["BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_MOE", "BUILTIN_TINY", "BUILD_RECIPES", "ModelNotBuilt", "ModelPathError", "Progress", "warm_start_of", "TinySpec", "WarmStart", "build_untrained", "ensure_model", "load_tokenizer", "warm_start"]
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_MOE = "builtin:moe"  # the same, as a Mixture-of-Experts (flashrl/moe/model.py): same tokenizer and warm-start
+BUILTIN_MODELS = (BUILTIN_TINY, BUILTIN_MOE)
 WARMSTART_FILE = "flashrl_warmstart.json"
 # Bump when the build recipe changes in a way the key does not capture (invalidates old caches).
 _RECIPE_VERSION = 1
@@ -98,7 +103,7 @@ def _eval_play(cfg) -> tuple[int, int] | None:
     return cfg.rollout.max_turns, cfg.rollout.max_new_tokens
 
 
-def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:
+def _cache_key(cfg, spec, warm: WarmStart) -> str:
     from flashrl.plugins import code_fingerprint
 
     blob = {
@@ -111,6 +116,8 @@ def _cache_key(cfg, spec: TinySpec, warm: WarmStart) -> str:
         "eval_size": cfg.env.eval_size,
         "seed": cfg.run.seed,
     }
+    if cfg.model.path != BUILTIN_TINY:  # builtin:tiny's keys stay what they were
+        blob["builtin"] = cfg.model.path
     play = _eval_play(cfg)
     if play is not None:  # only the report's held-out play uses them; a single-turn env ignores them
         blob["eval_play"] = list(play)
@@ -143,26 +150,27 @@ def _is_built(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / WARMSTART_FILE).is_file()
 
 
-def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = None,
+def ensure_model(cfg, spec: TinySpec | MoeSpec | None = None, warm: WarmStart | None = None,
                  progress: Progress | None = None, build: bool = True) -> Path:
-    """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` once, and
+    """Return the model folder for ``cfg.model.path``, building and caching ``builtin:tiny`` (``builtin:moe``) once, and
     building a missing folder that ``[model.build]`` has a recipe for.
 
-    ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()``,
-    ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
+    ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()`` or
+    ``MoeSpec()``, ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
     phase of a build shown as it runs (progress.py); None: only the log. ``build`` False: a missing
     folder with a recipe raises ModelNotBuilt instead of being built (``flashrl validate``).
     """
-    if cfg.model.path != BUILTIN_TINY:
+    if cfg.model.path not in BUILTIN_MODELS:
         return _model_folder(cfg, progress or Progress.off(), build)
 
-    spec = spec or TinySpec()
+    moe = cfg.model.path == BUILTIN_MOE
+    spec = spec or (MoeSpec() if moe else TinySpec())
     if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
         warm = warm_start_of(cfg.env.name, _task_params(cfg))
     cache = Path(cfg.model.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     key = _cache_key(cfg, spec, warm)
-    final = cache / f"tiny-{key}"
+    final = cache / f"{'moe' if moe else 'tiny'}-{key}"
     if _is_built(final):
         return final
     if not build:
@@ -178,10 +186,13 @@ def ensure_model(cfg, spec: TinySpec | None = None, warm: WarmStart | None = Non
             if isinstance(suite, Wrapping):  # a wrapper (remote) warm-starts on what it wraps
                 suite = suite.task_suite
             phase.advance(len(suite.train_tasks()), held_out=len(suite.eval_tasks()))
-        log.info("building %s (key %s) for env %s: spec %s", BUILTIN_TINY, key, cfg.env.name, spec)
+        log.info("building %s (key %s) for env %s: spec %s", cfg.model.path, key, cfg.env.name, spec)
         with _one_torch_thread():
             with shown.phase("building the untrained model"):
-                build_untrained(tmp, seed=cfg.run.seed, spec=spec)
+                if isinstance(spec, MoeSpec):
+                    build_untrained_moe(tmp, seed=cfg.run.seed, spec=spec)
+                else:
+                    build_untrained(tmp, seed=cfg.run.seed, spec=spec)
             report = warm_start(tmp, suite.train_tasks(), suite.eval_tasks(), warm, seed=cfg.run.seed,
                                 log=log.info, suite=suite, progress=shown, eval_play=_eval_play(cfg))
         report |= {"key": key, "env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,

@@ -418,6 +418,14 @@ def _warm_start_demos(model, tok, opt, suite, ws: WarmStart, rng, log, progress:
     return _sft_loop(model, opt, ws, next_batch, success, "probe success (greedy)", log, progress)
 
 
+def load_balancing(model, on: bool) -> None:
+    """A Mixture-of-Experts model (builtin:moe) adds its load-balancing loss to the warm-start's (transformers'
+    ``output_router_logits``, weighted by ``router_aux_loss_coef``), so that its experts stay in use; saved
+    without it (the RL trainer adds none). A dense model: nothing."""
+    if getattr(model.config, "router_aux_loss_coef", None) is not None:
+        model.config.output_router_logits = on
+
+
 def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, seed: int = 0,
                log=None, suite=None, progress: Progress | None = None, eval_play: tuple[int, int] | None = None) -> dict:
     """Supervised warm-start of the model saved in ``model_dir``, in place; returns its report.
@@ -446,6 +454,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
     with progress.phase("loading the model") as phase:
         tok = load_tokenizer(model_dir)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        load_balancing(model, True)
         phase.note(parameters=sum(p.numel() for p in model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     if isinstance(suite, Demonstrating):
@@ -468,6 +477,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
             gen = torch.Generator().manual_seed(seed)
             sampled = play_episodes(model, tok, suite, eval_tasks, max_new, max_turns, temperature=1.0, generator=gen)
             phase.advance(len(eval_tasks), success_sampled=sum(c for _, c in sampled) / max(len(eval_tasks), 1))
+        load_balancing(model, False)
         model.save_pretrained(str(model_dir), safe_serialization=True)
         n = max(len(eval_tasks), 1)
         return {"eval_accuracy": sum(c for _, c in greedy) / n, "probe_accuracy": probe_acc, "steps": steps,
@@ -489,6 +499,7 @@ def warm_start(model_dir: str | Path, train_tasks, eval_tasks, ws: WarmStart, se
     model.eval()
     with progress.phase("held-out accuracy (greedy)", total=len(eval_tasks), unit="problems") as phase:
         eval_acc = greedy_accuracy(model, tok, list(eval_tasks), max_new, phase=phase)
+    load_balancing(model, False)
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return {"eval_accuracy": eval_acc, "probe_accuracy": probe_acc, "steps": step,
             "seconds": round(time.perf_counter() - t0, 2)}

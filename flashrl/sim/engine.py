@@ -36,11 +36,12 @@ import hashlib
 import math
 from collections import deque
 from statistics import NormalDist
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
 
+from flashrl.moe.routes import stand_in_routes
 from flashrl.wire.protocol import Generate, Generated, LoadReport, WeightManifest, WeightsUpdated
 
 EOS_ID = 2
@@ -170,10 +171,14 @@ class SimEngine:
         seed: int = 0,
         vocab_size: int = 64,
         sync_extra_s: float = 0.0,
+        routes: Any = None,
     ) -> None:
         if vocab_size <= FIRST_TEXT_ID + 1:
             raise ValueError(f"vocab_size must be > {FIRST_TEXT_ID + 1}, got {vocab_size}")
         self.name = name
+        # a MoE policy's routes (a RouteShape, flashrl/moe/routes.py): every answer carries well-formed stand-in
+        # routes of that shape, the payload a MoE engine sends and the controller checks and keeps per token
+        self._routes = stand_in_routes(routes, seed=seed) if routes is not None else None
         self.dead = None  # never dies (EngineClient.dead)
         self.latency = latency or LatencyModel()
         self.lengths = lengths or LengthModel()
@@ -455,6 +460,7 @@ class SimEngine:
             versions=versions,
             finish_reason=reason,
             engine=self.name,
+            routes=self._routes(n) if self._routes is not None else b"",
         )
 
     def _tokens(self, key: bytes, n: int, eos: bool) -> list[int]:

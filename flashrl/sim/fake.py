@@ -87,8 +87,11 @@ class FakeEngine:
         occupancy: dict[str, float] | None = None,
         extra_bytes: int = 0,
         refuse_adapter: Callable[[int], bool] | None = None,
+        routes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.name = name
+        # a MoE engine's routes: tokens -> packed routes (flashrl/moe/routes.py stand_in_routes); None: a dense model's
+        self.routes = routes
         # LoRA: the adapter versions this engine's vLLM refuses (WeightsUpdated.adapter_refused; it keeps its version)
         self.refuse_adapter = refuse_adapter
         self.occupancy = dict(occupancy or {})  # what each WeightsUpdated reports (a real engine measures it)
@@ -166,6 +169,7 @@ class FakeEngine:
             versions=[self._version_at(t) for t in times],
             finish_reason="abort" if aborted else ("length" if n >= req.max_tokens else "stop"),
             engine=self.name,
+            routes=self.routes(done) if self.routes is not None else b"",
         )
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -8,7 +8,7 @@ Layout of one sample (P prompt tokens, R response tokens), right-padded to the b
     loss_mask        0  0 m0   m1 m2 m3  0    0               m_k = sample.loss_mask[k]
 
 So response token k sits at input position P + k and is predicted by logits position P + k - 1; every
-aligned tensor (targets, loss_mask, behav_logp, versions, top_ids, top_logp, teacher_logp) has length L - 1 and puts token k's value at
+aligned tensor (targets, loss_mask, behav_logp, versions, top_ids, top_logp, teacher_logp, routes) has length L - 1 and puts token k's value at
 index P + k - 1. Right padding keeps the positions of real tokens 0 .. n-1 (what the engine used), so no
 position_ids are needed. A sample needs at least one prompt token (nothing predicts position 0).
 
@@ -54,6 +54,10 @@ class PaddedBatch:
     scored: torch.Tensor  # [B] bool
     teacher_top_ids: torch.Tensor  # [B, T, k] long: the teacher's k most likely tokens (its top_k; k = 0 without)
     teacher_top_logp: torch.Tensor  # [B, T, k] float
+    # a MoE policy's routes (flashrl/moe/routes.py): the packed bytes of the route each generated token was
+    # sampled with (the forward over input position j = its aligned index), as values 0..255, -1 elsewhere;
+    # [B, T, 0] when no sample carries routes. Decoded by flashrl/moe/replay.py, which knows the model's shape.
+    routes: torch.Tensor  # [B, T, bytes per route] int16
 
     @property
     def size(self) -> int:
@@ -68,7 +72,7 @@ class PaddedBatch:
         for name in ("input_ids", "attention_mask"):
             picked[name] = picked[name][:, :length]
         for name in ("targets", "loss_mask", "behav_logp", "versions", "advantages", "top_ids", "top_logp",
-                     "teacher_logp", "teacher_top_ids", "teacher_top_logp"):
+                     "teacher_logp", "teacher_top_ids", "teacher_top_logp", "routes"):
             picked[name] = picked[name][:, : length - 1]
         return PaddedBatch(**picked)
 
@@ -82,9 +86,9 @@ def _check(i: int, s: Trajectory) -> None:
         raise BatchError(f"{where}: prompt_ids is empty; the trainer needs at least one prompt token "
                          "(nothing predicts position 0): prepend a BOS token")
     r = len(s.response_ids)
-    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs", "teacher_logp", "teacher_top"):
+    for name in ("loss_mask", "behav_logp", "versions", "top_logprobs", "teacher_logp", "teacher_top", "routes"):
         n = len(getattr(s, name))
-        if n != r and not (name in ("top_logprobs", "teacher_logp", "teacher_top") and n == 0):
+        if n != r and not (name in ("top_logprobs", "teacher_logp", "teacher_top", "routes") and n == 0):
             raise BatchError(f"{where}: {name} has {n} entries but response_ids has {r}; "
                              "the engine reply and the trajectory are out of step")
 
@@ -146,6 +150,7 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         scored=torch.tensor([bool(s.teacher_logp) for s in samples], dtype=torch.bool),
         teacher_top_ids=teacher_top_ids,
         teacher_top_logp=teacher_top_logp,
+        routes=_routes(samples, b, t),
     )
 
 
@@ -163,6 +168,21 @@ def _top_k(samples: Sequence[Trajectory], b: int, t: int, field: str = "top_logp
         ids[rows, cols, ranks] = torch.tensor(toks, dtype=torch.long)
         logp[rows, cols, ranks] = torch.tensor(lps, dtype=torch.float32)
     return ids, logp
+
+
+def _routes(samples: Sequence[Trajectory], b: int, t: int) -> torch.Tensor:
+    """``routes`` aligned like behav_logp: [B, T, W] int16, the bytes of each token's packed route (-1 where
+    none: observation tokens, samples without routes), W the longest route in the batch (0 when none)."""
+    w = max((len(r) for s in samples for r in s.routes), default=0)
+    out = torch.full((b, t, w), -1, dtype=torch.int16)
+    if not w:
+        return out
+    at = [(i, len(s.prompt_ids) - 1 + j) for i, s in enumerate(samples) for j, r in enumerate(s.routes) if len(r) == w]
+    if at:
+        rows, cols = zip(*at)
+        blob = b"".join(r for s in samples for r in s.routes if len(r) == w)
+        out[list(rows), list(cols)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(-1, w).to(torch.int16)
+    return out
 
 
 # vLLM's sampler (vllm/v1/sample/sampler.py, sampling_params.py): a temperature below 1e-5 is greedy and

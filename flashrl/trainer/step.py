@@ -47,6 +47,7 @@ import torch
 
 from flashrl.config import Config
 from flashrl.core.lr_schedule import scheduled_lr
+from flashrl.moe.replay import RouteReplay
 from flashrl.trainer import advantages
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
 from flashrl.trainer.batch import (
@@ -143,41 +144,37 @@ class Mismatch:
     step), compared with the trainer's first-pass (proximal) logprobs of the same tokens before the
     update. ``mismatch/kl``: mean k3 estimate of KL(engine || trainer), exp(d) - 1 - d with d = trainer -
     engine logprob (tokens were drawn from the engine); ``mismatch/max_abs``: largest |d|;
-    ``mismatch/tokens``: how many tokens were compared (no keys when none: a step of only stale samples).
+    ``mismatch/tokens``: tokens compared (none: no keys); ``mismatch/mean_abs``: mean |d|; ``mismatch/ratio_std``: std of exp(d).
     Near 0 when engines and trainer hold the same weights and score the same distribution; a weight
     that did not sync, a wrong weight name or a different temperature shows up here at once. With
     rollout.top_p < 1 it also holds the mass top-p cut off (engine logprobs are renormalized).
     """
 
     def __init__(self) -> None:
-        self.kl_sum = 0.0
-        self.tokens = 0
+        self.sums = torch.zeros(5, dtype=torch.float64)  # k3 KL, tokens, |d|, exp(d), exp(d)^2 (summed)
         self.max_abs = 0.0
 
     def add(self, trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor,
             version: int) -> None:
         with torch.no_grad():
             on = (mask > 0) & (versions == version)
-            n = int(on.sum())
-            if n == 0:
-                return
             d = (trainer_logp.detach() - behav_logp)[on].to(torch.float64).clamp(-30.0, 30.0)
-            self.kl_sum += float((torch.expm1(d) - d).sum())
-            self.tokens += n
-            self.max_abs = max(self.max_abs, float(d.abs().max()))
+            r = torch.exp(d)
+            self.sums += torch.stack([(torch.expm1(d) - d).sum(), torch.ones_like(d).sum(), d.abs().sum(), r.sum(), (r * r).sum()]).cpu()
+            self.max_abs = max(self.max_abs, float(d.abs().amax())) if d.numel() else self.max_abs
 
     def reduce(self, device: torch.device, comm: Collectives) -> dict[str, float]:
         """Sums and max over the ranks (every rank calls it); the metrics, identical on every rank."""
-        kl_sum, tokens, max_abs = self.kl_sum, float(self.tokens), self.max_abs
+        sums, mx = self.sums.clone(), torch.tensor([self.max_abs], dtype=torch.float64)
         if comm.world > 1:
-            flat = torch.tensor([kl_sum, tokens], dtype=torch.float64, device=device)
-            mx = torch.tensor([max_abs], dtype=torch.float64, device=device)
-            comm.all_reduce(flat)
+            sums, mx = sums.to(device), mx.to(device)
+            comm.all_reduce(sums)
             comm.all_reduce(mx, op="max")
-            kl_sum, tokens, max_abs = float(flat[0]), float(flat[1]), float(mx[0])
-        if tokens == 0:
+        kl, n, ab, r1, r2 = sums.tolist()
+        if n == 0:
             return {}
-        return {"mismatch/kl": kl_sum / tokens, "mismatch/max_abs": max_abs, "mismatch/tokens": tokens}
+        return {"mismatch/kl": kl / n, "mismatch/max_abs": float(mx[0]), "mismatch/tokens": n, "mismatch/mean_abs": ab / n,
+                "mismatch/ratio_std": max(r2 / n - (r1 / n) ** 2, 0.0) ** 0.5}
 
 
 @dataclasses.dataclass
@@ -265,6 +262,7 @@ class PolicyTrainer:
         # otherwise stays in eval mode, so the proximal, reference and ComputeLogprobs logprobs are the
         # engines' (no dropout), and mini-batch 1 then needs a proximal pass of its own (_proximal).
         self.dropouts = dropout_modules(model)
+        self.moe = RouteReplay.of(model, cfg.moe.replay)  # a MoE: routing replay and its metrics (flashrl/moe/replay.py)
 
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
@@ -277,11 +275,18 @@ class PolicyTrainer:
         the engines' behaviour logprobs compares one distribution. With FSDP every rank calls it.
         """
         t = self.temperature if temperature is None else temperature
-        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix else None
+        routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0  # forwarded whole: no split
+        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed else None
         if split is None:
-            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+            with self._routing(model, b):
+                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
             return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
         return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
+
+    def _routing(self, model: torch.nn.Module, b: PaddedBatch) -> Any:
+        """A MoE policy's forward of ``b`` with its replayed routes forced (flashrl/moe/replay.py), else nothing."""
+        routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0
+        return self.moe.forcing(b.routes, b.input_ids.shape[1]) if routed else contextlib.nullcontext()  # type: ignore[union-attr]
 
     @staticmethod
     def _micro(full: PaddedBatch, mini: torch.Tensor, idx: torch.Tensor) -> PaddedBatch:
@@ -308,6 +313,10 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         timer = PhaseTimer(self.device)
         prep = self._prepare(tb, timer)
+        if self.moe is not None:  # routing disagreement measured; r2: the trainer's own routes (flashrl/moe/replay.py)
+            with timer.phase("routes"):
+                prep.full = self.moe.prepare(prep.full, lambda b: self.forward_logprobs(self.model, b.to(self.device)),
+                                             self.cfg.trainer.micro_batch, tb.step)
         order = shuffle_order(prep.full.size, self.cfg.run.seed, tb.step) if self.cfg.trainer.shuffle else None
         plan = plan_micro_batches(prep.full.size, self.world, self.rank, self.cfg.trainer.mini_batches,
                                   self.cfg.trainer.micro_batch, order)
@@ -323,6 +332,7 @@ class PolicyTrainer:
         with timer.phase("metrics"):
             metrics = self._reduce(acc)
             metrics.update(acc.mismatch.reduce(self.device, self.comm))
+            metrics.update(self.moe.metrics(self.comm, self.device) if self.moe is not None else {})
             sample_iw = acc.sample_iw(self.device, self.comm)
         if self.critics is not None and prep.returns is not None:
             with timer.phase("critics"):
@@ -473,7 +483,8 @@ class PolicyTrainer:
                     em = self._rows(prep.ent_mask, mini, idx, b.loss_mask.shape[1])
                     with adapter_dropout(self.dropouts):
                         if fkl:  # the forward-KL term needs each position's distribution (trainer/distill.py)
-                            logp, entropy, s_top = forward_with_top(self.model, b, entropy_grad, self.temperature)
+                            with self._routing(self.model, b):
+                                logp, entropy, s_top = forward_with_top(self.model, b, entropy_grad, self.temperature)
                         else:
                             logp, entropy = self.forward_logprobs(self.model, b, entropy_grad)
                     # the weights at the start of the step, without dropout (mini-batch 1: this very forward

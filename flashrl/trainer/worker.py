@@ -299,8 +299,11 @@ class Trainer(PolicyTrainer):
         sd = self.full_state_dict() if self.lora is None else self.adapter_state()
         if self.rank != 0:
             return None
+        from flashrl.moe.weights import checkpoint_layout
         from flashrl.wire.weights import build_manifest
 
+        if self.lora is None:  # a MoE's experts per expert, as its folder has them (vLLM's loader reads that)
+            sd = checkpoint_layout(self.model, sd)
         t1 = time.perf_counter()
         self.weights.drop_prepared()  # free the previous version's buckets before building new ones
         tied = self.tie_word_embeddings and self.lora is None

@@ -143,6 +143,9 @@ class Generated(Msg):
     top_logprobs: list[list[tuple[int, float]]] = []
     finish_reason: str = "stop"  # "stop" | "length" | "abort"
     engine: str = ""
+    # a MoE policy's routes (flashrl/moe/routes.py): per token, its top-k experts in every MoE layer, packed
+    # (uint8, or int16 past 256 experts), tokens back to back; b"" when the engine captures none
+    routes: bytes = b""
 
 
 class Scored(Msg):

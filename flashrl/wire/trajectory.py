@@ -73,6 +73,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
     # and tokens that decoding and re-encoding its generated turns alone would change.
     template_mismatch: int = -1
     retokenize_mismatch: int = -1
+    # a MoE policy's routes (flashrl/moe/routes.py), one packed row per response token (b"" on observation
+    # tokens); empty when the run captures none. Kept by checkpoints like the other per-token fields.
+    routes: list[bytes] = []
 
     @property
     def version_start(self) -> int:

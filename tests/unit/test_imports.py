@@ -38,6 +38,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.config_errors",  # msgspec errors as key paths with the fix (config and env.params)
     "flashrl.distill.config",  # [distill]: a section owned by its package, read by flashrl.config
     "flashrl.plugins",
+    "flashrl.moe.config",  # [moe] (its own section, in flashrl.config's Config)
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs
     "flashrl.deadlines",  # deadlines that scale with the model's size
@@ -49,6 +50,8 @@ LAYERS: list[str | tuple[str, ...]] = [
     # the launchers (local, Ray, SLURM): where processes start, their addresses, CURVE keys; the
     # package minus its two upper modules below (processes, driver)
     "flashrl.launch",
+    # Mixture-of-Experts: route packing and checks, engine route capture, trainer routing replay (torch, numpy)
+    "flashrl.moe",
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from flashrl.cli import app
 from flashrl.config import ConfigError, ModelBuildConfig, load
 from flashrl.models import (
-    BUILTIN_TINY,
+    BUILTIN_MODELS,
     ModelNotBuilt,
     ModelPathError,
     chat_model,
@@ -84,8 +84,8 @@ def test_init_model_really_builds_chat_multiturns_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_names_a_model_init_model_builds_or_says_whose_it_is(path: Path, tmp_path: Path) -> None:
     cfg = load(path)
-    if cfg.model.path == BUILTIN_TINY:
-        return  # built and warm-started by ensure_model (tests/unit/test_models.py)
+    if cfg.model.path in BUILTIN_MODELS:
+        return  # built and warm-started by ensure_model (tests/unit/test_models.py, tests/integration/test_moe_run.py)
     if cfg.model.build.recipe != "none":
         with pytest.raises(ModelNotBuilt, match=r"`flashrl init-model CONFIG`"):
             ensure_model(load(path, [f"model.path={tmp_path / 'm'}"]), build=False)
