@@ -26,6 +26,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -233,11 +234,15 @@ def _module_files(mod: Any, out: set[Path]) -> None:
             _module_files(other, out)
 
 
+_PARSE = threading.Lock()  # CPython 3.11's ast.parse in two threads at once can raise SystemError (a recursion-depth race)
+
+
 def _normalized_source(path: Path) -> bytes:
     """``path``'s syntax tree without docstrings, as text (its bytes when it does not parse)."""
     raw = path.read_bytes()
     try:
-        tree = ast.parse(raw)
+        with _PARSE:  # two model builds at once (each fingerprints its environment's code) parse in turn
+            tree = ast.parse(raw)
     except (SyntaxError, ValueError):
         return raw
     for node in ast.walk(tree):
