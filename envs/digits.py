@@ -1,23 +1,29 @@
 """Digits: the built-in visual RLVR task (an image of a number -> the number as text), generated with PIL.
 
-    suite = DigitsSuite(Params(digits=3), seed=0, eval_size=200)
-    task = suite.eval_tasks()[0]      # Task(prompt="<image>read:", answer="407", meta={"images": [PNG bytes]})
-    env = suite.make_env(); prompt = await env.reset(task); res = await env.step("407")  # reward 1.0
+    suite = DigitsSuite(Params(digits=2), seed=0, eval_size=30)
+    task = suite.eval_tasks()[0]      # Task(prompt="<image>read:", answer="47", meta={"images": [PNG bytes]})
+    env = suite.make_env(); prompt = await env.reset(task); res = await env.step("47")  # reward 1.0
 
 The prompt's text holds one ``<image>`` (flashrl.vision.build.IMAGE_TOKEN) where the image goes; the image
 itself travels as a reference beside it, ``meta["images"]`` (flashrl/vision/images.py: PNG bytes here,
 a file path in a dataset), never as pixels. Each image is the number drawn in Pillow's built-in font
-(FreeType, size ``font_size``) black on white at a seeded random offset, so two renderings of one number
-differ. The held-out split's numbers are never in the training split: ``random.Random(seed)`` permutes
+(FreeType, size ``font_size``) black on white, centred and moved by a seeded offset of up to ``jitter``
+pixels, so two renderings of one number differ. The held-out split's numbers are never in the training split: ``random.Random(seed)`` permutes
 all ``10**digits`` numbers, the first ``eval_size`` are held out, the rest train, each drawn
 ``train_size // len`` times at new offsets. The verifier compares the text up to the end-of-sequence mark,
 stripped, with the number's digits exactly (leading zeros count: "007").
 
 The handicap RL corrects (``teacher_answer``): the warm-start imitates a teacher that misreads look-alike
 digits (``confusions``, default 7 -> 1 and 8 -> 3) with probability ``teacher_slip`` at each occurrence,
-so a well-imitating policy reads every number holding a 7 or an 8 wrong greedily (about half of the
-3-digit numbers) and right in a 1 - slip fraction of samples; the exact verifier then rewards the right
-reading. The probe and the reported accuracies always score against the true number.
+so a well-imitating policy reads every number holding a 7 or an 8 wrong greedily (36% of the 2-digit
+numbers) and right in a 1 - slip fraction of samples; the exact verifier then rewards the right reading.
+The probe and the reported accuracies always score against the true number.
+
+Why 2 digits in font 36 (a glyph ~21 x 27 pixels in the 64-pixel image): the built-in model's vision
+encoder learns from scratch, and on 3 digits in font 22 or 28 (glyphs of 13-16 pixels over 8-pixel
+patches) its loss stayed at the digits' prior for 700-1000 SFT steps; 2 digits in font 36 broke away from
+it after ~300 steps (1 digit in font 48: ~50). The held-out numbers are then at most 99: env.eval_size
+is a few dozen (e.g. 30).
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ def _font(size: int) -> Any:
     return ImageFont.load_default(size=size)  # FreeType: Pillow's built-in font, the same on every machine
 
 
-def render(number: str, size: int, font_size: int, rng: random.Random) -> Any:
-    """``number`` drawn black on white in a ``size`` x ``size`` RGB image at a random offset (PIL image)."""
+def render(number: str, size: int, font_size: int, rng: random.Random, jitter: int = 2) -> Any:
+    """``number`` drawn black on white in a ``size`` x ``size`` RGB image, centred, then moved by up to
+    ``jitter`` pixels in x and in y (seeded; within the image) (PIL image)."""
     from PIL import Image, ImageDraw
 
     font = _font(font_size)
@@ -58,7 +65,9 @@ def render(number: str, size: int, font_size: int, rng: random.Random) -> Any:
         raise ValueError(f"env.params: {len(number)} digits in font_size {font_size} do not fit a {size}-pixel image; "
                          "lower font_size or digits, or raise image_size")
     img = Image.new("RGB", (size, size), "white")
-    x, y = rng.randint(0, room_x) - left, rng.randint(0, room_y) - top
+    dx, dy = (min(jitter, room // 2) for room in (room_x, room_y))
+    x = room_x // 2 + rng.randint(-dx, dx) - left
+    y = room_y // 2 + rng.randint(-dy, dy) - top
     ImageDraw.Draw(img).text((x, y), number, font=font, fill="black")
     return img
 
@@ -77,10 +86,11 @@ class DigitsSuite:
     class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """``[env.params]`` of the digits environment."""
 
-        digits: Annotated[int, Meta(ge=1, le=4, description="digits of each number (leading zeros kept)")] = 3
+        digits: Annotated[int, Meta(ge=1, le=4, description="digits of each number (leading zeros kept)")] = 2
         train_size: Annotated[int, Meta(ge=1, le=1_000_000, description="training images (numbers repeat at new offsets)")] = 8000
         image_size: Annotated[int, Meta(ge=16, le=1024, description="image side in pixels")] = 64
-        font_size: Annotated[int, Meta(ge=6, le=512, description="font size in pixels")] = 22
+        font_size: Annotated[int, Meta(ge=6, le=512, description="font size in pixels")] = 36
+        jitter: Annotated[int, Meta(ge=0, le=512, description="the number moves up to this many pixels from the centre in x and y")] = 2
         prompt: Annotated[str, Meta(description="the text after the image")] = "read:"
         teacher_slip: Annotated[float, Meta(ge=0, le=1, description=(
             "chance the warm-start's teacher misreads a confusable digit (confusions), drawn at each occurrence"))] = 0.65
@@ -105,7 +115,7 @@ class DigitsSuite:
     def _task(self, tid: str, number: str, rng: random.Random) -> Task:
         from flashrl.vision.images import png_bytes
 
-        img = render(number, self.params.image_size, self.params.font_size, rng)
+        img = render(number, self.params.image_size, self.params.font_size, rng, self.params.jitter)
         return Task(id=tid, prompt=f"{IMAGE_TOKEN}{self.params.prompt}", answer=number,
                     meta={"images": [png_bytes(img)]})
 

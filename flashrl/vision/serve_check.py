@@ -1,8 +1,8 @@
 """``python -m flashrl.vision.serve_check FOLDER PROMPT IMAGE...``: a real vLLM engine, built with the project's
 EngineArgs (flashrl/engine/server.py ``engine_kwargs``: CPU, enforce_eager, no chunked prefill), generates on the
-model ``FOLDER`` for the prompt text ``PROMPT`` (one ``<image>`` per image) with the image files ``IMAGE...``
-as vLLM's multimodal input; prints one JSON line: the prompt ids sent, the prompt ids vLLM served (expanded),
-the sampled tokens with their logprobs, the seconds to build the engine and to serve the request.
+model ``FOLDER`` for the prompt text ``PROMPT`` (one ``<image>``) once per image file ``IMAGE``, the image as
+vLLM's multimodal input; prints one JSON line per image: the prompt ids sent, the prompt ids vLLM served
+(expanded), the sampled tokens with their logprobs, the seconds to build the engine and to serve the request.
 
 Options (environment): ``FLASHRL_CHECK_SEED`` (request seed, 0), ``FLASHRL_CHECK_TOKENS`` (max new tokens, 8),
 ``FLASHRL_CHECK_TEMPERATURE`` (1.0). It is the feasibility check of flashrl/vision/__init__.py as a tool, and
@@ -22,8 +22,9 @@ __all__ = ["serve"]
 
 
 def serve(folder: str, prompt: str, images: list[str], seed: int = 0, max_tokens: int = 8,
-          temperature: float = 1.0) -> dict[str, Any]:
-    """Build the engine in this process, run one request, return what the module docstring lists."""
+          temperature: float = 1.0) -> list[dict[str, Any]]:
+    """Build the engine in this process, then serve ``prompt`` once with each image in turn (the same request
+    seed: only the image differs); one report per image (the module docstring lists its keys)."""
     from flashrl.engine.server import EngineSpec, engine_kwargs
     from flashrl.vision.images import load_image
 
@@ -32,36 +33,39 @@ def serve(folder: str, prompt: str, images: list[str], seed: int = 0, max_tokens
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    pixels = [load_image(p, f"argument {i + 1}") for i, p in enumerate(images)]
+    pixels = [load_image(p, f"argument {i + 2}") for i, p in enumerate(images)]
     t0 = time.monotonic()
     spec = EngineSpec(address="tcp://127.0.0.1:0", model=folder, max_model_len=256, kv_cache_gib=0.1, max_num_seqs=4)
     llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(spec)), enable_multiprocessing=False)
     built = time.monotonic() - t0
     ids = list(llm.get_tokenizer().encode(prompt, add_special_tokens=False))
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed)
-    data = {"image": pixels if len(pixels) > 1 else pixels[0]} if pixels else None
-    t0 = time.monotonic()
-    llm.add_request("check", TokensPrompt(prompt_token_ids=ids, multi_modal_data=data) if data else
-                    TokensPrompt(prompt_token_ids=ids), params)
-    done = []
-    while llm.has_unfinished_requests():
-        done += [o for o in llm.step() if o.finished]
-    out = done[0].outputs[0]
-    tokens = [int(t) for t in out.token_ids]
-    return {"prompt_ids": ids, "served_prompt_ids": [int(t) for t in done[0].prompt_token_ids], "tokens": tokens,
-            "logprobs": [float(pos[t].logprob) for t, pos in zip(tokens, out.logprobs)],
-            "build_s": round(built, 3), "request_s": round(time.monotonic() - t0, 3)}
+    reports = []
+    for i, image in enumerate(pixels):
+        t0 = time.monotonic()
+        llm.add_request(f"check-{i}", TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": image}), params)
+        done = []
+        while llm.has_unfinished_requests():
+            done += [o for o in llm.step() if o.finished]
+        out = done[0].outputs[0]
+        tokens = [int(t) for t in out.token_ids]
+        reports.append({"image": images[i], "prompt_ids": ids,
+                        "served_prompt_ids": [int(t) for t in done[0].prompt_token_ids], "tokens": tokens,
+                        "logprobs": [float(pos[t].logprob) for t, pos in zip(tokens, out.logprobs)],
+                        "build_s": round(built, 3), "request_s": round(time.monotonic() - t0, 3)})
+    return reports
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: python -m flashrl.vision.serve_check FOLDER PROMPT [IMAGE...]", file=sys.stderr)
+    if len(argv) < 3:
+        print("usage: python -m flashrl.vision.serve_check FOLDER PROMPT IMAGE...", file=sys.stderr)
         return 2
     env = os.environ
     report = serve(argv[0], argv[1], argv[2:], seed=int(env.get("FLASHRL_CHECK_SEED", "0")),
                    max_tokens=int(env.get("FLASHRL_CHECK_TOKENS", "8")),
                    temperature=float(env.get("FLASHRL_CHECK_TEMPERATURE", "1.0")))
-    print(json.dumps(report), flush=True)
+    for line in report:
+        print(json.dumps(line), flush=True)
     return 0
 
 

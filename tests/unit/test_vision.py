@@ -76,7 +76,7 @@ def test_digits_splits_are_disjoint_by_number_seeded_and_carry_one_image_each(su
     train, held = suite.train_tasks(), suite.eval_tasks()
     assert len(train) == 64 and len(held) == 50
     assert not {t.answer for t in train} & {t.answer for t in held}
-    assert len({t.answer for t in held}) == 50 and all(len(t.answer) == 3 for t in held)
+    assert len({t.answer for t in held}) == 50 and all(len(t.answer) == 2 for t in held)
     for t in (train[0], held[0]):
         assert t.prompt == f"{IMAGE_TOKEN}read:" and len(t.meta["images"]) == 1
         assert load_image(t.meta["images"][0]).size == (64, 64)
@@ -91,8 +91,8 @@ def test_digits_renderings_differ_and_a_number_that_does_not_fit_is_refused() ->
     assert a != b  # a seeded offset
     with pytest.raises(ValueError, match="do not fit a 32-pixel image"):
         render("4071", 32, 22, random.Random(0))
-    with pytest.raises(ValueError, match="env.eval_size: 1000 held-out numbers"):
-        DigitsSuite(DigitsSuite.Params(), seed=0, eval_size=1000)
+    with pytest.raises(ValueError, match=r"env.eval_size: 100 held-out numbers leave none .*100 numbers with digits=2"):
+        DigitsSuite(DigitsSuite.Params(), seed=0, eval_size=100)
     with pytest.raises(ValueError, match="env.params.confusions"):
         DigitsSuite(DigitsSuite.Params(confusions={"7": "12"}), seed=0, eval_size=10)
 
@@ -159,8 +159,8 @@ def test_the_model_reads_the_pixels_and_masks_the_prompt_from_the_loss(vlm: Path
     expansion = image_expansion(proc)
     tasks = list(suite.eval_tasks()[:2])
     b = make_batch(proc, tasks, [t.answer for t in tasks], expansion)
-    assert b.ids.shape == (2, 19 + 5 + 4) and b.pixel_values.shape == (2, 1, 3, 64, 64)
-    assert b.loss_mask.sum(1).tolist() == [4, 4] and not b.loss_mask[:, :24].any()  # answer + EOS only
+    assert b.ids.shape == (2, 19 + 5 + 3) and b.pixel_values.shape == (2, 1, 3, 64, 64)
+    assert b.loss_mask.sum(1).tolist() == [3, 3] and not b.loss_mask[:, :24].any()  # answer + EOS only
     model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
     with torch.no_grad():
         a = model(input_ids=b.ids, pixel_values=b.pixel_values, pixel_attention_mask=b.pixel_attention_mask).logits
@@ -186,3 +186,26 @@ def test_a_short_warm_start_probes_saves_and_reports(tmp_path: Path, suite: Digi
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
     answers = greedy_answers(model, proc, list(suite.eval_tasks()[:3]), image_expansion(proc), max_new=4)
     assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
+
+
+def test_builtin_vlm_is_built_once_per_key_and_then_read_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from flashrl.vision import build as vbuild
+    from flashrl.vision import warm as vwarm
+
+    def cfg(seed: int) -> SimpleNamespace:
+        return SimpleNamespace(model=SimpleNamespace(cache_dir=str(tmp_path)), run=SimpleNamespace(seed=seed),
+                               env=SimpleNamespace(name="envs.digits:DigitsSuite", eval_size=10,
+                                                   params={"train_size": 16, "faults": {"crash": 0.5}}))
+
+    tiny = VisionWarmStart(max_steps=1, batch=2, check_every=1, probe_size=2)
+    builds: list[Path] = []
+    real = vwarm.warm_start
+    monkeypatch.setattr(vwarm, "warm_start", lambda folder, *a, **kw: builds.append(Path(folder)) or real(folder, *a, **kw))
+    first = vbuild.ensure_vlm(cfg(0), warm=tiny)
+    assert first.name.startswith("vlm-") and (first / "flashrl_warmstart.json").is_file() and len(builds) == 1
+    report = __import__("json").loads((first / "flashrl_warmstart.json").read_text())
+    assert report["params"] == {"train_size": 16} and report["steps"] == 1  # faults are not part of the model
+    assert vbuild.ensure_vlm(cfg(0), warm=tiny) == first and len(builds) == 1  # cached
+    assert vbuild.ensure_vlm(cfg(1), warm=tiny) != first and len(builds) == 2  # another seed, another model
