@@ -5,6 +5,8 @@
     build.py        builtin:vlm: a tiny Idefics3 model (vision encoder, pixel-shuffle connector, Llama
                     decoder), the char tokenizer plus the image tokens, a PIL image processor; built
                     locally, seeded, cached (ensure_vlm); image_expansion: what one <image> becomes
+    tokens.py       expand_images / compact_images: a prompt's one <image> per image (what an engine is
+                    sent) <-> the processor's expansion (what the trainer forwards and lineage keeps)
     warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
                     teacher RL corrects; the probe and held-out greedy accuracy
     serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)
@@ -59,6 +61,7 @@ from flashrl.vision.build import (
            load_processor,
 )
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
+from flashrl.vision.tokens import compact_images, expand_images
 
 __all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "ImageLoadError", "ImageRef", "VisionSpec", "as_ref", "build_untrained",
-           "describe", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]
+           "compact_images", "describe", "expand_images", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]

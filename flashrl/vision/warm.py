@@ -7,8 +7,9 @@
                  -> cross-entropy on the answer and EOS only (the prompt and the image tokens are masked)
       every ``check_every`` steps from ``min_steps`` on: greedy accuracy on ``probe_size`` train tasks against
       the true answers; stop once it reaches ``target_accuracy`` (or at ``max_steps``)
-      -> the model saved in place; report: steps, probe and held-out greedy accuracy, seconds, and the time
-         spent turning images into pixel values per sample (``preprocess_ms_per_image``)
+      -> the model saved in place; report: steps, probe and held-out greedy accuracy, held-out accuracy of one
+         sample at temperature 1, seconds, and the time spent turning images into pixel values per image
+         (``preprocess_ms_per_image``)
 
 The teacher is the suite's ``teacher_answer(task, rng)`` when it has one (envs/digits.py: a reader that
 misreads look-alike digits, the handicap RL corrects), else the task's answer. Everything is seeded and
@@ -27,19 +28,20 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.env import Task
+from flashrl.vision.tokens import expand_images
 
-__all__ = ["VisionWarmStart", "Batch", "expand_images", "greedy_answers", "make_batch", "warm_start"]
+__all__ = ["Batch", "VisionWarmStart", "greedy_answers", "make_batch", "warm_start"]
 
 
 class VisionWarmStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Supervised warm-start of builtin:vlm (prompt with image -> the teacher's answer + EOS)."""
 
-    max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 3000
+    max_steps: Annotated[int, Meta(ge=0, description="most optimizer steps")] = 1500
     batch: Annotated[int, Meta(ge=1, description="sequences per step")] = 32
     lr: Annotated[float, Meta(gt=0, description="AdamW learning rate (constant)")] = 1e-3
     target_accuracy: Annotated[float, Meta(ge=0, le=1, description="stop once probe accuracy reaches this")] = 0.5
-    min_steps: Annotated[int, Meta(ge=0, description="never stop before this many steps")] = 0
-    check_every: Annotated[int, Meta(ge=1, description="steps between probe evaluations")] = 100
+    min_steps: Annotated[int, Meta(ge=0, description="never stop before this many steps")] = 750
+    check_every: Annotated[int, Meta(ge=1, description="steps between probe evaluations")] = 250
     probe_size: Annotated[int, Meta(ge=1, description="train tasks in the probe")] = 256
 
 
@@ -50,14 +52,6 @@ class Batch(msgspec.Struct, kw_only=True):
     loss_mask: Any  # BoolTensor (B, T): True where the token is a trained target
     pixel_values: Any  # FloatTensor (B, images, 3, H, W)
     pixel_attention_mask: Any  # BoolTensor (B, images, H, W)
-
-
-def expand_images(ids: Sequence[int], image_id: int, expansion: Sequence[int]) -> list[int]:
-    """``ids`` with each ``image_id`` replaced by ``expansion`` (the processor's, which vLLM applies too)."""
-    out: list[int] = []
-    for t in ids:
-        out.extend(expansion if t == image_id else (t,))
-    return out
 
 
 def _pixels(processor: Any, tasks: Sequence[Task]) -> tuple[Any, Any]:
@@ -95,8 +89,10 @@ def _loss(model: Any, b: Batch) -> Any:
     return torch.nn.functional.cross_entropy(pred[mask], target[mask])
 
 
-def greedy_answers(model: Any, processor: Any, tasks: Sequence[Task], expansion: Sequence[int], max_new: int) -> list[str]:
-    """Greedy answers of ``model`` (no KV cache: the whole sequence each token, at this size not slower)."""
+def greedy_answers(model: Any, processor: Any, tasks: Sequence[Task], expansion: Sequence[int], max_new: int,
+                   sample: Any = None) -> list[str]:
+    """Greedy answers of ``model`` (no KV cache: the whole sequence each token, at this size not slower);
+    ``sample`` (a torch.Generator): sampled at temperature 1 instead."""
     import torch
 
     tok = processor.tokenizer
@@ -108,7 +104,8 @@ def greedy_answers(model: Any, processor: Any, tasks: Sequence[Task], expansion:
     with torch.no_grad():
         for _ in range(max_new):
             logits = model(input_ids=ids, pixel_values=pixel_values, pixel_attention_mask=pixel_mask).logits
-            nxt = logits[:, -1].argmax(-1)
+            last = logits[:, -1]
+            nxt = last.argmax(-1) if sample is None else torch.multinomial(last.softmax(-1), 1, generator=sample)[:, 0]
             nxt = torch.where(done, torch.full_like(nxt, tok.eos_token_id), nxt)
             new.append(nxt)
             done |= nxt == tok.eos_token_id
@@ -120,14 +117,16 @@ def greedy_answers(model: Any, processor: Any, tasks: Sequence[Task], expansion:
     return [tok.decode(row, skip_special_tokens=True) for row in cut]
 
 
-def _accuracy(model: Any, processor: Any, tasks: Sequence[Task], expansion: Sequence[int], chunk: int = 64) -> float:
+def _accuracy(model: Any, processor: Any, tasks: Sequence[Task], expansion: Sequence[int], chunk: int = 64,
+              sample: Any = None) -> float:
     if not tasks:
         return 0.0
     max_new = max(len(t.answer) for t in tasks) + 1
     right = 0
     for i in range(0, len(tasks), chunk):
         part = tasks[i:i + chunk]
-        right += sum(a.strip() == t.answer for a, t in zip(greedy_answers(model, processor, part, expansion, max_new), part))
+        got = greedy_answers(model, processor, part, expansion, max_new, sample)
+        right += sum(a.strip() == t.answer for a, t in zip(got, part))
     return right / len(tasks)
 
 
@@ -171,7 +170,9 @@ def warm_start(folder: str | Path, suite: Any, warm: VisionWarmStart, seed: int 
                 break
     model.eval()
     eval_acc = _accuracy(model, processor, held, expansion)
+    # one sample per held-out task at temperature 1: what a rollout draws (RL's signal is where it beats greedy)
+    sampled = _accuracy(model, processor, held, expansion, sample=torch.Generator().manual_seed(seed))
     model.save_pretrained(str(folder), safe_serialization=True)
-    return {"steps": step, "probe_accuracy": probe_acc, "eval_accuracy": eval_acc,
+    return {"steps": step, "probe_accuracy": probe_acc, "eval_accuracy": eval_acc, "eval_sampled_accuracy": sampled,
             "seconds": round(time.monotonic() - t0, 1),
             "preprocess_ms_per_image": round(1000 * prep_s / max(prep_n, 1), 3)}

@@ -26,7 +26,8 @@ from flashrl.vision import (
     load_processor,
     png_bytes,
 )
-from flashrl.vision.warm import VisionWarmStart, expand_images, greedy_answers, make_batch, warm_start
+from flashrl.vision.tokens import compact_images, expand_images
+from flashrl.vision.warm import VisionWarmStart, greedy_answers, make_batch, warm_start
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,16 @@ def test_builtin_vlm_is_built_once_per_key_and_then_read_from_the_cache(tmp_path
     assert report["params"] == {"train_size": 16} and report["steps"] == 1  # faults are not part of the model
     assert vbuild.ensure_vlm(cfg(0), warm=tiny) == first and len(builds) == 1  # cached
     assert vbuild.ensure_vlm(cfg(1), warm=tiny) != first and len(builds) == 2  # another seed, another model
+
+
+def test_compacting_undoes_the_expansion_and_refuses_a_cut_one() -> None:
+    exp = [90, 93, 92, 92, 92, 90]  # <fake> <global-img> <image> x 3 <fake>
+    compact = [5, 92, 6, 7, 92, 92, 8]
+    expanded = expand_images(compact, 92, exp)
+    assert expanded == [5, *exp, 6, 7, *exp, *exp, 8]
+    assert compact_images(expanded, 92, exp) == compact
+    assert compact_images([5, 6], 92, exp) == [5, 6]
+    with pytest.raises(ValueError, match="position 3 is not inside a whole image expansion"):
+        compact_images([5, 90, 93, 92, 92, 90], 92, exp)  # one image token short
+    with pytest.raises(ValueError, match="position 0"):
+        compact_images([92, 92, 92, 90], 92, exp)  # its head cut off
