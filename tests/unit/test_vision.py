@@ -223,3 +223,78 @@ def test_compacting_undoes_the_expansion_and_refuses_a_cut_one() -> None:
         compact_images([5, 90, 93, 92, 92, 90], 92, exp)  # one image token short
     with pytest.raises(ValueError, match="position 0"):
         compact_images([92, 92, 92, 90], 92, exp)  # its head cut off
+
+
+def _row_logprobs(model, ids, kwargs, start):  # logprob of each token of ids from position start on
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]) if not torch.is_tensor(ids) else ids, **kwargs).logits
+    lp = torch.log_softmax(logits[0, :-1].float(), -1)
+    tgt = torch.tensor(ids[1:]) if not torch.is_tensor(ids) else ids[0, 1:]
+    return lp.gather(1, tgt[:, None])[start - 1:, 0]
+
+
+def test_a_right_padded_batch_with_image_and_text_only_rows_scores_each_row_as_alone(vlm: Path, suite: DigitsSuite) -> None:
+    """The trainer's layout (trainer/batch.py pad_batch: right-padded rows, a prompt's images as references): each
+    row's response logprobs in the batch equal its forward alone; a text-only row needs no image; each distinct
+    image is processed once."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from flashrl.vision.batch import PixelCache, vision_inputs
+
+    proc = load_processor(vlm)
+    tok, exp = proc.tokenizer, image_expansion(proc)
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    a, b = suite.eval_tasks()[:2]
+    rows = [(expand_images(tok.encode(a.prompt, add_special_tokens=False), image_id, exp), [5, 6, 2], a.meta["images"]),
+            (tok.encode("12+3=", add_special_tokens=False), [7, 2], []),
+            (expand_images(tok.encode(b.prompt, add_special_tokens=False), image_id, exp), [8, 9, 10, 11, 2],
+             b.meta["images"])]
+    width = max(len(p) + len(r) for p, r, _ in rows)
+    ids = torch.full((3, width), tok.pad_token_id)
+    attn = torch.zeros((3, width), dtype=torch.long)
+    for i, (p, r, _) in enumerate(rows):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+    pixels = PixelCache(proc)
+    kw = vision_inputs(pixels, [imgs for _, _, imgs in rows], [f"row {i}" for i in range(3)])
+    assert kw["pixel_values"].shape == (3, 1, 3, 64, 64) and not kw["pixel_values"][1].any()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, **kw).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    for i, (p, r, imgs) in enumerate(rows):
+        alone = vision_inputs(PixelCache(proc), [imgs], ["alone"])
+        want = _row_logprobs(model, p + r, alone, len(p))
+        assert torch.allclose(lp[i, len(p) - 1:len(p) + len(r) - 1], want, atol=1e-5), i
+    vision_inputs(pixels, [a.meta["images"], b.meta["images"]], ["x", "y"])
+    assert (pixels.misses, pixels.hits) == (2, 2)
+    with pytest.raises(ImageLoadError, match="row 1: image 'png:"):
+        vision_inputs(pixels, [[], [b"broken"]], ["row 0", "row 1"])
+
+
+def test_a_prompt_with_its_image_forwarded_once_then_continued_from_its_cache_scores_as_whole(vlm: Path, suite: DigitsSuite) -> None:
+    """trainer/step.py's shared-prefix path (each distinct prompt forwarded once with use_cache, the samples'
+    continuations against its keys and values): the image goes with the prompt only."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from flashrl.vision.batch import PixelCache, vision_inputs
+
+    proc = load_processor(vlm)
+    tok, exp = proc.tokenizer, image_expansion(proc)
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    task = suite.eval_tasks()[0]
+    prompt = expand_images(tok.encode(task.prompt, add_special_tokens=False), tok.convert_tokens_to_ids(IMAGE_TOKEN), exp)
+    cont = [5, 6, 2]
+    kw = vision_inputs(PixelCache(proc), [task.meta["images"]], ["row 0"])
+    whole = _row_logprobs(model, prompt + cont, kw, len(prompt))
+    with torch.no_grad():
+        pre = model(input_ids=torch.tensor([prompt]), use_cache=True, **kw)
+        nxt = model(input_ids=torch.tensor([cont]), past_key_values=pre.past_key_values,
+                    position_ids=torch.arange(len(prompt), len(prompt) + len(cont))[None])
+    logits = torch.cat([pre.logits[:, -1:], nxt.logits[:, :-1]], 1)[0]
+    split = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
+    assert torch.allclose(split, whole, atol=1e-5)
