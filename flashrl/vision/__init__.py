@@ -10,6 +10,8 @@
     batch.py        the trainer's side: PixelCache (each distinct image processed once per rank) and
                     vision_inputs (a padded batch's rows' references -> pixel_values & co, Idefics3 or
                     Qwen2-VL layout), checked against each row's forward alone and the shared-prefix path
+    model.py        the trainer's view of a VLM: auto_class (AutoModelForImageTextToText), shard_blocks
+                    (text and vision layers for FSDP2), vision_names / freeze_vision
     warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
                     teacher RL corrects; the probe and held-out greedy accuracy
     serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)

@@ -298,3 +298,27 @@ def test_a_prompt_with_its_image_forwarded_once_then_continued_from_its_cache_sc
     logits = torch.cat([pre.logits[:, -1:], nxt.logits[:, :-1]], 1)[0]
     split = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
     assert torch.allclose(split, whole, atol=1e-5)
+
+
+def test_the_trainer_loads_a_vlm_as_image_text_to_text_shards_both_towers_and_can_freeze_vision(vlm: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from flashrl.models.tiny import build_untrained as build_text
+    from flashrl.vision.model import auto_class, freeze_vision, is_vision_model, shard_blocks, vision_names
+
+    text = build_text(tmp_path / "tiny", seed=0)
+    assert is_vision_model(vlm) and not is_vision_model(text) and not is_vision_model(tmp_path / "none")
+    assert auto_class(vlm) is AutoModelForImageTextToText and auto_class(text) is AutoModelForCausalLM
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32)
+    kinds = [type(b).__name__ for b in shard_blocks(model)]
+    assert kinds == ["Idefics3EncoderLayer"] * 2 + ["LlamaDecoderLayer"] * 2
+    assert type(model)._no_split_modules == ["Idefics3VisionAttention"]  # why shard_blocks does not read it
+    assert [type(b).__name__ for b in shard_blocks(AutoModelForCausalLM.from_pretrained(str(text)))] == ["LlamaDecoderLayer"] * 2
+    frozen = freeze_vision(model)
+    assert frozen == sorted(vision_names(model)) and len(frozen) == 38
+    assert all(n.startswith(("model.vision_model.", "model.connector.")) for n in frozen)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith("model.text_model.") for n in trainable)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        freeze_vision(AutoModelForCausalLM.from_pretrained(str(text)))
