@@ -322,3 +322,20 @@ def test_the_trainer_loads_a_vlm_as_image_text_to_text_shards_both_towers_and_ca
     assert trainable and all(n.startswith("model.text_model.") for n in trainable)
     with pytest.raises(ValueError, match="not a vision-language model"):
         freeze_vision(AutoModelForCausalLM.from_pretrained(str(text)))
+
+
+def test_qwen2_vl_layout_concatenates_every_images_patches_with_one_grid_per_image() -> None:
+    """The Qwen2-VL image processor (its PIL backend: no torchvision) through vision_inputs: patches of all
+    images in row order, one (t, h, w) grid per image; nothing padded."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from flashrl.vision.batch import PixelCache, vision_inputs
+
+    proc = SimpleNamespace(image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56 * 4))
+    small, wide = (png_bytes(Image.new("RGB", size, c)) for size, c in (((56, 28), "red"), ((112, 56), "blue")))
+    kw = vision_inputs(PixelCache(proc), [[small], [], [wide, small]], ["r0", "r1", "r2"])
+    assert kw["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 8], [1, 2, 4]]
+    assert kw["pixel_values"].shape == (8 + 32 + 8, 3 * 2 * 14 * 14)
