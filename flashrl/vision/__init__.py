@@ -4,8 +4,10 @@
                     load_image (ImageLoadError naming the row and the file), as_ref, describe
     build.py        builtin:vlm: a tiny Idefics3 model (vision encoder, pixel-shuffle connector, Llama
                     decoder), the char tokenizer plus the image tokens, a PIL image processor; built
-                    locally, seeded, cached (ensure_vlm); image_expansion: what one <image> becomes
-    tokens.py       expand_images / compact_images: a prompt's one <image> per image (what an engine is
+                    locally, seeded, cached (ensure_vlm)
+    processor.py    load_processor (a folder without one: an error naming it), image_expansion: what one
+                    <image> of a prompt becomes
+    tokens.py       IMAGE_TOKEN; expand_images / compact_images: a prompt's one <image> per image (what an engine is
                     sent) <-> the processor's expansion (what the trainer forwards and lineage keeps)
     batch.py        the trainer's side: PixelCache (each distinct image processed once per rank) and
                     vision_inputs (a padded batch's rows' references -> pixel_values & co, Idefics3 or
@@ -70,17 +72,10 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
 
 from __future__ import annotations
 
-from flashrl.vision.build import (
-           BUILTIN_VLM,
-           IMAGE_TOKEN,
-           VisionSpec,
-           build_untrained,
-           ensure_vlm,
-           image_expansion,
-           load_processor,
-)
+from flashrl.vision.build import BUILTIN_VLM, VisionSpec, build_untrained, ensure_vlm
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
-from flashrl.vision.tokens import compact_images, expand_images
+from flashrl.vision.processor import image_expansion, load_processor
+from flashrl.vision.tokens import IMAGE_TOKEN, compact_images, expand_images
 
 __all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "ImageLoadError", "ImageRef", "VisionSpec", "as_ref", "build_untrained",
            "compact_images", "describe", "expand_images", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]

@@ -12,9 +12,6 @@
                                        built once under a file lock (flashrl.models.build_folder), warm-started
                                        on the env's train split (flashrl/vision/warm.py), its report in
                                        flashrl_warmstart.json
-    load_processor(folder)             the folder's processor (AutoProcessor: Idefics3Processor, PIL backend)
-    image_expansion(processor)         the token ids one IMAGE_TOKEN of a prompt becomes (vLLM expands it the
-                                       same way: flashrl/vision/__init__.py)
 
 Why Idefics3 and not Qwen2-VL on the CPU: flashrl/vision/__init__.py (vLLM 0.32's Qwen2-VL needs torchvision).
 Why the char tokenizer: the built-in text model's (flashrl/models/tokenizer.py), so prompts and answers are
@@ -33,14 +30,11 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.models.tokenizer import BOS, EOS, PAD, build_char_tokenizer
+from flashrl.vision.tokens import IMAGE_TOKEN, IMAGE_TOKENS
 
-__all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "IMAGE_TOKENS", "VisionSpec", "build_untrained", "ensure_vlm",
-           "image_expansion", "load_processor"]
+__all__ = ["BUILTIN_VLM", "VisionSpec", "build_untrained", "ensure_vlm"]
 
 BUILTIN_VLM = "builtin:vlm"
-IMAGE_TOKEN = "<image>"  # one per image in a prompt's text, where the image goes
-# Idefics3Processor's tokens (its __init__ adds any missing; saved first so the ids are fixed)
-IMAGE_TOKENS = ("<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>")
 WARMSTART_FILE = "flashrl_warmstart.json"
 _RECIPE_VERSION = 1
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention (flashrl/models/tiny.py)
@@ -124,27 +118,6 @@ def build_untrained(path: str | Path, seed: int = 0, spec: VisionSpec | None = N
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size=size, max_image_size=size)
     Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=spec.image_seq_len).save_pretrained(str(out))
     return out
-
-
-def load_processor(folder: str | Path) -> Any:
-    """The processor saved in ``folder`` (offline); a folder without one is a ValueError saying so."""
-    from transformers import AutoProcessor
-
-    p = Path(folder)
-    if not (p / "processor_config.json").is_file() and not (p / "preprocessor_config.json").is_file():
-        raise ValueError(f"{p}: no image processor (processor_config.json / preprocessor_config.json): a model "
-                         "for tasks with images needs one; use builtin:vlm or a vision-language model folder")
-    return AutoProcessor.from_pretrained(str(p), local_files_only=True)
-
-
-def image_expansion(processor: Any) -> list[int]:
-    """The ids one IMAGE_TOKEN of a prompt becomes once expanded (the processor's, which vLLM applies too):
-    for this model ``<fake_token_around_image> <global-img> <image> x image_seq_len <fake_token_around_image>``."""
-    from PIL import Image
-
-    side = int(processor.image_processor.size["longest_edge"])
-    ids = processor(text=IMAGE_TOKEN, images=[Image.new("RGB", (side, side))], return_tensors="pt")["input_ids"]
-    return [int(i) for i in ids[0]]
 
 
 # --------------------------------------------------------------------------- builtin:vlm, cached

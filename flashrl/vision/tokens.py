@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_images", "expand_images"]
+__all__ = ["IMAGE_TOKEN", "IMAGE_TOKENS", "compact_images", "expand_images"]
+
+IMAGE_TOKEN = "<image>"  # one per image in a prompt's text, where the image goes (builtin:vlm's, Idefics3's)
+# Idefics3Processor's tokens (its __init__ adds any missing; builtin:vlm saves them first so the ids are fixed)
+IMAGE_TOKENS = ("<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>")
 
 
 def expand_images(ids: Sequence[int], image_id: int, expansion: Sequence[int]) -> list[int]:

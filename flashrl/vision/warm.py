@@ -28,7 +28,7 @@ import msgspec
 from msgspec import Meta
 
 from flashrl.env import Task
-from flashrl.vision.tokens import expand_images
+from flashrl.vision.tokens import IMAGE_TOKEN, expand_images
 
 __all__ = ["Batch", "VisionWarmStart", "greedy_answers", "make_batch", "warm_start"]
 
@@ -67,7 +67,7 @@ def make_batch(processor: Any, tasks: Sequence[Task], answers: Sequence[str], ex
     import torch
 
     tok = processor.tokenizer
-    image_id = tok.convert_tokens_to_ids("<image>")
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     rows, masks = [], []
     for task, answer in zip(tasks, answers):
         prompt = expand_images(tok.encode(task.prompt, add_special_tokens=False), image_id, expansion)
@@ -92,19 +92,23 @@ def _loss(model: Any, b: Batch) -> Any:
 def greedy_answers(model: Any, processor: Any, tasks: Sequence[Task], expansion: Sequence[int], max_new: int,
                    sample: Any = None) -> list[str]:
     """Greedy answers of ``model`` (no KV cache: the whole sequence each token, at this size not slower);
-    ``sample`` (a torch.Generator): sampled at temperature 1 instead."""
+    ``sample`` (a torch.Generator): sampled at temperature 1 instead. Image tokens are never drawn
+    (processor.image_token_ids)."""
     import torch
 
+    from flashrl.vision.processor import image_token_ids
+
     tok = processor.tokenizer
-    image_id = tok.convert_tokens_to_ids("<image>")
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     ids = torch.tensor([expand_images(tok.encode(t.prompt, add_special_tokens=False), image_id, expansion) for t in tasks])
     pixel_values, pixel_mask = _pixels(processor, tasks)
     done = torch.zeros(len(tasks), dtype=torch.bool)
+    banned = torch.tensor(image_token_ids(processor))
     new: list[Any] = []
     with torch.no_grad():
         for _ in range(max_new):
             logits = model(input_ids=ids, pixel_values=pixel_values, pixel_attention_mask=pixel_mask).logits
-            last = logits[:, -1]
+            last = logits[:, -1].index_fill(1, banned, float("-inf"))
             nxt = last.argmax(-1) if sample is None else torch.multinomial(last.softmax(-1), 1, generator=sample)[:, 0]
             nxt = torch.where(done, torch.full_like(nxt, tok.eos_token_id), nxt)
             new.append(nxt)
@@ -136,7 +140,7 @@ def warm_start(folder: str | Path, suite: Any, warm: VisionWarmStart, seed: int 
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from flashrl.vision.build import image_expansion, load_processor
+    from flashrl.vision.processor import image_expansion, load_processor
 
     t0 = time.monotonic()
     processor = load_processor(folder)

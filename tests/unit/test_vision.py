@@ -142,6 +142,9 @@ def test_the_built_folder_has_a_processor_and_one_image_token_expands_to_the_pro
     image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     fake, glob = (tok.convert_tokens_to_ids(t) for t in ("<fake_token_around_image>", "<global-img>"))
     assert image_expansion(proc) == [fake, glob] + [image_id] * 16 + [fake]
+    from flashrl.vision.processor import image_token_ids
+
+    assert image_token_ids(proc) == sorted({fake, glob, image_id})
     assert tok.encode("12 read:", add_special_tokens=False)[:2] == [5, 6]  # the char tokenizer's ids, unchanged
     assert tok.encode(IMAGE_TOKEN, add_special_tokens=False) == [image_id]
 
@@ -177,7 +180,7 @@ def test_a_short_warm_start_probes_saves_and_reports(tmp_path: Path, suite: Digi
     folder = build_untrained(tmp_path / "m", seed=0)
     torch.set_num_threads(1)
     lines: list[str] = []
-    report = warm_start(folder, suite, VisionWarmStart(max_steps=4, batch=8, check_every=2, probe_size=8,
+    report = warm_start(folder, suite, VisionWarmStart(max_steps=4, batch=8, check_every=2, probe_size=8, min_steps=0,
                                                         target_accuracy=1.0), seed=0, log=lines.append)
     assert report["steps"] == 4 and 0 <= report["eval_accuracy"] <= 1 and report["preprocess_ms_per_image"] > 0
     assert len(lines) == 2 and "probe accuracy" in lines[0]
