@@ -66,8 +66,14 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
   warm-start reports it), on the CPU of whoever calls it: the trainer's batch (PixelCache: once per distinct
   image), vLLM's input processing in the engine process, never the controller's event loop as long as the
   controller only forwards references.
-- builtin:vlm's warm-start (envs/digits.py, seed 0, defaults, eval_size 30): stopped at step 750 (probe 66%),
-  held-out greedy 53%, one sample at temperature 1: 67%; 628 s on the loaded 2-core host.
+- builtin:vlm's warm-start (envs/digits.py, defaults, eval_size 30), seeds 0/1/2: stopped at step 750/750/1250,
+  held-out greedy 53/50/50%, one sample at temperature 1 67/57/43%; 10-14 min each on the loaded 2-core host.
+  Then one-process GRPO (bench/vision_grpo.py: transformers, not flashrl's loop, 100 steps of 8 x 8): held-out
+  greedy 56.7 -> 100.0, 57.5 -> 98.3, 36.7 -> 71.7% (bench/results/vision/README.md): RL corrects the handicap.
+- A policy may sample an image token (seed 1 did, at step ~90 of that GRPO run): the forward of a sequence
+  with an image token no pixels stand behind fails ("Number of elements of source < number of ones in mask").
+  Sampling must ban the expansion's special tokens (processor.image_token_ids): warm.py and the bench do;
+  flashrl's engines would pass them to vLLM as banned tokens (not done: Generate carries no such field yet).
 """
 
 from __future__ import annotations
