@@ -58,6 +58,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.rewardmodel",  # reward models beside the verifier: built (on models), served in worker processes
     "flashrl.judge",  # a generative judge beside the verifier: built (on models), served by engine processes
     "flashrl.distill",  # on-policy distillation: teachers built (on models), served by engine processes
+    "flashrl.vision",  # vision-language models: builtin:vlm (on models), images as references, checked on an engine
     "flashrl.envcheck",  # what validate checks of an environment beyond its params (builds the suite)
     "flashrl.doctor",  # `flashrl doctor --gpu`: the trainer, the weight sync and a built chat model, checked on a device
     "flashrl.launch.processes",  # the engine pool and trainer group of a run, started through a launcher
