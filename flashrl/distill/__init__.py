@@ -54,8 +54,3 @@ async def start_teachers(cfg: Any, student: Any, progress: Any = None, launcher:
     teachers = Teachers(cfg.distill, pools)
     await teachers.start()
     return teachers
-
-
-def teacher_engines(cfg: Any) -> int:
-    """Teacher engine processes the run starts (the launchers place them in the "judge" role, after the judge's)."""
-    return sum(t.engines for t in cfg.distill.teachers)
