@@ -6,6 +6,7 @@
   step's distill/reverse_kl.
 - The teacher's engine SIGKILLed mid-run: every step once, the death named, the retries and the restart counted,
   no sample failed for it, nothing left running.
+- Two teachers, a data column naming each prompt's: every sample scored by the engines of the teacher its row names.
 """
 
 from __future__ import annotations
@@ -116,3 +117,79 @@ def test_a_killed_teacher_engine_is_restarted_and_every_step_trains_once(tmp_pat
     time.sleep(0.5)
     alive = [c for c in seen if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"left running: {[(c.pid, c.cmdline()) for c in alive]}"
+
+
+@pytest.mark.timeout(900)
+def test_each_prompt_is_scored_by_the_teacher_its_row_names(tmp_path: Path) -> None:
+    """Two teachers on engines of their own; a data column (env.params.extra) picks each prompt's. Every sample's
+    teacher log-probabilities are its named teacher's (a transformers forward), not the other's."""
+    import textwrap
+
+    from flashrl.config import load
+    from flashrl.models import ensure_model
+    from flashrl.models.tiny import build_untrained
+    from flashrl.models.tokenizer import load_tokenizer
+
+    student = ensure_model(load(ROOT / "configs" / "tiny.toml")).resolve()
+    folders = {"a": build_untrained(tmp_path / "ta", seed=3), "b": build_untrained(tmp_path / "tb", seed=4)}
+    picks = {f"{i}+{i + 7}=": "ab"[i % 3 == 0] for i in range(40)}  # the rendered prompt -> its row's teacher
+    (tmp_path / "rows.jsonl").write_text("".join(
+        f'{{"q": "{i}+{i + 7}", "a": "{2 * i + 7}", "who": "{"ab"[i % 3 == 0]}"}}\n' for i in range(40)))
+    teachers = "".join(f'\n        [[distill.teachers]]\n        name = "{n}"\n        model = "{f}"\n'
+                       "        kv_cache_gib = 0.25\n        threads = 1" for n, f in folders.items())
+    (tmp_path / "run.toml").write_text(textwrap.dedent(f"""
+        [run]
+        name = "two"
+        output_dir = "{tmp_path}"
+        steps = 1
+        eval_every = 0
+        dashboard = "plain"
+        checkpoint_every = 0
+        [model]
+        path = "{student}"
+        max_model_len = 64
+        [env]
+        name = "dataset"
+        eval_size = 4
+        [env.params]
+        path = "{tmp_path / 'rows.jsonl'}"
+        prompt = "q"
+        answer = "a"
+        extra = ["who"]
+        template = "{{prompt}}="
+        [distill]
+        mode = "kl"
+        teacher_key = "who"{teachers}
+        [rollout]
+        group_size = 4
+        batch_prompts = 8
+        max_new_tokens = 4
+        temperature = 1.0
+        [scheduler]
+        async_ratio = 0
+        [engine]
+        count = 1
+        kv_cache_gib = 0.25
+        threads = 1
+        [log]
+        samples_per_step = 32
+    """))
+    done = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    tok = load_tokenizer(student)
+    lines = [r for r in read_jsonl(tmp_path / "two" / "samples.jsonl") if r["kind"] == "train"]
+    assert len(lines) == 32 and {r["teacher"] for r in lines} == {"a", "b"}
+    checked = {"a": 0, "b": 0}
+    for r in lines:
+        named = picks[r["prompt"]]
+        assert r["teacher"] == named, (r["prompt"], r["teacher"])
+        if checked[named] >= 4:
+            continue
+        checked[named] += 1
+        prompt = tok.encode(r["prompt"])
+        own = _logprobs(folders[named], prompt, r["response_ids"])
+        other = _logprobs(folders["ab"[named == "a"]], prompt, r["response_ids"])
+        assert max(abs(x - y) for x, y in zip(own, r["teacher_logp"])) < 1e-4
+        assert max(abs(x - y) for x, y in zip(other, r["teacher_logp"])) > 1e-2  # the teachers do differ
+    assert checked == {"a": 4, "b": 4}
