@@ -194,6 +194,89 @@ def _seal(trainer: Any, path: str, rank: int) -> None:
         trainer.wait_checkpoint_writes(_WRITE_TIMEOUT_S)
 
 
+class _Run(msgspec.Struct, kw_only=True):
+    """What the trainer checks saw on one rank: state dicts at each point, the steps' results, the failures of the
+    background checkpoints (each check judges its part)."""
+
+    before: dict[str, Any]
+    saved: dict[str, Any]
+    after: dict[str, Any]
+    restored: dict[str, Any]
+    restored_bg: dict[str, Any]
+    restored_bg2: dict[str, Any]
+    results: list[Any]
+    step_s: float
+    ckpt: str
+    bg: str
+    bg_error: str
+    bg2_error: str
+    first_writer: str
+    other: str
+    lp: list[float]
+    manifest: Any
+    prepared: Any
+
+
+def _snapshot(trainer: Any) -> dict[str, Any]:
+    return {k: v.clone() for k, v in trainer.full_state_dict().items()}  # a plain model's are live views
+
+
+def _background_save(trainer: Any, path: str, rank: int, seal: bool, what: str) -> str:
+    """Save ``path`` in the background (sealed now when ``seal``); "" or the failure, reported by dcp-async."""
+    try:
+        trainer.save_checkpoint(path, background=True)
+        if seal:
+            _seal(trainer, path, rank)
+    except Exception as e:  # noqa: BLE001 - reported as dcp-async's FAIL; the other checks go on
+        return f"{what}: {type(e).__name__}: {e}"
+    return ""
+
+
+def _exercise(trainer: Any, spec: WorkerSpec, rank: int) -> _Run:
+    """Two steps, a checkpoint after the first (also in the background, written while the second trains), a
+    background save by the other writer after the second, logprobs, the weight packing, then every load."""
+    import torch.distributed as dist
+
+    before = _snapshot(trainer)
+    t0 = time.perf_counter()
+    r1 = trainer.train_step(_batch(0))
+    ckpt, bg = str(Path(spec.workdir) / "ckpt"), str(Path(spec.workdir) / "ckpt-bg")
+    trainer.save_checkpoint(ckpt)
+    saved = _snapshot(trainer)
+    bg_error = _background_save(trainer, bg, rank, False, "background save")  # staged, written while step 2 trains
+    r2 = trainer.train_step(_batch(1))
+    step_s = time.perf_counter() - t0
+    if not bg_error:
+        try:
+            _seal(trainer, bg, rank)
+        except Exception as e:  # noqa: BLE001
+            bg_error = f"background write: {type(e).__name__}: {e}"
+    dist.barrier()  # rank 0 sealed (renamed) it before any rank loads it
+    after = _snapshot(trainer)
+    # the other background writer (trainer.checkpoint_writer: "auto" picked one above), on step 2's state
+    first_writer = trainer.checkpoint_writer
+    other = "process" if first_writer == "thread" else "thread"
+    bg2 = str(Path(spec.workdir) / f"ckpt-bg-{other}")
+    trainer.checkpoint_writer = other
+    bg2_error = _background_save(trainer, bg2, rank, True, f"background save by the {other} writer")
+    dist.barrier()
+    lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
+    manifest = trainer.prepare_weights(trainer.version)
+    prepared = trainer.weights.prepared
+    restored_bg2 = _loaded(trainer, bg2) if not bg2_error else {}
+    restored_bg = _loaded(trainer, bg) if not bg_error else {}
+    trainer.load_checkpoint(ckpt)
+    return _Run(before=before, saved=saved, after=after, restored=trainer.full_state_dict(), restored_bg=restored_bg,
+                restored_bg2=restored_bg2, results=[r1, r2], step_s=step_s, ckpt=ckpt, bg=bg, bg_error=bg_error,
+                bg2_error=bg2_error, first_writer=first_writer, other=other, lp=lp, manifest=manifest,
+                prepared=prepared)
+
+
+def _loaded(trainer: Any, path: str) -> dict[str, Any]:
+    trainer.load_checkpoint(path)
+    return _snapshot(trainer)
+
+
 def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
     """trainer / pack / dcp checks of one rank (every rank runs the same collectives; rank 0 reports)."""
     import torch
@@ -201,7 +284,6 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
 
     from flashrl.trainer.worker import Trainer
     from flashrl.wire.rendezvous import init_default_group
-    from flashrl.wire.weights import unpack_bucket, verify_checksum
 
     tag = f"[world {world}]"
     device = torch.device("cpu")
@@ -214,131 +296,105 @@ def _trainer_job(spec: WorkerSpec, rank: int, world: int) -> None:
         cfg = _trainer_cfg(spec.device)
         torch.manual_seed(0)
         trainer = Trainer(cfg, spec.model, device)
-        before = trainer.full_state_dict()
-        before = {k: v.clone() for k, v in before.items()}
-        t0 = time.perf_counter()
-        r1 = trainer.train_step(_batch(0))
-        ckpt = str(Path(spec.workdir) / "ckpt")
-        trainer.save_checkpoint(ckpt)
-        saved = {k: v.clone() for k, v in trainer.full_state_dict().items()}
-        # the same state again, in the background (trainer.checkpoint_async): staged, then written while step 2 trains
-        bg = str(Path(spec.workdir) / "ckpt-bg")
-        bg_error = ""
-        try:
-            trainer.save_checkpoint(bg, background=True)
-        except Exception as e:  # noqa: BLE001 - reported as dcp-async's FAIL; the other checks go on
-            bg_error = f"background save: {type(e).__name__}: {e}"
-        r2 = trainer.train_step(_batch(1))
-        step_s = time.perf_counter() - t0
-        if not bg_error:
-            try:
-                _seal(trainer, bg, rank)
-            except Exception as e:  # noqa: BLE001
-                bg_error = f"background write: {type(e).__name__}: {e}"
-        dist.barrier()  # rank 0 sealed (renamed) it before any rank loads it
-        after = {k: v.clone() for k, v in trainer.full_state_dict().items()}  # a plain model's are live views
-        # the other background writer (trainer.checkpoint_writer: "auto" picked one above), on step 2's state
-        first_writer = trainer.checkpoint_writer
-        other = "process" if first_writer == "thread" else "thread"
-        bg2 = str(Path(spec.workdir) / f"ckpt-bg-{other}")
-        bg2_error = ""
-        try:
-            trainer.checkpoint_writer = other
-            trainer.save_checkpoint(bg2, background=True)
-            _seal(trainer, bg2, rank)
-        except Exception as e:  # noqa: BLE001 - reported in dcp-async's detail; the other checks go on
-            bg2_error = f"background save by the {other} writer: {type(e).__name__}: {e}"
-        dist.barrier()
-        lp = trainer.compute_logprobs([5, 10, 11, 12], [20, 21, 22, 3])
-        manifest = trainer.prepare_weights(trainer.version)
-        prepared = trainer.weights.prepared
-        restored_bg2: dict[str, Any] = {}
-        if not bg2_error:
-            trainer.load_checkpoint(bg2)
-            restored_bg2 = {k: v.clone() for k, v in trainer.full_state_dict().items()}
-        restored_bg: dict[str, Any] = {}
-        if not bg_error:
-            trainer.load_checkpoint(bg)
-            restored_bg = {k: v.clone() for k, v in trainer.full_state_dict().items()}
-        trainer.load_checkpoint(ckpt)
-        restored = trainer.full_state_dict()
+        run = _exercise(trainer, spec, rank)
         if rank != 0:
             return
-        # ---- trainer
-        problems = []
-        p = next(iter(trainer.model.parameters()))
-        if p.device.type != spec.device:
-            problems.append(f"parameters on {p.device}, not {spec.device}")
-        if spec.device == "cuda" and not trainer.sharded:
-            problems.append("a GPU trainer must be FSDP2-sharded (its bf16 mixed precision is FSDP2's)")
-        losses = [r.metrics["loss/policy"] for r in (r1, r2) if r is not None]
-        if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
-            problems.append(f"losses {losses}: expected two finite values")
-        if not any(not torch.equal(before[k], after[k]) for k in before):
-            problems.append("two steps left every weight unchanged")
-        if not all(math.isfinite(x) for x in lp):
-            problems.append(f"logprobs not finite: {lp}")
-        status: Status = "FAIL" if problems else "PASS"
-        detail = "; ".join(problems) or (
-            f"2 steps on {device}, {'FSDP2' if trainer.sharded else 'plain module'}, "
-            f"compute {cfg.model.dtype}, loss {losses[0]:.4f} -> {losses[1]:.4f}, {step_s:.1f}s")
-        _report(spec, Check(f"trainer{tag}", status, detail))
-        # ---- pack (the trainer's own weight-sync packing)
-        problems = []
-        if manifest is None or prepared is None:
-            problems.append("prepare_weights returned nothing on rank 0")
-        else:
-            names = []
-            for b, flat in zip(manifest.buckets, prepared[1]):
-                if verify_checksum(flat, b.checksum) != b.checksum:
-                    problems.append(f"bucket of {b.tensors[0].name} fails its own checksum")
-                for name, view in unpack_bucket(b, flat):
-                    names.append(name)
-                    if not torch.equal(view.cpu(), after[name].to(view.dtype).cpu()):
-                        problems.append(f"{name} packed differs from the state dict")
-            want = [k for k in after if not (trainer.tie_word_embeddings and k == "lm_head.weight")]
-            if sorted(names) != sorted(want):
-                problems.append(f"packed names {sorted(set(want) ^ set(names))} differ from the model's")
-        algos = sorted({b.checksum.split(":")[0] for b in manifest.buckets}) if manifest else []
-        _report(spec, Check(f"pack{tag}", "FAIL" if problems else "PASS", "; ".join(dict.fromkeys(problems)) or
-                            f"{len(manifest.buckets) if manifest else 0} buckets, {'/'.join(algos)} verified, "
-                            f"gather {manifest.timings.get('gather_s', 0):.3f}s pack {manifest.timings.get('pack_s', 0):.3f}s"
-                            if manifest else ""))
-        # ---- dcp
-        problems = []
-        if not Path(ckpt).is_dir() or Path(ckpt + ".tmp").exists():
-            problems.append(f"{ckpt} not renamed into place")
-        if trainer.version != 1:
-            problems.append(f"version {trainer.version} after loading step 1's checkpoint")
-        changed = [k for k in saved if not torch.equal(saved[k], restored[k])]
-        if changed:
-            problems.append(f"{len(changed)} tensors differ from the saved ones after load (e.g. {changed[0]})")
-        if not any(not torch.equal(saved[k], after[k]) for k in saved):
-            problems.append("step 2 changed nothing, so the load proved nothing")
-        _report(spec, Check(f"dcp{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
-                            f"save (atomic), step, load on {device}: weights and version restored exactly"))
-        # ---- dcp-async: the background checkpoint of step 1, written while step 2 trained
-        problems = [bg_error] if bg_error else []
-        if not bg_error:
-            if not Path(bg).is_dir() or Path(bg + ".tmp").exists():
-                problems.append(f"{bg} not sealed (renamed into place)")
-            changed = [k for k in saved if not torch.equal(saved[k], restored_bg[k])]
-            if changed:
-                problems.append(f"{len(changed)} tensors differ from step 1's after load (e.g. {changed[0]}): the "
-                                "write saw the step trained beside it")
-        if bg2_error:
-            problems.append(bg2_error)
-        else:
-            changed = [k for k in after if not torch.equal(after[k], restored_bg2[k])]
-            if changed:
-                problems.append(f"the {other} writer's checkpoint: {len(changed)} tensors differ from step 2's after "
-                                f"load (e.g. {changed[0]})")
-        _report(spec, Check(f"dcp-async{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
-                            f"background save by the {first_writer} writer (staged, written while step 2 trained), "
-                            f"sealed, load on {device}: step 1's weights restored exactly; by the {other} writer: "
-                            "step 2's restored exactly"))
+        _report(spec, _trainer_check(trainer, run, spec, cfg, device, tag))
+        _report(spec, _pack_check(trainer, run, tag))
+        _report(spec, _dcp_check(trainer, run, device, tag))
+        _report(spec, _dcp_async_check(run, device, tag))
     finally:
         dist.destroy_process_group()
+
+
+def _trainer_check(trainer: Any, run: _Run, spec: WorkerSpec, cfg: Any, device: Any, tag: str) -> Check:
+    import torch
+
+    problems = []
+    p = next(iter(trainer.model.parameters()))
+    if p.device.type != spec.device:
+        problems.append(f"parameters on {p.device}, not {spec.device}")
+    if spec.device == "cuda" and not trainer.sharded:
+        problems.append("a GPU trainer must be FSDP2-sharded (its bf16 mixed precision is FSDP2's)")
+    losses = [r.metrics["loss/policy"] for r in run.results if r is not None]
+    if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
+        problems.append(f"losses {losses}: expected two finite values")
+    if not any(not torch.equal(run.before[k], run.after[k]) for k in run.before):
+        problems.append("two steps left every weight unchanged")
+    if not all(math.isfinite(x) for x in run.lp):
+        problems.append(f"logprobs not finite: {run.lp}")
+    detail = "; ".join(problems) or (
+        f"2 steps on {device}, {'FSDP2' if trainer.sharded else 'plain module'}, "
+        f"compute {cfg.model.dtype}, loss {losses[0]:.4f} -> {losses[1]:.4f}, {run.step_s:.1f}s")
+    return Check(f"trainer{tag}", "FAIL" if problems else "PASS", detail)
+
+
+def _pack_check(trainer: Any, run: _Run, tag: str) -> Check:
+    """The trainer's own weight-sync packing: every bucket passes its checksum and unpacks to the state dict."""
+    import torch
+
+    from flashrl.wire.weights import unpack_bucket, verify_checksum
+
+    manifest, problems = run.manifest, []
+    if manifest is None or run.prepared is None:
+        return Check(f"pack{tag}", "FAIL", "prepare_weights returned nothing on rank 0")
+    names = []
+    for b, flat in zip(manifest.buckets, run.prepared[1]):
+        if verify_checksum(flat, b.checksum) != b.checksum:
+            problems.append(f"bucket of {b.tensors[0].name} fails its own checksum")
+        for name, view in unpack_bucket(b, flat):
+            names.append(name)
+            if not torch.equal(view.cpu(), run.after[name].to(view.dtype).cpu()):
+                problems.append(f"{name} packed differs from the state dict")
+    want = [k for k in run.after if not (trainer.tie_word_embeddings and k == "lm_head.weight")]
+    if sorted(names) != sorted(want):
+        problems.append(f"packed names {sorted(set(want) ^ set(names))} differ from the model's")
+    algos = sorted({b.checksum.split(":")[0] for b in manifest.buckets})
+    return Check(f"pack{tag}", "FAIL" if problems else "PASS", "; ".join(dict.fromkeys(problems)) or
+                 f"{len(manifest.buckets)} buckets, {'/'.join(algos)} verified, "
+                 f"gather {manifest.timings.get('gather_s', 0):.3f}s pack {manifest.timings.get('pack_s', 0):.3f}s")
+
+
+def _dcp_check(trainer: Any, run: _Run, device: Any, tag: str) -> Check:
+    import torch
+
+    problems = []
+    if not Path(run.ckpt).is_dir() or Path(run.ckpt + ".tmp").exists():
+        problems.append(f"{run.ckpt} not renamed into place")
+    if trainer.version != 1:
+        problems.append(f"version {trainer.version} after loading step 1's checkpoint")
+    changed = [k for k in run.saved if not torch.equal(run.saved[k], run.restored[k])]
+    if changed:
+        problems.append(f"{len(changed)} tensors differ from the saved ones after load (e.g. {changed[0]})")
+    if not any(not torch.equal(run.saved[k], run.after[k]) for k in run.saved):
+        problems.append("step 2 changed nothing, so the load proved nothing")
+    return Check(f"dcp{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
+                 f"save (atomic), step, load on {device}: weights and version restored exactly")
+
+
+def _dcp_async_check(run: _Run, device: Any, tag: str) -> Check:
+    """The background checkpoint of step 1, written while step 2 trained, and the other writer's of step 2."""
+    import torch
+
+    problems = [run.bg_error] if run.bg_error else []
+    if not run.bg_error:
+        if not Path(run.bg).is_dir() or Path(run.bg + ".tmp").exists():
+            problems.append(f"{run.bg} not sealed (renamed into place)")
+        changed = [k for k in run.saved if not torch.equal(run.saved[k], run.restored_bg[k])]
+        if changed:
+            problems.append(f"{len(changed)} tensors differ from step 1's after load (e.g. {changed[0]}): the "
+                            "write saw the step trained beside it")
+    if run.bg2_error:
+        problems.append(run.bg2_error)
+    else:
+        changed = [k for k in run.after if not torch.equal(run.after[k], run.restored_bg2[k])]
+        if changed:
+            problems.append(f"the {run.other} writer's checkpoint: {len(changed)} tensors differ from step 2's after "
+                            f"load (e.g. {changed[0]})")
+    return Check(f"dcp-async{tag}", "FAIL" if problems else "PASS", "; ".join(problems) or
+                 f"background save by the {run.first_writer} writer (staged, written while step 2 trained), "
+                 f"sealed, load on {device}: step 1's weights restored exactly; by the {run.other} writer: "
+                 "step 2's restored exactly")
 
 
 def _broadcast_job(spec: WorkerSpec, rank: int) -> None:
