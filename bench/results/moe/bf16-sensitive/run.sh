@@ -1,0 +1,20 @@
+#!/bin/bash
+# Routing replay off vs r3, synchronous (async_ratio 0: every trained token on-policy, the mismatch measured every
+# step), seed 0, bfloat16 in the engine AND the trainer (trainer.cpu_mixed_precision), on the shipped builtin:moe
+# (2 layers, 8 experts, top-2) and on a routing-sensitive variant (4 layers, 32 experts, top-4; build_variant.py).
+# Float32 references of the variant. From the repository root:
+#   bash bench/results/moe/bf16-sensitive/run.sh OUT_DIR STEPS
+set -e
+OUT=${1:-/tmp/moe_bf16}; STEPS=${2:-30}
+VARIANT=$(python bench/results/moe/bf16-sensitive/build_variant.py 0 | tail -1)
+run() {  # name, then --set overrides
+  local name=$1; shift
+  timeout 1800 python -m flashrl.cli run configs/moe.toml --set run.steps=$STEPS --set run.max_time_s=0 \
+    --set run.eval_every=0 --set run.dashboard=plain --set run.output_dir=\"$OUT\" --set run.name=\"$name\" \
+    --set scheduler.async_ratio=0 --set run.seed=0 "$@" > "$OUT/$name.log" 2>&1
+}
+mkdir -p "$OUT"
+BF16=(--set model.dtype=\"bfloat16\" --set trainer.cpu_mixed_precision=true)
+for m in off r3; do run ship-bf16-$m "${BF16[@]}" --set moe.replay=\"$m\"; done
+for m in off r3; do run var-bf16-$m "${BF16[@]}" --set model.path=\"$VARIANT\" --set moe.replay=\"$m\"; done
+for m in off r3; do run var-fp32-$m --set model.path=\"$VARIANT\" --set moe.replay=\"$m\"; done
