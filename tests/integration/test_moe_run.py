@@ -131,3 +131,67 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
         got = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=4, do_sample=False)
         assert got[0, len(p):].tolist()[: len(want)] == want
+
+
+@pytest.mark.timeout(1500)
+def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: Path) -> None:
+    """`flashrl run configs/moe.toml` (r3, async, partial rollouts) stopped by SIGTERM after a few steps: its
+    checkpoint keeps the untrained rollouts (finished and cut ones) with one well-formed engine route per
+    generated token; `--resume` restores them (resume/restored_routes counts every saved route), regenerates
+    none, and its trainer replays them: every routed position of the first resumed step's forwards is forced, and
+    the trainer's own router agrees with the replayed routes of that step's tokens (fresh and restored alike)."""
+    import os
+    import signal
+    import time
+
+    import msgspec
+
+    from flashrl.checkpoint import ROLLOUTS_FILE, RolloutSnapshot, read_latest
+    from flashrl.moe.routes import RouteShape, check_routes
+
+    sets = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "run.name=res", "--set", "run.eval_every=0",
+            "--set", "run.dashboard=plain", "--set", "run.max_time_s=0", "--set", "env.eval_size=16",
+            "--set", "rollout.max_new_tokens=8", "--set", "run.checkpoint_every=0"]
+    cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "moe.toml"), *sets]
+    run_dir = tmp_path / "runs" / "res"
+    proc = subprocess.Popen([*cmd, "--set", "run.steps=400"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").exists() and any(r.get("step", 0) >= 3 for r in read_jsonl(run_dir / "metrics.jsonl")):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+        proc.send_signal(signal.SIGTERM)  # finish the step, cut the rollouts in flight, checkpoint, exit 130
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    assert proc.returncode == 130, out[-3000:]
+    ckpt = read_latest(run_dir / "checkpoints")
+    assert ckpt is not None
+    snap = msgspec.msgpack.decode((ckpt / ROLLOUTS_FILE).read_bytes(), type=RolloutSnapshot)
+    shape = RouteShape(2, 8, 2)
+    saved = [t for g in snap.groups for t in (*g.samples, *g.held, *g.unfinished) if t.response_ids]
+    assert saved, "nothing untrained at the stop: the test shows nothing"
+    for t in saved:  # one route per generated token, as the engine captured it
+        assert len(t.routes) == len(t.response_ids), t.sample_id
+        check_routes(b"".join(t.routes), len(t.routes), shape, f"checkpoint {t.sample_id}")
+    stopped = snap.version
+    second = subprocess.run([*cmd, "--set", f"run.steps={stopped + 2}", "--resume"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) > stopped and "grad_norm" in r]
+    assert [r["step"] for r in rows] == [stopped + 1, stopped + 2]
+    last = rows[-1]
+    assert last["count/resume/restored_routes"] == sum(len(t.routes) for t in saved)
+    assert last["count/resume/regenerated_tokens"] == 0
+    first = rows[0]
+    assert first["moe/replayed"] == 1.0  # r3: every position with a route forced to it, the restored ones included
+    # the restored tokens (older versions) are compared in moe/disagree_all: their saved routes are the engine's
+    # routes of those tokens, which the float32 trainer's router reproduces (routes zeroed, shifted or of other
+    # tokens would disagree on most of them)
+    assert first["moe/disagree_all"] <= 0.05, first
