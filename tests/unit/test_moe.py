@@ -264,6 +264,20 @@ def test_r2_records_the_trainers_own_routes_then_replays_them() -> None:
         torch.testing.assert_close(model(input_ids=full.input_ids).logits, base)  # same weights: same routes
 
 
+def test_r3_refuses_a_batch_with_a_generated_token_without_an_engine_route() -> None:
+    """r3 asserts engine/trainer disagreement 0: every trained token replays the engine's route, so a generated
+    token without one (a lost capture, a checkpoint saved without routes) is an error naming the fix."""
+    model = tiny_moe()
+    row = stand_in_routes(SHAPE, seed=1)
+    full = [[row(1)[i * 4:(i + 1) * 4] for i in range(1)] * 3, [row(1)] * 2 + [b""]]
+    for mode in ("off", "r2"):  # they route such a token themselves
+        RouteReplay(model, mode).prepare(_batch(full), _forward(model, RouteReplay(model, "off")), 8, 0)
+    with pytest.raises(RouteReplayError, match="r3: 1 of 6 generated tokens of step 0's batch have no engine route"):
+        RouteReplay(model, "r3").prepare(_batch(full), lambda b: None, 8, 0)
+    with pytest.raises(RouteReplayError, match="r3: 6 of 6"):
+        RouteReplay(model, "r3").prepare(_batch(None), lambda b: None, 8, 0)
+
+
 def test_replay_refuses_routes_of_another_layout() -> None:
     replay = RouteReplay(tiny_moe(), "r3")
     with pytest.raises(ValueError, match="routes of 3 bytes"):
@@ -343,7 +357,8 @@ def test_a_resumed_run_trains_the_saved_routes_of_its_continued_rollouts(tmp_pat
 def test_a_resume_regenerates_a_prefix_saved_without_routes_when_the_run_now_captures_them(tmp_path: Path) -> None:
     """A checkpoint of a run that captured no routes, resumed by one that does: the saved prefixes are generated
     again (counted), so that each of their trained tokens has the route that sampled it. (Samples that had
-    finished train as saved, without routes: the trainer routes their tokens itself, moe/replayed < 1.)"""
+    finished come back as saved, without routes: off and r2 route them in the trainer, r3 refuses the batch,
+    test_r3_refuses_a_batch_with_a_generated_token_without_an_engine_route.)"""
     from flashrl.resuming import prepare_resume
     from tests.unit.test_resume_rollouts import Run, partial_cfg, snapshot_prefixes, tail_script
 
