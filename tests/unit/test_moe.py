@@ -377,8 +377,11 @@ def test_a_resume_regenerates_a_prefix_saved_without_routes_when_the_run_now_cap
     assert again and all(len(x.routes) == len(x.response_ids) for x in again)
 
 
-def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
-    """The simulator knows the routing payload: SimEngine answers with routes, the rollouts check and keep them."""
+def test_simulated_moe_engines_carry_routes_through_the_controller(tmp_path: Path) -> None:
+    """The simulator knows the routing payload: SimEngine answers with routes (builtin:moe's shape, or a MoE
+    folder's), the rollouts check and keep them."""
+    import json
+
     from flashrl.bench.simulate import moe_routes
     from flashrl.sim.engine import SimEngine
     from flashrl.wire.protocol import Generate
@@ -386,6 +389,9 @@ def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
     cfg = msgspec.convert({"model": {"path": "builtin:moe"}}, Config)
     shape = moe_routes(cfg)
     assert shape == SHAPE and moe_routes(msgspec.convert({}, Config)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8}))
+    assert moe_routes(msgspec.convert({"model": {"path": str(tmp_path)}}, Config)) == (48, 128, 8)
+    assert moe_routes(msgspec.convert({"model": {"path": str(tmp_path)}, "moe": {"capture": "off"}}, Config)) is None
     eng = SimEngine("sim0", routes=shape)
 
     async def one() -> Any:
