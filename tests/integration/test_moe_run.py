@@ -136,10 +136,11 @@ def test_moe_engine_routes_sync_and_export_decode_like_the_engine(tmp_path: Path
 @pytest.mark.timeout(1500)
 def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: Path) -> None:
     """`flashrl run configs/moe.toml` (r3, async, partial rollouts) stopped by SIGTERM after a few steps: its
-    checkpoint keeps the untrained rollouts (finished and cut ones) with one well-formed engine route per
-    generated token; `--resume` restores them (resume/restored_routes counts every saved route), regenerates
-    none, and its trainer replays them: every routed position of the first resumed step's forwards is forced, and
-    the trainer's own router agrees with the replayed routes of that step's tokens (fresh and restored alike)."""
+    checkpoint keeps the untrained rollouts (finished ones and ones cut mid-generation) with one well-formed engine
+    route per generated token; `--resume` restores them (resume/restored_routes counts every saved route),
+    continues the cut ones, regenerates nothing, and its trainer replays them: r3 refuses any trained token
+    without an engine route (RouteReplayError), every routed position of the first resumed step's forwards is
+    forced, and the trainer's own router agrees with the replayed routes of that step's tokens."""
     import os
     import signal
     import time
@@ -149,9 +150,10 @@ def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: 
     from flashrl.checkpoint import ROLLOUTS_FILE, RolloutSnapshot, read_latest
     from flashrl.moe.routes import RouteShape, check_routes
 
+    # hot, long answers (temperature 2, up to 40 tokens): generation is still going on when the stop cuts it
     sets = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "run.name=res", "--set", "run.eval_every=0",
-            "--set", "run.dashboard=plain", "--set", "run.max_time_s=0", "--set", "env.eval_size=16",
-            "--set", "rollout.max_new_tokens=8", "--set", "run.checkpoint_every=0"]
+            "--set", "run.dashboard=plain", "--set", "run.max_time_s=0", "--set", "rollout.temperature=2.0",
+            "--set", "rollout.max_new_tokens=40", "--set", "run.checkpoint_every=0"]
     cmd = [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "moe.toml"), *sets]
     run_dir = tmp_path / "runs" / "res"
     proc = subprocess.Popen([*cmd, "--set", "run.steps=400"], cwd=ROOT, stdout=subprocess.PIPE,
@@ -176,7 +178,8 @@ def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: 
     snap = msgspec.msgpack.decode((ckpt / ROLLOUTS_FILE).read_bytes(), type=RolloutSnapshot)
     shape = RouteShape(2, 8, 2)
     saved = [t for g in snap.groups for t in (*g.samples, *g.held, *g.unfinished) if t.response_ids]
-    assert saved, "nothing untrained at the stop: the test shows nothing"
+    cut = [t for g in snap.groups for t in g.unfinished if t.response_ids]
+    assert cut, "no rollout was cut with tokens at the stop: the test shows nothing"
     for t in saved:  # one route per generated token, as the engine captured it
         assert len(t.routes) == len(t.response_ids), t.sample_id
         check_routes(b"".join(t.routes), len(t.routes), shape, f"checkpoint {t.sample_id}")
@@ -189,6 +192,7 @@ def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: 
     last = rows[-1]
     assert last["count/resume/restored_routes"] == sum(len(t.routes) for t in saved)
     assert last["count/resume/regenerated_tokens"] == 0
+    assert last["count/resume/restored_rollouts"] == sum(len(g.unfinished) for g in snap.groups) > 0
     first = rows[0]
     assert first["moe/replayed"] == 1.0  # r3: every position with a route forced to it, the restored ones included
     # the restored tokens (older versions) are compared in moe/disagree_all: their saved routes are the engine's
