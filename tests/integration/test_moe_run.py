@@ -199,3 +199,41 @@ def test_a_resumed_moe_run_replays_the_routes_saved_with_its_rollouts(tmp_path: 
     # routes of those tokens, which the float32 trainer's router reproduces (routes zeroed, shifted or of other
     # tokens would disagree on most of them)
     assert first["moe/disagree_all"] <= 0.05, first
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "cpu_mixed_precision"])
+def test_cpu_mixed_precision_computes_in_the_model_dtype_over_float32_masters(tmp_path: Path, mixed: bool) -> None:
+    """trainer.cpu_mixed_precision (the real Trainer, one gloo rank in this process): with model.dtype bfloat16
+    the routers (and every layer) compute in bfloat16 while the weights the optimizer updates stay float32;
+    without it the CPU trainer computes in float32 whatever model.dtype says."""
+    import torch
+
+    from flashrl.config import from_dict
+    from flashrl.models.moe import build_untrained_moe
+    from flashrl.moe.capture import router_modules
+    from flashrl.moe.model import MoeSpec
+    from flashrl.trainer.worker import Trainer
+    from flashrl.wire.protocol import TrainBatch
+    from flashrl.wire.trajectory import Trajectory
+
+    model_dir = build_untrained_moe(tmp_path / "m", seed=0, spec=MoeSpec(layers=1, experts=4))
+    cfg = from_dict({"run": {"output_dir": str(tmp_path), "name": "r"}, "model": {"path": str(model_dir), "dtype": "bfloat16"},
+                     "trainer": {"backend": "gloo", "lr": 1e-2, "threads": 1, "warmup_steps": 0,
+                                 "cpu_mixed_precision": mixed}})
+    t = Trainer(cfg, str(model_dir), torch.device("cpu"))
+    seen: list[torch.dtype] = []
+    for _, gate in router_modules(t.model):
+        gate.register_forward_hook(lambda m, a, o: seen.append(a[0].dtype))
+    def full(p: torch.Tensor) -> torch.Tensor:  # a sharded (FSDP2) parameter is a DTensor
+        return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+    before = {n: full(p).clone() for n, p in t.model.named_parameters()}
+    samples = [Trajectory(prompt_ids=[1, 12, 5, 13], response_ids=r, loss_mask=[1] * len(r), behav_logp=[-3.0] * len(r),
+                          versions=[0] * len(r), reward=float(i % 2), group=0, sample_id=str(i))
+               for i, r in enumerate(([7, 8, 2], [9, 10, 11, 2], [7, 9, 2], [10, 2]))]
+    t.train_step(TrainBatch(step=0, samples=samples))
+    assert seen and set(seen) == {torch.bfloat16 if mixed else torch.float32}
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # the masters
+    assert any(not torch.equal(full(p), before[n]) for n, p in t.model.named_parameters())  # it trained
