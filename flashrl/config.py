@@ -210,6 +210,7 @@ class TrainerConfig(Section):
                     "none: constant")] = "cosine"
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1, description="the decay's end as a fraction of lr")] = 0.1
     threads: Annotated[int, Meta(ge=1, description="torch CPU threads per rank")] = 1
+    cpu_mixed_precision: Annotated[bool, Meta(description="on CPU, forward and backward in model.dtype as on GPU (FSDP2 MixedPrecisionPolicy, float32 master weights and gradient reduction): engine and trainer compute in the same dtype; false: float32 on CPU whatever model.dtype")] = False
     shuffle: Annotated[bool, Meta(description="deal the batch's samples into its mini-batches in a seeded random "
                                   "order (run.seed, step), as TRL's GRPOTrainer does; false: contiguous slices "
                                   "(a group's samples stay in one mini-batch)")] = False

@@ -62,7 +62,8 @@ def _restore_rollouts(snap: RolloutSnapshot, version: int, stream: DataStream, b
     more than async_ratio versions ago: never, by the bound's proof, in a checkpoint this flashrl
     wrote) is re-admitted, counted under resume/over_bound_groups and its tokens under
     resume/regenerated_tokens. Counted: resume/restored_groups, restored_samples (finished: handed over or held back),
-    restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept)."""
+    restored_rollouts (unfinished, continued), restored_tokens (generated tokens kept), restored_routes (a MoE
+    policy's: the tokens among them whose engine routes were saved, replayed by r3; only when there are)."""
     n: Counter[str] = Counter(regenerated_tokens=snap.regenerated_tokens)  # this resume's (the counters add up)
     readmit: list[int] = []
     for sg in snap.groups:
@@ -89,10 +90,11 @@ def _restore_rollouts(snap: RolloutSnapshot, version: int, stream: DataStream, b
         n["restored_groups"] += 1
         n["restored_samples"] += len(samples)
         n["restored_tokens"] += kept
+        n["restored_routes"] += sum(1 for t in (*samples, *sg.unfinished, *sg.held) for r in t.routes if r)
     n["readmitted_groups"] += len(readmit)
     for k in ("restored_groups", "restored_samples", "restored_rollouts", "restored_tokens", "regenerated_tokens",
-              "readmitted_groups", "over_bound_groups"):
-        if n[k] or k != "over_bound_groups":
+              "readmitted_groups", "over_bound_groups", "restored_routes"):
+        if n[k] or k not in ("over_bound_groups", "restored_routes"):
             counters[f"resume/{k}"] += n[k]
     log.info("resume: %d untrained groups restored (%d finished samples, %d unfinished rollouts continued, "
              "%d generated tokens kept); %d tokens to generate again; %d groups re-admitted",

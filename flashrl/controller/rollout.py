@@ -80,7 +80,7 @@ from flashrl.controller.scheduler import request_seed
 from flashrl.controller.types import Trajectory
 from flashrl.env import EnvFailure, HeldOutAware, StepResult
 from flashrl.interfaces import ChatTokenizer
-from flashrl.moe.routes import route_rows
+from flashrl.moe.routes import check_routes, route_rows
 from flashrl.wire.protocol import Generate, Generated
 from flashrl.wire.transport import PeerDead, RemoteError
 
@@ -338,22 +338,41 @@ def _continue(ctx: RolloutContext, saved: Trajectory, traj: Trajectory) -> bool:
     when its generation had come back (the environment step comes next)."""
     if not saved.response_ids:
         return False
-    if saved.prompt_ids != traj.prompt_ids:
+    why = "its environment gave another prompt than the checkpoint's" if saved.prompt_ids != traj.prompt_ids else ""
+    routes = None if why else _saved_routes(ctx, saved)
+    if not why and routes is None:
+        why = (f"it was saved with {len(saved.routes)} MoE routes for its {len(saved.response_ids)} tokens, this run's "
+               "engines capture one per token (the checkpoint's run captured none: [moe] capture or the model changed)")
+    if why:
         ctx.counters["resume/regenerated_tokens"] += len(saved.response_ids)
-        log.warning("rollout %s: its environment gave another prompt than the checkpoint's; its %d saved tokens "
-                    "are generated again", saved.sample_id, len(saved.response_ids))
+        log.warning("rollout %s: %s; its %d saved tokens are generated again", saved.sample_id, why,
+                    len(saved.response_ids))
         return False
     traj.response_ids = list(saved.response_ids)
     traj.loss_mask = list(saved.loss_mask)
     traj.behav_logp = list(saved.behav_logp)
     traj.versions = list(saved.versions)
     traj.top_logprobs = list(saved.top_logprobs)
-    traj.routes = list(saved.routes)
+    traj.routes = routes or []  # each token's route from the engine that sampled it (r3 replays them)
     traj.restored = saved.restored + 1
     if saved.turns:
         traj.turns, traj.finish_reason = saved.turns, saved.finish_reason
         return True
     return False
+
+
+def _saved_routes(ctx: RolloutContext, saved: Trajectory) -> list[bytes] | None:
+    """The routes to continue ``saved`` with: its own rows, checked (flashrl/moe/routes.py ``check_routes``: a
+    malformed or all-zero one raises RoutesError naming the checkpoint), when this run's engines capture routes;
+    [] when they capture none (no route for any of its tokens); None when it has not one row per token of this
+    run's shape (its tokens are then generated again: no token trains without the route that sampled it)."""
+    if ctx.routes is None:
+        return []
+    n = len(saved.response_ids)
+    if len(saved.routes) != n or any(len(r) != ctx.routes.row_bytes for r in saved.routes):
+        return None
+    check_routes(b"".join(saved.routes), n, ctx.routes, f"(checkpoint's rollout {saved.sample_id})")
+    return list(saved.routes)
 
 
 async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int, traj: Trajectory, turn_start: int,

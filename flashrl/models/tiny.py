@@ -56,30 +56,37 @@ class TinySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 def build_untrained(path: str | Path, seed: int = 0, spec: TinySpec | None = None) -> Path:
     """Save a random-init (seeded) float32 LlamaForCausalLM + char tokenizer to ``path``; return it."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinySpec()
+    return save_char_model(path, seed, LlamaConfig, LlamaForCausalLM, hidden_size=spec.hidden,
+                           intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+                           num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                           max_position_embeddings=spec.max_position)
+
+
+def save_char_model(path: str | Path, seed: int, config_cls: Any, model_cls: Any, **shape: Any) -> Path:
+    """Save a random-init (seeded) float32 ``model_cls`` of ``config_cls(**shape)`` with the built-in char
+    tokenizer (its vocabulary, pad / bos / eos ids, tied embeddings, rope theta 1e4) to ``path``; return it.
+    builtin:tiny's and builtin:moe's (flashrl/models/moe.py) build."""
+    import torch
+    from transformers import GenerationConfig
+
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
-    config: Any = LlamaConfig(  # type: ignore[call-arg]  # rope_theta, torch_dtype: accepted as **kwargs
+    config: Any = config_cls(  # rope_theta, torch_dtype: accepted as **kwargs
         vocab_size=len(tok),  # exactly the tokenizer: no id the tokenizer cannot decode can be sampled
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_position,
         tie_word_embeddings=True,
         rope_theta=10000.0,
         pad_token_id=tok.convert_tokens_to_ids(PAD),
         bos_token_id=tok.convert_tokens_to_ids(BOS),
         eos_token_id=tok.convert_tokens_to_ids(EOS),
         torch_dtype="float32",
+        **shape,
     )
     torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(config)
+    model: Any = model_cls(config)
     model = model.to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id

@@ -179,11 +179,20 @@ class RouteReplay:
         router's own top-k against the engines' routes on the on-policy tokens (sampled by ``version``, the
         weights the step starts from: the same weights on both sides), and on every generated token (the older
         ones were routed by older weights: ``moe/disagree_all``). The pass runs over every row for r2, over the
-        rows with generated tokens otherwise, and not at all for a batch without routes (off, r3)."""
+        rows with generated tokens otherwise, and not at all for a batch without routes (off). Under r3 a generated
+        token without an engine route is a RouteReplayError: r3's disagreement is 0 by assertion, not by default."""
         import dataclasses
 
         self.reset()
         gen = full.loss_mask > 0
+        if self.mode == "r3":  # every trained token replays the engine's route: none may lack one
+            missing = int((gen & (self.decode(full.routes)[..., 0, 0] < 0)).sum())
+            if missing:
+                raise RouteReplayError(
+                    f"r3: {missing} of {int(gen.sum())} generated tokens of step {version}'s batch have no engine "
+                    "route, so the trainer would route them itself (engine/trainer disagreement not 0); the engines' "
+                    "capture lost them, or a resumed checkpoint saved them without routes (resume with [moe] replay "
+                    "= \"off\" or \"r2\")")
         kind = torch.where(gen & (full.versions == version), 2, torch.where(gen, 1, 0))
         rows = torch.arange(full.size) if self.mode == "r2" else torch.nonzero(gen.any(-1)).flatten()
         if full.routes.shape[-1] == 0 and self.mode != "r2":

@@ -14,8 +14,9 @@ hands the last three to the weight sender and the checkpoint writer, whose threa
 while the loop goes on (the next TrainStep trains while the engines receive, or a write seals).
 
 The process group backend is ``trainer.backend`` (auto: nccl with CUDA, else gloo); the same code
-runs both. On CPU the weights are float32; on GPU a non-float32 ``model.dtype`` becomes FSDP2's
-compute dtype (MixedPrecisionPolicy) with float32 master weights and gradient reduction.
+runs both. On CPU the weights are float32; on GPU (on CPU too with ``trainer.cpu_mixed_precision``) a
+non-float32 ``model.dtype`` becomes FSDP2's compute dtype (MixedPrecisionPolicy) with float32 master weights and
+gradient reduction.
 
 Entry point (exactly the env vars torchrun sets, so torchrun can launch it on a cluster, plus the
 rank's ``TrainerSpec`` as JSON: trainer/spec.py, flashrl/wire/spec.py)::
@@ -161,7 +162,7 @@ class Trainer(PolicyTrainer):
         self.model_path = model_path
         comm = ProcessCollectives()
         mp = None
-        if device.type == "cuda" and cfg.model.dtype != "float32":
+        if (device.type == "cuda" or cfg.trainer.cpu_mixed_precision) and cfg.model.dtype != "float32":
             compute = getattr(torch, cfg.model.dtype)
             mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         # One rank alone holds a plain module (no FSDP hooks, all-gathers or DTensors: the same step, less

@@ -99,17 +99,37 @@ def test_rollout_refuses_malformed_routes_loudly(bad: Any) -> None:
 
 
 def test_resumed_rollout_continues_with_the_saved_routes() -> None:
+    """A saved prefix continues with its own routes when this run captures routes of the same shape; with none
+    (capture off now) it continues without any; saved without one route per token (a run that captured none),
+    it is generated again (counted) rather than trained with tokens whose routes are missing; a malformed saved
+    route is a RoutesError naming the checkpoint's rollout."""
+    from collections import Counter
+
     from flashrl.controller.rollout import _continue
 
-    saved = Trajectory(group=0, prompt_ids=[1, 2], response_ids=[3], loss_mask=[1], behav_logp=[-0.5],
-                       versions=[0], routes=[b"\x01\x02\x03\x04"])
-    traj = Trajectory(group=0, prompt_ids=[1, 2])
+    def go(routes: list[bytes], shape: RouteShape | None) -> tuple[Trajectory, Counter[str]]:
+        saved = Trajectory(sample_id="4-1", group=0, prompt_ids=[1, 2], response_ids=[3], loss_mask=[1],
+                           behav_logp=[-0.5], versions=[0], routes=routes)
+        traj = Trajectory(group=0, prompt_ids=[1, 2])
 
-    class Ctx:
-        counters: dict[str, int] = {}
+        class Ctx:
+            counters: Counter[str] = Counter()
 
-    _continue(Ctx(), saved, traj)  # type: ignore[arg-type]
-    assert traj.routes == saved.routes and traj.routes is not saved.routes
+        ctx = Ctx()
+        ctx.routes = shape  # type: ignore[attr-defined]
+        _continue(ctx, saved, traj)  # type: ignore[arg-type]
+        return traj, ctx.counters
+
+    row = b"\x01\x02\x03\x04"
+    traj, c = go([row], SHAPE)
+    assert traj.routes == [row] and traj.response_ids == [3] and not c
+    traj, c = go([row], None)
+    assert traj.routes == [] and traj.response_ids == [3]
+    for missing in ([], [b"\x01\x02"]):
+        traj, c = go(missing, SHAPE)
+        assert traj.response_ids == [] and traj.routes == [] and c["resume/regenerated_tokens"] == 1
+    with pytest.raises(RoutesError, match="checkpoint's rollout 4-1.*is 0"):
+        go([bytes(4)], SHAPE)
 
 
 # --------------------------------------------------------------------------- batches
@@ -244,6 +264,20 @@ def test_r2_records_the_trainers_own_routes_then_replays_them() -> None:
         torch.testing.assert_close(model(input_ids=full.input_ids).logits, base)  # same weights: same routes
 
 
+def test_r3_refuses_a_batch_with_a_generated_token_without_an_engine_route() -> None:
+    """r3 asserts engine/trainer disagreement 0: every trained token replays the engine's route, so a generated
+    token without one (a lost capture, a checkpoint saved without routes) is an error naming the fix."""
+    model = tiny_moe()
+    row = stand_in_routes(SHAPE, seed=1)
+    full = [[row(1)[i * 4:(i + 1) * 4] for i in range(1)] * 3, [row(1)] * 2 + [b""]]
+    for mode in ("off", "r2"):  # they route such a token themselves
+        RouteReplay(model, mode).prepare(_batch(full), _forward(model, RouteReplay(model, "off")), 8, 0)
+    with pytest.raises(RouteReplayError, match="r3: 1 of 6 generated tokens of step 0's batch have no engine route"):
+        RouteReplay(model, "r3").prepare(_batch(full), lambda b: None, 8, 0)
+    with pytest.raises(RouteReplayError, match="r3: 6 of 6"):
+        RouteReplay(model, "r3").prepare(_batch(None), lambda b: None, 8, 0)
+
+
 def test_replay_refuses_routes_of_another_layout() -> None:
     replay = RouteReplay(tiny_moe(), "r3")
     with pytest.raises(ValueError, match="routes of 3 bytes"):
@@ -279,16 +313,18 @@ def test_builtin_moe_folder_keeps_the_char_tokenizer_and_checkpoint_layout(tmp_p
 
 
 # --------------------------------------------------------------------------- resume
-def _routed(run: Any) -> Any:
+def _routed(run: Any, seed: int = 0, routes: bool = True) -> Any:
     for i, e in enumerate(run.engines):
-        e.routes = stand_in_routes(SHAPE, seed=i)
-    run.controller.route_shape = SHAPE
+        e.routes = stand_in_routes(SHAPE, seed=seed + i) if routes else None
+    run.controller.route_shape = SHAPE if routes else None
     return run
 
 
 def test_a_resumed_run_trains_the_saved_routes_of_its_continued_rollouts(tmp_path: Path) -> None:
-    """Stopped with rollouts in flight, resumed: each continued rollout's trained routes start with the ones its
-    checkpoint saved (replayed as the engine chose them then), one per response token, then the new engine's."""
+    """Stopped with rollouts in flight, resumed (the real checkpoint writer and reader: rollouts.msgpack):
+    each continued rollout's trained routes start with the ones its checkpoint saved (as the engine chose them
+    then, not the resumed engines' choice: those draw other routes here), one per response token, then the new
+    engine's; the trainer's batch (pad_batch) puts each saved route at the position that sampled its token."""
     from flashrl.resuming import prepare_resume
     from tests.unit.test_resume_rollouts import Run, partial_cfg, snapshot_prefixes, tail_script
 
@@ -299,18 +335,53 @@ def test_a_resumed_run_trains_the_saved_routes_of_its_continued_rollouts(tmp_pat
     assert r.state.rollouts is not None
     prefixes = snapshot_prefixes(r.state.rollouts)
     assert prefixes and all(len(t.routes) == len(t.response_ids) for t in prefixes.values())
-    second = _routed(Run(cfg, FakeSuite(n_train=5, turns=1), resume=r, script=tail_script))
-    second.go()
+    for t in prefixes.values():
+        check_routes(b"".join(t.routes), len(t.routes), SHAPE, "saved")
+    second = _routed(Run(cfg, FakeSuite(n_train=5, turns=1), resume=r, script=tail_script), seed=100)
+    s2 = second.go()
+    assert s2.counters["resume/restored_routes"] >= sum(len(t.routes) for t in prefixes.values())
+    assert s2.counters["resume/regenerated_tokens"] == 0
     trained = {x.sample_id: x for b in second.trainer.batches for x in b.samples}
     continued = [sid for sid in prefixes if sid in trained]
     assert continued
     for sid in continued:
         p, t = prefixes[sid], trained[sid]
-        assert len(t.routes) == len(t.response_ids) and t.routes[: len(p.routes)] == p.routes
+        n = len(p.routes)
+        assert len(t.routes) == len(t.response_ids) and t.routes[:n] == p.routes
+        b = pad_batch([t], pad_id=0)
+        start = len(t.prompt_ids) - 1
+        got = b.routes[0, start:start + n].to(torch.uint8).numpy().tobytes()
+        assert got == b"".join(p.routes)  # what the trainer replays (r3) for the restored tokens
 
 
-def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
-    """The simulator knows the routing payload: SimEngine answers with routes, the rollouts check and keep them."""
+def test_a_resume_regenerates_a_prefix_saved_without_routes_when_the_run_now_captures_them(tmp_path: Path) -> None:
+    """A checkpoint of a run that captured no routes, resumed by one that does: the saved prefixes are generated
+    again (counted), so that each of their trained tokens has the route that sampled it. (Samples that had
+    finished come back as saved, without routes: off and r2 route them in the trainer, r3 refuses the batch,
+    test_r3_refuses_a_batch_with_a_generated_token_without_an_engine_route.)"""
+    from flashrl.resuming import prepare_resume
+    from tests.unit.test_resume_rollouts import Run, partial_cfg, snapshot_prefixes, tail_script
+
+    cfg = partial_cfg(tmp_path)
+    _routed(Run(cfg, FakeSuite(n_train=5, turns=1), stop_at_s=8.0, script=tail_script), routes=False).go()
+    r = prepare_resume(cfg)
+    assert r.state.rollouts is not None
+    prefixes = snapshot_prefixes(r.state.rollouts)
+    assert prefixes and not any(t.routes for t in prefixes.values())
+    second = _routed(Run(cfg, FakeSuite(n_train=5, turns=1), resume=r, script=tail_script))
+    s2 = second.go()
+    assert s2.counters["resume/regenerated_tokens"] >= sum(len(t.response_ids) for t in prefixes.values()) > 0
+    assert "resume/restored_routes" not in s2.counters
+    trained = {x.sample_id: x for b in second.trainer.batches for x in b.samples}
+    again = [trained[sid] for sid in prefixes if sid in trained]
+    assert again and all(len(x.routes) == len(x.response_ids) for x in again)
+
+
+def test_simulated_moe_engines_carry_routes_through_the_controller(tmp_path: Path) -> None:
+    """The simulator knows the routing payload: SimEngine answers with routes (builtin:moe's shape, or a MoE
+    folder's), the rollouts check and keep them."""
+    import json
+
     from flashrl.bench.simulate import moe_routes
     from flashrl.sim.engine import SimEngine
     from flashrl.wire.protocol import Generate
@@ -318,6 +389,9 @@ def test_simulated_moe_engines_carry_routes_through_the_controller() -> None:
     cfg = msgspec.convert({"model": {"path": "builtin:moe"}}, Config)
     shape = moe_routes(cfg)
     assert shape == SHAPE and moe_routes(msgspec.convert({}, Config)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8}))
+    assert moe_routes(msgspec.convert({"model": {"path": str(tmp_path)}}, Config)) == (48, 128, 8)
+    assert moe_routes(msgspec.convert({"model": {"path": str(tmp_path)}, "moe": {"capture": "off"}}, Config)) is None
     eng = SimEngine("sim0", routes=shape)
 
     async def one() -> Any:
