@@ -1,7 +1,14 @@
-import sys, time
-sys.path.insert(0, "/work/main")
-from flashrl.config import load as load_config
+"""Build a config's first teacher (builtin:teacher: warm-started on the config's env.params, exact answers).
+
+    python bench/results/distill/new-skill-epyc/build_teacher.py d3feas.config.toml
+"""
+
+import sys
+import time
+
+from flashrl.config import load
 from flashrl.distill.build import teacher_folder
-cfg = load_config(sys.argv[1])
-t = time.time()
-print(teacher_folder(cfg, cfg.distill.teachers[0]), time.time() - t, flush=True)
+
+cfg = load(sys.argv[1])
+t0 = time.time()
+print(teacher_folder(cfg, cfg.distill.teachers[0]), f"{time.time() - t0:.1f} s", flush=True)
