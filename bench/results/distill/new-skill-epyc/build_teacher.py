@@ -1,6 +1,9 @@
 """Build a config's first teacher (builtin:teacher: warm-started on the config's env.params, exact answers).
 
-    python bench/results/distill/new-skill-epyc/build_teacher.py d3feas.config.toml
+    python bench/results/distill/new-skill-epyc/build_teacher.py CONFIG
+
+CONFIG: configs/distill.toml with `params = { digits = 3, ops = ["+"] }` and `max_new_tokens = 5` (its teacher
+is builtin:teacher); the runs' *.config.toml then name the built folders.
 """
 
 import sys
