@@ -126,16 +126,18 @@ def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = N
     """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``.
     ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train."""
     from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    from flashrl.vision.model import auto_class, is_vision_model, shard_blocks
+
+    vision = is_vision_model(model_path)  # a VLM: AutoModelForImageTextToText, its text and vision layers sharded
+    m = auto_class(model_path).from_pretrained(model_path, dtype=torch.float32)
     base = m
     if lora is not None:
         from flashrl.trainer.lora import apply_lora
 
         m = apply_lora(base, lora)
     if shard:
-        for layer in _decoder_layers(base):
+        for layer in shard_blocks(base) if vision else _decoder_layers(base):
             fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
@@ -187,6 +189,13 @@ class Trainer(PolicyTrainer):
             ref_model = build()
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
+        from flashrl.vision.model import is_vision_model
+
+        if is_vision_model(model_path):  # a VLM: its images' pixels, each processed once on this rank
+            from flashrl.vision.batch import PixelCache
+            from flashrl.vision.processor import load_processor
+
+            self.pixels = PixelCache(load_processor(model_path))
         self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))

@@ -78,10 +78,24 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
 
 from __future__ import annotations
 
-from flashrl.vision.build import BUILTIN_VLM, VisionSpec, build_untrained, ensure_vlm
+from typing import Any
+
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
-from flashrl.vision.processor import image_expansion, load_processor
 from flashrl.vision.tokens import IMAGE_TOKEN, compact_images, expand_images
 
 __all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "ImageLoadError", "ImageRef", "VisionSpec", "as_ref", "build_untrained",
            "compact_images", "describe", "expand_images", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]
+
+# build.py (on flashrl.models) and processor.py (transformers) on first use: the engine, the trainer and the
+# controller import images/tokens/prompts/batch/model (below the three roles in tests/unit/test_imports.py)
+# without loading the model builder
+_LAZY = {"BUILTIN_VLM": "build", "VisionSpec": "build", "build_untrained": "build", "ensure_vlm": "build",
+         "image_expansion": "processor", "load_processor": "processor"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flashrl.vision' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"flashrl.vision.{_LAZY[name]}"), name)
