@@ -260,6 +260,7 @@ class PolicyTrainer:
         self.dropouts = dropout_modules(model)
         self.moe = RouteReplay.of(model, cfg.moe.replay)  # a MoE: routing replay and its metrics (flashrl/moe/replay.py)
         self.pixels: PixelCache | None = None  # a VLM's image processor's cache (vision/batch.py), the worker's
+        self.logit_bias: torch.Tensor | None = None  # [V]: -100 at a VLM's banned image tokens (the engines' bias)
 
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
@@ -278,7 +279,9 @@ class PolicyTrainer:
         if split is None:
             with self._routing(model, b):
                 out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False, **vision)
-            return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
+            # a VLM's engines sample with its image tokens banned (logit bias -100): the same distribution here
+            logits = out.logits[:, :-1] + self.logit_bias if vision and self.logit_bias is not None else out.logits[:, :-1]
+            return token_logprobs(logits, b.targets, entropy_grad=entropy_grad, temperature=t)
         return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 
     def _routing(self, model: torch.nn.Module, b: PaddedBatch) -> Any:

@@ -111,6 +111,14 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def banned_bias(banned: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab]: vLLM's strongest logit bias (-100) at the ``banned`` ids (a VLM's image tokens: the engines sample
+    with them banned, engine/server.py), 0 elsewhere: the trainer scores the distribution the engines sampled."""
+    bias = torch.zeros(vocab, device=device)
+    bias[banned] = -100.0
+    return bias
+
+
 class ProcessCollectives(Collectives):
     """The step's reductions over the default process group (every rank calls them in the same order)."""
 
@@ -195,7 +203,11 @@ class Trainer(PolicyTrainer):
             from flashrl.vision.batch import PixelCache
             from flashrl.vision.processor import load_processor
 
-            self.pixels = PixelCache(load_processor(model_path))
+            from flashrl.vision.processor import image_token_ids
+
+            processor = load_processor(model_path)
+            self.pixels = PixelCache(processor)
+            self.logit_bias = banned_bias(image_token_ids(processor), int(model.config.get_text_config().vocab_size), device)
         self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
