@@ -1,0 +1,106 @@
+"""End to end with images (issue 54): `flashrl run` trains a vision-language model (a random builtin:vlm-shaped
+Idefics3 folder, built in seconds) on a data file whose rows are image paths, with real vLLM engine and trainer
+processes. The engine is sent the images as references and decodes them; the trainer forwards their pixels and
+scores the engine's tokens to the engine's logprobs; one row's image is not an image: that row is skipped,
+named in the log with its file and counted (rollout/failed_bad_image), and the run trains to its end; samples.jsonl
+names the images (paths), never their pixels; `flashrl export` writes a folder transformers loads as the VLM."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from envs.digits import render
+from flashrl.metrics import read_jsonl
+from flashrl.vision import build_untrained
+
+pytestmark = pytest.mark.slow
+
+
+def _data(tmp_path: Path) -> tuple[Path, Path]:
+    img = tmp_path / "img"
+    img.mkdir()
+    rng = random.Random(0)
+    rows = []
+    for k in range(7):
+        number = f"{(k * 37) % 100:02d}"
+        render(number, 64, 36, rng).save(img / f"{k}.png")
+        rows.append({"id": f"r{k}", "q": "read:", "a": number, "image": f"img/{k}.png"})
+    (img / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this file is cut short")
+    rows.insert(2, {"id": "bad-row", "q": "read:", "a": "12", "image": "img/broken.png"})
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:6]))
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows[6:]))
+    return train, held
+
+
+@pytest.mark.timeout(900)
+def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp_path: Path) -> None:
+    model = build_untrained(tmp_path / "model", seed=0)
+    train, held = _data(tmp_path)
+    # an untrained model reads no number: reward its answers' first character, so that groups differ and train
+    (tmp_path / "reward.py").write_text("def score(row, response):\n    return float(response[:1] in '02468')\n")
+    (tmp_path / "run.toml").write_text(textwrap.dedent(f"""
+        [run]
+        name = "vlm"
+        output_dir = "{tmp_path}"
+        steps = 4
+        eval_every = 2
+        dashboard = "plain"
+        [model]
+        path = "{model}"
+        max_model_len = 64
+        [env]
+        name = "dataset"
+        eval_size = 2
+        [env.params]
+        path = "{train}"
+        eval_path = "{held}"
+        prompt = "q"
+        answer = "a"
+        id = "id"
+        images = "image"
+        reward = "{tmp_path / 'reward.py'}:score"
+        [rollout]
+        group_size = 4
+        batch_prompts = 2
+        max_new_tokens = 3
+        temperature = 1.0
+        [scheduler]
+        async_ratio = 0  # on-policy: every step compares the trainer's logprobs with the engine's (mismatch/*)
+        [engine]
+        count = 1
+        kv_cache_gib = 0.1
+        [log]
+        samples_per_step = 4
+    """))
+    run = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    run_dir = tmp_path / "vlm"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["step"] >= 1] == [1, 2, 3, 4]
+    assert metrics[-1]["count/rollout/failed_bad_image"] >= 1  # the unreadable image: counted ...
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "task bad-row" in log and "broken.png" in log  # ... and named, row and file
+    # the trainer's logprobs of the engine's tokens, on the same pixels, are the engine's
+    mism = [r["mismatch/max_abs"] for r in metrics if "mismatch/max_abs" in r]
+    assert mism and max(mism) < 1e-3, mism
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert samples and all(s["images"] and s["images"][0].endswith(".png") for s in samples)
+    assert all(not any(k in s for k in ("pixel_values", "pixels")) for s in samples)
+    # the final policy, exported, loads in transformers as the vision-language model with its processor
+    out = subprocess.run([sys.executable, "-m", "flashrl.cli", "export", str(run_dir), "--out", str(tmp_path / "hf")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    AutoProcessor.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert type(AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"))).__name__ == "Idefics3ForConditionalGeneration"
