@@ -149,3 +149,36 @@ def test_the_trainer_batch_keeps_each_rows_pixels_with_its_row_and_text_only_pay
         "pixel_values", "pixel_attention_mask"}
     plain = with_images(pad_batch([text], 0), pixels, [text])
     assert plain.vision_kwargs() == {} and with_images(pad_batch(rows, 0), None, rows).vision_kwargs() == {}
+
+
+def test_validate_names_a_model_that_cannot_see_the_envs_images(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from flashrl.envcheck import image_problem
+
+    class Suite:
+        def __init__(self, meta: dict[str, Any]) -> None:
+            self.tasks = [Task(id="row-1", prompt="\x05read?", answer="3", meta=meta)]
+
+        def train_tasks(self) -> list[Task]:
+            return self.tasks
+
+        def eval_tasks(self) -> list[Task]:
+            return []
+
+    def cfg(path: Any) -> Any:
+        return SimpleNamespace(model=SimpleNamespace(path=str(path)))
+
+    vision, text = tmp_path / "vision", tmp_path / "text"
+    for folder, config in ((vision, '{"vision_config": {}}'), (text, '{"model_type": "llama"}')):
+        folder.mkdir()
+        (folder / "config.json").write_text(config)
+    images = Suite({"images": [PNG]})
+    assert "'builtin:tiny' is a text-only model" in image_problem(cfg("builtin:tiny"), images, "env x")
+    assert "task 'row-1'" in image_problem(cfg(text), images, "env x")
+    assert "has no image processor" in image_problem(cfg(vision), images, "env x")
+    (vision / "processor_config.json").write_text("{}")
+    assert image_problem(cfg(vision), images, "env x") == ""
+    assert image_problem(cfg("builtin:vlm"), images, "env x") == ""
+    assert image_problem(cfg(text), Suite({}), "env x") == ""  # no images: any model
+    assert image_problem(cfg(tmp_path / "not-built"), images, "env x") == ""  # built later, checked then
