@@ -18,8 +18,8 @@ slices; ``pad_batch`` is the only place where the off-by-one lives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch

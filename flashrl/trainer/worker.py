@@ -201,9 +201,7 @@ class Trainer(PolicyTrainer):
 
         if is_vision_model(model_path):  # a VLM: its images' pixels, each processed once on this rank
             from flashrl.vision.batch import PixelCache
-            from flashrl.vision.processor import load_processor
-
-            from flashrl.vision.processor import image_token_ids
+            from flashrl.vision.processor import image_token_ids, load_processor
 
             processor = load_processor(model_path)
             self.pixels = PixelCache(processor)

@@ -17,14 +17,14 @@ import torch
 from envs.digits import render
 from flashrl.engine.client import EngineProcess, EngineProcessClient, spawn_engine
 from flashrl.engine.server import EngineSpec
+from flashrl.trainer.worker import banned_bias
 from flashrl.vision import build_untrained, png_bytes
 from flashrl.vision.batch import PixelCache, vision_inputs
-from flashrl.trainer.worker import banned_bias
 from flashrl.vision.processor import image_token_ids, load_processor
 from flashrl.vision.prompts import VisionPrompts
 from flashrl.wire.protocol import Generate
-from flashrl.wire.transport import RemoteError, free_port
 from flashrl.wire.trajectory import Image
+from flashrl.wire.transport import RemoteError, free_port
 from flashrl.wire.weights import build_manifest
 from tests.integration.test_engine_process import _sync, join_sender
 
