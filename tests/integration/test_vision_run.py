@@ -100,7 +100,34 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
     out = subprocess.run([sys.executable, "-m", "flashrl.cli", "export", str(run_dir), "--out", str(tmp_path / "hf")],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    _export_answers_as_the_engine(tmp_path / "hf", tmp_path, [s for s in samples if s["kind"] == "eval" and s["step"] == 4])
 
-    AutoProcessor.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
-    assert type(AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"))).__name__ == "Idefics3ForConditionalGeneration"
+
+def _export_answers_as_the_engine(folder: Path, data: Path, evals: list[dict]) -> None:
+    """The exported model, in transformers, answers each held-out image of the last evaluation (greedy, the image
+    tokens banned as the engines ban them) with the engine's answer; it loads as the VLM with its processor."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from flashrl.models.tokenizer import load_tokenizer
+    from flashrl.trainer.worker import banned_bias
+    from flashrl.vision.batch import PixelCache, vision_inputs
+    from flashrl.vision.processor import load_processor
+    from flashrl.vision.prompts import VisionPrompts
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    proc, vp, tok = load_processor(folder), VisionPrompts.of(folder), load_tokenizer(folder)
+    bias = banned_bias(list(vp.banned), model.config.get_text_config().vocab_size, torch.device("cpu"))
+    assert evals
+    for line in evals:
+        ids = vp.expand(tok.encode("<image>read:"))
+        pixels = vision_inputs(PixelCache(proc), [[str(data / line["images"][0])]], ["eval"])
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(3):  # rollout.max_new_tokens
+                nxt = int((model(input_ids=torch.tensor([ids + out]), **pixels).logits[0, -1] + bias).argmax())
+                out.append(nxt)
+                if nxt == tok.eos_token_id:
+                    break
+        assert tok.decode(out) == line["response"], (line, out)
