@@ -76,9 +76,9 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
     if cfg.model.path in BUILTIN_MODELS:
         return
     from flashrl.models import ModelNotBuilt, ModelPathError, load_tokenizer
-    from flashrl.vision.build import ensure_policy as ensure_model
     from flashrl.models.chat import ChatTemplateError
     from flashrl.procs import paused_gc
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     try:
         with paused_gc():  # transformers' import, before anything is spawned (procs.paused_gc)

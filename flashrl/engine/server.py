@@ -208,7 +208,7 @@ class EngineServer:
             return Ok(info="shutting down")
         return Error(message=f"{self.name}: {type(msg).__name__} is not an engine request", kind="protocol")
 
-    async def generate(self, req: Generate) -> Generated:
+    async def generate(self, req: Generate) -> Generated | Error:
         params = self._params(
             n=1,
             temperature=req.temperature,

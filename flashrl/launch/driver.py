@@ -262,9 +262,9 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     """
     from flashrl.dashboard import Dashboard
     from flashrl.models import Progress
-    from flashrl.vision.build import ensure_policy as ensure_model
     from flashrl.models.tokenizer import load_tokenizer
     from flashrl.plugins import make_suite
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     t0 = time.monotonic()
     run_dir = cfg.run_dir

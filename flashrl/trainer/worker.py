@@ -205,7 +205,8 @@ class Trainer(PolicyTrainer):
 
             processor = load_processor(model_path)
             self.pixels = PixelCache(processor)
-            self.logit_bias = banned_bias(image_token_ids(processor), int(model.config.get_text_config().vocab_size), device)
+            text_config: Any = model.config.get_text_config()  # type: ignore[union-attr,operator]  # an HF config
+            self.logit_bias = banned_bias(image_token_ids(processor), int(text_config.vocab_size), device)
         self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
