@@ -351,10 +351,11 @@ class EngineServer:
                 # Requests in flight drop their KV (computed with the old weights) and recompute it
                 # with the new ones; the tokens they already have keep their old version label.
                 llm.reset_prefix_cache(reset_running_requests=True)
-                # ... and an image's cached vision embeddings (vLLM reuses them by the image's hash): the old
+                # ... and a VLM's cached vision embeddings (vLLM reuses them by the image's hash): the old
                 # vision tower's; without this a request with an image seen before killed the engine
-                # ("Encoder cache miss", flashrl/vision/__init__.py). Text-only models: a no-op.
-                llm.reset_encoder_cache()
+                # ("Encoder cache miss", flashrl/vision/__init__.py). Text-only models: not called.
+                if llm.model_config.is_multimodal_model:
+                    llm.reset_encoder_cache()
             if not res["ok"] and res["touched"]:
                 self.engine.halt()  # half-loaded weights: not one more step
             else:
