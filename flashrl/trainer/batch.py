@@ -171,8 +171,10 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
 def with_images(b: PaddedBatch, pixels: PixelCache | None, samples: Sequence[Trajectory]) -> PaddedBatch:
     """``b`` with its rows' images as the model's inputs (a VLM: ``pixels`` processes each distinct image once);
     ``b`` itself when no sample has one."""
+    if pixels is None:  # a text-only policy: nothing to look at
+        return b
     rows = [[im.ref() for im in s.images] for s in samples]
-    if pixels is None or not any(rows):
+    if not any(rows):
         return b
     return dataclasses.replace(b, **vision_inputs(pixels, rows, [s.sample_id for s in samples]))
 
