@@ -92,6 +92,23 @@ def image_problem(cfg: Any, suite: Any, what: str) -> str:
             "vision-language model folder with its processor (docs/models.md: vision-language models)")
 
 
+def freeze_problem(cfg: Any) -> str:
+    """``[vision] freeze`` on a model with no vision tower: the problem and the fix; "" otherwise (or when the
+    folder is not there yet)."""
+    from flashrl.vision.model import is_vision_model
+
+    vision = getattr(cfg, "vision", None)
+    if not getattr(vision, "freeze", False) or cfg.model.path == "builtin:vlm":
+        return ""
+    folder = Path(cfg.model.path).expanduser()
+    if not cfg.model.path.startswith("builtin:") and not (folder / "config.json").is_file():
+        return ""
+    if is_vision_model(folder):
+        return ""
+    return (f"vision.freeze: the model {cfg.model.path!r} has no vision tower (no vision_config) to freeze; set "
+            "[vision] freeze = false, or use builtin:vlm or a vision-language model folder")
+
+
 def check_env(cfg: Any) -> list[str]:
     """Build the suite ``cfg`` names and check it against the config (module docstring); the warnings."""
     from flashrl.models import BUILTIN_MODELS, warm_start_of
@@ -112,7 +129,7 @@ def check_env(cfg: Any) -> list[str]:
     if turns > have:
         warnings.append(f"rollout.max_turns = {have} cuts the episodes of {what}, which take up to {turns} turns "
                         f"(by {known}): an episode past it ends unfinished; raise rollout.max_turns to {turns}")
-    if problem := image_problem(cfg, suite, what):
+    if problem := image_problem(cfg, suite, what) or freeze_problem(cfg):
         raise ValueError(problem)
     if cfg.model.path in BUILTIN_MODELS:
         from flashrl.models.tokenizer import CHARSET

@@ -65,6 +65,7 @@ from flashrl.trainer.loop import CommandLoop, Fanout, serve
 from flashrl.trainer.sender import WeightPublisher
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
+from flashrl.vision.model import is_vision_param
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     CheckpointSaved,
@@ -130,15 +131,20 @@ class ProcessCollectives(Collectives):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
-def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = None) -> torch.nn.Module:
+def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = None,
+                 freeze_vision: bool = False) -> torch.nn.Module:
     """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``.
-    ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train."""
+    ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train. ``freeze_vision``
+    (a VLM, ``[vision] freeze``): its vision tower and connector do not train."""
     from torch.distributed.fsdp import fully_shard
 
     from flashrl.vision.model import auto_class, is_vision_model, shard_blocks
+    from flashrl.vision.model import freeze_vision as freeze
 
     vision = is_vision_model(model_path)  # a VLM: AutoModelForImageTextToText, its text and vision layers sharded
     m = auto_class(model_path).from_pretrained(model_path, dtype=torch.float32)
+    if freeze_vision:
+        freeze(m)
     base = m
     if lora is not None:
         from flashrl.trainer.lora import apply_lora
@@ -186,7 +192,7 @@ class Trainer(PolicyTrainer):
             self.lora = spec_of(cfg.model.lora)
 
         def build() -> torch.nn.Module:
-            m = build_policy(model_path, mesh, mp, self.sharded, self.lora)
+            m = build_policy(model_path, mesh, mp, self.sharded, self.lora, cfg.vision.freeze)
             return m if self.sharded else m.to(device)  # fully_shard places a sharded model on the mesh's device
 
         model = build()
@@ -324,6 +330,8 @@ class Trainer(PolicyTrainer):
 
         if self.lora is None:  # a MoE's experts per expert, as its folder has them (vLLM's loader reads that)
             sd = checkpoint_layout(self.model, sd)
+        if self.cfg.vision.freeze:  # a frozen vision tower stays what the engines loaded: not sent
+            sd = {k: v for k, v in sd.items() if not is_vision_param(k)}
         t1 = time.perf_counter()
         self.weights.drop_prepared()  # free the previous version's buckets before building new ones
         tied = self.tie_word_embeddings and self.lora is None

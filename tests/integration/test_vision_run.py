@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from envs.digits import render
 from flashrl.metrics import read_jsonl
@@ -41,7 +42,10 @@ def _data(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.timeout(900)
-def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp_path: Path) -> None:
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp_path: Path, freeze: bool) -> None:
+    """``freeze``: [vision] freeze = true: the vision tower neither trains nor syncs (the engines keep the loaded
+    one: the trainer's logprobs are still the engines'), the exported one is the loaded one; else it trains."""
     model = build_untrained(tmp_path / "model", seed=0)
     train, held = _data(tmp_path)
     # an untrained model reads no number: reward its answers' first character, so that groups differ and train
@@ -79,6 +83,8 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
         kv_cache_gib = 0.1
         [log]
         samples_per_step = 4
+        [vision]
+        freeze = {str(freeze).lower()}
     """))
     run = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
@@ -101,6 +107,21 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     _export_answers_as_the_engine(tmp_path / "hf", tmp_path, [s for s in samples if s["kind"] == "eval" and s["step"] == 4])
+    from safetensors.torch import load_file
+
+    from flashrl.vision.model import is_vision_param
+
+    before, after = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    vision = [k for k in before if is_vision_param(k)]
+    assert vision and all(k in after for k in vision)
+    moved = [k for k in vision if not torch.equal(before[k], after[k])]
+    assert (not moved) if freeze else moved, moved[:3]
+    assert any(not torch.equal(before[k], after[k]) for k in before if not is_vision_param(k) and k in after)
+    # frozen, the vision tower is out of the weight sync: each sync carries the text weights only
+    full = sum(t.numel() * 4 for t in before.values())
+    text = sum(t.numel() * 4 for k, t in before.items() if not is_vision_param(k))
+    sent = [r["engine/sync_bytes"] for r in metrics if r.get("engine/sync_bytes")]
+    assert sent and all((b < (full + text) / 2) == freeze for b in sent), (sent, full, text)
 
 
 def _export_answers_as_the_engine(folder: Path, data: Path, evals: list[dict]) -> None:

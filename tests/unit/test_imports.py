@@ -39,6 +39,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.distill.config",  # [distill]: a section owned by its package, read by flashrl.config
     "flashrl.plugins",
     "flashrl.moe.config",  # [moe] (its own section, in flashrl.config's Config)
+    "flashrl.vision.config",  # [vision] (its own section, in flashrl.config's Config)
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs
     "flashrl.deadlines",  # deadlines that scale with the model's size

@@ -182,3 +182,19 @@ def test_validate_names_a_model_that_cannot_see_the_envs_images(tmp_path: Path) 
     assert image_problem(cfg("builtin:vlm"), images, "env x") == ""
     assert image_problem(cfg(text), Suite({}), "env x") == ""  # no images: any model
     assert image_problem(cfg(tmp_path / "not-built"), images, "env x") == ""  # built later, checked then
+
+
+def test_freezing_the_vision_of_a_model_without_one_is_a_config_error(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from flashrl.envcheck import freeze_problem
+
+    def cfg(path: Any, freeze: bool = True) -> Any:
+        return SimpleNamespace(model=SimpleNamespace(path=str(path)), vision=SimpleNamespace(freeze=freeze))
+
+    text, vision = tmp_path / "text", tmp_path / "vision"
+    for folder, config in ((vision, '{"vision_config": {}}'), (text, '{"model_type": "llama"}')):
+        folder.mkdir()
+        (folder / "config.json").write_text(config)
+    assert "has no vision tower" in freeze_problem(cfg("builtin:tiny")) and "freeze = false" in freeze_problem(cfg(text))
+    assert freeze_problem(cfg(vision)) == freeze_problem(cfg("builtin:vlm")) == freeze_problem(cfg(text, False)) == ""
