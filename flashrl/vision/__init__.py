@@ -5,7 +5,8 @@ In a run (docs/models.md, "Vision-language models"): a task's images are referen
 Generate carries them (wire.trajectory.Image) with the image tokens as banned tokens; the engine server decodes
 them in a thread, passes vLLM multi_modal_data, returns the expanded prompt ids and resets vLLM's encoder cache
 after each weight load; the Trajectory keeps the expanded ids and the references; the trainer loads
-auto_class, shards shard_blocks, forwards PixelCache's pixels in every forward with the engines' logit bias.
+auto_class, shards shard_blocks, forwards PixelCache's pixels in every forward with the engines' logit bias;
+``[vision] freeze`` (config.py) keeps the vision tower and connector frozen and out of the weight sync.
 Measured in flashrl's loop: bench/results/vision/loop-epyc-200. The findings below are the foundation's.
 
     images.py       ImageRef (PNG/JPEG bytes or a file path: what tasks, wire messages and lineage carry),
