@@ -50,6 +50,7 @@ from flashrl.rewards import RewardFailed, RewardOptions, RewardRunner
 
 log = logging.getLogger(__name__)
 
+IMAGE_TOKEN = "<image>"  # where an image goes in a prompt (flashrl.vision.IMAGE_TOKEN; builtin:vlm's, Idefics3's)
 MAX_LISTED = 10  # bad rows listed per file in the warning (all are counted)
 _BATCH = 4096
 Paths = Union[str, list[str]]
@@ -78,6 +79,10 @@ class DatasetParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: Annotated[str, Meta(description="column holding a unique row id (\"\" = <file>:<line>)")] = ""
     extra: Annotated[list[str], Meta(description="more columns kept per row: usable in the template, passed to the reward")] = []
     template: Annotated[str, Meta(min_length=1, description="prompt text: {prompt} is the prompt column, {name} a column of `extra`")] = "{prompt}"
+    images: Annotated[str, Meta(description=(
+        "column holding a row's image(s) for a vision-language model: a file path or a list of them (relative to "
+        "the data file's folder); the prompt gets one <image> in front per image unless it places them itself "
+        "(\"\" = none)"))] = ""
     max_rows: Annotated[int, Meta(ge=0, description="read at most this many rows per split (0 = all)")] = 0
     reward: Annotated[str, Meta(min_length=1, description="exact | regex | math | 'package.module:function' | './file.py:function'")] = "exact"
     answer_pattern: Annotated[str, Meta(description="regex reward: where the answer is in the response (group 'answer' or 1)")] = ""
@@ -258,7 +263,7 @@ class DatasetSuite:
 
     def _columns(self) -> list[str]:
         p = self.params
-        return list(dict.fromkeys(c for c in (p.prompt, p.answer, p.id, *p.extra) if c))
+        return list(dict.fromkeys(c for c in (p.prompt, p.answer, p.id, p.images, *p.extra) if c))
 
     def _load(self, paths: list[str], split: str, key: str) -> list[Task]:
         p = self.params
@@ -337,6 +342,13 @@ class DatasetSuite:
             return f"template {p.template!r} cannot be filled: {e}"
         if not text.strip():
             return "empty prompt after the template"
+        if p.images:  # paths only: the image is loaded where a model needs it (a bad one: that sample, counted)
+            refs = raw[p.images] if isinstance(raw[p.images], list) else [raw[p.images]]
+            if not refs or not all(isinstance(r, str) and r for r in refs):
+                return f"column {p.images!r} (images) must be a file path or a list of them"
+            meta["images"] = [str(Path(file).expanduser().parent / r) for r in refs]  # an absolute r stays itself
+            if IMAGE_TOKEN not in text:
+                text = IMAGE_TOKEN * len(refs) + text
         seen.add(tid)
         meta["_source"] = f"{file} {where}"
         return Task(id=tid, prompt=text, answer=answer, meta=meta)

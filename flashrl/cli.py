@@ -75,9 +75,10 @@ def _check_model_or_exit(cfg: Config, config: Path, build: bool = True) -> None:
         raise typer.Exit(code=2)
     if cfg.model.path in BUILTIN_MODELS:
         return
-    from flashrl.models import ModelNotBuilt, ModelPathError, ensure_model, load_tokenizer
+    from flashrl.models import ModelNotBuilt, ModelPathError, load_tokenizer
     from flashrl.models.chat import ChatTemplateError
     from flashrl.procs import paused_gc
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     try:
         with paused_gc():  # transformers' import, before anything is spawned (procs.paused_gc)
@@ -119,7 +120,8 @@ def _check_teachers_or_exit(cfg: Config, config: Path, build: bool = False) -> l
     both and the fix); a built-in teacher (or student) not built yet is noted, not built (``build`` False:
     validate). Returns the teachers' folders (init-model: built)."""
     from flashrl.distill.build import TeacherModelError, teacher_folder, vocabulary_problem
-    from flashrl.models import ModelNotBuilt, Progress, ensure_model
+    from flashrl.models import ModelNotBuilt, Progress
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     folders = []
     for tc in cfg.distill.teachers:
@@ -288,8 +290,9 @@ def init_model(config: ConfigArg, set_: SetOpt = None) -> None:
     """Build (once, cached) the model a config names: for builtin:tiny, warm-start it on the task; a missing
     folder, with its [model.build] recipe; a model you provide is only checked."""
     cfg = _load_or_exit(config, set_)
-    from flashrl.models import ModelPathError, Progress, ensure_model
+    from flashrl.models import ModelPathError, Progress
     from flashrl.plugins import PluginError
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     # every phase of a build on stderr (a bar on a terminal, a line each otherwise); the path on stdout
     try:
@@ -408,7 +411,8 @@ def node(
     from flashrl.launch import slurm_job, slurm_node
 
     if prepare:
-        from flashrl.models import ModelPathError, Progress, ensure_model
+        from flashrl.models import ModelPathError, Progress
+        from flashrl.vision.build import ensure_policy as ensure_model
 
         try:
             model = ensure_model(cfg, progress=Progress.for_stderr("flashrl node --prepare"))

@@ -24,6 +24,7 @@ from flashrl.config_errors import describe
 from flashrl.distill.config import DistillConfig
 from flashrl.distill.config import check as distill_check
 from flashrl.moe.config import MoeConfig
+from flashrl.vision.config import VisionConfig
 
 
 class ConfigError(ValueError):
@@ -86,7 +87,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" or "builtin:moe" (a Mixture-of-Experts; both built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
+    path: Annotated[str, Meta(min_length=1, description='"builtin:tiny" or "builtin:moe" (a Mixture-of-Experts) or "builtin:vlm" (a vision-language model; all built and warm-started by flashrl) or a local Hugging Face model folder')] = "builtin:tiny"
     cache_dir: Annotated[str, Meta(description="where the built-in model is cached (built once)")] = ".cache/flashrl"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="weights dtype for engines and trainer")] = "float32"
     max_model_len: Annotated[int, Meta(ge=16, le=1 << 20, description="prompt + response tokens per sequence")] = 128
@@ -514,6 +515,7 @@ class Config(Section):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     moe: MoeConfig = msgspec.field(default_factory=MoeConfig)
+    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -15,6 +15,7 @@ its ``[env.params]``: the traps a config can set that would otherwise only show 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 from flashrl.env import Demonstrating, MultiTurn, Wrapping
@@ -68,6 +69,46 @@ def foreign_chars(suite: Any, charset: str) -> dict[str, str]:
     return found
 
 
+def image_problem(cfg: Any, suite: Any, what: str) -> str:
+    """Tasks with images (meta["images"]) and a model that cannot see them: the problem naming both and the fix;
+    "" when fine (no images, builtin:vlm, a folder with a vision config and an image processor, or a folder
+    not there yet: built later)."""
+    from flashrl.vision.model import is_vision_model
+
+    tasks = [t for split in ("train_tasks", "eval_tasks") for t in list(getattr(suite, split)())[:_SAMPLE]]
+    with_images = next((t for t in tasks if (getattr(t, "meta", None) or {}).get("images")), None)
+    if with_images is None or cfg.model.path == "builtin:vlm":
+        return ""
+    folder = Path(cfg.model.path).expanduser()
+    if not (folder / "config.json").is_file() and not cfg.model.path.startswith("builtin:"):
+        return ""
+    has_processor = any((folder / f).is_file() for f in ("processor_config.json", "preprocessor_config.json"))
+    if is_vision_model(folder) and has_processor:
+        return ""
+    why = ("has no image processor (processor_config.json / preprocessor_config.json)" if is_vision_model(folder)
+           else "is a text-only model (no vision_config) without an image processor")
+    return (f"model.path: {what} gives its prompts images (task {with_images.id!r} has meta['images']), but the "
+            f"model {cfg.model.path!r} {why}, so it cannot see them; use model.path = \"builtin:vlm\" or a "
+            "vision-language model folder with its processor (docs/models.md: vision-language models)")
+
+
+def freeze_problem(cfg: Any) -> str:
+    """``[vision] freeze`` on a model with no vision tower: the problem and the fix; "" otherwise (or when the
+    folder is not there yet)."""
+    from flashrl.vision.model import is_vision_model
+
+    vision = getattr(cfg, "vision", None)
+    if not getattr(vision, "freeze", False) or cfg.model.path == "builtin:vlm":
+        return ""
+    folder = Path(cfg.model.path).expanduser()
+    if not cfg.model.path.startswith("builtin:") and not (folder / "config.json").is_file():
+        return ""
+    if is_vision_model(folder):
+        return ""
+    return (f"vision.freeze: the model {cfg.model.path!r} has no vision tower (no vision_config) to freeze; set "
+            "[vision] freeze = false, or use builtin:vlm or a vision-language model folder")
+
+
 def check_env(cfg: Any) -> list[str]:
     """Build the suite ``cfg`` names and check it against the config (module docstring); the warnings."""
     from flashrl.models import BUILTIN_MODELS, warm_start_of
@@ -88,6 +129,8 @@ def check_env(cfg: Any) -> list[str]:
     if turns > have:
         warnings.append(f"rollout.max_turns = {have} cuts the episodes of {what}, which take up to {turns} turns "
                         f"(by {known}): an episode past it ends unfinished; raise rollout.max_turns to {turns}")
+    if problem := image_problem(cfg, suite, what) or freeze_problem(cfg):
+        raise ValueError(problem)
     if cfg.model.path in BUILTIN_MODELS:
         from flashrl.models.tokenizer import CHARSET
 

@@ -83,6 +83,9 @@ class RolloutContext:
     teachers: Any = None
     # a MoE policy whose engines capture routes (flashrl/moe/routes.py): their shape, checked on every answer
     routes: RouteShape | None = None
+    # a vision-language policy (flashrl/vision/prompts.py VisionPrompts): a task's images onto its prompt; None:
+    # text only (a task's meta["images"] is then not read)
+    vision: Any = None
 
     def prompt_ids(self, obs: str) -> list[int]:
         """The first observation's token ids (chat-rendered when the tokenizer has a chat template)."""

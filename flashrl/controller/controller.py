@@ -139,6 +139,7 @@ class Controller:
         self.version = 0
         self.router = Router(len(engines), cfg.engine.max_num_seqs)
         self.route_shape: RouteShape | None = None  # set before run() when the engines capture MoE routes
+        self.vision: Any = None  # set before run() for a vision-language policy (flashrl/vision/prompts.py)
         # THE staleness rule of this run: the buffer applies it (and advances next_step as it hands
         # out batches), the rollouts' early abort and the step records read it.
         self.staleness = Staleness(cfg.scheduler.async_ratio, mode=cfg.scheduler.stale)
@@ -216,6 +217,7 @@ class Controller:
             wait_engine=self.supervisor.wait_engine if self.supervisor.restarts else None,
             teachers=self.teachers,
             routes=self.route_shape,
+            vision=self.vision,
         )
         self.evals = Evals(self.cfg, self.eval_tasks, self.ctx, self.ledger, self.publisher, clock=self._clock,
                            spawn=self._spawn, on_samples=self.on_samples)

@@ -43,6 +43,7 @@ from flashrl.core.staleness import lag_stats
 from flashrl.env import Counting, EnvSuite, Stateful
 from flashrl.interfaces import EngineClient, Tokenizer
 from flashrl.metrics import EngineStat, Snapshot
+from flashrl.vision.images import describe
 
 __all__ = ["RATE_WINDOW_S", "Ledger", "RunMeters", "RunSummary", "template_stats"]
 
@@ -265,6 +266,8 @@ class Ledger:
             "version_first": first, "version_last": last, "updates_spanned": last - first,
             "interrupted": last > first, "restarts": t.attempts - 1, "restored": t.restored,
         }
+        if t.images:  # a vision-language sample: its images by reference (a path, or "png:<sha1>"), never pixels
+            line["images"] = [describe(im.ref()) for im in t.images]
         if t.template_mismatch >= 0:  # a multi-turn chat sample: its chat template's re-rendering, measured
             line["template_mismatch_tokens"] = t.template_mismatch
             line["retokenize_mismatch_tokens"] = t.retokenize_mismatch

@@ -33,6 +33,8 @@ Failure tiers, each counted under its own name (nothing is lost silently):
       trajectory past rollout.trajectory_timeout_s -> rollout/failed_trajectory_timeout
       transport.RemoteError (engine refused the request) -> rollout/failed_engine_error
       prompt longer than model.max_model_len              -> rollout/failed_prompt_too_long
+      an image that does not load, or images that do not pair
+      with the prompt's image tokens (a VLM, ctx.vision)  -> rollout/failed_bad_image (the row and file logged)
   retries exhausted -> rollout/failed_<reason>. Any other exception is a bug and crashes the run.
 
 Stale early abort (``RolloutContext.staleness`` set, training rollouts only): once a
@@ -250,6 +252,8 @@ async def _turn_loop(
     # The prompt tokenized once per distinct text (ctx.prompt_ids): chat-rendered when the tokenizer has a chat template.
     chat = ctx.chat
     traj.prompt_ids = ctx.prompt_ids(obs)
+    if ctx.vision is not None and not _attach_images(ctx, spec, traj):
+        return
     if len(traj.prompt_ids) >= max_len:
         traj.status, traj.failure = "failed", "prompt_too_long"
         return
@@ -307,6 +311,21 @@ async def _turn_loop(
             ctx.watched[att] = traj.version_start
     if chat is not None and conversation and conversation[0][1] is not None:
         _measure_template(chat, obs, conversation, traj)
+
+
+def _attach_images(ctx: RolloutContext, spec: RolloutSpec, traj: Trajectory) -> bool:
+    """A vision-language prompt: the task's image references onto ``traj`` and its prompt expanded (what the
+    trainer forwards; the engine is sent it compacted). False: the row cannot be served (its images and its
+    image tokens do not pair up): the sample fails as "bad_image", the row named in the log."""
+    refs, err = ctx.vision.refs(spec.task, traj.prompt_ids)
+    if err:
+        log.warning("sample %s skipped: %s", spec.sample_id, err)
+        traj.status, traj.failure = "failed", "bad_image"
+        return False
+    if refs:
+        traj.images = refs
+        traj.prompt_ids = ctx.vision.expand(traj.prompt_ids)
+    return True
 
 
 def _measure_template(chat: ChatTokenizer, prompt: str, conversation: list[tuple[Sequence[int], str | None]],
@@ -392,15 +411,19 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
         max_tokens = min(cfg.rollout.max_new_tokens - done, room)
         if max_tokens <= 0:  # a prefix that already fills the turn
             return "length"
+        sent = traj.prompt_ids + traj.response_ids
         req = Generate(
             request_id=f"{spec.sample_id}.{attempt}.{traj.turns}" + (f".{part}" if part else ""),
-            prompt_ids=traj.prompt_ids + traj.response_ids,
+            # a prompt with images goes compacted: the engine expands each image token itself (vision/tokens.py)
+            prompt_ids=ctx.vision.compact(sent) if traj.images else sent,
             max_tokens=max_tokens,
             temperature=spec.temperature,
             top_p=top_p,
             seed=request_seed(cfg.run.seed, uid, idx, traj.turns, done),
             stop_token_ids=stop_ids,
             top_logprobs=cfg.engine.top_logprobs,
+            images=traj.images,
+            banned_token_ids=list(ctx.vision.banned) if traj.images else [],
         )
         try:
             out = await _generate(ctx, i, req, traj, hold, loop)
@@ -415,6 +438,10 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
                 f"engine {ctx.engines[i].name} answered {req.request_id} with {n} tokens, {len(out.logprobs)} "
                 f"logprobs, {len(out.versions)} versions, {top} top-k lists: the engine must return one of each per token"
             )
+        if traj.images and out.prompt_ids != sent:  # token-exactness: the trainer forwards what the engine served
+            ctx.checkin(req.request_id)
+            raise RuntimeError(f"engine {ctx.engines[i].name} expanded {req.request_id}'s images into other prompt ids "
+                               f"than the processor's ({len(out.prompt_ids)} ids, expected {len(sent)})")
         traj.response_ids += out.token_ids
         traj.loss_mask += [1] * n
         traj.behav_logp += out.logprobs
@@ -489,6 +516,10 @@ async def generate_sample(ctx: RolloutContext, spec: RolloutSpec, engine: int) -
             ctx.counters["rollout/failed_trajectory_timeout"] += 1
             return _failed(spec, "trajectory_timeout", attempt + 1, name)
         except RemoteError as e:
+            if e.kind == "bad_image":  # an image of the row did not load or decode: skipped, counted, never a crash
+                log.warning("sample %s (task %s) skipped: %s", spec.sample_id, spec.task.id, e)
+                ctx.counters["rollout/failed_bad_image"] += 1
+                return _failed(spec, "bad_image", attempt + 1, name)
             log.warning("engine %s refused %s: %s", name, spec.sample_id, e)
             ctx.counters["rollout/failed_engine_error"] += 1
             return _failed(spec, "engine_error", attempt + 1, name)

@@ -61,6 +61,7 @@ from flashrl.engine.inproc import EngineDead, InprocEngine
 from flashrl.engine.load import LoadMeter, stat_logger_factory
 from flashrl.engine.vllm_compat import require_vllm
 from flashrl.procs import child_init, exit_now, paused_gc
+from flashrl.vision.images import ImageLoadError, load_image
 from flashrl.wire.protocol import (
     ENGINE_REQUESTS,
     Abort,
@@ -82,6 +83,7 @@ from flashrl.wire.protocol import (
     WeightsUpdated,
 )
 from flashrl.wire.spec import read_spec_or_exit
+from flashrl.wire.trajectory import Image
 
 log = logging.getLogger("flashrl.engine")
 
@@ -95,6 +97,12 @@ def top_k_of(positions: list[Any], k: int) -> list[list[tuple[int, float]]]:
         return []
     return [[(int(t), float(lp.logprob)) for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)
              if lp.rank is not None and lp.rank <= k] for pos in positions]
+
+def decode_images(refs: list[Image], request_id: str) -> list[Any]:
+    """A request's image references decoded (RGB PIL images), in prompt order; ImageLoadError naming the request
+    (the controller's sample id) and the file."""
+    return [load_image(ref.ref(), f"request {request_id} image {k}") for k, ref in enumerate(refs)]
+
 
 class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything one engine process needs: the parent passes it in ``FLASHRL_SPEC`` (flashrl.wire.spec)."""
@@ -200,7 +208,7 @@ class EngineServer:
             return Ok(info="shutting down")
         return Error(message=f"{self.name}: {type(msg).__name__} is not an engine request", kind="protocol")
 
-    async def generate(self, req: Generate) -> Generated:
+    async def generate(self, req: Generate) -> Generated | Error:
         params = self._params(
             n=1,
             temperature=req.temperature,
@@ -214,13 +222,23 @@ class EngineServer:
             detokenize=False,  # token ids in, token ids out
             output_kind=self._final_only,
             skip_clone=True,  # built for this one request: vLLM need not deep-copy it (3% of the engine thread)
+            # a VLM's image tokens: never sampled (-100 is vLLM's strongest bias; logprobs stay the raw model's)
+            logit_bias={t: -100.0 for t in req.banned_token_ids} if req.banned_token_ids else None,
         )
         request_id = req.request_id or uuid.uuid4().hex
+        if req.images:
+            try:  # decoded in a thread: a large image must not stall this loop (and the replies of every request)
+                pixels = await asyncio.to_thread(decode_images, req.images, request_id)
+            except ImageLoadError as e:  # the row's problem, not the engine's: the controller counts and skips it
+                return Error(message=str(e), kind="bad_image")
+            prompt = self._prompt(prompt_token_ids=list(req.prompt_ids), multi_modal_data={"image": pixels})
+        else:
+            prompt = self._prompt(prompt_token_ids=list(req.prompt_ids))
         self.meter.request_started(time.monotonic())
         try:
             # LoRA: every request carries the policy's slot (none before the first adapter version: v0 is the base)
             lora = self.adapter.request if self.adapter is not None else None
-            final = await self.engine.generate(request_id, self._prompt(prompt_token_ids=list(req.prompt_ids)), params, lora)
+            final = await self.engine.generate(request_id, prompt, params, lora)
         finally:
             self.meter.request_finished(time.monotonic())
         routes = self.engine.routes.pop(final.request_id, b"") if self.engine.route_capture else b""
@@ -240,6 +258,7 @@ class EngineServer:
             finish_reason=str(comp.finish_reason or "abort"),
             engine=self.name,
             routes=routes,
+            prompt_ids=[int(t) for t in final.prompt_token_ids or []] if req.images else [],
         )
 
     async def score(self, req: Score) -> Scored:
@@ -332,6 +351,11 @@ class EngineServer:
                 # Requests in flight drop their KV (computed with the old weights) and recompute it
                 # with the new ones; the tokens they already have keep their old version label.
                 llm.reset_prefix_cache(reset_running_requests=True)
+                # ... and a VLM's cached vision embeddings (vLLM reuses them by the image's hash): the old
+                # vision tower's; without this a request with an image seen before killed the engine
+                # ("Encoder cache miss", flashrl/vision/__init__.py). Text-only models: not called.
+                if llm.model_config.is_multimodal_model:
+                    llm.reset_encoder_cache()
             if not res["ok"] and res["touched"]:
                 self.engine.halt()  # half-loaded weights: not one more step
             else:

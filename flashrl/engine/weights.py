@@ -405,6 +405,9 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
 _SYNC_CHATTER: dict[str, tuple[str, ...]] = {
     "vllm.model_executor.model_loader.reload.inplace": ("Reloading and processing weights took",),
     "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),  # the KV reset after each load
+    # a vision-language model's encoder cache reset after each load (engine/server.py): requests in flight are
+    # recomputed from their first token (reset_running_requests), their images' encoder outputs too
+    "vllm.v1.engine.core": ("Resetting the encoder cache when requests are in progress",),
     # the rotary embedding's cos/sin cache is no checkpoint tensor: the reload puts the cached one back
     "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
 }

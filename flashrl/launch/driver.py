@@ -261,9 +261,10 @@ async def run_local(cfg: Config, resume: Resume | None = None, *, hooks: dict[st
     task's failure goes unseen and none leaves the run hanging.
     """
     from flashrl.dashboard import Dashboard
-    from flashrl.models import Progress, ensure_model
+    from flashrl.models import Progress
     from flashrl.models.tokenizer import load_tokenizer
     from flashrl.plugins import make_suite
+    from flashrl.vision.build import ensure_policy as ensure_model
 
     t0 = time.monotonic()
     run_dir = cfg.run_dir
@@ -352,6 +353,8 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
     from flashrl.deadlines import resolve as resolve_deadlines
     from flashrl.metrics import MetricsWriter, SamplesWriter, open_wandb
     from flashrl.moe.routes import capture_routes, route_shape
+    from flashrl.vision.model import is_vision_model
+    from flashrl.vision.prompts import VisionPrompts
 
     run_dir = cfg.run_dir
     user_cfg, cfg = cfg, resolve_deadlines(cfg, model_path)  # checkpoints keep the user's (auto stays auto)
@@ -385,6 +388,8 @@ async def _train(cfg: Config, resume: Resume | None, hooks: dict[str, Any] | Non
                                 resume=resume.state if resume else None, teachers=teachers)
         if capture_routes(cfg, model_path):  # the engines capture them (launch/processes.py): checked per answer
             controller.route_shape = route_shape(model_path)
+        if is_vision_model(model_path):  # its processor read once, off the loop: tasks' images onto their prompts
+            controller.vision = await asyncio.to_thread(VisionPrompts.of, model_path)
         if hooks is not None:
             hooks["controller"] = controller
         if resume is not None:

@@ -18,11 +18,13 @@ slices; ``pad_batch`` is the only place where the off-by-one lives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
+from flashrl.vision.batch import PixelCache, vision_inputs
 from flashrl.wire.trajectory import Trajectory
 
 
@@ -58,6 +60,16 @@ class PaddedBatch:
     # sampled with (the forward over input position j = its aligned index), as values 0..255, -1 elsewhere;
     # [B, T, 0] when no sample carries routes. Decoded by flashrl/moe/replay.py, which knows the model's shape.
     routes: torch.Tensor  # [B, T, bytes per route] int16
+    # a vision-language policy's images (flashrl/vision/batch.py vision_inputs, Idefics3 layout), filled by the
+    # trainer after padding: [B, N, 3, H, W] and [B, N, H, W] (N = most images of a row); [B, 0] when none
+    pixel_values: torch.Tensor
+    pixel_attention_mask: torch.Tensor
+
+    def vision_kwargs(self) -> dict[str, torch.Tensor]:
+        """The model forward's image arguments; {} for a text-only batch."""
+        if self.pixel_values.dim() <= 2:
+            return {}
+        return {"pixel_values": self.pixel_values, "pixel_attention_mask": self.pixel_attention_mask}
 
     @property
     def size(self) -> int:
@@ -151,7 +163,20 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
         teacher_top_ids=teacher_top_ids,
         teacher_top_logp=teacher_top_logp,
         routes=_routes(samples, b, t),
+        pixel_values=torch.zeros((b, 0)),
+        pixel_attention_mask=torch.zeros((b, 0)),
     )
+
+
+def with_images(b: PaddedBatch, pixels: PixelCache | None, samples: Sequence[Trajectory]) -> PaddedBatch:
+    """``b`` with its rows' images as the model's inputs (a VLM: ``pixels`` processes each distinct image once);
+    ``b`` itself when no sample has one."""
+    if pixels is None:  # a text-only policy: nothing to look at
+        return b
+    rows = [[im.ref() for im in s.images] for s in samples]
+    if not any(rows):
+        return b
+    return dataclasses.replace(b, **vision_inputs(pixels, rows, [s.sample_id for s in samples]))
 
 
 def _top_k(samples: Sequence[Trajectory], b: int, t: int, field: str = "top_logprobs") -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ __all__ = ["forward_kl", "forward_with_top"]
 
 def forward_with_top(model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool,
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False, **b.vision_kwargs())
     logits = out.logits[:, :-1]
     logp, entropy = token_logprobs(logits, b.targets, entropy_grad=entropy_grad, temperature=temperature)
     ids = b.teacher_top_ids.to(logits.device)

@@ -60,7 +60,9 @@ def save_hf_folder(state_dict: dict[str, Any], base_dir: str | Path, out: str | 
     weights are cast to ``dtype`` (model.dtype). ``replace``: an existing ``out`` is replaced, else refused.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from flashrl.vision.model import auto_class
 
     base, out = Path(base_dir), Path(out)
     if out.exists() and not replace:
@@ -70,7 +72,7 @@ def save_hf_folder(state_dict: dict[str, Any], base_dir: str | Path, out: str | 
     try:
         config = AutoConfig.from_pretrained(str(base), local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = auto_class(base).from_config(config, dtype=torch.float32)  # a VLM: AutoModelForImageTextToText
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied or unexpected:
@@ -83,6 +85,9 @@ def save_hf_folder(state_dict: dict[str, Any], base_dir: str | Path, out: str | 
         AutoTokenizer.from_pretrained(str(base), local_files_only=True).save_pretrained(str(tmp))
         if (base / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(str(base), local_files_only=True).save_pretrained(str(tmp))
+        for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja"):  # a VLM's processor
+            if (base / name).is_file() and not (tmp / name).is_file():
+                shutil.copy2(base / name, tmp / name)
         publish(tmp, out, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

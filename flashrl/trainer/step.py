@@ -50,18 +50,14 @@ from flashrl.core.lr_schedule import scheduled_lr
 from flashrl.moe.replay import RouteReplay
 from flashrl.trainer import advantages
 from flashrl.trainer.advantages import count_groups, grpo_advantages, tied_groups, token_advantages
-from flashrl.trainer.batch import (
-    PaddedBatch,
-    pad_batch,
-    split_prefixes,
-    token_logprobs,
-)
+from flashrl.trainer.batch import PaddedBatch, pad_batch, split_prefixes, token_logprobs, with_images
 from flashrl.trainer.critics import MiniCritics
 from flashrl.trainer.distill import forward_kl, forward_with_top
 from flashrl.trainer.forward import shared_prefix_logprobs
 from flashrl.trainer.lora import adapter_dropout, dropout_modules, is_lora, reference_disabled
 from flashrl.trainer.losses import compute_policy_loss
 from flashrl.trainer.rhythm import credit_scale
+from flashrl.vision.batch import PixelCache
 from flashrl.wire.protocol import TrainBatch, TrainResult
 from flashrl.wire.trajectory import Trajectory
 
@@ -263,6 +259,8 @@ class PolicyTrainer:
         # engines' (no dropout), and mini-batch 1 then needs a proximal pass of its own (_proximal).
         self.dropouts = dropout_modules(model)
         self.moe = RouteReplay.of(model, cfg.moe.replay)  # a MoE: routing replay and its metrics (flashrl/moe/replay.py)
+        self.pixels: PixelCache | None = None  # a VLM's image processor's cache (vision/batch.py), the worker's
+        self.logit_bias: torch.Tensor | None = None  # [V]: -100 at a VLM's banned image tokens (the engines' bias)
 
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, model: torch.nn.Module, b: PaddedBatch, entropy_grad: bool = False,
@@ -276,11 +274,14 @@ class PolicyTrainer:
         """
         t = self.temperature if temperature is None else temperature
         routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0  # forwarded whole: no split
-        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed else None
+        vision = b.vision_kwargs()  # a VLM's images: every forward takes them (forwarded whole: no split)
+        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed and not vision else None
         if split is None:
             with self._routing(model, b):
-                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
-            return token_logprobs(out.logits[:, :-1], b.targets, entropy_grad=entropy_grad, temperature=t)
+                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False, **vision)
+            # a VLM's engines sample with its image tokens banned (logit bias -100): the same distribution here
+            logits = out.logits[:, :-1] + self.logit_bias if vision and self.logit_bias is not None else out.logits[:, :-1]
+            return token_logprobs(logits, b.targets, entropy_grad=entropy_grad, temperature=t)
         return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 
     def _routing(self, model: torch.nn.Module, b: PaddedBatch) -> Any:
@@ -354,7 +355,7 @@ class PolicyTrainer:
         """Pad the batch, mask tied groups (filter_ties), fill the advantages (GRPO or critics, x credit)."""
         alg = self.cfg.algorithm
         with timer.phase("batch"):
-            full = pad_batch(tb.samples, self.pad_id)
+            full = with_images(pad_batch(tb.samples, self.pad_id), self.pixels, tb.samples)  # a VLM's pixels
             tied = tied_groups(full.rewards, full.groups)
             if alg.filter_ties and not self.cfg.distill.on:  # distilling, a tied group still has its teacher's signal
                 full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))

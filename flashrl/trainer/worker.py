@@ -66,6 +66,7 @@ from flashrl.trainer.loop import CommandLoop, Fanout, serve
 from flashrl.trainer.sender import WeightPublisher
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
+from flashrl.vision.model import is_vision_param
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     CheckpointSaved,
@@ -112,6 +113,14 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def banned_bias(banned: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab]: vLLM's strongest logit bias (-100) at the ``banned`` ids (a VLM's image tokens: the engines sample
+    with them banned, engine/server.py), 0 elsewhere: the trainer scores the distribution the engines sampled."""
+    bias = torch.zeros(vocab, device=device)
+    bias[banned] = -100.0
+    return bias
+
+
 class ProcessCollectives(Collectives):
     """The step's reductions over the default process group (every rank calls them in the same order)."""
 
@@ -123,20 +132,27 @@ class ProcessCollectives(Collectives):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
-def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = None) -> torch.nn.Module:
+def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = None,
+                 freeze_vision: bool = False) -> torch.nn.Module:
     """The HF model at ``model_path`` in float32 (master weights), FSDP2-sharded per decoder layer if ``shard``.
-    ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train."""
+    ``lora`` (trainer/lora.py LoraSpec): wrapped with peft adapters first, only they train. ``freeze_vision``
+    (a VLM, ``[vision] freeze``): its vision tower and connector do not train."""
     from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    from flashrl.vision.model import auto_class, is_vision_model, shard_blocks
+    from flashrl.vision.model import freeze_vision as freeze
+
+    vision = is_vision_model(model_path)  # a VLM: AutoModelForImageTextToText, its text and vision layers sharded
+    m = auto_class(model_path).from_pretrained(model_path, dtype=torch.float32)
+    if freeze_vision:
+        freeze(m)
     base = m
     if lora is not None:
         from flashrl.trainer.lora import apply_lora
 
         m = apply_lora(base, lora)
     if shard:
-        for layer in _decoder_layers(base):
+        for layer in shard_blocks(base) if vision else _decoder_layers(base):
             fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     # No dropout in RL updates: the proximal logprobs must be what the update then differentiates.
@@ -177,7 +193,7 @@ class Trainer(PolicyTrainer):
             self.lora = spec_of(cfg.model.lora)
 
         def build() -> torch.nn.Module:
-            m = build_policy(model_path, mesh, mp, self.sharded, self.lora)
+            m = build_policy(model_path, mesh, mp, self.sharded, self.lora, cfg.vision.freeze)
             return m if self.sharded else m.to(device)  # fully_shard places a sharded model on the mesh's device
 
         model = build()
@@ -188,6 +204,16 @@ class Trainer(PolicyTrainer):
             ref_model = build()
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
+        from flashrl.vision.model import is_vision_model
+
+        if is_vision_model(model_path):  # a VLM: its images' pixels, each processed once on this rank
+            from flashrl.vision.batch import PixelCache
+            from flashrl.vision.processor import image_token_ids, load_processor
+
+            processor = load_processor(model_path)
+            self.pixels = PixelCache(processor)
+            text_config: Any = model.config.get_text_config()  # type: ignore[union-attr,operator]  # an HF config
+            self.logit_bias = banned_bias(image_token_ids(processor), int(text_config.vocab_size), device)
         self.weights = WeightPublisher()  # rank 0's weight versions and sends (unused elsewhere)
         params = model_params(model_path)
         self.checkpoints = CheckpointWriter(self.rank, device, checkpoint_writer(cfg.trainer.checkpoint_writer, params))
@@ -305,6 +331,8 @@ class Trainer(PolicyTrainer):
 
         if self.lora is None:  # a MoE's experts per expert, as its folder has them (vLLM's loader reads that)
             sd = checkpoint_layout(self.model, sd)
+        if self.cfg.vision.freeze:  # a frozen vision tower stays what the engines loaded: not sent
+            sd = {k: v for k, v in sd.items() if not is_vision_param(k)}
         t1 = time.perf_counter()
         self.weights.drop_prepared()  # free the previous version's buckets before building new ones
         tied = self.tie_word_embeddings and self.lora is None

@@ -1,4 +1,13 @@
-"""Vision-language models: images in the prompt, through vLLM and the trainer (issue 54; the foundation).
+"""Vision-language models: images in the prompt, through vLLM and the trainer (issue 54).
+
+In a run (docs/models.md, "Vision-language models"): a task's images are references in Task.meta["images"]
+(prompts.py VisionPrompts pairs them with the prompt's image tokens on the controller, never decoding them);
+Generate carries them (wire.trajectory.Image) with the image tokens as banned tokens; the engine server decodes
+them in a thread, passes vLLM multi_modal_data, returns the expanded prompt ids and resets vLLM's encoder cache
+after each weight load; the Trajectory keeps the expanded ids and the references; the trainer loads
+auto_class, shards shard_blocks, forwards PixelCache's pixels in every forward with the engines' logit bias;
+``[vision] freeze`` (config.py) keeps the vision tower and connector frozen and out of the weight sync.
+Measured in flashrl's loop: bench/results/vision/loop-epyc-200. The findings below are the foundation's.
 
     images.py       ImageRef (PNG/JPEG bytes or a file path: what tasks, wire messages and lineage carry),
                     load_image (ImageLoadError naming the row and the file), as_ref, describe
@@ -16,6 +25,7 @@
                     (text and vision layers for FSDP2), vision_names / freeze_vision
     warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
                     teacher RL corrects; the probe and held-out greedy accuracy
+    prompts.py      VisionPrompts: the controller's side (a task's references onto its prompt, expand, compact)
     serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)
                     generating on a model folder with images; JSON out (tests/integration/test_vision_process.py)
 
@@ -57,11 +67,11 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
   tests/integration/test_vision_process.py). vLLM reuses an image's encoder output across requests (by the
   image's hash): after a load, ``LLMEngine.reset_encoder_cache()`` is needed beside reset_prefix_cache; with
   reset_prefix_cache alone, the next request with an image seen before killed the engine
-  ("RuntimeError: Encoder cache miss for <hash>", measured). engine/server.py's sync does not call it yet.
+  ("RuntimeError: Encoder cache miss for <hash>", measured). engine/server.py calls it after every load.
 - Trainer side: transformers maps Idefics3 (and Qwen2-VL) to AutoModelForImageTextToText, not
-  AutoModelForCausalLM (trainer/worker.py, trainer/hf.py load the latter), and Idefics3's
-  ``_no_split_modules`` is ["Idefics3VisionAttention"] only: trainer/worker.py's FSDP2 per-layer sharding
-  would wrap the vision attention blocks and none of the Llama decoder layers.
+  AutoModelForCausalLM (trainer/worker.py and trainer/hf.py load model.auto_class), and Idefics3's
+  ``_no_split_modules`` is ["Idefics3VisionAttention"] only: FSDP2 per-layer sharding by it would wrap the
+  vision attention blocks and none of the Llama decoder layers (trainer/worker.py shards model.shard_blocks).
 - Cost: the PIL image processor takes 1.9-3.8 ms per 64x64 image on this 2-core host (quiet / loaded; the
   warm-start reports it), on the CPU of whoever calls it: the trainer's batch (PixelCache: once per distinct
   image), vLLM's input processing in the engine process, never the controller's event loop as long as the
@@ -73,15 +83,29 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
 - A policy may sample an image token (seed 1 did, at step ~90 of that GRPO run): the forward of a sequence
   with an image token no pixels stand behind fails ("Number of elements of source < number of ones in mask").
   Sampling must ban the expansion's special tokens (processor.image_token_ids): warm.py and the bench do;
-  flashrl's engines would pass them to vLLM as banned tokens (not done: Generate carries no such field yet).
+  flashrl's engines get them in Generate.banned_token_ids (vLLM logit bias -100; the trainer applies the same).
 """
 
 from __future__ import annotations
 
-from flashrl.vision.build import BUILTIN_VLM, VisionSpec, build_untrained, ensure_vlm
+from typing import Any
+
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
-from flashrl.vision.processor import image_expansion, load_processor
 from flashrl.vision.tokens import IMAGE_TOKEN, compact_images, expand_images
 
 __all__ = ["BUILTIN_VLM", "IMAGE_TOKEN", "ImageLoadError", "ImageRef", "VisionSpec", "as_ref", "build_untrained",
            "compact_images", "describe", "expand_images", "ensure_vlm", "image_expansion", "load_image", "load_processor", "png_bytes"]
+
+# build.py (on flashrl.models) and processor.py (transformers) on first use: the engine, the trainer and the
+# controller import images/tokens/prompts/batch/model (below the three roles in tests/unit/test_imports.py)
+# without loading the model builder
+_LAZY = {"BUILTIN_VLM": "build", "VisionSpec": "build", "build_untrained": "build", "ensure_vlm": "build",
+         "image_expansion": "processor", "load_processor": "processor"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flashrl.vision' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"flashrl.vision.{_LAZY[name]}"), name)

@@ -32,7 +32,7 @@ from msgspec import Meta
 from flashrl.models.tokenizer import BOS, EOS, PAD, build_char_tokenizer
 from flashrl.vision.tokens import IMAGE_TOKEN, IMAGE_TOKENS
 
-__all__ = ["BUILTIN_VLM", "VisionSpec", "build_untrained", "ensure_vlm"]
+__all__ = ["BUILTIN_VLM", "VisionSpec", "build_untrained", "ensure_policy", "ensure_vlm"]
 
 BUILTIN_VLM = "builtin:vlm"
 WARMSTART_FILE = "flashrl_warmstart.json"
@@ -161,3 +161,25 @@ def ensure_vlm(cfg: Any, spec: VisionSpec | None = None, warm: Any = None) -> Pa
         log.info("built %s: held-out greedy accuracy %.3f", final, report["eval_accuracy"])
 
     return build_folder(final, _is_built, fill)
+
+
+def ensure_policy(cfg: Any, progress: Any = None, build: bool = True) -> Path:
+    """``flashrl.models.ensure_model`` that also knows ``builtin:vlm`` (flashrl.models sits below this package):
+    what ``flashrl init-model``, ``validate`` and ``run`` resolve ``model.path`` with. ``build`` False: a
+    builtin:vlm not built yet is ModelNotBuilt (validate notes it)."""
+    from flashrl.models import ModelNotBuilt, ensure_model
+
+    if cfg.model.path != BUILTIN_VLM:
+        return ensure_model(cfg, progress=progress, build=build)
+    from flashrl.vision.warm import VisionWarmStart
+
+    final = Path(cfg.model.cache_dir).expanduser() / f"vlm-{_key(cfg, VisionSpec(), VisionWarmStart())}"
+    if _is_built(final):
+        return final
+    if not build:
+        raise ModelNotBuilt(f"{BUILTIN_VLM} for this config is not built yet ({final}); `flashrl init-model CONFIG` "
+                            "(or `flashrl run`) builds it (10-15 minutes on 2 CPU cores)")
+    if progress is not None:
+        with progress.phase(f"building and warm-starting {BUILTIN_VLM} on env {cfg.env.name}"):
+            return ensure_vlm(cfg)
+    return ensure_vlm(cfg)

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["auto_class", "freeze_vision", "is_vision_model", "shard_blocks", "vision_names"]
+__all__ = ["auto_class", "freeze_vision", "is_vision_model", "is_vision_param", "shard_blocks", "vision_names"]
 
 _VISION_PARTS = ("vision_model", "connector", "visual", "vision_tower", "multi_modal_projector")
 _BLOCK_LISTS = ("layers", "blocks")
@@ -55,6 +55,11 @@ def shard_blocks(model: Any) -> list[Any]:
 def _is_vision(name: str) -> bool:
     parts = name.split(".")
     return any(p in _VISION_PARTS for p in parts[:3])
+
+
+def is_vision_param(name: str) -> bool:
+    """``name`` (a parameter's, or a state dict key) is of the vision tower or the connector."""
+    return _is_vision(name)
 
 
 def vision_names(model: Any) -> list[str]:

@@ -9,8 +9,8 @@ Options (environment): ``FLASHRL_CHECK_SEED`` (request seed, 0), ``FLASHRL_CHECK
 the first round its model.safetensors is loaded into the running engine the way a weight sync loads
 (flashrl/engine/weights.py ``load_into``: vLLM's reload_weights with the Hugging Face names, then the tied
 layers), vision tower included, and every image is served again; those reports have ``"reloaded": true``). It is the feasibility check of flashrl/vision/__init__.py as a tool, and
-tests/integration/test_vision_process.py runs it in a process of its own; it is not yet the engine server's path
-(the engine's Generate carries no images yet: docs draft in the issue 54 report).
+tests/integration/test_vision_process.py runs it in a process of its own. The engine server's own path (Generate
+with images over ZeroMQ) is tests/integration/test_vision_engine_process.py.
 """
 
 from __future__ import annotations

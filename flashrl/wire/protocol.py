@@ -19,7 +19,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from flashrl.wire.trajectory import Trajectory
+from flashrl.wire.trajectory import Image, Trajectory
 
 
 class Msg(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -42,6 +42,11 @@ class Generate(Msg):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests); EOS stops otherwise
     top_logprobs: int = 0  # k > 0: Generated.top_logprobs holds each token's k most likely (engine.top_logprobs)
+    # A vision-language policy's prompt (flashrl/vision): one image token in prompt_ids per image, the images as
+    # references (encoded PNG/JPEG bytes or a file path: the engine decodes them, off its event loop), and the
+    # image expansion's special tokens, never to be sampled (an image token in a response has no pixels behind it)
+    images: list[Image] = []
+    banned_token_ids: list[int] = []
 
 
 class Score(Msg):
@@ -146,6 +151,9 @@ class Generated(Msg):
     # a MoE policy's routes (flashrl/moe/routes.py): per token, its top-k experts in every MoE layer, packed
     # (uint8, or int16 past 256 experts), tokens back to back; b"" when the engine captures none
     routes: bytes = b""
+    # a request with images: the prompt ids the engine served, its image tokens expanded (what the trainer
+    # forwards); [] for a text-only request
+    prompt_ids: list[int] = []
 
 
 class Scored(Msg):

@@ -27,7 +27,18 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["NOT_SAVED", "Trajectory", "snapshot"]
+__all__ = ["NOT_SAVED", "Image", "Trajectory", "snapshot"]
+
+
+class Image(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """One image of a prompt as the wire carries it (flashrl/vision/images.py ImageRef; msgspec takes no
+    ``bytes | str`` union): its encoded PNG/JPEG bytes, or a file path."""
+
+    data: bytes = b""
+    path: str = ""
+
+    def ref(self) -> bytes | str:
+        return self.data or self.path
 
 
 class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -76,6 +87,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
     # a MoE policy's routes (flashrl/moe/routes.py), one packed row per response token (b"" on observation
     # tokens); empty when the run captures none. Kept by checkpoints like the other per-token fields.
     routes: list[bytes] = []
+    # a vision-language prompt's images (flashrl/vision): references (PNG/JPEG bytes or a file path), in prompt
+    # order; prompt_ids then hold each image's expansion (what the engine served and the trainer forwards)
+    images: list[Image] = []
 
     @property
     def version_start(self) -> int:

@@ -39,6 +39,7 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.distill.config",  # [distill]: a section owned by its package, read by flashrl.config
     "flashrl.plugins",
     "flashrl.moe.config",  # [moe] (its own section, in flashrl.config's Config)
+    "flashrl.vision.config",  # [vision] (its own section, in flashrl.config's Config)
     "flashrl.config",
     "flashrl.configref",  # docs/configuration.md generated from the config structs
     "flashrl.deadlines",  # deadlines that scale with the model's size
@@ -52,6 +53,11 @@ LAYERS: list[str | tuple[str, ...]] = [
     "flashrl.launch",
     # Mixture-of-Experts: route packing and checks, engine route capture, trainer routing replay (torch, numpy)
     "flashrl.moe",
+    # images as references, their tokens, the prompt's expansion, the trainer's pixels and model view: what the
+    # three roles use of flashrl.vision (the rest of it, the model builder, is on flashrl.models below)
+    ("flashrl.vision.images", "flashrl.vision.tokens"),
+    ("flashrl.vision.processor", "flashrl.vision.batch", "flashrl.vision.model"),
+    "flashrl.vision.prompts",
     # the three roles: never import each other (the controller sees the others through interfaces)
     ("flashrl.controller", "flashrl.engine", "flashrl.trainer"),
     ("flashrl.sim", "flashrl.models", "flashrl.dashboard", "flashrl.samples"),

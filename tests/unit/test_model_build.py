@@ -22,6 +22,7 @@ from flashrl.models import (
     ensure_model,
     load_tokenizer,
 )
+from flashrl.vision.build import BUILTIN_VLM
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -84,8 +85,8 @@ def test_init_model_really_builds_chat_multiturns_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_names_a_model_init_model_builds_or_says_whose_it_is(path: Path, tmp_path: Path) -> None:
     cfg = load(path)
-    if cfg.model.path in BUILTIN_MODELS:
-        return  # built and warm-started by ensure_model (tests/unit/test_models.py, tests/integration/test_moe_run.py)
+    if cfg.model.path in (*BUILTIN_MODELS, BUILTIN_VLM):
+        return  # built and warm-started by ensure_model / ensure_vlm (tests/unit/test_models.py, test_vision.py)
     if cfg.model.build.recipe != "none":
         with pytest.raises(ModelNotBuilt, match=r"`flashrl init-model CONFIG`"):
             ensure_model(load(path, [f"model.path={tmp_path / 'm'}"]), build=False)
