@@ -146,3 +146,20 @@ def engine_processes(pid: int, name: str) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return out
+
+
+@contextlib.contextmanager
+def running_engine(log_dir: Path, model: Path, name: str, **spec: Any) -> Iterator[Any]:
+    """A real engine process serving ``model`` (an EngineSpec with ``spec``) on a free port, ready; terminated when
+    the block ends. Its log: ``log_dir/engine.log``."""
+    from flashrl.engine.client import spawn_engine
+    from flashrl.engine.server import EngineSpec
+    from flashrl.wire.transport import free_port
+
+    opts = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(model), name=name, **spec)
+    ep = spawn_engine(opts, log_dir / "engine.log")
+    try:
+        asyncio.run(ep.wait_ready(600))
+        yield ep
+    finally:
+        asyncio.run(ep.terminate(timeout=20))

@@ -98,6 +98,7 @@ def top_k_of(positions: list[Any], k: int) -> list[list[tuple[int, float]]]:
     return [[(int(t), float(lp.logprob)) for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)
              if lp.rank is not None and lp.rank <= k] for pos in positions]
 
+
 def decode_images(refs: list[Image], request_id: str) -> list[Any]:
     """A request's image references decoded (RGB PIL images), in prompt order; ImageLoadError naming the request
     (the controller's sample id) and the file."""

@@ -66,7 +66,7 @@ from flashrl.trainer.loop import CommandLoop, Fanout, serve
 from flashrl.trainer.sender import WeightPublisher
 from flashrl.trainer.spec import TrainerSpec
 from flashrl.trainer.step import Collectives, PolicyTrainer, plan_micro_batches
-from flashrl.vision.model import is_vision_param
+from flashrl.vision.model import is_vision_model, is_vision_param
 from flashrl.wire import protocol
 from flashrl.wire.protocol import (
     CheckpointSaved,
@@ -139,7 +139,7 @@ def build_policy(model_path: str, mesh: Any, mp: Any, shard: bool, lora: Any = N
     (a VLM, ``[vision] freeze``): its vision tower and connector do not train."""
     from torch.distributed.fsdp import fully_shard
 
-    from flashrl.vision.model import auto_class, is_vision_model, shard_blocks
+    from flashrl.vision.model import auto_class, shard_blocks
     from flashrl.vision.model import freeze_vision as freeze
 
     vision = is_vision_model(model_path)  # a VLM: AutoModelForImageTextToText, its text and vision layers sharded
@@ -204,8 +204,6 @@ class Trainer(PolicyTrainer):
             ref_model = build()
             ref_model.requires_grad_(False)
         super().__init__(cfg, model, device, ref_model=ref_model, comm=comm)
-        from flashrl.vision.model import is_vision_model
-
         if is_vision_model(model_path):  # a VLM: its images' pixels, each processed once on this rank
             from flashrl.vision.batch import PixelCache
             from flashrl.vision.processor import image_token_ids, load_processor

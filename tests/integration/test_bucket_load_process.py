@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashrl.engine.client import EngineProcess, EngineProcessClient, spawn_engine
-from flashrl.engine.server import EngineSpec
+from flashrl.engine.client import EngineProcess, EngineProcessClient
 from flashrl.trainer.weights import WeightSender
 from flashrl.wire.protocol import Generate
-from flashrl.wire.transport import PeerDead, RemoteError, free_port
+from flashrl.wire.transport import PeerDead, RemoteError
 from flashrl.wire.weights import build_manifest
+from tests.helpers import running_engine
 from tests.integration.test_engine_process import PROMPT, _reference_logprobs, join_sender
 
 pytestmark = pytest.mark.slow
@@ -36,14 +36,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    opts = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(model_dir), name="bucket-engine",
-                      max_model_len=256, max_num_seqs=8, kv_cache_gib=0.25, sync_load="bucket")
-    ep = spawn_engine(opts, tmp_path_factory.mktemp("logs") / "engine.log")
-    try:
-        asyncio.run(ep.wait_ready(600))
+    with running_engine(tmp_path_factory.mktemp("logs"), model_dir, "bucket-engine", max_model_len=256,
+                        max_num_seqs=8, kv_cache_gib=0.25, sync_load="bucket") as ep:
         yield ep
-    finally:
-        asyncio.run(ep.terminate(timeout=20))
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ tests/integration/test_lora_process.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from flashrl.engine.client import spawn_engine  # noqa: E402
-from flashrl.engine.server import EngineSpec  # noqa: E402
 from flashrl.trainer.lora import LoraSpec, adapter_config, adapter_state_dict, apply_lora  # noqa: E402
 from flashrl.wire.protocol import Generate  # noqa: E402
-from flashrl.wire.transport import free_port  # noqa: E402
 from flashrl.wire.weights import build_manifest, manifest_nbytes  # noqa: E402
+from tests.helpers import running_engine  # noqa: E402
 from tests.integration.test_engine_process import (  # noqa: E402
     PROMPT,
     _reference_logprobs,
@@ -41,15 +38,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    opts = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(model_dir), name="lora-engine",
-                      max_model_len=256, max_num_seqs=32, kv_cache_gib=0.25,
-                      lora_rank=SPEC.rank, lora_config=adapter_config(SPEC, str(model_dir)))
-    ep = spawn_engine(opts, tmp_path_factory.mktemp("logs") / "engine.log")
-    try:
-        asyncio.run(ep.wait_ready(600))
+    with running_engine(tmp_path_factory.mktemp("logs"), model_dir, "lora-engine", max_model_len=256,
+                        max_num_seqs=32, kv_cache_gib=0.25, lora_rank=SPEC.rank,
+                        lora_config=adapter_config(SPEC, str(model_dir))) as ep:
         yield ep
-    finally:
-        asyncio.run(ep.terminate(timeout=20))
 
 
 @pytest.fixture(scope="module")

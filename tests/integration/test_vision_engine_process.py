@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from envs.digits import render
-from flashrl.engine.client import EngineProcess, EngineProcessClient, spawn_engine
-from flashrl.engine.server import EngineSpec
+from flashrl.engine.client import EngineProcess, EngineProcessClient
 from flashrl.trainer.worker import banned_bias
 from flashrl.vision import build_untrained, png_bytes
 from flashrl.vision.batch import PixelCache, vision_inputs
@@ -24,8 +23,9 @@ from flashrl.vision.processor import image_token_ids, load_processor
 from flashrl.vision.prompts import VisionPrompts
 from flashrl.wire.protocol import Generate
 from flashrl.wire.trajectory import Image
-from flashrl.wire.transport import RemoteError, free_port
+from flashrl.wire.transport import RemoteError
 from flashrl.wire.weights import build_manifest
+from tests.helpers import running_engine
 from tests.integration.test_engine_process import _sync, join_sender
 
 pytestmark = pytest.mark.slow
@@ -38,14 +38,9 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(vlm: Path, tmp_path_factory: pytest.TempPathFactory):
-    opts = EngineSpec(address=f"tcp://127.0.0.1:{free_port()}", model=str(vlm), name="vlm-engine",
-                      max_model_len=128, max_num_seqs=8, kv_cache_gib=0.1)
-    ep = spawn_engine(opts, tmp_path_factory.mktemp("logs") / "engine.log")
-    try:
-        asyncio.run(ep.wait_ready(600))
+    with running_engine(tmp_path_factory.mktemp("logs"), vlm, "vlm-engine", max_model_len=128, max_num_seqs=8,
+                        kv_cache_gib=0.1) as ep:
         yield ep
-    finally:
-        asyncio.run(ep.terminate(timeout=20))
 
 
 def _images(n: int) -> list[bytes]:
