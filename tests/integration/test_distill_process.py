@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 def _cmd(tmp_path: Path, name: str, teacher: Path, steps: int, *more: str) -> list[str]:
     sets = [f"run.output_dir={tmp_path}", f"run.name={name}", f"run.steps={steps}", "run.max_time_s=0",
             "run.eval_every=0", "run.dashboard=plain", "run.checkpoint_every=0",
-            f'distill.teachers=[{{name = "exact", model = "{teacher}", kv_cache_gib = 0.25}}]', *more]
+            f'distill.teachers=[{{name = "exact", model = "{teacher}", kv_cache_gib = 0.25, top_k = 12}}]', *more]
     return [sys.executable, "-m", "flashrl.cli", "run", str(ROOT / "configs" / "distill.toml"),
             *[x for s in sets for x in ("--set", s)]]
 
