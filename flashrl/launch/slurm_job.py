@@ -185,12 +185,25 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+Lists = tuple[list[list[int]], list[list[int]], list[list[int]]]  # per node: engines, trainer ranks, judge engines
+
+
 def plan(cfg: Config) -> Plan:
     """The layout of ``cfg`` on its allocation; LaunchError naming the keys and the numbers when it cannot fit."""
     s = cfg.cluster.slurm
+    _check_devices(cfg)
+    if s.layout:
+        per_engines, per_ranks, per_judges = _given_layout(cfg)
+    elif s.gpus_per_node > 0:
+        per_engines, per_ranks, per_judges = _packed_gpus(cfg)
+    else:
+        per_engines, per_ranks, per_judges = _spread_cpus(cfg)
+    return _placed(Plan(s.nodes, s.gpus_per_node, per_engines, per_ranks, per_judges))
+
+
+def _check_devices(cfg: Config) -> None:
+    s = cfg.cluster.slurm
     n, gpn = s.nodes, s.gpus_per_node
-    engines, ranks = cfg.engine.count, cfg.trainer.ranks
-    judges = served_engines(cfg)
     if gpn == 0 and cfg.engine.device == "cuda":
         raise LaunchError("engine.device = \"cuda\" but cluster.slurm.gpus_per_node = 0: give the nodes' GPU count "
                           "(cluster.slurm.gpus_per_node = 8) or set engine.device = \"cpu\"")
@@ -202,90 +215,117 @@ def plan(cfg: Config) -> Plan:
     if n > 1 and cfg.cluster.interface != "auto":
         raise LaunchError(f"cluster.interface = {cfg.cluster.interface!r} cannot be reached from other nodes "
                           f"(cluster.slurm.nodes = {n}): set cluster.interface = \"auto\" (each node's primary address)")
-    if s.layout:
-        per_engines = [sorted(x.engines) for x in s.layout]
-        per_ranks = [sorted(x.trainer_ranks) for x in s.layout]
-        per_judges = [sorted(x.judges) for x in s.layout]
-        if len(s.layout) != n:
-            raise LaunchError(f"cluster.slurm.layout has {len(s.layout)} node table(s) but cluster.slurm.nodes = {n}: "
-                              "give one [[cluster.slurm.layout]] per node (node 0 first), or none for the automatic layout")
-        for what, key, count, per in (("engine", "engines", engines, per_engines),
-                                      ("trainer rank", "trainer_ranks", ranks, per_ranks),
-                                      ("judge engine", "judges", judges, per_judges)):
-            seen: dict[int, int] = {}
-            cfg_key = {"engines": "engine.count", "trainer_ranks": "trainer.ranks", "judges": "judge.engines"}[key]
-            for node, items in enumerate(per):
-                for i in items:
-                    if key == "judges" and not judges:
-                        raise LaunchError(f"cluster.slurm.layout[{node}].judges places judge engine {i}, but judge.model "
-                                          "is empty (no judge): remove the judges lists or set judge.model")
-                    if i >= count:
-                        raise LaunchError(f"cluster.slurm.layout[{node}].{key}: {what} {i} does not exist "
-                                          f"({cfg_key} = {count}: {what}s 0-{count - 1})")
-                    if i in seen:
-                        raise LaunchError(f"cluster.slurm.layout: {what} {i} is placed twice (nodes {seen[i]} and {node})")
-                    seen[i] = node
-            missing = [i for i in range(count) if i not in seen]
-            if missing:
-                raise LaunchError(f"cluster.slurm.layout places no node for {what}{'s' if len(missing) > 1 else ''} "
-                                  f"{_ranges(missing)} ({cfg_key} = {count}): add {'them' if len(missing) > 1 else 'it'} "
-                                  f"to a node's {key}")
-        for node in range(n):
-            need = len(per_engines[node]) + len(per_ranks[node]) + len(per_judges[node])
-            if gpn and need > gpn:
-                judged = f" + {len(per_judges[node])} judge engine(s)" if per_judges[node] else ""
-                raise LaunchError(f"cluster.slurm.layout[{node}]: {len(per_engines[node])} engine(s) + "
-                                  f"{len(per_ranks[node])} trainer rank(s){judged} need {need} GPUs (one each), but "
-                                  f"cluster.slurm.gpus_per_node = {gpn}")
-            if node > 0 and need == 0:
-                raise LaunchError(f"cluster.slurm.layout[{node}] runs nothing: remove the node (cluster.slurm.nodes = "
-                                  f"{n - 1}) or place engines, trainer ranks or judge engines on it")
-    elif gpn > 0:
-        need = ranks + engines + judges
-        what = f"trainer.ranks = {ranks} + engine.count = {engines}" + (f" + judge.engines = {judges}" if judges else "")
-        if need > n * gpn:
-            more = -(-need // gpn)
-            raise LaunchError(f"cluster.slurm: {what} need {need} GPUs "
-                              f"(one each), but cluster.slurm.nodes = {n} x cluster.slurm.gpus_per_node = {gpn} "
-                              f"gives {n * gpn}: set cluster.slurm.nodes = {more}, or fewer engines/ranks")
-        used = -(-need // gpn)
-        if used < n:
-            raise LaunchError(f"cluster.slurm.nodes = {n}, but {what} "
-                              f"fill only {used} node(s) of {gpn} GPUs: set cluster.slurm.nodes = {used}, or give "
-                              "[[cluster.slurm.layout]] tables")
-        per_ranks = [[] for _ in range(n)]
-        per_engines = [[] for _ in range(n)]
-        per_judges = [[] for _ in range(n)]
-        for slot in range(need):  # trainer ranks first (packed from node 0), then engines, then judge engines
-            node = slot // gpn
-            if slot < ranks:
-                per_ranks[node].append(slot)
-            elif slot < ranks + engines:
-                per_engines[node].append(slot - ranks)
-            else:
-                per_judges[node].append(slot - ranks - engines)
-    else:  # CPU nodes: the trainer next to the controller, engines (then judge engines) spread over the other nodes
-        if n > 1 and engines < n - 1:
-            raise LaunchError(f"cluster.slurm.nodes = {n}, but engine.count = {engines} engine(s) fill only "
-                              f"{engines} node(s) besides node 0 (the controller and trainer): set "
-                              f"cluster.slurm.nodes = {engines + 1}, or give [[cluster.slurm.layout]] tables")
-        per_ranks = [list(range(ranks))] + [[] for _ in range(n - 1)]
-        per_engines = [[] for _ in range(n)]
-        per_judges = [[] for _ in range(n)]
-        for i in range(engines):
-            per_engines[0 if n == 1 else 1 + i % (n - 1)].append(i)
-        for j in range(judges):  # round-robin on from where the engines stopped
-            per_judges[0 if n == 1 else 1 + (engines + j) % (n - 1)].append(j)
-    p = Plan(n, gpn, per_engines, per_ranks, per_judges)
+
+
+def _given_layout(cfg: Config) -> Lists:
+    """The user's [[cluster.slurm.layout]] tables, checked: each process placed once, no node over its GPUs."""
+    s = cfg.cluster.slurm
+    n, gpn = s.nodes, s.gpus_per_node
+    per_engines = [sorted(x.engines) for x in s.layout]
+    per_ranks = [sorted(x.trainer_ranks) for x in s.layout]
+    per_judges = [sorted(x.judges) for x in s.layout]
+    if len(s.layout) != n:
+        raise LaunchError(f"cluster.slurm.layout has {len(s.layout)} node table(s) but cluster.slurm.nodes = {n}: "
+                          "give one [[cluster.slurm.layout]] per node (node 0 first), or none for the automatic layout")
+    judges = served_engines(cfg)
+    for what, key, count, per in (("engine", "engines", cfg.engine.count, per_engines),
+                                  ("trainer rank", "trainer_ranks", cfg.trainer.ranks, per_ranks),
+                                  ("judge engine", "judges", judges, per_judges)):
+        _check_placed_once(what, key, count, per, judges)
+    for node in range(n):
+        need = len(per_engines[node]) + len(per_ranks[node]) + len(per_judges[node])
+        if gpn and need > gpn:
+            judged = f" + {len(per_judges[node])} judge engine(s)" if per_judges[node] else ""
+            raise LaunchError(f"cluster.slurm.layout[{node}]: {len(per_engines[node])} engine(s) + "
+                              f"{len(per_ranks[node])} trainer rank(s){judged} need {need} GPUs (one each), but "
+                              f"cluster.slurm.gpus_per_node = {gpn}")
+        if node > 0 and need == 0:
+            raise LaunchError(f"cluster.slurm.layout[{node}] runs nothing: remove the node (cluster.slurm.nodes = "
+                              f"{n - 1}) or place engines, trainer ranks or judge engines on it")
+    return per_engines, per_ranks, per_judges
+
+
+def _check_placed_once(what: str, key: str, count: int, per: list[list[int]], judges: int) -> None:
+    seen: dict[int, int] = {}
+    cfg_key = {"engines": "engine.count", "trainer_ranks": "trainer.ranks", "judges": "judge.engines"}[key]
+    for node, items in enumerate(per):
+        for i in items:
+            if key == "judges" and not judges:
+                raise LaunchError(f"cluster.slurm.layout[{node}].judges places judge engine {i}, but judge.model "
+                                  "is empty (no judge): remove the judges lists or set judge.model")
+            if i >= count:
+                raise LaunchError(f"cluster.slurm.layout[{node}].{key}: {what} {i} does not exist "
+                                  f"({cfg_key} = {count}: {what}s 0-{count - 1})")
+            if i in seen:
+                raise LaunchError(f"cluster.slurm.layout: {what} {i} is placed twice (nodes {seen[i]} and {node})")
+            seen[i] = node
+    missing = [i for i in range(count) if i not in seen]
+    if missing:
+        raise LaunchError(f"cluster.slurm.layout places no node for {what}{'s' if len(missing) > 1 else ''} "
+                          f"{_ranges(missing)} ({cfg_key} = {count}): add {'them' if len(missing) > 1 else 'it'} "
+                          f"to a node's {key}")
+
+
+def _packed_gpus(cfg: Config) -> Lists:
+    """GPU nodes without layout tables: trainer ranks first (packed from node 0), then engines, then judge engines."""
+    s = cfg.cluster.slurm
+    n, gpn = s.nodes, s.gpus_per_node
+    engines, ranks, judges = cfg.engine.count, cfg.trainer.ranks, served_engines(cfg)
+    need = ranks + engines + judges
+    what = f"trainer.ranks = {ranks} + engine.count = {engines}" + (f" + judge.engines = {judges}" if judges else "")
+    if need > n * gpn:
+        more = -(-need // gpn)
+        raise LaunchError(f"cluster.slurm: {what} need {need} GPUs "
+                          f"(one each), but cluster.slurm.nodes = {n} x cluster.slurm.gpus_per_node = {gpn} "
+                          f"gives {n * gpn}: set cluster.slurm.nodes = {more}, or fewer engines/ranks")
+    used = -(-need // gpn)
+    if used < n:
+        raise LaunchError(f"cluster.slurm.nodes = {n}, but {what} "
+                          f"fill only {used} node(s) of {gpn} GPUs: set cluster.slurm.nodes = {used}, or give "
+                          "[[cluster.slurm.layout]] tables")
+    per_ranks: list[list[int]] = [[] for _ in range(n)]
+    per_engines: list[list[int]] = [[] for _ in range(n)]
+    per_judges: list[list[int]] = [[] for _ in range(n)]
+    for slot in range(need):
+        node = slot // gpn
+        if slot < ranks:
+            per_ranks[node].append(slot)
+        elif slot < ranks + engines:
+            per_engines[node].append(slot - ranks)
+        else:
+            per_judges[node].append(slot - ranks - engines)
+    return per_engines, per_ranks, per_judges
+
+
+def _spread_cpus(cfg: Config) -> Lists:
+    """CPU nodes: the trainer next to the controller, engines (then judge engines) spread over the other nodes."""
+    n, engines, judges = cfg.cluster.slurm.nodes, cfg.engine.count, served_engines(cfg)
+    if n > 1 and engines < n - 1:
+        raise LaunchError(f"cluster.slurm.nodes = {n}, but engine.count = {engines} engine(s) fill only "
+                          f"{engines} node(s) besides node 0 (the controller and trainer): set "
+                          f"cluster.slurm.nodes = {engines + 1}, or give [[cluster.slurm.layout]] tables")
+    per_ranks = [list(range(cfg.trainer.ranks))] + [[] for _ in range(n - 1)]
+    per_engines: list[list[int]] = [[] for _ in range(n)]
+    per_judges: list[list[int]] = [[] for _ in range(n)]
+    for i in range(engines):
+        per_engines[0 if n == 1 else 1 + i % (n - 1)].append(i)
+    for j in range(judges):  # round-robin on from where the engines stopped
+        per_judges[0 if n == 1 else 1 + (engines + j) % (n - 1)].append(j)
+    return per_engines, per_ranks, per_judges
+
+
+def _placed(p: Plan) -> Plan:
+    """Each process's node and GPUs: on a node, trainer ranks take the first GPUs, then engines, then judges."""
+    n, gpn, per_ranks = p.nodes, p.gpus_per_node, p.ranks
     trainer_nodes = [node for node in range(n) if per_ranks[node]]
     for node in range(n):
         gpus = iter(range(gpn))
         rank_gpus = tuple(next(gpus) for _ in per_ranks[node]) if gpn else ()
         for local, r in enumerate(per_ranks[node]):
             p.places[("trainer", r)] = Place(node, rank_gpus, local, len(per_ranks[node]), trainer_nodes.index(node))
-        for i in per_engines[node]:
+        for i in p.engines[node]:
             p.places[("engine", i)] = Place(node, (next(gpus),) if gpn else ())
-        for j in per_judges[node]:
+        for j in p.judges[node]:
             p.places[("judge", j)] = Place(node, (next(gpus),) if gpn else ())
     return p
 
