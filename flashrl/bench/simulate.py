@@ -214,24 +214,8 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
     suite: Any = make_suite(cfg.env.name, dict(cfg.env.params), cfg.run.seed, cfg.env.eval_size)
     counters: dict[str, int] = {}
     judged: dict[str, float] = {}
-    if cfg.judge.model:  # the judge stage: the real JudgeClient and suite wrapper on simulated judge engines
-        from flashrl.judge.client import JudgeClient
-        from flashrl.rewardmodel.suite import RewardModelSuite
-        from flashrl.sim.judge import ReusedVerdicts, SimJudgeTokenizer, judge_engines
-
-        jlat = msgspec.structs.replace(sim.latency, max_num_seqs=cfg.judge.max_num_seqs, **{
-            f: getattr(sim.latency, f) * sim.judge.scale
-            for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
-        jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
-                                 p_pass=sim.judge.p_pass, seed=cfg.run.seed, overhead_s=sim.judge.overhead_s)
-        # the simulator's answers are not the policy's, so which texts repeat is not simulated: the client's
-        # cache is off and a fitted share of episodes (sim.judge.reuse) is answered without the engines instead
-        jc = msgspec.structs.replace(cfg.judge, cache_size=0)
-        client: Any = JudgeClient(jc, jengines, SimJudgeTokenizer(tok))
-        if sim.judge.reuse:
-            client = ReusedVerdicts(client, sim.judge.reuse, p_pass=sim.judge.p_pass, seed=cfg.run.seed)
-        suite = RewardModelSuite(suite, client, cfg.reward,
-                                 kind="judge")
+    if cfg.judge.model:
+        suite = _judged(cfg, sim, tok, suite)
 
     async def main() -> None:
         if cfg.judge.model:
@@ -255,6 +239,35 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         loop_jumps.append(getattr(asyncio.get_running_loop(), "jumps", 0))
 
     run = run_virtual(main_with_jumps)
+    return _result(cfg, run, trainer, engines, warmup, (busy_at, gen_at), loop_jumps[0] if loop_jumps else 0,
+                   counters, judged)
+
+
+def _judged(cfg: Config, sim: SimModel, tok: SimTokenizer, suite: Any) -> Any:
+    """The judge stage: the real JudgeClient and suite wrapper on simulated judge engines."""
+    from flashrl.judge.client import JudgeClient
+    from flashrl.rewardmodel.suite import RewardModelSuite
+    from flashrl.sim.judge import ReusedVerdicts, SimJudgeTokenizer, judge_engines
+
+    jlat = msgspec.structs.replace(sim.latency, max_num_seqs=cfg.judge.max_num_seqs, **{
+        f: getattr(sim.latency, f) * sim.judge.scale
+        for f in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s")})
+    jengines = judge_engines(cfg.judge.engines, jlat, sim.judge.verdict_tokens, tok,
+                             p_pass=sim.judge.p_pass, seed=cfg.run.seed, overhead_s=sim.judge.overhead_s)
+    # the simulator's answers are not the policy's, so which texts repeat is not simulated: the client's
+    # cache is off and a fitted share of episodes (sim.judge.reuse) is answered without the engines instead
+    jc = msgspec.structs.replace(cfg.judge, cache_size=0)
+    client: Any = JudgeClient(jc, jengines, SimJudgeTokenizer(tok))
+    if sim.judge.reuse:
+        client = ReusedVerdicts(client, sim.judge.reuse, p_pass=sim.judge.p_pass, seed=cfg.run.seed)
+    return RewardModelSuite(suite, client, cfg.reward, kind="judge")
+
+
+def _result(cfg: Config, run: Any, trainer: SimTrainer, engines: list[SimEngine], warmup: int,
+            at: tuple[list[float], list[int]], events: int, counters: dict[str, int],
+            judged: dict[str, float]) -> RunResult:
+    """The measured window (steps after ``warmup``) of a finished simulated run."""
+    busy_at, gen_at = at
     virtual = run.virtual_s
     cpu = run.cpu_s
     hist = trainer.history
@@ -286,7 +299,7 @@ def run_variant(cfg: Config, sim: SimModel, warmup: int, out_dir: Path) -> RunRe
         staleness_max=max(h.staleness_max for h in window),
         virtual_s=virtual,
         cpu_s=cpu,
-        events=loop_jumps[0] if loop_jumps else 0,
+        events=events,
         counters=counters,
         samples_per_s=samples / step_s if step_s > 0 else 0.0,
         tokens_per_s=resp / step_s if step_s > 0 else 0.0,
