@@ -1,6 +1,6 @@
 """Mixture-of-Experts policies: routes from the engines, routing replay in the trainer, the MoE's weight layout.
 
-    config.py   [moe]: replay (off | r2 | r3) and capture (auto | on | off)
+    config.py   [moe]: replay (off | r2 | r3), capture (auto | on | off); [moe.builtin]: builtin:moe's shape (MoeSpec)
     model.py    builtin:moe's shape (MoeSpec; flashrl/models/moe.py builds the folder) and a MoE config's route shape
     routes.py   routes packed per token (uint8 / int16), checked (never silent zeros), the engines' capture switch
     capture.py  the engine's side: forward hooks on vLLM's routers, read through flashrl's worker extension

@@ -7,10 +7,12 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from flashrl.moe.model import MoeSpec
+
 
 class MoeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[moe]``: what a run does with the experts a Mixture-of-Experts policy routes each token to
-    (docs/algorithms.md: routing replay). Ignored by a dense model."""
+    (docs/algorithms.md: routing replay). Ignored by a dense model. ``[moe.builtin]``: builtin:moe's shape."""
 
     replay: Annotated[Literal["off", "r2", "r3"], Meta(description=(
         "off: the trainer routes every token itself; r2: every forward of a step uses the routes of the trainer's "
@@ -19,3 +21,4 @@ class MoeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capture: Annotated[Literal["auto", "on", "off"], Meta(description=(
         "engines record the top-k experts of every MoE layer per generated token: auto = when the model is a MoE "
         "(its routes are then checked and its routing disagreement logged), on = required (a dense model is an error), off = never"))] = "auto"
+    builtin: MoeSpec = msgspec.field(default_factory=MoeSpec)
