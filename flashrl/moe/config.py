@@ -21,4 +21,9 @@ class MoeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capture: Annotated[Literal["auto", "on", "off"], Meta(description=(
         "engines record the top-k experts of every MoE layer per generated token: auto = when the model is a MoE "
         "(its routes are then checked and its routing disagreement logged), on = required (a dense model is an error), off = never"))] = "auto"
+    capture_source: Annotated[Literal["auto", "vllm", "hooks"], Meta(description=(
+        "where the engines' routes come from: auto = vLLM's own capture (enable_return_routed_experts) on a cuda "
+        "engine with Triton, flashrl's worker-extension hooks elsewhere (each engine logs which and why); vllm = "
+        "required (an error where vLLM cannot run it, e.g. on the CPU); hooks = always flashrl's hooks "
+        "(flashrl/moe/source.py)"))] = "auto"
     builtin: MoeSpec = msgspec.field(default_factory=MoeSpec)

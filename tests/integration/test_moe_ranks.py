@@ -92,6 +92,10 @@ def test_two_ranks_shard_the_experts_replay_the_engines_routes_and_sync_them(tmp
     # and compares none)
     compared = [r["mismatch/mean_abs"] for r in steps if "mismatch/mean_abs" in r]
     assert len(compared) >= 2 and max(compared) < 1e-3, compared
+    # the engine says where its routes come from, and why (flashrl/moe/source.py): on the CPU, flashrl's hooks
+    log = (cfg.run_dir / "logs" / "engine0.log").read_text()
+    assert "capturing MoE routes (2 layers, 8 experts, top-2) from flashrl's hooks" in log
+    assert "AuxOutput Connector requires Model Runner V2" in log
     chunks = _expert_chunks(ckpt)
     fused = {k: v for k, v in chunks.items() if k.endswith(("gate_up_proj", "down_proj"))}
     assert len(fused) == 2 * shape.layers, sorted(chunks)
