@@ -60,7 +60,7 @@ from msgspec import Meta
 from flashrl.engine.inproc import EngineDead, InprocEngine
 from flashrl.engine.load import LoadMeter, stat_logger_factory
 from flashrl.engine.vllm_compat import require_vllm
-from flashrl.moe.source import choose_route_source, prompt_start, vllm_routes
+from flashrl.moe.source import choose_route_source, prompt_start, start_routes, vllm_routes
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.vision.images import ImageLoadError, load_image
 from flashrl.wire.protocol import (
@@ -500,22 +500,6 @@ def build_engine(opts: EngineSpec, meter: LoadMeter, loop: asyncio.AbstractEvent
     llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(opts)), stat_loggers=[stat_logger_factory(meter)],
                                      enable_multiprocessing=False)
     return InprocEngine(llm, loop, name=opts.name)
-
-
-async def start_routes(opts: EngineSpec, engine: InprocEngine, server: EngineServer) -> None:
-    """Capture a MoE model's routes from the source ``choose_route_source`` picks (flashrl/moe/source.py), logged
-    with the reason: vLLM's own (the engine was built with it) or flashrl's hooks (flashrl/moe/capture.py)."""
-    from flashrl.moe.routes import route_shape
-
-    source, why = choose_route_source(opts.device, opts.route_source)
-    if source == "vllm":
-        server.vllm_routes = route_shape(opts.model)
-        shape = tuple(server.vllm_routes or ())
-    else:
-        shape = await engine.call(lambda llm: llm.collective_rpc("flashrl_start_routes")[0])
-        engine.route_capture = True
-    log.info("%s: capturing MoE routes (%d layers, %d experts, top-%d) from %s: %s", opts.name, *shape,
-             "vLLM's enable_return_routed_experts" if source == "vllm" else "flashrl's hooks (flashrl/moe/capture.py)", why)
 
 
 async def _serve(opts: EngineSpec) -> int:

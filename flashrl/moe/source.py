@@ -25,14 +25,17 @@ The vllm source has never run: no GPU with vLLM has been available to this proje
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
-from flashrl.moe.routes import RoutesError, RouteShape, check_routes, pack_routes
+from flashrl.moe.routes import RoutesError, RouteShape, check_routes, pack_routes, route_shape
 
-__all__ = ["choose_route_source", "prompt_start", "vllm_routes"]
+__all__ = ["choose_route_source", "prompt_start", "start_routes", "vllm_routes"]
+
+log = logging.getLogger("flashrl.engine")
 
 
 def _has_triton() -> bool:
@@ -98,3 +101,18 @@ def vllm_routes(comp: Any, tokens: int, shape: RouteShape, engine: str) -> bytes
     data = pack_routes(ids, shape)
     check_routes(data, tokens, shape, engine)
     return data
+
+
+async def start_routes(opts: Any, engine: Any, server: Any) -> None:
+    """An engine's (flashrl/engine/server.py: its EngineSpec ``opts``, InprocEngine, EngineServer): capture the MoE
+    model's routes from the source ``choose_route_source`` picks, logged with the reason: vLLM's own (the engine
+    was built with it) or flashrl's hooks (flashrl/moe/capture.py)."""
+    source, why = choose_route_source(opts.device, opts.route_source)
+    if source == "vllm":
+        server.vllm_routes = route_shape(opts.model)
+        shape = tuple(server.vllm_routes or ())
+    else:
+        shape = await engine.call(lambda llm: llm.collective_rpc("flashrl_start_routes")[0])
+        engine.route_capture = True
+    log.info("%s: capturing MoE routes (%d layers, %d experts, top-%d) from %s: %s", opts.name, *shape,
+             "vLLM's enable_return_routed_experts" if source == "vllm" else "flashrl's hooks (flashrl/moe/capture.py)", why)
