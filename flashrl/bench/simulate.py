@@ -177,15 +177,14 @@ class RunResult(msgspec.Struct, kw_only=True):
 
 
 def moe_routes(cfg: Config) -> Any:
-    """The route shape (flashrl/moe/routes.py) simulated engines answer with: builtin:moe's (MoeSpec), or a model
+    """The route shape (flashrl/moe/routes.py) simulated engines answer with: builtin:moe's (``[moe.builtin]``), or a model
     folder's MoE shape (its config.json), unless [moe] capture is off; None for a dense model."""
     if cfg.moe.capture == "off":
         return None
-    from flashrl.moe.model import MoeSpec
     from flashrl.moe.routes import RouteShape, route_shape
 
     if cfg.model.path == "builtin:moe":
-        spec = MoeSpec()
+        spec = cfg.moe.builtin
         return RouteShape(spec.layers, spec.experts, spec.top_k)
     folder = Path(cfg.model.path).expanduser()
     return route_shape(folder) if folder.is_dir() else None

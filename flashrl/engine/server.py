@@ -60,6 +60,7 @@ from msgspec import Meta
 from flashrl.engine.inproc import EngineDead, InprocEngine
 from flashrl.engine.load import LoadMeter, stat_logger_factory
 from flashrl.engine.vllm_compat import require_vllm
+from flashrl.moe.source import choose_route_source, prompt_start, start_routes, vllm_routes
 from flashrl.procs import child_init, exit_now, paused_gc
 from flashrl.vision.images import ImageLoadError, load_image
 from flashrl.wire.protocol import (
@@ -125,6 +126,7 @@ class EngineSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_rank: Annotated[int, Meta(ge=0, le=512, description="model.lora.rank: serve the policy as a LoRA adapter of this rank, each sync a new adapter version (0 = off: full weights)")] = 0
     lora_config: Annotated[dict[str, Any], Meta(description="the adapter's adapter_config.json (peft) when lora_rank > 0")] = {}
     routes: Annotated[bool, Meta(description="capture a MoE model's routes per generated token (flashrl/moe/capture.py)")] = False
+    route_source: Annotated[Literal["auto", "vllm", "hooks"], Meta(description="[moe] capture_source: vLLM's own capture or flashrl's hooks (flashrl/moe/source.py)")] = "auto"
 
 
 # --------------------------------------------------------------------------- the engine shell
@@ -157,6 +159,7 @@ class EngineServer:
         from vllm.sampling_params import RequestOutputKind
 
         self._params, self._prompt, self._final_only = SamplingParams, TokensPrompt, RequestOutputKind.FINAL_ONLY
+        self.vllm_routes: Any = None  # the route shape when the routes are vLLM's own (flashrl/moe/source.py)
 
     async def start(self) -> None:
         version = str(self.version)
@@ -225,6 +228,8 @@ class EngineServer:
             skip_clone=True,  # built for this one request: vLLM need not deep-copy it (3% of the engine thread)
             # a VLM's image tokens: never sampled (-100 is vLLM's strongest bias; logprobs stay the raw model's)
             logit_bias={t: -100.0 for t in req.banned_token_ids} if req.banned_token_ids else None,
+            # vLLM's own route capture: the rows of the positions the sampled tokens came from (moe/source.py)
+            **({"routed_experts_prompt_start": prompt_start(len(req.prompt_ids))} if self.vllm_routes else {}),
         )
         request_id = req.request_id or uuid.uuid4().hex
         if req.images:
@@ -247,6 +252,8 @@ class EngineServer:
             raise RuntimeError(f"request {request_id}: vLLM returned no output")
         comp = final.outputs[0]
         token_ids = list(comp.token_ids)
+        if self.vllm_routes is not None:
+            routes = vllm_routes(comp, len(token_ids), self.vllm_routes, self.name)
         logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], token_ids)]
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"request {request_id}: {len(logprobs)} logprobs for {len(token_ids)} tokens")
@@ -458,6 +465,9 @@ def engine_kwargs(opts: EngineSpec) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = max(opts.max_model_len, 2048)
     else:
         kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+    if opts.routes and choose_route_source(opts.device, opts.route_source)[0] == "vllm":
+        kwargs["enable_return_routed_experts"] = True  # vLLM's own capture (flashrl/moe/source.py)
+        kwargs["enable_prefix_caching"] = True  # its AuxOutput connector requires it
     return dict(
         model=opts.model,
         dtype=opts.dtype,
@@ -520,9 +530,7 @@ async def _serve(opts: EngineSpec) -> int:
     try:
         await server.start()
         if opts.routes:
-            shape = await engine.call(lambda llm: llm.collective_rpc("flashrl_start_routes")[0])
-            engine.route_capture = True
-            log.info("%s: capturing MoE routes (%d layers, %d experts, top-%d; flashrl/moe/capture.py)", opts.name, *shape)
+            await start_routes(opts, engine, server)
         log.info("%s: serving %s on %s (ready in %.1fs)", opts.name, opts.model, opts.address, time.perf_counter() - t0)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

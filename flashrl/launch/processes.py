@@ -109,8 +109,19 @@ def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str
         nice=cfg.engine.nice,
         sync_load=cfg.weight_sync.load,
         routes=capture_routes(cfg, model_path),
+        route_source=route_source_for(cfg, device),
         **_lora_engine(cfg, model_path),
     )
+
+
+def route_source_for(cfg: Config, device: str) -> str:
+    """``[moe] capture_source`` for an engine on ``device``; "vllm" where vLLM's capture cannot run is refused
+    here, before an engine starts (flashrl/moe/source.py; the engine chooses "auto" itself and logs why)."""
+    if cfg.moe.capture_source == "vllm":
+        from flashrl.moe.source import choose_route_source
+
+        choose_route_source(device, "vllm")
+    return cfg.moe.capture_source
 
 
 def _lora_engine(cfg: Config, model_path: Path) -> dict[str, Any]:

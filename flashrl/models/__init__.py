@@ -156,7 +156,7 @@ def ensure_model(cfg, spec: TinySpec | MoeSpec | None = None, warm: WarmStart | 
     building a missing folder that ``[model.build]`` has a recipe for.
 
     ``spec`` / ``warm`` override the built-in model's shape and warm-start (defaults: ``TinySpec()`` or
-    ``MoeSpec()``, ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
+    ``[moe.builtin]``, ``WarmStart()``); they are part of the cache key. ``progress`` (``flashrl init-model``): every
     phase of a build shown as it runs (progress.py); None: only the log. ``build`` False: a missing
     folder with a recipe raises ModelNotBuilt instead of being built (``flashrl validate``).
     """
@@ -164,7 +164,7 @@ def ensure_model(cfg, spec: TinySpec | MoeSpec | None = None, warm: WarmStart | 
         return _model_folder(cfg, progress or Progress.off(), build)
 
     moe = cfg.model.path == BUILTIN_MOE
-    spec = spec or (MoeSpec() if moe else TinySpec())
+    spec = spec or (cfg.moe.builtin if moe else TinySpec())  # [moe.builtin] (flashrl/moe/config.py)
     if warm is None:  # the defaults, with the environment's own overrides (flashrl.env.Demonstrating)
         warm = warm_start_of(cfg.env.name, _task_params(cfg))
     cache = Path(cfg.model.cache_dir).expanduser()

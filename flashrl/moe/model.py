@@ -21,37 +21,11 @@ them in memory (fused 3-D ``gate_up_proj`` / ``down_proj``): the layout vLLM's Q
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
-from msgspec import Meta
+from flashrl.moe.config import MoeSpec
 
-# vLLM CPU attention head sizes (vllm/v1/attention/backends/cpu_attn.py), as tiny.py.
-_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-
-
-class MoeSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Shape of ``builtin:moe`` (a Qwen3-MoE decoder, a sparse MoE block in every layer)."""
-
-    layers: Annotated[int, Meta(ge=1, le=64, description="decoder layers (each with a MoE block)")] = 2
-    hidden: Annotated[int, Meta(ge=32, le=8192, description="hidden size")] = 128
-    heads: Annotated[int, Meta(ge=1, le=128, description="attention heads")] = 4
-    kv_heads: Annotated[int, Meta(ge=1, le=128, description="key/value heads (GQA)")] = 2
-    experts: Annotated[int, Meta(ge=2, le=256, description="experts per MoE layer")] = 8
-    top_k: Annotated[int, Meta(ge=1, le=32, description="experts each token is routed to")] = 2
-    expert_width: Annotated[int, Meta(ge=8, le=65536, description="inner size of one expert (moe_intermediate_size)")] = 128
-    max_position: Annotated[int, Meta(ge=16, le=1 << 20, description="max positions (prompt + response)")] = 256
-
-    def __post_init__(self) -> None:
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"MoeSpec: hidden={self.hidden} must be a multiple of heads={self.heads}, and heads of "
-                             f"kv_heads={self.kv_heads}")
-        if self.hidden // self.heads not in _CPU_HEAD_SIZES:
-            raise ValueError(f"MoeSpec: head size hidden/heads={self.hidden // self.heads} is not one vLLM's CPU "
-                             f"attention supports {_CPU_HEAD_SIZES}; change hidden or heads")
-        if self.top_k > self.experts:
-            raise ValueError(f"MoeSpec: top_k={self.top_k} is more than experts={self.experts}")
-
+__all__ = ["MoeSpec", "moe_shape"]  # MoeSpec: [moe.builtin], defined with the section (flashrl/moe/config.py)
 
 def moe_shape(config: Any) -> tuple[int, int, int] | None:
     """(MoE layers, experts, top-k) of a transformers config (or config.json dict), None for a dense model.

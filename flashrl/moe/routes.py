@@ -115,7 +115,15 @@ def capture_routes(cfg: Any, model_dir: str | Path) -> bool:
 
 def moe_problem(cfg: Any, moe: bool | None, model: str) -> str:
     """What is wrong with ``[moe]`` for a model that is a MoE (``moe``; None: not known yet), or ""."""
+    from flashrl.moe.model import MoeSpec
+
     mode, replay = cfg.moe.capture, cfg.moe.replay
+    if cfg.moe.builtin != MoeSpec() and cfg.model.path != "builtin:moe":
+        return (f"[moe.builtin] sets the shape of builtin:moe, but model.path = {cfg.model.path!r}; remove "
+                "[moe.builtin] (a model folder's shape is its config.json's) or set model.path = \"builtin:moe\"")
+    if cfg.moe.capture_source == "vllm" and cfg.engine.device == "cpu":
+        return ('[moe] capture_source = "vllm": vLLM\'s own route capture needs Model Runner V2 (a GPU with Triton), '
+                'but engine.device = "cpu"; set capture_source = "auto" (flashrl/moe/source.py)')
     if mode == "off" and replay == "r3":
         return ('[moe] replay = "r3" replays the engines\' routes, but [moe] capture = "off"; set capture = "auto" '
                 '(or replay = "r2" / "off")')

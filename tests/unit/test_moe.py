@@ -299,7 +299,7 @@ def test_builtin_moe_folder_keeps_the_char_tokenizer_and_checkpoint_layout(tmp_p
     from flashrl.moe.routes import route_shape
     from flashrl.moe.weights import checkpoint_layout
 
-    out = build_untrained_moe(tmp_path / "m", spec=MoeSpec(expert_width=16))
+    out = build_untrained_moe(tmp_path / "m", spec=MoeSpec(expert_width=32))
     tok = AutoTokenizer.from_pretrained(str(out))
     text = "12 + 3=\n4"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # qwen3_moe is not forced onto Qwen2's BPE
