@@ -275,12 +275,15 @@ class PolicyTrainer:
         t = self.temperature if temperature is None else temperature
         routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0  # forwarded whole: no split
         vision = b.vision_kwargs()  # a VLM's images: every forward takes them (forwarded whole: no split)
-        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed and not vision else None
+        banned = self.logit_bias is not None  # a VLM: its image tokens banned in every row (text-only ones too)
+        share = self.cfg.trainer.share_prefix and not routed and not vision and not banned
+        split = split_prefixes(b, self.pad_id) if share else None
         if split is None:
             with self._routing(model, b):
                 out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False, **vision)
-            # a VLM's engines sample with its image tokens banned (logit bias -100): the same distribution here
-            logits = out.logits[:, :-1] + self.logit_bias if vision and self.logit_bias is not None else out.logits[:, :-1]
+            # a VLM's engines sample every request with its image tokens banned (logit bias -100; controller/
+            # rollout.py): the same distribution here
+            logits = out.logits[:, :-1] + self.logit_bias if banned else out.logits[:, :-1]
             return token_logprobs(logits, b.targets, entropy_grad=entropy_grad, temperature=t)
         return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 

@@ -88,6 +88,7 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
@@ -109,3 +110,24 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(f"flashrl.vision.{_LAZY[name]}"), name)
+
+
+class _IdeficsDefaultPad(logging.Filter):
+    """Drops transformers' "pad_token_id ... (between 0 and 31999), got 128002" warning: transformers 5.x builds a
+    default ``Idefics3Config()`` (pad 128002 over the default Llama vocabulary of 32000) each time it logs or
+    saves any Idefics3 config (``to_diff_dict``), whatever the model's own ids (builtin:vlm's pad is 0 in both
+    its configs). Only that exact default pair is dropped; any other pad id out of a vocabulary still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "(between 0 and 31999), got 128002" not in record.getMessage()
+
+
+def quiet_default_config_warning() -> None:
+    """Install the filter above on transformers' config logger (idempotent); every process that imports
+    flashrl.vision (controller, engine, trainer, init-model) has it."""
+    target = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, _IdeficsDefaultPad) for f in target.filters):
+        target.addFilter(_IdeficsDefaultPad())
+
+
+quiet_default_config_warning()
