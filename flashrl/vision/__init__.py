@@ -1,7 +1,8 @@
 """Vision-language models: images in the prompt, through vLLM and the trainer (issue 54).
 
-In a run (docs/models.md, "Vision-language models"): a task's images are references in Task.meta["images"]
-(prompts.py VisionPrompts pairs them with the prompt's image tokens on the controller, never decoding them);
+In a run (docs/models.md, "Vision-language models"): a task's images are in Task.meta["images"], a multi-turn
+observation's in StepResult.images (prompts.py VisionPrompts pairs them with the image tokens on the controller,
+never decoding them; a PIL image or an array is encoded to PNG in a worker thread, never on the event loop);
 Generate carries them (wire.trajectory.Image) with the image tokens as banned tokens; the engine server decodes
 them in a thread, passes vLLM multi_modal_data, returns the expanded prompt ids and resets vLLM's encoder cache
 after each weight load; the Trajectory keeps the expanded ids and the references; the trainer loads
