@@ -358,11 +358,12 @@ class PolicyTrainer:
         """Pad the batch, mask tied groups (filter_ties), fill the advantages (GRPO or critics, x credit)."""
         alg = self.cfg.algorithm
         with timer.phase("batch"):
-            full = with_images(pad_batch(tb.samples, self.pad_id), self.pixels, tb.samples)  # a VLM's pixels
+            skipped: list[int] = []  # a VLM's samples whose images this rank cannot process: out of the loss
+            full = with_images(pad_batch(tb.samples, self.pad_id), self.pixels, tb.samples, skipped)  # a VLM's pixels
             tied = tied_groups(full.rewards, full.groups)
             if alg.filter_ties and not self.cfg.distill.on:  # distilling, a tied group still has its teacher's signal
                 full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))
-            prep = Prepared(full=full, tied=tied, extra={})
+            prep = Prepared(full=full, tied=tied, extra={"vision/skipped_bad_image": len(skipped)} if skipped else {})
             if self.critics is not None:
                 dev = full.to(self.device)
                 targets = self.critics.advantages_and_masks(dev.input_ids, dev.attention_mask, dev.loss_mask,

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from flashrl.config import Config
 from flashrl.controller.context import RolloutContext, RolloutSpec
@@ -24,10 +25,14 @@ from flashrl.controller.rollout import run_sample
 from flashrl.controller.scheduler import Router
 from flashrl.env import StepResult, Task
 from flashrl.sim.fake import FakeTokenizer
+from flashrl.trainer.batch import pad_batch, with_images
 from flashrl.vision import images as images_mod
-from flashrl.vision import load_image, png_bytes
+from flashrl.vision import build_untrained, load_image, png_bytes
+from flashrl.vision.batch import PixelCache
+from flashrl.vision.images import ImageLoadError
+from flashrl.vision.processor import load_processor
 from flashrl.vision.prompts import VisionPrompts, encode_images
-from flashrl.wire.trajectory import Image
+from flashrl.wire.trajectory import Image, Trajectory
 from tests.unit.test_vision_loop import IMG, PNG, VP, Engine
 
 PNG2 = b"\x89PNG the second turn's image"
@@ -197,3 +202,38 @@ def _ledger_line(traj: Any) -> dict[str, Any]:
     ledger = Ledger.__new__(Ledger)  # sample_line reads only the tokenizer
     ledger.tokenizer = FakeTokenizer()
     return ledger.sample_line("train", 1, traj, None)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = build_untrained(tmp_path_factory.mktemp("vlm") / "vlm", seed=0)
+    load_processor(folder)  # transformers' first processor load imports urllib3, which probes IPv6 with a socket
+    return folder
+
+
+def test_an_image_the_trainer_cannot_process_takes_its_sample_out_of_the_loss_not_the_step(
+        vlm: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer's batch (trainer/batch.py with_images, as Trainer._prepare calls it): a sample whose image file
+    is gone by the time the trainer reads it is blanked (every shape kept) and masked out of the loss, named and
+    listed; without ``skipped`` (or with a processor of no fixed size) the error is raised as before."""
+    from PIL import Image as PIL
+
+
+    proc, vp = load_processor(vlm), VisionPrompts.of(vlm)
+    good = png_bytes(PIL.new("RGB", (64, 64), "white"))
+    refs = [Image(data=good), Image(path=str(tmp_path / "gone.png")), Image(data=good)]
+    rows = [Trajectory(group=0, sample_id=f"s{i}", prompt_ids=vp.expand([1, vp.image_id, 40]), response_ids=[41, 2],
+                       loss_mask=[1, 1], behav_logp=[0.0, 0.0], versions=[0, 0], images=[im]) for i, im in enumerate(refs)]
+    skipped: list[int] = []
+    b = with_images(pad_batch(rows, 0), PixelCache(proc), rows, skipped)
+    assert skipped == [1] and b.pixel_values.shape[:2] == (3, 1)
+    assert b.loss_mask[1].sum() == 0 and b.loss_mask[0].sum() == b.loss_mask[2].sum() == 2
+    blank = b.pixel_values[1]  # a black image of the processor's size stands in (normalized: all one value)
+    assert bool((blank == blank.flatten()[0]).all()) and not torch.equal(blank, b.pixel_values[0])
+    assert bool(b.pixel_attention_mask[1].all())
+    assert "s1" in caplog.text and "gone.png" in caplog.text
+    with pytest.raises(ImageLoadError, match="s1: image file .*gone.png.* does not exist"):
+        with_images(pad_batch(rows, 0), PixelCache(proc), rows)
+    proc.image_processor.do_image_splitting = True  # tiles of a variable count: no blank fits
+    with pytest.raises(ImageLoadError):
+        with_images(pad_batch(rows, 0), PixelCache(proc), rows, [])
