@@ -237,3 +237,37 @@ def test_an_image_the_trainer_cannot_process_takes_its_sample_out_of_the_loss_no
     proc.image_processor.do_image_splitting = True  # tiles of a variable count: no blank fits
     with pytest.raises(ImageLoadError):
         with_images(pad_batch(rows, 0), PixelCache(proc), rows, [])
+
+
+def test_a_training_step_with_an_image_the_trainer_cannot_load_trains_the_rest_and_counts_it(
+        vlm: Any, tmp_path: Any) -> None:
+    """The real training step (PolicyTrainer over builtin:vlm's architecture, its pixels and bias set as the worker
+    sets them): one sample's image is gone; the step trains the others and reports vision/skipped_bad_image."""
+    from transformers import AutoModelForImageTextToText
+
+    from flashrl.config import from_dict
+    from flashrl.trainer.step import PolicyTrainer
+    from flashrl.trainer.worker import banned_bias
+    from flashrl.vision.processor import image_token_ids
+    from flashrl.wire.protocol import TrainBatch
+
+    proc, vp = load_processor(vlm), VisionPrompts.of(vlm)
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32)
+    cfg = from_dict({"trainer": {"lr": 1e-3, "threads": 1, "warmup_steps": 0}, "algorithm": {"loss": "ppo"}})
+    t = PolicyTrainer(cfg, model, torch.device("cpu"))
+    t.pixels = PixelCache(proc)
+    t.logit_bias = banned_bias(image_token_ids(proc), model.config.get_text_config().vocab_size, torch.device("cpu"))
+    good = png_bytes(_white())
+    refs = [Image(data=good), Image(path=str(tmp_path / "gone.png")), Image(data=good), Image(data=good)]
+    samples = [Trajectory(group=0, sample_id=f"s{i}", prompt_ids=vp.expand([1, vp.image_id, 40]), response_ids=[41, 2],
+                          loss_mask=[1, 1], behav_logp=[-3.0, -3.0], versions=[0, 0], reward=float(i % 2), images=[im])
+               for i, im in enumerate(refs)]
+    r = t.train_step(TrainBatch(step=0, samples=samples))
+    assert r is not None and r.metrics["vision/skipped_bad_image"] == 1 and t.version == 1
+    assert r.metrics["tokens"] == 6  # the skipped sample's 2 tokens are out of the loss
+
+
+def _white() -> Any:
+    from PIL import Image as PIL
+
+    return PIL.new("RGB", (64, 64), "white")
