@@ -21,12 +21,14 @@ Measured in flashrl's loop: bench/results/vision/loop-epyc-200. The findings bel
                     sent) <-> the processor's expansion (what the trainer forwards and lineage keeps)
     batch.py        the trainer's side: PixelCache (each distinct image processed once per rank) and
                     vision_inputs (a padded batch's rows' references -> pixel_values & co, Idefics3 or
-                    Qwen2-VL layout), checked against each row's forward alone and the shared-prefix path
+                    Qwen2-VL layout; a row whose image fails blanked and listed, for the trainer to skip),
+                    checked against each row's forward alone and the shared-prefix path
     model.py        the trainer's view of a VLM: auto_class (AutoModelForImageTextToText), shard_blocks
                     (text and vision layers for FSDP2), vision_names / freeze_vision
     warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
                     teacher RL corrects; the probe and held-out greedy accuracy
-    prompts.py      VisionPrompts: the controller's side (a task's references onto its prompt, expand, compact)
+    prompts.py      VisionPrompts: the controller's side (a task's or an observation's images onto its ids,
+                    expand, compact); encode_images: PIL images and arrays to PNG in a worker thread
     serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)
                     generating on a model folder with images; JSON out (tests/integration/test_vision_process.py)
 
