@@ -114,7 +114,7 @@ def _row(pixels: PixelCache, refs: Sequence[ImageRef], where: str, i: int, skipp
         return [pixels.get(ref, where) for ref in refs]
     except ImageLoadError as e:
         blank = pixels.blank() if skipped is not None else None
-        if blank is None:
+        if skipped is None or blank is None:
             raise
         log.warning("trainer: sample skipped (out of the loss): %s", e)
         skipped.append(i)

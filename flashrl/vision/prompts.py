@@ -68,13 +68,19 @@ class VisionPrompts:
         refs, err = await encode_images(images)
         if err:
             return [], f"{where}: {err} in {source}; give {ACCEPTED}"
-        return [Image(data=r) if isinstance(r, bytes) else Image(path=os.path.abspath(os.fspath(r))) for r in refs], ""
+        return _wire(refs), ""
 
     def expand(self, ids: Sequence[int]) -> list[int]:
         return expand_images(ids, self.image_id, self.expansion)
 
     def compact(self, ids: Sequence[int]) -> list[int]:
         return compact_images(ids, self.image_id, self.expansion)
+
+
+def _wire(refs: Sequence[Any]) -> list[Image]:
+    """References as the wire carries them: bytes, or an absolute path (the engines and the trainer may run in
+    another working directory)."""
+    return [Image(data=r) if isinstance(r, bytes) else Image(path=os.path.abspath(os.fspath(r))) for r in refs]
 
 
 def _is_ref(x: Any) -> bool:

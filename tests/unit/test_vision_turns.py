@@ -26,8 +26,8 @@ from flashrl.controller.scheduler import Router
 from flashrl.env import StepResult, Task
 from flashrl.sim.fake import FakeTokenizer
 from flashrl.trainer.batch import pad_batch, with_images
-from flashrl.vision import images as images_mod
 from flashrl.vision import build_untrained, load_image, png_bytes
+from flashrl.vision import images as images_mod
 from flashrl.vision.batch import PixelCache
 from flashrl.vision.images import ImageLoadError
 from flashrl.vision.processor import load_processor
