@@ -10,8 +10,9 @@ Single-turn RLVR tasks are the one-step case of the same protocol.
             res = await env.step(action) --------->   reward, next observation, done
             append tokens of res.observation (loss mask 0) and generate again, until res.done
 
-An environment only ever sees text; the controller tokenizes each observation once and keeps the
-trajectory as concatenated token ids (never re-tokenized from text).
+An environment only ever sees text (and gives images with a vision-language policy: StepResult.images); the
+controller tokenizes each observation once and keeps the trajectory as concatenated token ids (never
+re-tokenized from text).
 
 An environment signals an infrastructure failure (its process died, it hung, it produced garbage)
 by raising ``EnvFailure``; the controller retries such a rollout elsewhere and counts it apart from
@@ -48,12 +49,19 @@ class StepResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``eval/accuracy`` and ``samples.jsonl`` (without it: total reward >= 1); ``"metrics"`` (a dict of
     numbers), logged per step as ``reward/<name>`` (held-out: ``eval/reward/<name>``), the mean over
     the trajectories that have the name, each trajectory with the last value its steps gave.
+
+    ``images``: the observation's images for a vision-language policy, one ``<image>`` in ``observation`` per
+    image, in order: PNG/JPEG bytes, a file path, a PIL image or an HxWx3 uint8 array (encoded to PNG in a
+    worker thread, never on the controller's loop; a remote environment sends bytes or paths). The controller
+    expands each where its ``<image>`` stands, the engine and the trainer see every image of the sequence,
+    samples.jsonl names them (docs/environments.md, "Images in observations").
     """
 
     observation: str = ""
     reward: float = 0.0
     done: bool = True
     info: dict[str, Any] = {}
+    images: list[Any] = []
 
 
 class EnvFailure(Exception):

@@ -34,7 +34,8 @@ Failure tiers, each counted under its own name (nothing is lost silently):
       transport.RemoteError (engine refused the request) -> rollout/failed_engine_error
       prompt longer than model.max_model_len              -> rollout/failed_prompt_too_long
       an image that does not load, or images that do not pair
-      with the prompt's image tokens (a VLM, ctx.vision)  -> rollout/failed_bad_image (the row and file logged)
+      with the prompt's (or an observation's) image tokens
+      (a VLM, ctx.vision)                                 -> rollout/failed_bad_image (the row and file logged)
   retries exhausted -> rollout/failed_<reason>. Any other exception is a bug and crashes the run.
 
 Stale early abort (``RolloutContext.staleness`` set, training rollouts only): once a
@@ -84,6 +85,7 @@ from flashrl.env import EnvFailure, HeldOutAware, StepResult
 from flashrl.interfaces import ChatTokenizer
 from flashrl.moe.routes import check_routes, route_rows
 from flashrl.wire.protocol import Generate, Generated
+from flashrl.wire.trajectory import Image
 from flashrl.wire.transport import PeerDead, RemoteError
 
 __all__ = ["run_sample", "run_trajectory"]
@@ -252,7 +254,7 @@ async def _turn_loop(
     # The prompt tokenized once per distinct text (ctx.prompt_ids): chat-rendered when the tokenizer has a chat template.
     chat = ctx.chat
     traj.prompt_ids = ctx.prompt_ids(obs)
-    if ctx.vision is not None and not _attach_images(ctx, spec, traj):
+    if ctx.vision is not None and not await _attach_images(ctx, spec, traj):
         return
     if len(traj.prompt_ids) >= max_len:
         traj.status, traj.failure = "failed", "prompt_too_long"
@@ -292,6 +294,18 @@ async def _turn_loop(
         room = max_len - len(traj.prompt_ids) - len(traj.response_ids)
         # The observation turn as the chat template renders it after this generated turn (or raw text).
         obs_ids = chat.encode_observation(res.observation, ids) if chat is not None else tok.encode(res.observation)
+        if ctx.vision is not None or res.images:  # a VLM's observation may carry images: expanded, references kept
+            seen = await _observation_images(ctx, spec, traj, list(obs_ids), res.images)
+            if seen is None:
+                return
+            obs_ids, pictured = seen
+            if pictured and len(obs_ids) > room:  # an image expansion is never cut: the trajectory ends before it
+                traj.finish_reason = "max_model_len"
+                if conversation is not None:
+                    conversation.append((ids, None))
+                break
+            if pictured:
+                traj.images = [*traj.images, *pictured]  # a new list: a checkpoint's snapshot may share the old one
         obs_ids = list(obs_ids)[: max(room, 0)]
         traj.response_ids += obs_ids
         traj.loss_mask += [0] * len(obs_ids)
@@ -313,11 +327,11 @@ async def _turn_loop(
         _measure_template(chat, obs, conversation, traj)
 
 
-def _attach_images(ctx: RolloutContext, spec: RolloutSpec, traj: Trajectory) -> bool:
+async def _attach_images(ctx: RolloutContext, spec: RolloutSpec, traj: Trajectory) -> bool:
     """A vision-language prompt: the task's image references onto ``traj`` and its prompt expanded (what the
     trainer forwards; the engine is sent it compacted). False: the row cannot be served (its images and its
     image tokens do not pair up): the sample fails as "bad_image", the row named in the log."""
-    refs, err = ctx.vision.refs(spec.task, traj.prompt_ids)
+    refs, err = await ctx.vision.refs(spec.task, traj.prompt_ids)
     if err:
         log.warning("sample %s skipped: %s", spec.sample_id, err)
         traj.status, traj.failure = "failed", "bad_image"
@@ -326,6 +340,24 @@ def _attach_images(ctx: RolloutContext, spec: RolloutSpec, traj: Trajectory) -> 
         traj.images = refs
         traj.prompt_ids = ctx.vision.expand(traj.prompt_ids)
     return True
+
+
+async def _observation_images(ctx: RolloutContext, spec: RolloutSpec, traj: Trajectory, obs_ids: list[int],
+                              images: Sequence[Any]) -> tuple[list[int], list[Image]] | None:
+    """A multi-turn observation of a vision-language policy: its ids expanded and its images (``StepResult.images``,
+    one image token in its text each) as wire references, for the caller to append once it fits. None: they do
+    not pair up or are of an unsupported type: the sample fails as "bad_image", the row and turn named in the log."""
+    if ctx.vision is None:
+        raise ValueError(f"task {spec.task.id}: the environment's observation carries {len(images)} image(s) "
+                         "(StepResult.images) but the policy is a text-only model; use a vision-language model "
+                         "(model.path = \"builtin:vlm\" or an Idefics3 folder) or give the observation as text")
+    where = f"row {spec.task.id} turn {traj.turns + 1}"
+    refs, err = await ctx.vision.observed(images, obs_ids, where, source="the observation's StepResult.images")
+    if err:
+        log.warning("sample %s skipped: %s", spec.sample_id, err)
+        traj.status, traj.failure = "failed", "bad_image"
+        return None
+    return (ctx.vision.expand(obs_ids), refs) if refs else (obs_ids, [])
 
 
 def _measure_template(chat: ChatTokenizer, prompt: str, conversation: list[tuple[Sequence[int], str | None]],
@@ -423,7 +455,9 @@ async def _gen_turn(ctx: RolloutContext, spec: RolloutSpec, i: int, attempt: int
             stop_token_ids=stop_ids,
             top_logprobs=cfg.engine.top_logprobs,
             images=traj.images,
-            banned_token_ids=list(ctx.vision.banned) if traj.images else [],
+            # a VLM's image tokens are never sampled, in every turn (one sampled before a later turn's image would
+            # break that image's expansion); the trainer applies the same bias to every row (trainer/step.py)
+            banned_token_ids=list(ctx.vision.banned) if ctx.vision is not None else [],
         )
         try:
             out = await _generate(ctx, i, req, traj, hold, loop)

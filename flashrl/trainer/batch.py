@@ -168,15 +168,27 @@ def pad_batch(samples: Sequence[Trajectory], pad_id: int) -> PaddedBatch:
     )
 
 
-def with_images(b: PaddedBatch, pixels: PixelCache | None, samples: Sequence[Trajectory]) -> PaddedBatch:
+def with_images(b: PaddedBatch, pixels: PixelCache | None, samples: Sequence[Trajectory],
+                skipped: list[int] | None = None) -> PaddedBatch:
     """``b`` with its rows' images as the model's inputs (a VLM: ``pixels`` processes each distinct image once);
-    ``b`` itself when no sample has one."""
+    ``b`` itself when no sample has one. ``skipped`` given: a sample whose image does not load or process here
+    (though its engine served it: a file gone since, another filesystem, a processor's refusal) is out of the
+    loss (its loss mask zero, its images blank so every shape holds) and its index appended, instead of failing
+    the step (vision/batch.py vision_inputs)."""
     if pixels is None:  # a text-only policy: nothing to look at
         return b
     rows = [[im.ref() for im in s.images] for s in samples]
     if not any(rows):
         return b
-    return dataclasses.replace(b, **vision_inputs(pixels, rows, [s.sample_id for s in samples]))
+    bad: list[int] = []
+    out = dataclasses.replace(b, **vision_inputs(pixels, rows, [s.sample_id for s in samples],
+                                                 bad if skipped is not None else None))
+    if bad:
+        mask = out.loss_mask.clone()
+        mask[bad] = 0
+        out = dataclasses.replace(out, loss_mask=mask)
+        skipped.extend(bad)  # type: ignore[union-attr]
+    return out
 
 
 def _top_k(samples: Sequence[Trajectory], b: int, t: int, field: str = "top_logprobs") -> tuple[torch.Tensor, torch.Tensor]:

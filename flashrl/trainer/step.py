@@ -275,12 +275,12 @@ class PolicyTrainer:
         t = self.temperature if temperature is None else temperature
         routed = self.moe is not None and model is self.model and b.routes.shape[-1] > 0  # forwarded whole: no split
         vision = b.vision_kwargs()  # a VLM's images: every forward takes them (forwarded whole: no split)
-        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not routed and not vision else None
+        banned = self.logit_bias is not None  # a VLM's engines ban its image tokens in every request: so does this
+        split = split_prefixes(b, self.pad_id) if self.cfg.trainer.share_prefix and not (routed or vision or banned) else None
         if split is None:
             with self._routing(model, b):
                 out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False, **vision)
-            # a VLM's engines sample with its image tokens banned (logit bias -100): the same distribution here
-            logits = out.logits[:, :-1] + self.logit_bias if vision and self.logit_bias is not None else out.logits[:, :-1]
+            logits = out.logits[:, :-1] + self.logit_bias if banned else out.logits[:, :-1]
             return token_logprobs(logits, b.targets, entropy_grad=entropy_grad, temperature=t)
         return shared_prefix_logprobs(model, b, split.to(b.input_ids.device), entropy_grad, t)
 
@@ -355,11 +355,12 @@ class PolicyTrainer:
         """Pad the batch, mask tied groups (filter_ties), fill the advantages (GRPO or critics, x credit)."""
         alg = self.cfg.algorithm
         with timer.phase("batch"):
-            full = with_images(pad_batch(tb.samples, self.pad_id), self.pixels, tb.samples)  # a VLM's pixels
+            skipped: list[int] = []  # a VLM's pixels; samples whose images this rank cannot process: out of the loss
+            full = with_images(pad_batch(tb.samples, self.pad_id), self.pixels, tb.samples, skipped)
             tied = tied_groups(full.rewards, full.groups)
             if alg.filter_ties and not self.cfg.distill.on:  # distilling, a tied group still has its teacher's signal
                 full = dataclasses.replace(full, loss_mask=full.loss_mask * (~tied).unsqueeze(-1))
-            prep = Prepared(full=full, tied=tied, extra={})
+            prep = Prepared(full=full, tied=tied, extra={"vision/skipped_bad_image": len(skipped)} if skipped else {})
             if self.critics is not None:
                 dev = full.to(self.device)
                 targets = self.critics.advantages_and_masks(dev.input_ids, dev.attention_mask, dev.loss_mask,

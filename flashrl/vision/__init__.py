@@ -1,7 +1,8 @@
 """Vision-language models: images in the prompt, through vLLM and the trainer (issue 54).
 
-In a run (docs/models.md, "Vision-language models"): a task's images are references in Task.meta["images"]
-(prompts.py VisionPrompts pairs them with the prompt's image tokens on the controller, never decoding them);
+In a run (docs/models.md, "Vision-language models"): a task's images are in Task.meta["images"], a multi-turn
+observation's in StepResult.images (prompts.py VisionPrompts pairs them with the image tokens on the controller,
+never decoding them; a PIL image or an array is encoded to PNG in a worker thread, never on the event loop);
 Generate carries them (wire.trajectory.Image) with the image tokens as banned tokens; the engine server decodes
 them in a thread, passes vLLM multi_modal_data, returns the expanded prompt ids and resets vLLM's encoder cache
 after each weight load; the Trajectory keeps the expanded ids and the references; the trainer loads
@@ -20,12 +21,14 @@ Measured in flashrl's loop: bench/results/vision/loop-epyc-200. The findings bel
                     sent) <-> the processor's expansion (what the trainer forwards and lineage keeps)
     batch.py        the trainer's side: PixelCache (each distinct image processed once per rank) and
                     vision_inputs (a padded batch's rows' references -> pixel_values & co, Idefics3 or
-                    Qwen2-VL layout), checked against each row's forward alone and the shared-prefix path
+                    Qwen2-VL layout; a row whose image fails blanked and listed, for the trainer to skip),
+                    checked against each row's forward alone and the shared-prefix path
     model.py        the trainer's view of a VLM: auto_class (AutoModelForImageTextToText), shard_blocks
                     (text and vision layers for FSDP2), vision_names / freeze_vision
     warm.py         its warm-start (SFT) on a visual env's train split (envs/digits.py), a handicapped
                     teacher RL corrects; the probe and held-out greedy accuracy
-    prompts.py      VisionPrompts: the controller's side (a task's references onto its prompt, expand, compact)
+    prompts.py      VisionPrompts: the controller's side (a task's or an observation's images onto its ids,
+                    expand, compact); encode_images: PIL images and arrays to PNG in a worker thread
     serve_check.py  ``python -m flashrl.vision.serve_check``: a real vLLM engine (the project's EngineArgs)
                     generating on a model folder with images; JSON out (tests/integration/test_vision_process.py)
 
@@ -88,6 +91,7 @@ Pillow 13, no torchvision: the Makefile uninstalls the PyPI torchvision, built a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from flashrl.vision.images import ImageLoadError, ImageRef, as_ref, describe, load_image, png_bytes
@@ -109,3 +113,24 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(f"flashrl.vision.{_LAZY[name]}"), name)
+
+
+class _IdeficsDefaultPad(logging.Filter):
+    """Drops transformers' "pad_token_id ... (between 0 and 31999), got 128002" warning: transformers 5.x builds a
+    default ``Idefics3Config()`` (pad 128002 over the default Llama vocabulary of 32000) each time it logs or
+    saves any Idefics3 config (``to_diff_dict``), whatever the model's own ids (builtin:vlm's pad is 0 in both
+    its configs). Only that exact default pair is dropped; any other pad id out of a vocabulary still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "(between 0 and 31999), got 128002" not in record.getMessage()
+
+
+def quiet_default_config_warning() -> None:
+    """Install the filter above on transformers' config logger (idempotent); every process that imports
+    flashrl.vision (controller, engine, trainer, init-model) has it."""
+    target = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, _IdeficsDefaultPad) for f in target.filters):
+        target.addFilter(_IdeficsDefaultPad())
+
+
+quiet_default_config_warning()

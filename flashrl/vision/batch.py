@@ -14,16 +14,23 @@
 
 The batch's token ids are the expanded ones (flashrl/vision/tokens.py): a row holds image_seq_len image tokens
 per image, in the order of its references, and the model fills them from these inputs in that order. A
-reference that does not load raises ImageLoadError naming the row (the caller drops that sample, counted).
+reference that does not load or process raises ImageLoadError naming the row and the file -- or, given
+``skipped`` (the trainer's batch: trainer/batch.py with_images), that row's images become a blank image of the
+processor's fixed size (so every tensor keeps its shape, on every rank) and the row's index is appended to
+``skipped``: the caller takes the row out of the loss, counted. A processor that splits images into a
+variable number of tiles (or Qwen2-VL's variable grid) has no blank of the right size: the error is raised.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from flashrl.vision.images import ImageRef, describe, load_image
+from flashrl.vision.images import ImageLoadError, ImageRef, describe, load_image
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PixelCache", "vision_inputs"]
 
@@ -47,19 +54,39 @@ class PixelCache:
             self._items.move_to_end(key)
             return item
         self.misses += 1
-        out = self.processor.image_processor(images=[[load_image(ref, where)]], return_tensors="pt")
+        image = load_image(ref, where)
+        try:
+            out = self.processor.image_processor(images=[[image]], return_tensors="pt")
+        except Exception as e:  # a decoded image the processor refuses: the row's problem, named like a load error
+            raise ImageLoadError(f"{where}: image {describe(ref)!r} does not process: {type(e).__name__}: {e}") from None
         item = {k: v for k, v in out.items()}
         self._items[key] = item
         if len(self._items) > self.limit:
             self._items.popitem(last=False)
         return item
 
+    def blank(self) -> dict[str, Any] | None:
+        """A black image of the processor's fixed size, processed (what a skipped row's images become); None when
+        the processor's image size is not fixed (image splitting, or no square ``longest_edge``)."""
+        ip = self.processor.image_processor
+        edge = (getattr(ip, "size", None) or {}).get("longest_edge")
+        if getattr(ip, "do_image_splitting", False) or not edge:
+            return None
+        if "\0blank" not in self._items:
+            from PIL import Image
 
-def vision_inputs(pixels: PixelCache, rows: Sequence[Sequence[ImageRef]], where: Sequence[str]) -> dict[str, Any]:
-    """The forward's image keyword arguments for a batch whose row i holds the images ``rows[i]`` (module doc)."""
+            out = ip(images=[[Image.new("RGB", (edge, edge))]], return_tensors="pt")
+            self._items["\0blank"] = {k: v for k, v in out.items()}
+        return self._items["\0blank"]
+
+
+def vision_inputs(pixels: PixelCache, rows: Sequence[Sequence[ImageRef]], where: Sequence[str],
+                  skipped: list[int] | None = None) -> dict[str, Any]:
+    """The forward's image keyword arguments for a batch whose row i holds the images ``rows[i]``; ``skipped``:
+    rows whose images fail are blanked and listed there instead of raising (module doc)."""
     import torch
 
-    per_row = [[pixels.get(ref, where[i]) for ref in refs] for i, refs in enumerate(rows)]
+    per_row = [_row(pixels, refs, where[i], i, skipped) for i, refs in enumerate(rows)]
     flat = [item for row in per_row for item in row]
     if not flat:
         return {}
@@ -78,3 +105,17 @@ def vision_inputs(pixels: PixelCache, rows: Sequence[Sequence[ImageRef]], where:
             values[i, j] = item["pixel_values"][0, 0]
             mask[i, j] = item["pixel_attention_mask"][0, 0]
     return {"pixel_values": values, "pixel_attention_mask": mask}
+
+
+def _row(pixels: PixelCache, refs: Sequence[ImageRef], where: str, i: int, skipped: list[int] | None) -> list[Any]:
+    """Row ``i``'s processed images; on a failure, with ``skipped`` given and a blank of the right size, blanks
+    (row i listed in ``skipped``, the failure logged with its row and file)."""
+    try:
+        return [pixels.get(ref, where) for ref in refs]
+    except ImageLoadError as e:
+        blank = pixels.blank() if skipped is not None else None
+        if skipped is None or blank is None:
+            raise
+        log.warning("trainer: sample skipped (out of the loss): %s", e)
+        skipped.append(i)
+        return [blank for _ in refs]

@@ -87,8 +87,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknow
     # a MoE policy's routes (flashrl/moe/routes.py), one packed row per response token (b"" on observation
     # tokens); empty when the run captures none. Kept by checkpoints like the other per-token fields.
     routes: list[bytes] = []
-    # a vision-language prompt's images (flashrl/vision): references (PNG/JPEG bytes or a file path), in prompt
-    # order; prompt_ids then hold each image's expansion (what the engine served and the trainer forwards)
+    # a vision-language sample's images (flashrl/vision): references (PNG/JPEG bytes or a file path) in sequence
+    # order, the prompt's then each observation's (StepResult.images); prompt_ids and the observation tokens of
+    # response_ids hold each image's expansion (what the engine served and the trainer forwards)
     images: list[Image] = []
 
     @property

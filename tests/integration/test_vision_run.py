@@ -47,6 +47,66 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
     """``freeze``: [vision] freeze = true: the vision tower neither trains nor syncs (the engines keep the loaded
     one: the trainer's logprobs are still the engines'), the exported one is the loaded one; else it trains."""
     model = build_untrained(tmp_path / "model", seed=0)
+    _write_config(tmp_path, model, steps=4, extra=f"[vision]\nfreeze = {str(freeze).lower()}\n")
+    run = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    _check_run(tmp_path / "vlm", steps=4)
+    run_dir = tmp_path / "vlm"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    # the final policy, exported, loads in transformers as the vision-language model with its processor
+    out = subprocess.run([sys.executable, "-m", "flashrl.cli", "export", str(run_dir), "--out", str(tmp_path / "hf")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    _export_answers_as_the_engine(tmp_path / "hf", tmp_path, [s for s in samples if s["kind"] == "eval" and s["step"] == 4])
+    from safetensors.torch import load_file
+
+    from flashrl.vision.model import is_vision_param
+
+    before, after = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    vision = [k for k in before if is_vision_param(k)]
+    assert vision and all(k in after for k in vision)
+    moved = [k for k in vision if not torch.equal(before[k], after[k])]
+    assert (not moved) if freeze else moved, moved[:3]
+    assert any(not torch.equal(before[k], after[k]) for k in before if not is_vision_param(k) and k in after)
+    # frozen, the vision tower is out of the weight sync: each sync carries the text weights only
+    full = sum(t.numel() * 4 for t in before.values())
+    text = sum(t.numel() * 4 for k, t in before.items() if not is_vision_param(k))
+    sent = [r["engine/sync_bytes"] for r in metrics if r.get("engine/sync_bytes")]
+    assert sent and all((b < (full + text) / 2) == freeze for b in sent), (sent, full, text)
+
+
+@pytest.mark.timeout(900)
+def test_a_vlm_trains_on_two_fsdp2_ranks(tmp_path: Path) -> None:
+    """trainer.ranks = 2 (FSDP2 over gloo, text and vision blocks sharded): each rank processes its rows' images,
+    the trainer's logprobs are still the engine's, the bad row is skipped and counted, every step trains."""
+    model = build_untrained(tmp_path / "model", seed=0)
+    _write_config(tmp_path, model, steps=3, extra="[trainer]\nranks = 2\n")
+    run = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    _check_run(tmp_path / "vlm", steps=3)
+    assert (tmp_path / "vlm" / "logs" / "trainer1.log").is_file()  # the second rank ran
+
+
+def _check_run(run_dir: Path, steps: int) -> None:
+    """Every step trained, the unreadable image counted and named, trainer logprobs = engine's, images named."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["step"] >= 1] == list(range(1, steps + 1))
+    assert metrics[-1]["count/rollout/failed_bad_image"] >= 1  # the unreadable image: counted ...
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "task bad-row" in log and "broken.png" in log  # ... and named, row and file
+    # the trainer's logprobs of the engine's tokens, on the same pixels, are the engine's
+    mism = [r["mismatch/max_abs"] for r in metrics if "mismatch/max_abs" in r]
+    assert mism and max(mism) < 1e-3, mism
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert samples and all(s["images"] and s["images"][0].endswith(".png") for s in samples)
+    assert all(not any(k in s for k in ("pixel_values", "pixels")) for s in samples)
+
+
+def _write_config(tmp_path: Path, model: Path, steps: int, extra: str = "") -> None:
     train, held = _data(tmp_path)
     # an untrained model reads no number: reward its answers' first character, so that groups differ and train
     (tmp_path / "reward.py").write_text("def score(row, response):\n    return float(response[:1] in '02468')\n")
@@ -54,7 +114,7 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
         [run]
         name = "vlm"
         output_dir = "{tmp_path}"
-        steps = 4
+        steps = {steps}
         eval_every = 2
         dashboard = "plain"
         [model]
@@ -83,45 +143,7 @@ def test_a_vlm_trains_on_image_rows_skipping_an_unreadable_image_and_exports(tmp
         kv_cache_gib = 0.1
         [log]
         samples_per_step = 4
-        [vision]
-        freeze = {str(freeze).lower()}
-    """))
-    run = subprocess.run([sys.executable, "-m", "flashrl.cli", "run", str(tmp_path / "run.toml")], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    run_dir = tmp_path / "vlm"
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in metrics if r["step"] >= 1] == [1, 2, 3, 4]
-    assert metrics[-1]["count/rollout/failed_bad_image"] >= 1  # the unreadable image: counted ...
-    log = (run_dir / "logs" / "controller.log").read_text()
-    assert "task bad-row" in log and "broken.png" in log  # ... and named, row and file
-    # the trainer's logprobs of the engine's tokens, on the same pixels, are the engine's
-    mism = [r["mismatch/max_abs"] for r in metrics if "mismatch/max_abs" in r]
-    assert mism and max(mism) < 1e-3, mism
-    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
-    samples = read_jsonl(run_dir / "samples.jsonl")
-    assert samples and all(s["images"] and s["images"][0].endswith(".png") for s in samples)
-    assert all(not any(k in s for k in ("pixel_values", "pixels")) for s in samples)
-    # the final policy, exported, loads in transformers as the vision-language model with its processor
-    out = subprocess.run([sys.executable, "-m", "flashrl.cli", "export", str(run_dir), "--out", str(tmp_path / "hf")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    _export_answers_as_the_engine(tmp_path / "hf", tmp_path, [s for s in samples if s["kind"] == "eval" and s["step"] == 4])
-    from safetensors.torch import load_file
-
-    from flashrl.vision.model import is_vision_param
-
-    before, after = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
-    vision = [k for k in before if is_vision_param(k)]
-    assert vision and all(k in after for k in vision)
-    moved = [k for k in vision if not torch.equal(before[k], after[k])]
-    assert (not moved) if freeze else moved, moved[:3]
-    assert any(not torch.equal(before[k], after[k]) for k in before if not is_vision_param(k) and k in after)
-    # frozen, the vision tower is out of the weight sync: each sync carries the text weights only
-    full = sum(t.numel() * 4 for t in before.values())
-    text = sum(t.numel() * 4 for k, t in before.items() if not is_vision_param(k))
-    sent = [r["engine/sync_bytes"] for r in metrics if r.get("engine/sync_bytes")]
-    assert sent and all((b < (full + text) / 2) == freeze for b in sent), (sent, full, text)
+    """) + extra)
 
 
 def _export_answers_as_the_engine(folder: Path, data: Path, evals: list[dict]) -> None:

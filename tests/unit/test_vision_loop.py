@@ -92,7 +92,7 @@ def test_an_engine_that_expands_otherwise_is_a_bug_that_stops_the_run() -> None:
 @pytest.mark.parametrize("images, prompt, why", [
     ([PNG, PNG], "\x05read?", "holds 1 .* token\\(s\\) for 2 image\\(s\\)"),
     ([], "\x05read?", "holds 1 .* for 0 image"),
-    ([object()], "\x05read?", "image 0 is a object; .* PNG/JPEG bytes"),
+    ([object()], "\x05read?", "image 0 is a object in meta.*; give PNG/JPEG bytes, a file path, a PIL image"),
 ])
 def test_a_row_whose_images_do_not_pair_is_skipped_named_and_counted(images: list[Any], prompt: str, why: str,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
