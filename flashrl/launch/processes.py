@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flashrl.aio import supervised
 from flashrl.config import Config
@@ -114,7 +114,7 @@ def engine_spec(cfg: Config, model_path: Path, i: int, device: str, address: str
     )
 
 
-def route_source_for(cfg: Config, device: str) -> str:
+def route_source_for(cfg: Config, device: str) -> Literal["auto", "vllm", "hooks"]:
     """``[moe] capture_source`` for an engine on ``device``; "vllm" where vLLM's capture cannot run is refused
     here, before an engine starts (flashrl/moe/source.py; the engine chooses "auto" itself and logs why)."""
     if cfg.moe.capture_source == "vllm":
