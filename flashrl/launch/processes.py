@@ -31,7 +31,7 @@ from flashrl.deadlines import startup_timeout_s, weight_sync_timeout_s
 from flashrl.engine.client import ENGINE_ARGV, EngineProcess, EngineSpec, engine_extra_env
 from flashrl.engine.server import EXIT_ADDRESS_IN_USE
 from flashrl.launch import Launcher, activate, deactivate, make_launcher
-from flashrl.launch.base import served_engines
+from flashrl.launch.base import LaunchError, served_engines
 from flashrl.launch.local import LocalLauncher
 from flashrl.moe.routes import capture_routes
 from flashrl.procs import backoff, exit_text
@@ -118,9 +118,13 @@ def route_source_for(cfg: Config, device: str) -> Literal["auto", "vllm", "hooks
     """``[moe] capture_source`` for an engine on ``device``; "vllm" where vLLM's capture cannot run is refused
     here, before an engine starts (flashrl/moe/source.py; the engine chooses "auto" itself and logs why)."""
     if cfg.moe.capture_source == "vllm":
+        from flashrl.moe.routes import RoutesError
         from flashrl.moe.source import choose_route_source
 
-        choose_route_source(device, "vllm")
+        try:
+            choose_route_source(device, "vllm")
+        except RoutesError as e:  # a launch error: said in one line, nothing started, no restart would help
+            raise LaunchError(str(e)) from None
     return cfg.moe.capture_source
 
 

@@ -34,6 +34,7 @@ def test_requiring_vllms_capture_where_it_cannot_run_names_the_fix() -> None:
 def test_the_engine_asks_vllm_for_its_capture_only_where_it_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     import flashrl.moe.source as source
     from flashrl.engine.server import EngineSpec, engine_kwargs
+    from flashrl.launch.base import LaunchError
     from flashrl.launch.processes import route_source_for
 
     spec = EngineSpec(address="tcp://127.0.0.1:1", model="/m", routes=True)
@@ -45,7 +46,7 @@ def test_the_engine_asks_vllm_for_its_capture_only_where_it_is_chosen(monkeypatc
     assert "enable_return_routed_experts" not in engine_kwargs(hooks)
     dense = EngineSpec(address="tcp://127.0.0.1:1", model="/m", routes=False, device="cuda")
     assert "enable_return_routed_experts" not in engine_kwargs(dense)
-    with pytest.raises(RoutesError, match="capture_source"):  # refused before an engine starts
+    with pytest.raises(LaunchError, match="capture_source"):  # refused before an engine starts, in one line
         route_source_for(SimpleNamespace(moe=SimpleNamespace(capture_source="vllm")), "cpu")  # type: ignore[arg-type]
 
 
