@@ -125,11 +125,26 @@ def _task_params(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.env.params.items() if k != "faults"}
 
 
+def _warm_env(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """(env name, params) of the suite the warm-start reads: cfg's env, or the one it names with ``wrapped_env``
+    (envs/digits_turns.py: the digits tasks in turns share the digits warm-start, so one build serves both)."""
+    from flashrl.plugins import suite_class
+
+    name, params = cfg.env.name, _task_params(cfg)
+    hook = getattr(suite_class(name), "wrapped_env", None)
+    while hook is not None:
+        name, params, key = hook(params)
+        params = {k: v for k, v in params.items() if k != "faults"}
+        hook = getattr(suite_class(name, key), "wrapped_env", None)
+    return name, params
+
+
 def _key(cfg: Any, spec: VisionSpec, warm: Any) -> str:
     from flashrl.plugins import code_fingerprint
 
+    env, params = _warm_env(cfg)
     blob = {"recipe": _RECIPE_VERSION, "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm),
-            "env": cfg.env.name, "params": _task_params(cfg), "code": code_fingerprint(cfg.env.name, _task_params(cfg)),
+            "env": env, "params": params, "code": code_fingerprint(env, params),
             "eval_size": cfg.env.eval_size, "seed": cfg.run.seed}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -151,11 +166,12 @@ def ensure_vlm(cfg: Any, spec: VisionSpec | None = None, warm: Any = None) -> Pa
         return final
 
     def fill(tmp: Path) -> None:
-        suite = make_suite(cfg.env.name, _task_params(cfg), seed=cfg.run.seed, eval_size=cfg.env.eval_size)
+        env, params = _warm_env(cfg)
+        suite = make_suite(env, params, seed=cfg.run.seed, eval_size=cfg.env.eval_size)
         with _one_torch_thread():
             build_untrained(tmp, seed=cfg.run.seed, spec=spec)
             report = warm_start(tmp, suite, warm, seed=cfg.run.seed, log=log.info)
-        report |= {"env": cfg.env.name, "params": _task_params(cfg), "seed": cfg.run.seed,
+        report |= {"env": env, "params": params, "seed": cfg.run.seed,
                    "spec": msgspec.to_builtins(spec), "warm": msgspec.to_builtins(warm)}
         (tmp / WARMSTART_FILE).write_text(json.dumps(report, indent=2, default=str))
         log.info("built %s: held-out greedy accuracy %.3f", final, report["eval_accuracy"])
