@@ -103,6 +103,17 @@ def _correct(res: StepResult, reward: float) -> bool:
 
 
 # --------------------------------------------------------------------------- one trajectory
+def env_metrics(metrics: Any) -> dict[str, float]:
+    """``info["metrics"]`` as the wire's floats (a bool counts 0/1: the trainer's decoder takes no bool);
+    ValueError naming the key for a value that is no number (it would not reach the trainer at all)."""
+    if not isinstance(metrics, dict):
+        raise ValueError(f"env.step: info['metrics'] is {type(metrics).__name__}, not a dict of numbers")
+    bad = {k: v for k, v in metrics.items() if not isinstance(v, (bool, int, float)) or not isinstance(k, str)}
+    if bad:
+        raise ValueError(f"env.step: info['metrics'] {bad!r} are not numbers; give each metric a number (a bool counts 0/1)")
+    return {k: float(v) for k, v in metrics.items()}
+
+
 async def _env_call(ctx: RolloutContext, traj: Trajectory, aw: Awaitable[Any]) -> Any:
     """One env call (reset or step), run inline to its first suspension (aio.first_step): one that
     completes there takes no loop time, so it cannot miss its deadline; only one that suspends gets
@@ -284,7 +295,7 @@ async def _turn_loop(
         traj.reward += res.reward
         traj.correct = _correct(res, traj.reward)
         if res.info and "metrics" in res.info:
-            traj.metrics.update(res.info["metrics"])
+            traj.metrics.update(env_metrics(res.info["metrics"]))
         if res.done or traj.turns >= cfg.rollout.max_turns:
             if not res.done:
                 traj.finish_reason = "max_turns"  # else the last generation's

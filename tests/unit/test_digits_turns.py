@@ -96,3 +96,40 @@ def test_builtin_vlm_is_the_digits_one_for_the_same_seed_params_and_eval_size() 
     assert key("envs.digits_turns:DigitsTurnsSuite", {"jitter": 1, "turns": 3}) == digits
     assert key("envs.digits_turns:DigitsTurnsSuite", {"jitter": 2, "turns": 3}) != digits
     assert key("envs.digits_turns:DigitsTurnsSuite", {"jitter": 1}, seed=1) != digits
+
+
+# --------------------------------------------------------------------------- its bool metrics on the wire
+class _MetricSuite:
+    """One image task; the step reports ``metrics`` as given."""
+
+    def __init__(self, metrics: Any) -> None:
+        from tests.unit.test_vision_loop import ImageSuite, PNG
+
+        self.task, self.metrics = ImageSuite([PNG]).task, metrics
+
+    def make_env(self) -> Any:
+        metrics = self.metrics
+
+        class Env:
+            async def reset(self, task: Task) -> str:
+                return task.prompt
+
+            async def step(self, action: str) -> StepResult:
+                return StepResult(reward=1.0, done=True, info={"metrics": metrics})
+
+            async def close(self) -> None:
+                pass
+
+        return Env()
+
+
+def test_bool_metrics_reach_the_trainer_as_numbers_and_a_metric_that_is_none_is_refused_by_name() -> None:
+    from flashrl.wire.protocol import TRAINER_REQUESTS, TrainBatch, TrainStep, encode
+    from tests.unit.test_vision_loop import Engine, _sample
+
+    traj, _ = _sample(Engine(), _MetricSuite({"turn1": True, "n": 2}))  # type: ignore[arg-type]
+    assert traj.metrics == {"turn1": 1.0, "n": 2.0} and all(type(v) is float for v in traj.metrics.values())
+    req = TRAINER_REQUESTS.decode(encode(TrainStep(batch=TrainBatch(step=1, samples=[traj]))))
+    assert req.batch.samples[0].metrics == {"turn1": 1.0, "n": 2.0}  # the trainer's decoder takes no bool
+    with pytest.raises(ValueError, match=r"info\['metrics'\] \{'note': 'x'\} are not numbers"):
+        _sample(Engine(), _MetricSuite({"note": "x", "n": 1}))  # type: ignore[arg-type]
