@@ -8,7 +8,8 @@
                                        torchvision) saved beside it: config.json, model.safetensors,
                                        tokenizer files, processor_config.json
     ensure_vlm(cfg, spec, warm)        "builtin:vlm" -> <cache_dir>/vlm-<key>/ (key = hash of the recipe, spec,
-                                       warm-start, env, its params but faults, its code, eval size, seed):
+                                       warm-start, env, its params but faults, its code, eval size, seed;
+                                       the env a suite names with wrapped_env, if it does: _warm_env):
                                        built once under a file lock (flashrl.models.build_folder), warm-started
                                        on the env's train split (flashrl/vision/warm.py), its report in
                                        flashrl_warmstart.json
