@@ -103,7 +103,7 @@ class _MetricSuite:
     """One image task; the step reports ``metrics`` as given."""
 
     def __init__(self, metrics: Any) -> None:
-        from tests.unit.test_vision_loop import ImageSuite, PNG
+        from tests.unit.test_vision_loop import PNG, ImageSuite
 
         self.task, self.metrics = ImageSuite([PNG]).task, metrics
 
